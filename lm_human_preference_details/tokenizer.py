@@ -1,5 +1,6 @@
 """GPT-2's tokenizer with a PAD distinct from EOS, from the hub, a local directory, or built offline."""
 
+import hashlib
 import importlib.util
 import json
 import os
@@ -38,3 +39,9 @@ def load_tokenizer(name_or_dir: str, flag: str = "--base_model") -> PreTrainedTo
     """AutoTokenizer from a local directory or hub id, with a distinct right-side PAD token."""
     check_available(name_or_dir, flag, kind="tokenizer", filename="tokenizer_config.json")
     return _with_distinct_pad(AutoTokenizer.from_pretrained(name_or_dir))
+
+
+def tokenizer_fingerprint(tokenizer: PreTrainedTokenizerBase) -> str:
+    """A short hash of the vocabulary and PAD id: two models can share token ids only if these are equal."""
+    vocab = json.dumps(sorted(tokenizer.get_vocab().items()), ensure_ascii=False)
+    return hashlib.sha256(f"{vocab}|pad={tokenizer.pad_token_id}".encode()).hexdigest()[:16]

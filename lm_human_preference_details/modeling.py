@@ -1,0 +1,345 @@
+"""GPT-2 policy (+ value head), KV-cached sampler and reward model with OAI's "pads are invisible" semantics.
+
+https://github.com/openai/lm-human-preferences/blob/cbfd210bb8b08f6bc5c26878c10984b90f516c66/lm_human_preferences/language/model.py
+"""
+
+import json
+import math
+import os
+
+import torch
+import torch.nn as nn
+from safetensors.torch import load_file, save_file
+from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, PreTrainedModel
+
+from lm_human_preference_details.hub import check_available
+
+VALUE_HEAD_FILE = "value_head.safetensors"
+REWARD_HEAD_FILE = "reward_head.safetensors"
+REWARD_CONFIG_FILE = "reward_model.json"
+REWARD_MODEL_FLAG = "--rewards.trained_model"
+
+
+# ---------------------------------------------------------------- loading
+
+
+def _looks_like_path(name_or_dir: str) -> bool:
+    """True for names that can only be a filesystem path (not a hub id such as `gpt2` or `owner/name`)."""
+    return name_or_dir.startswith((".", "/", "~")) or name_or_dir.endswith("/") or name_or_dir.count("/") > 1
+
+
+def _config_without_dropout(name_or_dir: str):
+    """The model config with every `*dropout` / `*pdrop` probability set to 0."""
+    config = AutoConfig.from_pretrained(name_or_dir)
+    # no dropout anywhere, reward training included: OAI only calls the transformer with do_dropout=False
+    # https://github.com/openai/lm-human-preferences/blob/cbfd210bb8b08f6bc5c26878c10984b90f516c66/lm_human_preferences/language/model.py#L40-L59
+    # https://github.com/openai/lm-human-preferences/blob/cbfd210bb8b08f6bc5c26878c10984b90f516c66/lm_human_preferences/policy.py#L48
+    for key, value in config.to_dict().items():
+        is_prob = value is None or (isinstance(value, (int, float)) and not isinstance(value, bool))
+        if key.endswith(("dropout", "pdrop")) and is_prob:
+            setattr(config, key, 0.0)
+    return config
+
+
+def _load_pretrained(auto_cls, name_or_dir: str, flag: str, kind: str) -> PreTrainedModel:
+    """`auto_cls.from_pretrained` in float32 with dropout off and in eval mode; clear errors when missing."""
+    if _looks_like_path(name_or_dir) and not os.path.isdir(os.path.expanduser(name_or_dir)):
+        raise FileNotFoundError(
+            f"{kind} directory '{name_or_dir}' does not exist; pass {flag} DIR with a directory written by "
+            f"save_pretrained, or a Hugging Face hub id such as gpt2."
+        )
+    name_or_dir = os.path.expanduser(name_or_dir)
+    check_available(name_or_dir, flag, kind=kind)
+    model = auto_cls.from_pretrained(name_or_dir, config=_config_without_dropout(name_or_dir), dtype=torch.float32)
+    return model.eval()
+
+
+def load_causal_lm(name_or_dir: str, flag: str = "--base_model") -> PreTrainedModel:
+    """A causal LM (e.g. GPT-2 with its tied LM head) from a local dir or hub id, float32, dropout off, eval mode."""
+    return _load_pretrained(AutoModelForCausalLM, name_or_dir, flag, kind="model")
+
+
+# ---------------------------------------------------------------- padding semantics (spec G2)
+
+
+def position_ids_from_mask(mask: torch.Tensor) -> torch.Tensor:
+    """Exclusive cumulative sum of the real-token mask: a token's position is the number of real tokens before it."""
+    # OAI position ids: pads get the position of the next real token
+    # https://github.com/openai/lm-human-preferences/blob/cbfd210bb8b08f6bc5c26878c10984b90f516c66/lm_human_preferences/language/model.py#L265-L269
+    mask = mask.long()
+    return torch.cumsum(mask, dim=1) - mask
+
+
+def _last_real_index(mask: torch.Tensor) -> torch.Tensor:
+    """(B, T) index of the most recent real position at or before each position (cumulative max of real indices)."""
+    arange = torch.arange(mask.shape[1], device=mask.device).expand_as(mask)
+    return torch.where(mask, arange, 0).cummax(dim=1).values
+
+
+def _gather_positions(hidden: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """hidden[b, index[b, t]] for every (b, t): (B, T, D), (B, T') -> (B, T', D)."""
+    return hidden.gather(1, index.unsqueeze(-1).expand(-1, -1, hidden.shape[-1]))
+
+
+def _check_first_token_real(mask: torch.Tensor, pad_id: int) -> None:
+    """ValueError unless every row starts with a real token (OAI asserts this before copying hidden states)."""
+    # https://github.com/openai/lm-human-preferences/blob/cbfd210bb8b08f6bc5c26878c10984b90f516c66/lm_human_preferences/language/model.py#L333-L340
+    if not bool(mask[:, 0].all()):
+        rows = torch.nonzero(~mask[:, 0]).flatten().tolist()
+        raise ValueError(
+            f"rows {rows[:8]} start with the PAD token {pad_id}; the first token of every sequence must be real. "
+            f"Pad on the right (queries are right-padded, spec G3), never on the left."
+        )
+
+
+def _transformer_hidden(
+    model: PreTrainedModel, tokens: torch.Tensor, pad_id: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Final-LayerNorm hidden states (B, T, D) with PADs masked out as attention keys, and the real mask (B, T)."""
+    mask = tokens != pad_id  # (B, T)
+    _check_first_token_real(mask, pad_id)
+    # PAD ids -> 0 before the embedding lookup; PAD keys masked out of attention for every query row
+    # https://github.com/openai/lm-human-preferences/blob/cbfd210bb8b08f6bc5c26878c10984b90f516c66/lm_human_preferences/language/model.py#L294-L297
+    # https://github.com/openai/lm-human-preferences/blob/cbfd210bb8b08f6bc5c26878c10984b90f516c66/lm_human_preferences/language/model.py#L133-L141
+    output = model.base_model(
+        input_ids=tokens.masked_fill(~mask, 0),
+        attention_mask=mask.long(),
+        position_ids=position_ids_from_mask(mask),
+        use_cache=False,
+    )
+    return output.last_hidden_state, mask
+
+
+def pad_invisible_hidden(model: PreTrainedModel, tokens: torch.Tensor, pad_id: int) -> torch.Tensor:
+    """OAI transformer output (B, T, D): pads invisible, and each PAD position holds the last real position's state."""
+    hidden, mask = _transformer_hidden(model, tokens, pad_id)
+    # after ln_f, every PAD position takes the hidden state of the most recent real position
+    # https://github.com/openai/lm-human-preferences/blob/cbfd210bb8b08f6bc5c26878c10984b90f516c66/lm_human_preferences/language/model.py#L333-L340
+    return _gather_positions(hidden, _last_real_index(mask))
+
+
+# ---------------------------------------------------------------- policy
+
+
+def _check_temperature(temperature: float) -> None:
+    """ValueError for a non-positive temperature."""
+    if not temperature > 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}; OAI's tasks use 0.7 (--task.temperature).")
+
+
+def _tempered_logits(lm: PreTrainedModel, hidden: torch.Tensor, pad_id: int, temperature: float) -> torch.Tensor:
+    """LM-head logits (..., V) / temperature in float32; a PAD inside the vocab gets probability 0."""
+    vocab_size = lm.config.vocab_size
+    # logits sliced to the model vocab so special tokens outside it cannot be produced
+    # https://github.com/openai/lm-human-preferences/blob/cbfd210bb8b08f6bc5c26878c10984b90f516c66/lm_human_preferences/policy.py#L58-L59
+    logits = lm.get_output_embeddings()(hidden)[..., :vocab_size].float()
+    # temperature divides the logits for sampling and for every log-prob evaluation (spec G6)
+    # https://github.com/openai/lm-human-preferences/blob/cbfd210bb8b08f6bc5c26878c10984b90f516c66/lm_human_preferences/policy.py#L119-L121
+    logits = logits / temperature
+    if 0 <= pad_id < vocab_size:
+        # DEVIATION: OAI's PAD lies outside the vocab; a PAD inside it gets the most negative finite logit
+        # (probability exactly 0, while entropies stay finite, unlike -inf)
+        logits = logits.index_fill(-1, torch.tensor([pad_id], device=logits.device), torch.finfo(logits.dtype).min)
+    return logits
+
+
+class PolicyWithValueHead(nn.Module):
+    """A causal LM and a scalar value head sharing one trunk, as OAI's Policy (spec 1.2)."""
+
+    def __init__(self, lm: PreTrainedModel):
+        super().__init__()
+        self.lm = lm
+        # value head initialised to exactly zero (std 0, bias 0): initial values are 0
+        # https://github.com/openai/lm-human-preferences/blob/cbfd210bb8b08f6bc5c26878c10984b90f516c66/lm_human_preferences/language/model.py#L248-L258
+        self.value_head = nn.Linear(lm.config.hidden_size, 1)
+        nn.init.zeros_(self.value_head.weight)
+        nn.init.zeros_(self.value_head.bias)
+        self.train(lm.training)  # the heads follow the mode of the model they wrap (eval after loading)
+
+    def forward(
+        self, query_responses: torch.Tensor, context_length: int, pad_id: int, temperature: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Tempered logits (B, L, V) and values (B, L) at the positions that predict the L response tokens."""
+        _check_temperature(temperature)
+        if not 1 <= context_length < query_responses.shape[1]:
+            raise ValueError(
+                f"context_length {context_length} must be in [1, {query_responses.shape[1]}) for query_responses of "
+                f"shape {tuple(query_responses.shape)}; pass the width of the context part."
+            )
+        hidden, mask = _transformer_hidden(self.lm, query_responses, pad_id)
+        # only the response part: outputs at [ctx-1 : -1] predict the response tokens (LM head on L positions only)
+        # https://github.com/openai/lm-human-preferences/blob/cbfd210bb8b08f6bc5c26878c10984b90f516c66/lm_human_preferences/policy.py#L114-L126
+        index = _last_real_index(mask)[:, context_length - 1 : -1]  # (B, L)
+        hidden = _gather_positions(hidden, index)  # (B, L, D)
+        logits = _tempered_logits(self.lm, hidden, pad_id, temperature)  # (B, L, V)
+        values = self.value_head(hidden).squeeze(-1)  # (B, L)
+        return logits, values
+
+    def save(self, output_dir: str) -> None:
+        """`lm.save_pretrained(output_dir)` plus the value head in `value_head.safetensors` beside it."""
+        self.lm.save_pretrained(output_dir)
+        state = {k: v.detach().cpu().contiguous() for k, v in self.value_head.state_dict().items()}
+        save_file(state, os.path.join(output_dir, VALUE_HEAD_FILE))
+
+    @classmethod
+    def load(cls, output_dir: str, flag: str = "--base_model") -> "PolicyWithValueHead":
+        """Inverse of `save`: the LM (dropout off, eval mode) and its value head."""
+        policy = cls(load_causal_lm(output_dir, flag))
+        path = os.path.join(output_dir, VALUE_HEAD_FILE)
+        if not os.path.isfile(path):
+            raise FileNotFoundError(
+                f"'{path}' is missing; {flag} must point at a directory written by PolicyWithValueHead.save "
+                f"(for a plain language model use PolicyWithValueHead(load_causal_lm(DIR)))."
+            )
+        policy.value_head.load_state_dict(load_file(path))
+        return policy
+
+
+@torch.no_grad()
+def sample(
+    policy: PolicyWithValueHead,
+    contexts: torch.Tensor,
+    response_length: int,
+    temperature: float,
+    pad_id: int,
+    generator: torch.Generator | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Fixed-length KV-cached categorical sampling: responses, tempered logprobs and values, each (B, L)."""
+    _check_temperature(temperature)
+    if response_length < 1:
+        raise ValueError(f"response_length must be >= 1, got {response_length} (--task.response_length).")
+    lm = policy.lm
+    batch_size, context_length = contexts.shape
+    device = contexts.device
+    mask = contexts != pad_id  # (B, C)
+    _check_first_token_real(mask, pad_id)
+    # attention mask of the whole episode; sampled tokens are always real
+    attention_mask = torch.ones(batch_size, context_length + response_length, dtype=torch.long, device=device)
+    attention_mask[:, :context_length] = mask.long()
+    responses = torch.empty(batch_size, response_length, dtype=torch.long, device=device)
+    logprobs = torch.empty(batch_size, response_length, dtype=torch.float32, device=device)
+    values = torch.empty(batch_size, response_length, dtype=torch.float32, device=device)
+    # first token from the context's last position (after PAD replacement: the last real token), then
+    # response_length-1 KV-cached steps; no stop at EOS, so every response has exactly L tokens
+    # https://github.com/openai/lm-human-preferences/blob/cbfd210bb8b08f6bc5c26878c10984b90f516c66/lm_human_preferences/language/sample.py#L26-L31
+    # https://github.com/openai/lm-human-preferences/blob/cbfd210bb8b08f6bc5c26878c10984b90f516c66/lm_human_preferences/language/sample.py#L62-L82
+    output = lm.base_model(
+        input_ids=contexts.masked_fill(~mask, 0),
+        attention_mask=attention_mask[:, :context_length],
+        position_ids=position_ids_from_mask(mask),
+        use_cache=True,
+    )
+    hidden = _gather_positions(output.last_hidden_state, _last_real_index(mask)[:, -1:])  # (B, 1, D)
+    positions = mask.long().sum(dim=1, keepdim=True)  # (B, 1): the next token's position = real tokens so far
+    for t in range(response_length):
+        if t > 0:
+            output = lm.base_model(
+                input_ids=responses[:, t - 1 : t],
+                attention_mask=attention_mask[:, : context_length + t],
+                position_ids=positions,
+                past_key_values=output.past_key_values,
+                use_cache=True,
+            )
+            hidden = output.last_hidden_state  # (B, 1, D)
+            positions = positions + 1
+        logits = _tempered_logits(lm, hidden[:, 0], pad_id, temperature)  # (B, V)
+        # pure categorical sampling from the tempered distribution (top_k=0, top_p=1)
+        # https://github.com/openai/lm-human-preferences/blob/cbfd210bb8b08f6bc5c26878c10984b90f516c66/lm_human_preferences/language/sample.py#L24-L43
+        tokens = torch.multinomial(torch.softmax(logits, dim=-1), 1, generator=generator)  # (B, 1)
+        responses[:, t] = tokens[:, 0]
+        # log-prob of the sampled token and the value head from the same pass
+        # https://github.com/openai/lm-human-preferences/blob/cbfd210bb8b08f6bc5c26878c10984b90f516c66/lm_human_preferences/policy.py#L97-L112
+        logprobs[:, t] = logits.gather(-1, tokens)[:, 0] - torch.logsumexp(logits, dim=-1)
+        values[:, t] = policy.value_head(hidden[:, 0]).squeeze(-1).float()
+    return responses, logprobs, values
+
+
+# ---------------------------------------------------------------- reward model
+
+
+def reward_head_std(hidden_size: int) -> float:
+    """OAI's reward-head init std, 1/sqrt(n_embd + 1) (0.0360609 for GPT-2 124M)."""
+    return 1.0 / math.sqrt(hidden_size + 1)
+
+
+class RewardModel(nn.Module):
+    """reward = gain * head(h at the last real token of query ⊕ response) + bias (spec R1-R3)."""
+
+    def __init__(self, trunk: PreTrainedModel):
+        super().__init__()
+        self.trunk = trunk
+        hidden_size = trunk.config.hidden_size
+        # reward head: weight ~ N(0, 1/sqrt(n_embd+1)), bias 0
+        # https://github.com/openai/lm-human-preferences/blob/cbfd210bb8b08f6bc5c26878c10984b90f516c66/lm_human_preferences/language/model.py#L248-L258
+        self.head = nn.Linear(hidden_size, 1)
+        nn.init.normal_(self.head.weight, std=reward_head_std(hidden_size))
+        nn.init.zeros_(self.head.bias)
+        # scalar gain/bias, initialised to 1/0, trainable in the reward phase
+        # https://github.com/openai/lm-human-preferences/blob/cbfd210bb8b08f6bc5c26878c10984b90f516c66/lm_human_preferences/rewards.py#L48-L57
+        self.gain = nn.Parameter(torch.tensor(1.0))
+        self.bias = nn.Parameter(torch.tensor(0.0))
+        self.train(trunk.training)  # the heads follow the mode of the model they wrap (eval after loading)
+
+    def forward(self, query_responses: torch.Tensor, pad_id: int) -> torch.Tensor:
+        """Rewards (B,) read at position -1, i.e. at the last real token after the PAD replacement."""
+        hidden, mask = _transformer_hidden(self.trunk, query_responses, pad_id)
+        # the head output at index -1 of query ⊕ response (a trailing PAD holds the last real token's state)
+        # https://github.com/openai/lm-human-preferences/blob/cbfd210bb8b08f6bc5c26878c10984b90f516c66/lm_human_preferences/rewards.py#L130-L138
+        last = _gather_positions(hidden, _last_real_index(mask)[:, -1:])[:, 0]  # (B, D)
+        return self.gain * self.head(last).squeeze(-1) + self.bias
+
+    @classmethod
+    def from_base(cls, name_or_dir: str, flag: str = "--base_model") -> "RewardModel":
+        """A fresh reward model on a pretrained trunk (AutoModel, no LM head), float32, dropout off, eval mode."""
+        return cls(_load_pretrained(AutoModel, name_or_dir, flag, kind="model"))
+
+    def save(self, output_dir: str, metadata: dict) -> None:
+        """Trunk via save_pretrained, head/gain/bias in `reward_head.safetensors`, `reward_model.json` beside it."""
+        # OAI checkpoints trunk, head, gain and bias together
+        # https://github.com/openai/lm-human-preferences/blob/cbfd210bb8b08f6bc5c26878c10984b90f516c66/lm_human_preferences/rewards.py#L161-L167
+        self.trunk.save_pretrained(output_dir)
+        tensors = {
+            "head.weight": self.head.weight,
+            "head.bias": self.head.bias,
+            "gain": self.gain,
+            "bias": self.bias,
+        }
+        tensors = {k: v.detach().cpu().contiguous() for k, v in tensors.items()}
+        save_file(tensors, os.path.join(output_dir, REWARD_HEAD_FILE))
+        info = {
+            **metadata,
+            "gain": self.gain.item(),
+            "bias": self.bias.item(),
+            "hidden_size": self.trunk.config.hidden_size,
+            "vocab_size": self.trunk.config.vocab_size,
+        }
+        with open(os.path.join(output_dir, REWARD_CONFIG_FILE), "w", encoding="utf-8") as f:
+            json.dump(info, f, indent=2)
+
+
+def load_reward_model(output_dir: str, flag: str = REWARD_MODEL_FLAG) -> tuple[RewardModel, dict]:
+    """Inverse of `RewardModel.save`: the model (dropout off, eval mode) and the saved metadata."""
+    for name in ("", REWARD_HEAD_FILE, REWARD_CONFIG_FILE):
+        path = os.path.join(output_dir, name)
+        if not os.path.exists(path):
+            raise FileNotFoundError(
+                f"reward model '{output_dir}' not found ('{path}' is missing); pass {flag} DIR with a directory "
+                f"written by train_reward.py."
+            )
+    trunk = _load_pretrained(AutoModel, output_dir, flag, kind="reward model")
+    tensors = load_file(os.path.join(output_dir, REWARD_HEAD_FILE))
+    head_size, trunk_size = tensors["head.weight"].shape[-1], trunk.config.hidden_size
+    if head_size != trunk_size:
+        raise ValueError(
+            f"reward head in '{output_dir}' expects hidden size {head_size} but the trunk has hidden size "
+            f"{trunk_size}; the checkpoint is inconsistent, re-save it with RewardModel.save."
+        )
+    model = RewardModel(trunk)
+    with torch.no_grad():
+        model.head.weight.copy_(tensors["head.weight"])
+        model.head.bias.copy_(tensors["head.bias"])
+        model.gain.copy_(tensors["gain"])
+        model.bias.copy_(tensors["bias"])
+    with open(os.path.join(output_dir, REWARD_CONFIG_FILE), encoding="utf-8") as f:
+        metadata = json.load(f)
+    return model, metadata

@@ -1,0 +1,70 @@
+"""Adam with TensorFlow 1's update rule (OAI trains every model with `tf.train.AdamOptimizer`)."""
+
+import math
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+
+
+class AdamTensorFlowStyle(torch.optim.Optimizer):
+    """Adam as TF1's AdamOptimizer computes it: epsilon is added after the bias correction, not before.
+
+    TF-PARITY: TF1 folds the bias corrections into the step size, lr_t = lr * sqrt(1 - b2^t) / (1 - b1^t), and updates
+    p -= lr_t * m / (sqrt(v) + eps). torch.optim.Adam uses p -= lr * m_hat / (sqrt(v_hat) + eps), i.e. an effective
+    epsilon of eps * sqrt(1 - b2^t), which is 30x smaller at t=1 and makes early steps of rarely-updated weights much
+    larger. OAI: AdamOptimizer(lr, epsilon=1e-5), default betas, no weight decay, no clipping.
+    https://github.com/openai/lm-human-preferences/blob/cbfd210bb8b08f6bc5c26878c10984b90f516c66/lm_human_preferences/utils/core.py#L621-L629
+    """
+
+    def __init__(
+        self,
+        params: Iterable[torch.Tensor] | Iterable[dict[str, Any]],
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-5,
+    ) -> None:
+        if not lr >= 0.0:
+            raise ValueError(f"invalid learning rate {lr}: pass lr >= 0.")
+        if not (0.0 <= betas[0] < 1.0 and 0.0 <= betas[1] < 1.0):
+            raise ValueError(f"invalid betas {betas}: both must lie in [0, 1).")
+        if not eps >= 0.0:
+            raise ValueError(f"invalid eps {eps}: pass eps >= 0.")
+        super().__init__(params, dict(lr=lr, betas=betas, eps=eps))
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], torch.Tensor] | None = None) -> torch.Tensor | None:
+        """One TF1 Adam update of every parameter that has a gradient; reads lr/betas/eps from its group each call."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            params = [p for p in group["params"] if p.grad is not None]
+            if not params:
+                continue
+            if any(p.grad.is_sparse for p in params):
+                raise ValueError("AdamTensorFlowStyle does not support sparse gradients; use dense gradients.")
+            grads = [p.grad for p in params]
+            exp_avgs, exp_avg_sqs, step_sizes = [], [], []
+            beta1, beta2 = group["betas"]
+            for p in params:
+                state = self.state[p]
+                if not state:
+                    state["step"] = 0
+                    state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                    state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                state["step"] += 1
+                exp_avgs.append(state["exp_avg"])
+                exp_avg_sqs.append(state["exp_avg_sq"])
+                # TF-PARITY: the bias corrections scale the step size, so eps below is not bias-corrected
+                # https://github.com/openai/lm-human-preferences/blob/cbfd210bb8b08f6bc5c26878c10984b90f516c66/lm_human_preferences/utils/core.py#L627
+                t = state["step"]
+                step_sizes.append(-group["lr"] * math.sqrt(1.0 - beta2**t) / (1.0 - beta1**t))
+            # m += (g - m) * (1 - b1); v += (g^2 - v) * (1 - b2): the form of TF1's ApplyAdam kernel
+            torch._foreach_lerp_(exp_avgs, grads, 1.0 - beta1)
+            torch._foreach_lerp_(exp_avg_sqs, torch._foreach_mul(grads, grads), 1.0 - beta2)
+            denoms = torch._foreach_sqrt(exp_avg_sqs)
+            torch._foreach_add_(denoms, group["eps"])
+            torch._foreach_addcdiv_(params, exp_avgs, denoms, step_sizes)
+        return loss

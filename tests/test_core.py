@@ -1,0 +1,255 @@
+"""Tests for lm_human_preference_details.core: sizes, whitening (TV6), log-probs, seeding (TV13), sync, tracking."""
+
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from accelerate import Accelerator
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+from lm_human_preference_details import core
+from lm_human_preference_details.core import (
+    Tracker,
+    allreduce_gradients,
+    broadcast_parameters,
+    ceil_div,
+    entropy_from_logits,
+    exact_div,
+    logprobs_from_logits,
+    set_seed,
+    whiten,
+)
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+TV6_INPUT = [[1.2, 1.3, 1.4], [1.5, 1.6, 1.7], [1.8, 1.9, 2.0]]
+TV6_KEEP_MEAN = [
+    [0.05080712, 0.4381051, 0.8254035],
+    [1.2127019, 1.6000004, 1.9872988],
+    [2.3745968, 2.7618952, 3.1491938],
+]
+TV6_SHIFT_MEAN = [
+    [-1.5491932, -1.1618949, -0.7745966],
+    [-0.3872983, 0.0, 0.3872983],
+    [0.7745966, 1.1618949, 1.5491932],
+]
+TV6_UNBIASED_KEEP_MEAN = [[0.1394, 0.5046, 0.8697], [1.2349, 1.6000, 1.9651], [2.3303, 2.6954, 3.0606]]
+
+
+def test_exact_div_returns_quotient():
+    assert exact_div(512, 8, "ppo.batch_size / world_size") == 64
+
+
+def test_exact_div_error_names_both_numbers_and_what():
+    with pytest.raises(ValueError) as excinfo:
+        exact_div(510, 8, "ppo.batch_size / world_size")
+    message = str(excinfo.value)
+    assert "510" in message and "8" in message and "ppo.batch_size / world_size" in message
+
+
+def test_exact_div_zero_divisor_raises_value_error():
+    with pytest.raises(ValueError, match="labels.num_train"):
+        exact_div(4, 0, "labels.num_train")
+
+
+def test_ceil_div_rounds_up():
+    assert [ceil_div(a, 4) for a in (0, 1, 4, 5, 8, 9)] == [0, 1, 1, 2, 2, 3]
+
+
+def test_whiten_keep_mean_matches_tv6():
+    out = whiten(torch.tensor(TV6_INPUT), shift_mean=False)
+    torch.testing.assert_close(out, torch.tensor(TV6_KEEP_MEAN), rtol=0, atol=1e-5)
+
+
+def test_whiten_shift_mean_matches_tv6():
+    out = whiten(torch.tensor(TV6_INPUT), shift_mean=True)
+    torch.testing.assert_close(out, torch.tensor(TV6_SHIFT_MEAN), rtol=0, atol=1e-5)
+    assert abs(out.mean().item()) < 1e-6
+    assert abs(out.var(correction=0).item() - 1.0) < 1e-5
+
+
+def test_whiten_uses_population_not_unbiased_variance():
+    values = torch.tensor(TV6_INPUT)
+    unbiased = (values - values.mean()) * torch.rsqrt(values.var(correction=1) + 1e-8) + values.mean()
+    torch.testing.assert_close(unbiased, torch.tensor(TV6_UNBIASED_KEEP_MEAN), rtol=0, atol=1e-4)
+    out = whiten(values, shift_mean=False)
+    assert (out - torch.tensor(TV6_UNBIASED_KEEP_MEAN)).abs().max().item() > 0.05
+
+
+def test_whiten_constant_input_is_finite():
+    out = whiten(torch.full((4, 3), 2.5))
+    assert torch.equal(out, torch.zeros(4, 3))
+
+
+@pytest.mark.parametrize("dtype, atol", [(torch.float32, 1e-6), (torch.float64, 1e-12)])
+def test_logprobs_from_logits_matches_log_softmax_gather(dtype, atol):
+    generator = torch.Generator().manual_seed(0)
+    logits = torch.randn(3, 7, 50, generator=generator, dtype=dtype)
+    tokens = torch.randint(0, 50, (3, 7), generator=generator)
+    expected = torch.log_softmax(logits, dim=-1).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+    out = logprobs_from_logits(logits, tokens)
+    assert out.shape == (3, 7)
+    torch.testing.assert_close(out, expected, rtol=0, atol=atol)
+
+
+@pytest.mark.parametrize("dtype, atol", [(torch.float32, 1e-6), (torch.float64, 1e-12)])
+def test_entropy_from_logits_matches_definition(dtype, atol):
+    generator = torch.Generator().manual_seed(1)
+    logits = torch.randn(3, 7, 50, generator=generator, dtype=dtype)
+    logp = torch.log_softmax(logits, dim=-1)
+    expected = -(logp.exp() * logp).sum(-1)
+    out = entropy_from_logits(logits)
+    assert out.shape == (3, 7)
+    torch.testing.assert_close(out, expected, rtol=0, atol=atol)
+
+
+def test_entropy_from_logits_uniform_is_log_vocab():
+    torch.testing.assert_close(entropy_from_logits(torch.zeros(2, 16)), torch.full((2,), float(np.log(16))))
+
+
+def test_set_seed_numpy_legacy_rng_reproduces_tv13():
+    set_seed(1)
+    order = np.random.permutation(4992)
+    assert order[:12].tolist() == [4486, 2985, 3023, 1328, 1687, 4855, 2721, 2442, 687, 1321, 2188, 1272]
+    assert order[-4:].tolist() == [2763, 905, 3980, 235]
+
+
+def test_set_seed_makes_torch_and_python_reproducible():
+    import random
+
+    set_seed(7)
+    first = (torch.rand(3), random.random())
+    set_seed(7)
+    second = (torch.rand(3), random.random())
+    assert torch.equal(first[0], second[0]) and first[1] == second[1]
+
+
+def read_tb_scalars(tb_dir: Path) -> dict[str, list[tuple[int, float]]]:
+    """All scalar series in the TensorBoard event files under tb_dir."""
+    accumulator = EventAccumulator(str(tb_dir))
+    accumulator.Reload()
+    return {tag: [(e.step, e.value) for e in accumulator.Scalars(tag)] for tag in accumulator.Tags()["scalars"]}
+
+
+def test_tracker_writes_tensorboard_scalars(tmp_path):
+    tracker = Tracker(str(tmp_path), False, "project", None, "run", {"seed": 1}, is_main=True)
+    tracker.log({"objective/score": 0.25, "ppo/loss/total": torch.tensor(1.5)}, step=3)
+    tracker.log({"objective/score": 0.5}, step=4)
+    tracker.log_table("samples", ["query", "response"], [["a", "b"]], step=4)
+    tracker.close()
+    scalars = read_tb_scalars(tmp_path / "tb")
+    assert scalars["objective/score"] == [(3, 0.25), (4, 0.5)]
+    assert scalars["ppo/loss/total"] == [(3, 1.5)]
+    assert not (tmp_path / "wandb").exists()
+
+
+def test_tracker_wandb_offline_creates_local_run(tmp_path, monkeypatch):
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    for var in ("WANDB_CONFIG_DIR", "WANDB_CACHE_DIR", "WANDB_DATA_DIR"):
+        monkeypatch.setenv(var, str(tmp_path / "wandb-home" / var.lower()))
+    out = tmp_path / "out"
+    tracker = Tracker(str(out), True, "project", None, "my-run", {"seed": 1, "lr": 1e-5}, is_main=True)
+    assert tracker.run.offline
+    assert tracker.run.name == "my-run"
+    assert tracker.run.config["lr"] == 1e-5
+    tracker.log({"objective/score": 0.25}, step=1)
+    tracker.log_table("samples", ["query", "response"], [["a", "b"]], step=1)
+    tracker.close()
+    run_dirs = list((out / "wandb").glob("offline-run-*"))
+    assert len(run_dirs) == 1
+    assert list(run_dirs[0].glob("run-*.wandb"))
+    assert list(run_dirs[0].glob("files/media/table/samples_*.table.json"))
+    assert read_tb_scalars(out / "tb")["objective/score"] == [(1, 0.25)]
+
+
+def test_tracker_non_main_process_writes_nothing(tmp_path, monkeypatch):
+    def fail_init(*args, **kwargs):
+        raise AssertionError("wandb.init must not run on a non-main process")
+
+    monkeypatch.setattr(core.wandb, "init", fail_init)
+    out = tmp_path / "out"
+    tracker = Tracker(str(out), True, "project", None, "run", {"seed": 1}, is_main=False)
+    tracker.log({"objective/score": 0.25}, step=1)
+    tracker.log_table("samples", ["query"], [["a"]], step=1)
+    tracker.close()
+    assert not out.exists()
+
+
+def test_allreduce_and_broadcast_single_process_are_noops():
+    accelerator = Accelerator(cpu=True)
+    assert accelerator.num_processes == 1
+    model = torch.nn.Linear(3, 2)
+    model.weight.grad = torch.arange(6.0).view(2, 3)
+    before_params = [p.detach().clone() for p in model.parameters()]
+    allreduce_gradients(list(model.parameters()), accelerator)
+    broadcast_parameters(model, accelerator)
+    assert torch.equal(model.weight.grad, torch.arange(6.0).view(2, 3))
+    assert model.bias.grad is None
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before_params))
+
+
+TWO_PROCESS_SCRIPT = textwrap.dedent(
+    """
+    import sys
+
+    import torch
+    from accelerate import Accelerator
+
+    from lm_human_preference_details.core import allreduce_gradients, broadcast_parameters
+
+    accelerator = Accelerator(cpu=True)
+    rank = accelerator.process_index
+    model = torch.nn.Module()
+    model.a = torch.nn.Parameter(torch.full((2, 3), 10.0 * (rank + 1)))
+    model.b = torch.nn.Parameter(torch.full((4,), -1.0 * (rank + 1), dtype=torch.float64))
+    model.c = torch.nn.Parameter(torch.full((5,), 3.0 * (rank + 1)))
+    model.a.grad = torch.arange(6.0).view(3, 2).t() * (rank + 1)  # non-contiguous gradient
+    model.b.grad = torch.arange(4.0, dtype=torch.float64) * (rank + 1) ** 2
+    allreduce_gradients(list(model.parameters()), accelerator)
+    broadcast_parameters(model, accelerator)
+    result = {
+        "num_processes": accelerator.num_processes,
+        "grad_a": model.a.grad,
+        "grad_b": model.b.grad,
+        "grad_c_is_none": model.c.grad is None,
+        "params": {name: p.detach() for name, p in model.named_parameters()},
+    }
+    torch.save(result, f"{sys.argv[1]}/rank{rank}.pt")
+    accelerator.wait_for_everyone()
+    """
+)
+
+
+def free_port() -> int:
+    """A TCP port that was free a moment ago."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def test_allreduce_and_broadcast_two_processes(tmp_path):
+    script = tmp_path / "sync_check.py"
+    script.write_text(TWO_PROCESS_SCRIPT)
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO_ROOT))
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2"]
+    command += ["--master_addr", "127.0.0.1", "--master_port", str(free_port()), str(script), str(tmp_path)]
+    proc = subprocess.run(command, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    results = [torch.load(tmp_path / f"rank{rank}.pt") for rank in range(2)]
+    expected_grad_a = torch.arange(6.0).view(3, 2).t() * 1.5  # mean of x1 and x2
+    expected_grad_b = torch.arange(4.0, dtype=torch.float64) * 2.5  # mean of x1 and x4
+    for result in results:
+        assert result["num_processes"] == 2
+        assert torch.equal(result["grad_a"], expected_grad_a)
+        assert result["grad_b"].dtype == torch.float64 and torch.equal(result["grad_b"], expected_grad_b)
+        assert result["grad_c_is_none"]
+        assert torch.equal(result["params"]["a"], torch.full((2, 3), 10.0))
+        assert torch.equal(result["params"]["b"], torch.full((4,), -1.0, dtype=torch.float64))
+        assert torch.equal(result["params"]["c"], torch.full((5,), 3.0))

@@ -1,0 +1,441 @@
+"""Query construction (spec G3), query stream order and sharding (D3), context formatting (G4), label files (R7)."""
+
+import dataclasses
+import json
+import time
+
+import datasets
+import huggingface_hub.constants
+import numpy as np
+import pytest
+import torch
+import tyro
+
+from lm_human_preference_details.data import (
+    OAI_PAD_TOKEN,
+    TASKS,
+    HubTexts,
+    QueryStream,
+    TaskHParams,
+    build_query,
+    clean_cnndm_article,
+    clean_tldr_post,
+    encode_context_affixes,
+    encode_texts,
+    format_contexts,
+    load_labels,
+    load_texts,
+    save_labels,
+    text_to_token,
+)
+from lm_human_preference_details.hub import HubUnavailableError
+
+PAD = 50257
+P = 99  # pad id in the hand-written build_query cases
+
+
+# ---------------------------------------------------------------- build_query
+
+
+@pytest.mark.parametrize(
+    "tokens, length, start, end, expected",
+    [
+        ([5, 13, 7, 8], 5, 13, None, [7, 8, P, P, P]),  # start found: keep what follows it
+        ([13, 1, 13, 2], 5, 13, None, [1, 13, 2, P, P]),  # only the first start token counts
+        ([1, 2, 13], 4, 13, None, [1, 2, 13, P]),  # start is the last token: text kept whole
+        ([1, 2, 3], 4, 13, None, None),  # start not found: skipped
+        ([1, 2, 3, 4, 5, 6], 4, None, None, [1, 2, 3, 4]),  # truncation, no padding needed
+        ([1, 2], 4, None, None, [1, 2, P, P]),  # right padding
+        ([1, 13, 2, 13, 3], 5, None, 13, [1, 13, 2, 13, P]),  # end: up to the last occurrence
+        ([1, 2, 3, 13], 3, None, 13, None),  # end only searched after truncation: skipped
+        ([1, 2, 3], 3, None, 13, None),  # end not found: skipped
+        ([9, 13, 1, 2, 13, 3, 4], 6, 13, 13, [1, 2, 13, P, P, P]),  # start then end
+        ([9, 13, 1, 2, 3, 13, 4], 3, 13, 13, None),  # end lies beyond query_length after the start trim
+        ([], 3, None, None, None),  # empty text: skipped
+    ],
+)
+def test_build_query_oai_steps(tokens, length, start, end, expected):
+    assert build_query(tokens, length, start, end, P) == expected
+
+
+def test_build_query_tv1(tokenizer):
+    tokens = encode_texts(tokenizer, ["usually, he would", "she thought about it"])
+    queries = [build_query(t, 5, None, None, tokenizer.pad_token_id) for t in tokens]
+    assert queries == [[23073, 11, 339, 561, 50257], [7091, 1807, 546, 340, 50257]]
+
+
+def test_build_query_rejects_nonpositive_length():
+    with pytest.raises(ValueError, match="query_length"):
+        build_query([1, 2], 0, None, None, P)
+
+
+def test_text_to_token_single_tokens(tokenizer):
+    assert text_to_token(tokenizer, ".") == 13
+    assert text_to_token(tokenizer, "\n") == 198
+    assert text_to_token(tokenizer, None) is None
+    assert text_to_token(tokenizer, "") is None
+    with pytest.raises(ValueError, match="--task.end_text.*TL;DR"):
+        text_to_token(tokenizer, "TL;DR:", "--task.end_text")
+
+
+def test_encode_texts_treats_special_strings_as_text(tokenizer):
+    (tokens,) = encode_texts(tokenizer, ["a [PAD] b<|endoftext|>"])
+    assert PAD not in tokens and tokenizer.eos_token_id not in tokens
+
+
+# ---------------------------------------------------------------- presets and contexts
+
+
+def test_tasks_match_launch_presets():
+    for name in ("sentiment", "descriptiveness"):
+        task = TASKS[name]
+        assert (task.query_dataset, task.query_length, task.response_length) == ("books", 64, 24)
+        assert (task.start_text, task.end_text, task.truncate_token, task.truncate_after) == (".", ".", 13, 16)
+        assert (task.query_prefix, task.query_suffix, task.temperature) == ("", "", 0.7)
+    tldr, cnndm = TASKS["tldr"], TASKS["cnndm"]
+    assert (tldr.query_length, tldr.response_length) == (500, 75)
+    assert (tldr.query_prefix, tldr.query_suffix) == ("", "\n\nTL;DR:")
+    assert (tldr.start_text, tldr.end_text, tldr.truncate_token, tldr.truncate_after, tldr.temperature) == (
+        None, None, 198, 55, 0.7)
+    assert (cnndm.query_prefix, cnndm.query_suffix, cnndm.start_text, cnndm.end_text) == (
+        "Article:\n\n", "\n\nTL;DR:", None, "\n")
+    assert (cnndm.query_length, cnndm.response_length, cnndm.truncate_token, cnndm.truncate_after) == (500, 75, 198, 55)
+    assert cnndm.temperature == 0.5
+    assert all(task.penalty_reward_value == -1.0 for task in TASKS.values())
+
+
+def test_task_hparams_parse_with_tyro():
+    task = tyro.cli(TaskHParams, args=["--query-length", "500", "--start-text", "None", "--truncate-token", "None"])
+    assert (task.query_length, task.start_text, task.truncate_token, task.end_text) == (500, None, None, ".")
+
+
+def test_format_contexts_tldr_suffix(tokenizer):
+    prefix, suffix = encode_context_affixes(tokenizer, TASKS["tldr"])
+    assert prefix == [] and suffix == tokenizer("\n\nTL;DR:")["input_ids"]
+    queries = torch.tensor([[23073, 11, 339, 561, PAD], [7091, 1807, 546, 340, PAD]])
+    contexts = format_contexts(queries, prefix, suffix)
+    assert contexts.shape == (2, 5 + len(suffix)) and contexts.dtype == torch.long
+    assert torch.equal(contexts[:, :5], queries)
+    assert contexts[:, 5:].tolist() == [suffix, suffix]
+
+
+def test_format_contexts_cnndm_prefix_and_suffix(tokenizer):
+    prefix, suffix = encode_context_affixes(tokenizer, TASKS["cnndm"])
+    assert prefix == tokenizer("Article:\n\n")["input_ids"]
+    queries = torch.tensor([[1, 2, PAD]])
+    contexts = format_contexts(queries, prefix, suffix)
+    assert contexts.tolist() == [prefix + [1, 2, PAD] + suffix]
+
+
+def test_format_contexts_rejects_1d():
+    with pytest.raises(ValueError, match="shape"):
+        format_contexts(torch.tensor([1, 2]), [], [])
+
+
+# ---------------------------------------------------------------- text sources
+
+
+def test_clean_cnndm_article_drops_headers_and_curly_quotes():
+    daily_mail = (
+        "By . Daily Mail Reporter . PUBLISHED: . 14:11 EST, 25 October 2013 . | . UPDATED: . 15:36 EST, "
+        "25 October 2013 . The bishop said \u201cno\u201d and it\u2019s over."
+    )
+    assert clean_cnndm_article(daily_mail) == "The bishop said \"no\" and it's over."
+    assert clean_cnndm_article("LONDON, England (CNN) -- Rain fell.") == "Rain fell."
+    assert clean_cnndm_article("(CNN)Rain fell. @highlight summary") == "Rain fell."
+    assert clean_cnndm_article("Byron stayed home.\n\n\n\nIt rained.") == "Byron stayed home.\n\nIt rained."
+
+
+def test_clean_tldr_post_strips_prompt_tldr():
+    post = "SUBREDDIT: r/test\nTITLE: t\nPOST: a\n\n\n\nb\nTL;DR:"
+    assert clean_tldr_post(post) == "SUBREDDIT: r/test\nTITLE: t\nPOST: a\n\nb"
+
+
+def test_load_texts_txt_skips_blank_lines(tmp_path):
+    path = tmp_path / "q.txt"
+    path.write_text("first passage.\n\n   \nsecond passage.\n", encoding="utf-8")
+    assert load_texts(str(path)) == ["first passage.", "second passage."]
+
+
+def test_load_texts_jsonl_text_field_and_bare_strings(tmp_path):
+    path = tmp_path / "q.jsonl"
+    path.write_text('{"text": "one."}\n\n"two."\n{"text": "three.", "id": 3}\n', encoding="utf-8")
+    assert load_texts(str(path)) == ["one.", "two.", "three."]
+
+
+@pytest.mark.parametrize("bad_line", ['{"content": "x"}', "{not json", '{"text": 5}'])
+def test_load_texts_jsonl_bad_row_names_line(tmp_path, bad_line):
+    path = tmp_path / "q.jsonl"
+    path.write_text('{"text": "one."}\n{"text": "two."}\n' + bad_line + "\n", encoding="utf-8")
+    with pytest.raises(ValueError, match="line 3"):
+        load_texts(str(path))
+
+
+def test_load_texts_missing_local_file(tmp_path):
+    missing = str(tmp_path / "nope.jsonl")
+    with pytest.raises(FileNotFoundError, match="nope.jsonl"):
+        load_texts(missing)
+
+
+def test_load_texts_unknown_name_lists_choices():
+    with pytest.raises(ValueError, match="books.*cnndm.*tldr"):
+        load_texts("wikipedia")
+
+
+@pytest.fixture
+def offline_hub(monkeypatch, tmp_path):
+    """Offline mode with an empty hub cache, so hub sources must fail fast."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub-cache"))
+
+
+@pytest.mark.parametrize("name", ["books", "tldr", "cnndm"])
+def test_load_texts_offline_hub_fails_fast(offline_hub, name):
+    start = time.perf_counter()
+    with pytest.raises(HubUnavailableError, match="--task.query_dataset"):
+        load_texts(name)
+    assert time.perf_counter() - start < 5
+
+
+# ---------------------------------------------------------------- query stream
+
+
+def _numbered_texts(n: int, skip_every: int = 0) -> list[str]:
+    """Distinct texts; every `skip_every`-th has no '.' so the books preset skips it."""
+    return [
+        f"Intro {i} without a period" if skip_every and i % skip_every == 0 else f"Intro {i}. Passage {i} ends here."
+        for i in range(n)
+    ]
+
+
+def _expected_queries(texts, tokenizer, task, data_seed=0):
+    """The valid queries of one pass in OAI's order, derived directly from the permutation and build_query."""
+    order = np.random.RandomState(data_seed).permutation(len(texts))
+    start, end = text_to_token(tokenizer, task.start_text), text_to_token(tokenizer, task.end_text)
+    tokens = encode_texts(tokenizer, [texts[i] for i in order])
+    queries = [build_query(t, task.query_length, start, end, tokenizer.pad_token_id) for t in tokens]
+    return [q for q in queries if q is not None]
+
+
+BOOKS = dataclasses.replace(TASKS["sentiment"], query_length=12)
+
+
+def test_query_stream_follows_seeded_permutation_and_right_pads(tokenizer):
+    texts = _numbered_texts(40, skip_every=3)
+    stream = QueryStream(texts, tokenizer, BOOKS, rank=0, world_size=1, chunk_size=16)
+    batch = stream.next_batch(20)
+    assert batch.shape == (20, 12) and batch.dtype == torch.long
+    assert batch.tolist() == _expected_queries(texts, tokenizer, BOOKS)[:20]
+    real = batch != PAD
+    assert real[:, 0].all()
+    assert torch.equal(real, real.cummin(dim=1).values)  # PADs only on the right
+    assert (~real).any()
+
+
+@pytest.mark.parametrize("chunk_size", [4, 1024])
+def test_query_stream_ranks_disjoint_and_union_equals_single_rank(tokenizer, chunk_size):
+    texts = _numbered_texts(30, skip_every=4)
+    single = QueryStream(texts, tokenizer, BOOKS, rank=0, world_size=1, data_seed=3).next_batch(40)
+    ranks = [
+        QueryStream(texts, tokenizer, BOOKS, rank=r, world_size=2, data_seed=3, chunk_size=chunk_size).next_batch(20)
+        for r in range(2)
+    ]
+    assert torch.equal(ranks[0], single[0::2])
+    assert torch.equal(ranks[1], single[1::2])
+    first_pass = {tuple(q) for q in _expected_queries(texts, tokenizer, BOOKS, data_seed=3)}
+    rank0, rank1 = ({tuple(q) for q in r[:5].tolist()} for r in ranks)
+    assert rank0.isdisjoint(rank1) and rank0 | rank1 <= first_pass
+
+
+def test_query_stream_repeats_forever_in_the_same_order(tokenizer):
+    texts = _numbered_texts(4, skip_every=4)  # text 0 is skipped: 3 valid queries per pass
+    expected = _expected_queries(texts, tokenizer, BOOKS)
+    assert len(expected) == 3
+    stream = QueryStream(texts, tokenizer, BOOKS, rank=0, world_size=1, chunk_size=2)
+    assert stream.next_batch(8).tolist() == [expected[i % 3] for i in range(8)]
+    # rank 1 of 2 continues the stride across the pass boundary: global valid indices 1, 3, 5, 7
+    rank1 = QueryStream(texts, tokenizer, BOOKS, rank=1, world_size=2, chunk_size=2)
+    assert rank1.next_batch(4).tolist() == [expected[i % 3] for i in (1, 3, 5, 7)]
+
+
+def test_query_stream_deterministic_and_seeded(tokenizer):
+    texts = _numbered_texts(50)
+    a = QueryStream(texts, tokenizer, BOOKS, 0, 1, data_seed=0).next_batch(10)
+    b = QueryStream(texts, tokenizer, BOOKS, 0, 1, data_seed=0, chunk_size=7).next_batch(10)
+    c = QueryStream(texts, tokenizer, BOOKS, 0, 1, data_seed=1).next_batch(10)
+    assert torch.equal(a, b)
+    assert not torch.equal(a, c)
+
+
+def test_query_stream_leaves_global_numpy_rng_untouched(tokenizer):
+    np.random.seed(1)
+    state = np.random.get_state()
+    stream = QueryStream(_numbered_texts(20), tokenizer, BOOKS, 0, 1, data_seed=5)
+    stream.next_batch(30)
+    after = np.random.get_state()
+    assert all(np.array_equal(x, y) for x, y in zip(state, after))
+    assert np.random.permutation(4992)[:4].tolist() == [4486, 2985, 3023, 1328]  # TV13 order still intact
+
+
+@pytest.mark.parametrize("rank, world_size", [(0, 1), (1, 2)])
+def test_query_stream_state_dict_resumes(tokenizer, rank, world_size):
+    texts = _numbered_texts(13, skip_every=5)
+    stream = QueryStream(texts, tokenizer, BOOKS, rank, world_size, chunk_size=4)
+    stream.next_batch(5)
+    state = json.loads(json.dumps(stream.state_dict()))
+    continued = stream.next_batch(11)
+    resumed = QueryStream(texts, tokenizer, BOOKS, rank, world_size, chunk_size=8)
+    resumed.load_state_dict(state)
+    assert torch.equal(resumed.next_batch(11), continued)
+
+
+def test_query_stream_state_dict_rejects_other_stream(tokenizer):
+    texts = _numbered_texts(10)
+    state = QueryStream(texts, tokenizer, BOOKS, 0, 1, data_seed=0).state_dict()
+    with pytest.raises(ValueError, match="data_seed"):
+        QueryStream(texts, tokenizer, BOOKS, 0, 1, data_seed=1).load_state_dict(state)
+
+
+def test_query_stream_reads_hub_texts_lazily(tokenizer):
+    texts = _numbered_texts(25, skip_every=6)
+    hub_texts = HubTexts(datasets.Dataset.from_dict({"text": texts, "id": list(range(25))}), "text")
+    assert len(hub_texts) == 25 and hub_texts[3] == texts[3] and hub_texts[1:3] == texts[1:3]
+    expected = QueryStream(texts, tokenizer, BOOKS, 0, 1).next_batch(30)
+    assert torch.equal(QueryStream(hub_texts, tokenizer, BOOKS, 0, 1, chunk_size=8).next_batch(30), expected)
+
+
+def test_query_stream_without_valid_queries_raises(tokenizer):
+    with pytest.raises(ValueError, match="start_text"):
+        QueryStream(["no period here", "nor here"], tokenizer, BOOKS, 0, 1).next_batch(1)
+
+
+def test_query_stream_rejects_bad_rank(tokenizer):
+    with pytest.raises(ValueError, match="rank 2"):
+        QueryStream(["a."], tokenizer, BOOKS, rank=2, world_size=2)
+
+
+# ---------------------------------------------------------------- labels
+
+
+def _label_rows(n: int = 3, query_length: int = 4, response_length: int = 3) -> list[dict]:
+    """Label rows in OAI's schema, padded with OAI's PAD 50259."""
+    rows = []
+    for i in range(n):
+        row = {"query": [100 + i, 200 + i] + [OAI_PAD_TOKEN] * (query_length - 2)}
+        for s in range(4):
+            row[f"sample{s}"] = [10 * i + s] + [OAI_PAD_TOKEN] * (response_length - 1)
+        row["best"] = i % 4
+        rows.append(row)
+    return rows
+
+
+def _write(path, rows) -> str:
+    path.write_text(json.dumps(rows), encoding="utf-8")
+    return str(path)
+
+
+def test_load_labels_maps_oai_pad(tmp_path):
+    labels = load_labels(_write(tmp_path / "l.json", _label_rows()), 4, 3, pad_id=PAD, num_train=2)
+    assert len(labels) == 3
+    assert labels.query.shape == (3, 4) and labels.samples.shape == (3, 4, 3) and labels.best.shape == (3,)
+    assert labels.query.dtype == labels.samples.dtype == labels.best.dtype == torch.long
+    assert labels.query[1].tolist() == [101, 201, PAD, PAD]
+    assert labels.samples[2, 3].tolist() == [23, PAD, PAD]
+    assert labels.best.tolist() == [0, 1, 2]
+    assert not (labels.query == OAI_PAD_TOKEN).any() and not (labels.samples == OAI_PAD_TOKEN).any()
+
+
+def _break(field, value):
+    """Row 1 of the standard label rows with `field` set to `value` (or removed when value is ...)."""
+    rows = _label_rows()
+    if value is ...:
+        del rows[1][field]
+    else:
+        rows[1][field] = value
+    return rows
+
+
+@pytest.mark.parametrize(
+    "rows, pattern",
+    [
+        (_break("sample2", ...), "row 1 .*'sample2'"),
+        (_break("query", [1, 2, 3]), "row 1 .*'query'.*length 3"),
+        (_break("sample0", "abc"), "row 1 .*'sample0'"),
+        (_break("sample1", [1, 1.5, 2]), "row 1 .*'sample1'.*1.5"),
+        (_break("query", [1, "x", 2, 3]), "row 1 .*'query'.*'x'"),
+        (_break("query", [1, -4, 2, 3]), "row 1 .*'query'.*-4"),
+        (_break("sample3", [1, None, 2]), "row 1 .*'sample3'.*None"),
+        (_break("best", 4), "row 1 .*'best'"),
+        (_break("best", "1"), "row 1 .*'best'"),
+        (_break("best", True), "row 1 .*'best'"),
+        (_break("query", [OAI_PAD_TOKEN, 1, 2, 3]), "row 1 .*'query'.*PAD"),
+        ([*_label_rows(1), [1, 2]], "row 1 .*list"),
+        ({"query": [1]}, "JSON list"),
+    ],
+)
+def test_load_labels_malformed_rows_name_row_and_field(tmp_path, rows, pattern):
+    with pytest.raises(ValueError, match=pattern):
+        load_labels(_write(tmp_path / "l.json", rows), 4, 3, pad_id=PAD, num_train=1)
+
+
+def test_load_labels_needs_num_train_rows(tmp_path):
+    with pytest.raises(ValueError, match="3 rows but num_train is 4"):
+        load_labels(_write(tmp_path / "l.json", _label_rows()), 4, 3, pad_id=PAD, num_train=4)
+
+
+def test_load_labels_missing_local_file(tmp_path):
+    with pytest.raises(FileNotFoundError, match="missing.json"):
+        load_labels(str(tmp_path / "missing.json"), 4, 3, pad_id=PAD, num_train=1)
+
+
+def test_load_labels_offline_hub_fails_fast(offline_hub):
+    start = time.perf_counter()
+    with pytest.raises(HubUnavailableError, match="sentiment/offline_5k.json.*--label_dataset"):
+        load_labels("sentiment/offline_5k.json", 64, 24, pad_id=PAD, num_train=4992)
+    assert time.perf_counter() - start < 5
+
+
+def test_save_labels_round_trip_writes_oai_pad(tmp_path):
+    rows = [
+        {
+            "query": torch.tensor([5, 6, PAD, PAD]),
+            **{f"sample{s}": [s, PAD, PAD] for s in range(4)},
+            "best": np.int64(2),
+        },
+        {"query": [7, 8, 9, PAD], **{f"sample{s}": [s + 4, s, PAD] for s in range(4)}, "best": 0},
+    ]
+    path = str(tmp_path / "out" / "labels.json")
+    save_labels(path, rows, pad_id=PAD)
+    with open(path, encoding="utf-8") as f:
+        raw = json.load(f)
+    assert raw[0]["query"] == [5, 6, OAI_PAD_TOKEN, OAI_PAD_TOKEN] and raw[0]["best"] == 2
+    assert sorted(raw[0]) == ["best", "query", "sample0", "sample1", "sample2", "sample3"]
+    labels = load_labels(path, 4, 3, pad_id=PAD, num_train=2)
+    assert labels.query.tolist() == [[5, 6, PAD, PAD], [7, 8, 9, PAD]]
+    assert labels.samples[1, 2].tolist() == [6, 2, PAD]
+    assert labels.best.tolist() == [2, 0]
+
+
+def test_save_labels_rejects_malformed_rows(tmp_path):
+    rows = _label_rows()
+    rows[2]["sample0"] = [1]
+    with pytest.raises(ValueError, match="row 2 .*'sample0'"):
+        save_labels(str(tmp_path / "l.json"), rows)
+
+
+def test_load_labels_oai_sized_file_is_fast(tmp_path):
+    rng = np.random.RandomState(0)
+    rows = [
+        {
+            "query": rng.randint(0, 50257, 64).tolist(),
+            **{f"sample{s}": rng.randint(0, 50257, 24).tolist() for s in range(4)},
+            "best": int(rng.randint(4)),
+        }
+        for _ in range(4992)
+    ]
+    path = _write(tmp_path / "big.json", rows)
+    start = time.perf_counter()
+    labels = load_labels(path, 64, 24, pad_id=PAD, num_train=4992)
+    assert time.perf_counter() - start < 2
+    assert labels.samples.shape == (4992, 4, 24)
+    assert labels.query[4991].tolist() == rows[4991]["query"]

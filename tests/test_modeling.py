@@ -1,0 +1,297 @@
+import json
+import os
+import time
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from transformers import AutoModelForCausalLM, GPT2Config, GPT2Model
+
+from lm_human_preference_details import hub
+from lm_human_preference_details.modeling import (
+    REWARD_HEAD_FILE,
+    PolicyWithValueHead,
+    RewardModel,
+    load_causal_lm,
+    load_reward_model,
+    pad_invisible_hidden,
+    position_ids_from_mask,
+    reward_head_std,
+    sample,
+)
+from tests.conftest import tiny_gpt2
+
+PAD = 50257
+EOS = 50256
+
+
+def _random_value_head(policy: PolicyWithValueHead) -> PolicyWithValueHead:
+    """Give the value head non-zero weights so value comparisons are meaningful."""
+    torch.manual_seed(1)
+    with torch.no_grad():
+        policy.value_head.weight.normal_()
+        policy.value_head.bias.fill_(0.3)
+    return policy
+
+
+def _bias_towards(lm, token: int, scale: float = 1000.0):
+    """Make `token` dominate every next-token distribution via the final LayerNorm bias (tied LM head)."""
+    with torch.no_grad():
+        wte = lm.transformer.wte.weight
+        wte[token] *= 5
+        lm.transformer.ln_f.bias.copy_(scale * wte[token])
+    return lm
+
+
+def test_position_ids_from_mask_oai_exclusive_cumsum():
+    # TV2: OAI query [23073, P, P] + 3 response tokens; and the left-padded layout
+    mask = torch.tensor([[1, 0, 0, 1, 1, 1], [0, 0, 1, 1, 1, 1]], dtype=torch.bool)
+    assert position_ids_from_mask(mask).tolist() == [[0, 1, 1, 1, 2, 3], [0, 0, 0, 1, 2, 3]]
+
+
+def test_pad_invisible_hidden_real_positions_match_unpadded(tiny_lm):
+    # TV3 (a): [q, P, P, r...] at real positions == [q, r...] without pads
+    padded = torch.tensor([[23073, PAD, PAD, 11, 339, 561]])
+    plain = torch.tensor([[23073, 11, 339, 561]])
+    with torch.no_grad():
+        hidden_padded = pad_invisible_hidden(tiny_lm, padded, PAD)
+        hidden_plain = pad_invisible_hidden(tiny_lm, plain, PAD)
+    torch.testing.assert_close(hidden_padded[:, [0, 3, 4, 5]], hidden_plain, atol=1e-5, rtol=0)
+    logits_padded = tiny_lm.get_output_embeddings()(hidden_padded)
+    logits_plain = tiny_lm.get_output_embeddings()(hidden_plain)
+    torch.testing.assert_close(logits_padded[:, [0, 3, 4, 5]], logits_plain, atol=1e-5, rtol=0)
+
+
+def test_pad_invisible_hidden_pad_rows_copy_previous_real(tiny_lm):
+    # TV3 (b): every PAD row equals the most recent real row (incl. trailing pads); batch rows differ in padding
+    tokens = torch.tensor([[23073, PAD, PAD, 11, 339, PAD], [7091, 1807, 546, 340, PAD, PAD]])
+    with torch.no_grad():
+        hidden = pad_invisible_hidden(tiny_lm, tokens, PAD)
+    assert torch.equal(hidden[0, 1], hidden[0, 0]) and torch.equal(hidden[0, 2], hidden[0, 0])
+    assert torch.equal(hidden[0, 5], hidden[0, 4])
+    assert torch.equal(hidden[1, 4], hidden[1, 3]) and torch.equal(hidden[1, 5], hidden[1, 3])
+    assert not torch.allclose(hidden[0, 3], hidden[0, 0])
+
+
+def test_policy_forward_internal_pads_same_response_logits(tiny_lm):
+    # TV3 (c): a context with pads inside gives the same response logits and values as the unpadded context
+    policy = _random_value_head(PolicyWithValueHead(tiny_lm))
+    response = [11, 339, 561]
+    with torch.no_grad():
+        logits_pad, values_pad = policy(torch.tensor([[23073, 8, PAD, PAD] + response]), 4, PAD, 0.7)
+        logits_plain, values_plain = policy(torch.tensor([[23073, 8] + response]), 2, PAD, 0.7)
+    assert logits_pad.shape == (1, 3, 50257)
+    torch.testing.assert_close(logits_pad, logits_plain, atol=1e-5, rtol=0)
+    torch.testing.assert_close(values_pad, values_plain, atol=1e-5, rtol=0)
+
+
+def test_pad_invisible_hidden_rejects_leading_pad(tiny_lm):
+    tokens = torch.tensor([[23073, 11, PAD], [PAD, 11, 339]])
+    with pytest.raises(ValueError, match=r"rows \[1\] start with the PAD"):
+        pad_invisible_hidden(tiny_lm, tokens, PAD)
+
+
+def test_load_causal_lm_disables_dropout(tmp_path):
+    tiny_gpt2(attn_pdrop=0.1, embd_pdrop=0.1, resid_pdrop=0.1, summary_first_dropout=0.1).save_pretrained(tmp_path)
+    assert json.loads((tmp_path / "config.json").read_text())["attn_pdrop"] == 0.1
+    lm = load_causal_lm(str(tmp_path))
+    config = lm.config.to_dict()
+    dropout_keys = [k for k in config if k.endswith(("dropout", "pdrop"))]
+    assert len(dropout_keys) >= 3 and all(config[k] == 0 for k in dropout_keys)
+    assert all(not module.training for module in lm.modules())
+    assert all(m.p == 0 for m in lm.modules() if isinstance(m, torch.nn.Dropout))
+    assert lm.dtype == torch.float32
+    tokens = torch.tensor([[23073, 11, 339, 561]])
+    lm.train()  # even in train mode the forward is deterministic: dropout is off in the config
+    with torch.no_grad():
+        assert torch.equal(lm(tokens).logits, lm(tokens).logits)
+
+
+def test_load_causal_lm_missing_local_dir_raises(tmp_path):
+    missing = str(tmp_path / "no-such-model")
+    with pytest.raises(FileNotFoundError, match="--base_model") as info:
+        load_causal_lm(missing)
+    assert missing in str(info.value)
+
+
+def test_load_causal_lm_offline_hub_name_fails_fast(monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    start = time.monotonic()
+    with pytest.raises(hub.HubUnavailableError, match="--base_model"):
+        load_causal_lm("gpt2-nonexistent-xyz")
+    assert time.monotonic() - start < 5
+
+
+def test_policy_value_head_zero_at_init(tiny_lm):
+    # TV14: initial values are exactly 0
+    policy = PolicyWithValueHead(tiny_lm)
+    assert torch.count_nonzero(policy.value_head.weight) == 0 and policy.value_head.bias.item() == 0
+    with torch.no_grad():
+        _, values = policy(torch.tensor([[23073, PAD, 11, 339, 561]]), 2, PAD, 0.7)
+    assert values.shape == (1, 3) and torch.equal(values, torch.zeros(1, 3))
+
+
+def test_policy_forward_rejects_bad_context_length(tiny_lm):
+    with pytest.raises(ValueError, match="context_length"):
+        PolicyWithValueHead(tiny_lm)(torch.tensor([[23073, 11]]), 2, PAD, 0.7)
+
+
+def test_sample_shapes_fixed_length(tiny_lm):
+    contexts = torch.tensor([[23073, 11, PAD], [7091, 1807, 546], [13, PAD, PAD]])
+    responses, logprobs, values = sample(PolicyWithValueHead(tiny_lm), contexts, 5, 0.7, PAD)
+    assert responses.shape == logprobs.shape == values.shape == (3, 5)
+    assert responses.dtype == torch.long and logprobs.dtype == values.dtype == torch.float32
+    assert bool((logprobs <= 0).all())
+
+
+def test_sample_eos_does_not_stop(tiny_lm):
+    policy = PolicyWithValueHead(_bias_towards(tiny_lm, EOS))
+    contexts = torch.tensor([[23073, 11, PAD, PAD], [7091, 1807, 546, 340]])
+    responses, _, _ = sample(policy, contexts, 8, 1.0, PAD, torch.Generator().manual_seed(0))
+    assert responses.shape == (2, 8)
+    assert (responses == EOS).float().mean() > 0.9
+
+
+def test_sample_never_samples_pad_inside_vocab():
+    lm = _bias_towards(tiny_gpt2(vocab_size=50258), PAD)
+    policy = PolicyWithValueHead(lm)
+    contexts = torch.tensor([[23073, 11, PAD], [7091, 1807, 546]])
+    with torch.no_grad():
+        raw_logits = lm(torch.tensor([[23073, 11]])).logits
+        logits, _ = policy(torch.tensor([[23073, 11, 339, 561]]), 2, PAD, 1.0)
+    assert bool((raw_logits.argmax(-1) == PAD).all())  # without the mask PAD would always win
+    assert bool((logits[..., PAD] == torch.finfo(torch.float32).min).all())
+    responses, logprobs, _ = sample(policy, contexts, 6, 1.0, PAD, torch.Generator().manual_seed(0))
+    assert not bool((responses == PAD).any())
+    assert bool(torch.isfinite(logprobs).all())
+
+
+def test_sample_matches_full_forward(tiny_lm):
+    policy = _random_value_head(PolicyWithValueHead(tiny_lm))
+    contexts = torch.tensor([[23073, 11, PAD, PAD, 13], [7091, 1807, 546, 340, 13], [13, PAD, PAD, PAD, PAD]])
+    responses, logprobs, values = sample(policy, contexts, 6, 0.7, PAD, torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        logits, values_forward = policy(torch.cat([contexts, responses], 1), contexts.shape[1], PAD, 0.7)
+    logprobs_forward = logits.gather(-1, responses[..., None])[..., 0] - torch.logsumexp(logits, -1)
+    torch.testing.assert_close(logprobs, logprobs_forward, atol=1e-5, rtol=0)
+    torch.testing.assert_close(values, values_forward, atol=1e-5, rtol=0)
+    assert not torch.allclose(values[:, 0], values[:, 1])
+
+
+def test_sample_seeded_generator_deterministic(tiny_lm):
+    policy = PolicyWithValueHead(tiny_lm)
+    contexts = torch.tensor([[23073, 11, PAD], [7091, 1807, 546]])
+    first = sample(policy, contexts, 6, 0.7, PAD, torch.Generator().manual_seed(7))
+    second = sample(policy, contexts, 6, 0.7, PAD, torch.Generator().manual_seed(7))
+    other = sample(policy, contexts, 6, 0.7, PAD, torch.Generator().manual_seed(8))
+    assert all(torch.equal(a, b) for a, b in zip(first, second))
+    assert not torch.equal(first[0], other[0])
+
+
+def test_sample_temperature_applied(tiny_lm):
+    policy = PolicyWithValueHead(tiny_lm)
+    contexts = torch.tensor([[23073, 11, PAD], [7091, 1807, 546]])
+    responses, logprobs, _ = sample(policy, contexts, 4, 0.5, PAD, torch.Generator().manual_seed(0))
+    query_responses = torch.cat([contexts, responses], 1)
+    with torch.no_grad():
+        logits_half, _ = policy(query_responses, 3, PAD, 0.5)
+        logits_one, _ = policy(query_responses, 3, PAD, 1.0)
+    torch.testing.assert_close(logits_half, 2 * logits_one, atol=1e-5, rtol=1e-6)
+
+    def logprobs_of(logits):
+        return logits.gather(-1, responses[..., None])[..., 0] - torch.logsumexp(logits, -1)
+
+    torch.testing.assert_close(logprobs, logprobs_of(logits_half), atol=1e-5, rtol=0)
+    assert (logprobs - logprobs_of(logits_one)).abs().max() > 1e-3
+
+
+def test_reward_head_init_matches_oai():
+    # TV14: reward head std 1/sqrt(769) for GPT-2 124M's width; bias 0; gain 1, bias 0, both trainable
+    assert reward_head_std(768) == pytest.approx(0.0360609, abs=1e-7)
+    torch.manual_seed(0)
+    trunk = GPT2Model(GPT2Config(n_layer=1, n_head=12, n_embd=768, n_positions=8, vocab_size=16))
+    reward_model = RewardModel(trunk)
+    assert reward_model.head.weight.shape == (1, 768)
+    assert reward_model.head.weight.std().item() == pytest.approx(0.0360609, rel=0.05)
+    assert reward_model.head.bias.item() == 0
+    assert reward_model.gain.item() == 1 and reward_model.bias.item() == 0
+    assert reward_model.gain.requires_grad and reward_model.bias.requires_grad
+    names = {name for name, _ in reward_model.named_parameters()}
+    assert {"gain", "bias", "head.weight", "head.bias"} <= names
+
+
+def test_reward_model_reads_last_real_token(tiny_lm):
+    reward_model = RewardModel(tiny_lm.transformer)
+    with torch.no_grad():
+        padded = reward_model(torch.tensor([[23073, PAD, 11, 339, 13, PAD, PAD]]), PAD)
+        plain = reward_model(torch.tensor([[23073, 11, 339, 13]]), PAD)
+        shorter = reward_model(torch.tensor([[23073, 11, 339]]), PAD)
+    assert padded.shape == (1,)
+    torch.testing.assert_close(padded, plain, atol=1e-5, rtol=0)
+    assert not torch.allclose(plain, shorter)
+
+
+def test_reward_model_batched_forward_matches_rows(tiny_lm):
+    reward_model = RewardModel(tiny_lm.transformer)
+    with torch.no_grad():
+        reward_model.gain.fill_(2.0)
+        reward_model.bias.fill_(-0.5)
+        tokens = torch.tensor([[23073, 11, 339, PAD], [7091, 1807, 546, 340], [13, PAD, 198, PAD]])
+        batched = reward_model(tokens, PAD)
+        rows = torch.cat([reward_model(row[None], PAD) for row in tokens])
+        raw = reward_model.head(pad_invisible_hidden(tiny_lm.transformer, tokens, PAD)[:, -1]).squeeze(-1)
+    torch.testing.assert_close(batched, rows, atol=1e-5, rtol=0)
+    torch.testing.assert_close(batched, 2.0 * raw - 0.5, atol=1e-6, rtol=0)
+
+
+def test_reward_model_save_load_roundtrip(tiny_lm, tmp_path):
+    reward_model = RewardModel(tiny_lm.transformer)
+    with torch.no_grad():
+        reward_model.gain.fill_(1.7)
+        reward_model.bias.fill_(0.25)
+    reward_model.save(str(tmp_path), {"pad_id": PAD, "base_model": "tiny"})
+    loaded, metadata = load_reward_model(str(tmp_path))
+    assert metadata["pad_id"] == PAD and metadata["base_model"] == "tiny"
+    assert metadata["gain"] == pytest.approx(1.7) and metadata["hidden_size"] == 32 and metadata["vocab_size"] == 50257
+    assert all(not module.training for module in loaded.modules())
+    tokens = torch.tensor([[23073, 11, 339, PAD], [7091, 1807, 546, 340]])
+    with torch.no_grad():
+        assert torch.equal(loaded(tokens, PAD), reward_model(tokens, PAD))
+
+
+def test_load_reward_model_missing_dir_raises(tmp_path):
+    missing = str(tmp_path / "reward")
+    with pytest.raises(FileNotFoundError, match="--rewards.trained_model") as info:
+        load_reward_model(missing)
+    assert missing in str(info.value)
+
+
+def test_load_reward_model_head_size_mismatch_raises(tiny_lm, tmp_path):
+    RewardModel(tiny_lm.transformer).save(str(tmp_path), {})
+    path = os.path.join(tmp_path, REWARD_HEAD_FILE)
+    tensors = load_file(path)
+    tensors["head.weight"] = torch.zeros(1, 48)
+    save_file(tensors, path)
+    with pytest.raises(ValueError, match=r"48.*32"):
+        load_reward_model(str(tmp_path))
+
+
+def test_reward_model_from_base_dropout_off(tiny_model_dir):
+    reward_model = RewardModel.from_base(tiny_model_dir)
+    assert isinstance(reward_model.trunk, GPT2Model)
+    assert reward_model.trunk.config.attn_pdrop == 0 and reward_model.trunk.config.resid_pdrop == 0
+    assert all(not module.training for module in reward_model.modules())
+
+
+def test_policy_save_loads_with_auto_model(tiny_lm, tmp_path):
+    policy = _random_value_head(PolicyWithValueHead(tiny_lm))
+    policy.save(str(tmp_path))
+    assert os.path.isfile(tmp_path / "value_head.safetensors")
+    tokens = torch.tensor([[23073, 11, 339, 561]])
+    reloaded = AutoModelForCausalLM.from_pretrained(str(tmp_path)).eval()
+    loaded = PolicyWithValueHead.load(str(tmp_path))
+    with torch.no_grad():
+        assert torch.equal(reloaded(tokens).logits, tiny_lm(tokens).logits)
+        assert torch.equal(loaded(tokens, 2, PAD, 0.7)[0], policy(tokens, 2, PAD, 0.7)[0])
+    assert torch.equal(loaded.value_head.weight, policy.value_head.weight)
+    assert torch.equal(loaded.value_head.bias, policy.value_head.bias)

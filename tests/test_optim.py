@@ -1,0 +1,130 @@
+"""AdamTensorFlowStyle against an independent float64 NumPy version of TF1's AdamOptimizer update (spec O1-O3, TV8)."""
+
+import numpy as np
+import pytest
+import torch
+
+from lm_human_preference_details.optim import AdamTensorFlowStyle
+
+BETA1, BETA2, EPS = 0.9, 0.999, 1e-5
+NUM_STEPS = 50
+
+
+def grad_schedule(num_steps: int = NUM_STEPS) -> np.ndarray:
+    """(num_steps, 16) gradients whose magnitudes span 1e-7 ... 1, with signs and sizes varying over time."""
+    scales = np.logspace(-7, 0, 16)
+    t = np.arange(num_steps)[:, None]
+    i = np.arange(16)[None, :]
+    return scales * np.sin(0.7 * t + 1.3 * i + 0.1) * (1.0 + 0.5 * np.cos(0.3 * t))
+
+
+def tf1_adam_reference(p0: np.ndarray, grads: np.ndarray, lrs: list[float]) -> np.ndarray:
+    """TF1 Adam in float64: m, v as usual; p -= lr * sqrt(1 - b2^t) / (1 - b1^t) * m / (sqrt(v) + eps)."""
+    p, m, v = p0.astype(np.float64), np.zeros_like(p0, np.float64), np.zeros_like(p0, np.float64)
+    for t, (g, lr) in enumerate(zip(grads, lrs), start=1):
+        m = BETA1 * m + (1 - BETA1) * g
+        v = BETA2 * v + (1 - BETA2) * g * g
+        lr_t = lr * np.sqrt(1 - BETA2**t) / (1 - BETA1**t)
+        p = p - lr_t * m / (np.sqrt(v) + EPS)
+    return p
+
+
+def run_optimizer(optimizer_cls, p0: np.ndarray, grads: np.ndarray, lrs: list[float], dtype: torch.dtype, **kwargs):
+    """Apply `grads` step by step to a parameter initialized at p0, setting the group lr before each step."""
+    param = torch.nn.Parameter(torch.tensor(p0, dtype=dtype))
+    optimizer = optimizer_cls([param], lr=lrs[0], betas=(BETA1, BETA2), eps=EPS, **kwargs)
+    for g, lr in zip(grads, lrs):
+        optimizer.param_groups[0]["lr"] = lr
+        param.grad = torch.tensor(g, dtype=dtype)
+        optimizer.step()
+    return param.detach().double().numpy()
+
+
+def test_adam_tf_style_matches_closed_form_float64():
+    grads = grad_schedule()
+    p0 = np.random.default_rng(0).normal(size=16)
+    lrs = [1e-3] * NUM_STEPS
+    ours = run_optimizer(AdamTensorFlowStyle, p0, grads, lrs, torch.float64)
+    expected = tf1_adam_reference(p0, grads, lrs)
+    np.testing.assert_allclose(ours - p0, expected - p0, rtol=1e-12, atol=0)
+
+
+def test_adam_tf_style_matches_closed_form_float32():
+    grads = grad_schedule()
+    p0 = np.random.default_rng(1).normal(size=16).astype(np.float32).astype(np.float64)
+    lrs = [1e-3] * NUM_STEPS
+    ours = run_optimizer(AdamTensorFlowStyle, p0, grads.astype(np.float32), lrs, torch.float32)
+    expected = tf1_adam_reference(p0, grads.astype(np.float32).astype(np.float64), lrs)
+    np.testing.assert_allclose(ours, expected, rtol=0, atol=1e-6)
+
+
+def test_adam_tf_style_differs_from_torch_adam_at_small_gradients():
+    # grad 1e-7: TF's first step is lr * sqrt(1 - b2) * g / (sqrt(1 - b2) * g + eps) ~ 3.2e-4 * lr, torch's
+    # lr * g / (g + eps) ~ 1e-2 * lr, because torch's effective epsilon is eps * sqrt(1 - b2^t)
+    grads = np.full((1, 4), 1e-7)
+    p0 = np.zeros(4)
+    tf_step = run_optimizer(AdamTensorFlowStyle, p0, grads, [1e-3], torch.float64)
+    torch_step = run_optimizer(torch.optim.Adam, p0, grads, [1e-3], torch.float64)
+    np.testing.assert_allclose(tf_step, tf1_adam_reference(p0, grads, [1e-3]), rtol=1e-12)
+    assert np.all(np.abs(torch_step) > 20 * np.abs(tf_step))
+
+
+def test_adam_tf_style_differs_from_torch_adam_over_schedule():
+    grads = grad_schedule()
+    p0 = np.zeros(16)
+    lrs = [1e-3] * NUM_STEPS
+    expected = tf1_adam_reference(p0, grads, lrs)
+    torch_adam = run_optimizer(torch.optim.Adam, p0, grads, lrs, torch.float64)
+    small = slice(0, 6)  # gradients below ~1e-4, where eps dominates the denominator
+    assert np.all(np.abs(torch_adam[small] - expected[small]) > 2 * np.abs(expected[small]))
+
+
+def test_adam_tf_style_lr_change_between_steps_takes_effect():
+    grads = grad_schedule(10)
+    p0 = np.random.default_rng(2).normal(size=16)
+    lrs = [1e-3, 1e-3, 5e-4, 0.0, 2e-3, 1e-4, 1e-4, 0.0, 3e-3, 1e-3]
+    ours = run_optimizer(AdamTensorFlowStyle, p0, grads, lrs, torch.float64)
+    np.testing.assert_allclose(ours - p0, tf1_adam_reference(p0, grads, lrs) - p0, rtol=1e-12, atol=0)
+    constant_lr = run_optimizer(AdamTensorFlowStyle, p0, grads, [1e-3] * 10, torch.float64)
+    assert np.abs(ours - constant_lr).max() > 1e-4
+
+
+def test_adam_tf_style_skips_params_without_grad_and_groups_keep_own_lr():
+    a = torch.nn.Parameter(torch.ones(3, dtype=torch.float64))
+    b = torch.nn.Parameter(torch.ones(3, dtype=torch.float64))
+    c = torch.nn.Parameter(torch.ones(3, dtype=torch.float64))
+    optimizer = AdamTensorFlowStyle([{"params": [a, b]}, {"params": [c], "lr": 1e-2}], lr=1e-3)
+    a.grad = torch.full_like(a, 0.5)
+    c.grad = torch.full_like(c, 0.5)
+    optimizer.step()
+    grads = np.full((1, 3), 0.5)
+    np.testing.assert_allclose(a.detach().numpy(), tf1_adam_reference(np.ones(3), grads, [1e-3]), rtol=1e-12)
+    np.testing.assert_allclose(c.detach().numpy(), tf1_adam_reference(np.ones(3), grads, [1e-2]), rtol=1e-12)
+    assert torch.equal(b.detach(), torch.ones(3, dtype=torch.float64))
+    assert b not in optimizer.state
+
+
+def test_adam_tf_style_state_dict_roundtrip_continues_identically():
+    grads = grad_schedule(6)
+    p0 = np.random.default_rng(3).normal(size=16)
+    full = run_optimizer(AdamTensorFlowStyle, p0, grads, [1e-3] * 6, torch.float64)
+
+    param = torch.nn.Parameter(torch.tensor(p0))
+    optimizer = AdamTensorFlowStyle([param], lr=1e-3)
+    for g in grads[:3]:
+        param.grad = torch.tensor(g)
+        optimizer.step()
+    saved = optimizer.state_dict()
+    resumed = AdamTensorFlowStyle([param], lr=1e-3)
+    resumed.load_state_dict(saved)
+    assert resumed.state[param]["step"] == 3
+    for g in grads[3:]:
+        param.grad = torch.tensor(g)
+        resumed.step()
+    np.testing.assert_array_equal(param.detach().numpy(), full)
+
+
+@pytest.mark.parametrize("kwargs", [dict(lr=-1.0), dict(betas=(1.0, 0.999)), dict(eps=-1e-5)])
+def test_adam_tf_style_rejects_bad_hyperparameters(kwargs):
+    with pytest.raises(ValueError, match="invalid"):
+        AdamTensorFlowStyle([torch.nn.Parameter(torch.zeros(1))], **kwargs)
