@@ -1,0 +1,84 @@
+"""Reward-training throughput (labels/second) of train_reward.py's step at OAI's shapes, on a random GPT-2.
+
+    python benchmark/reward_throughput.py --model tiny
+    python benchmark/reward_throughput.py --model gpt2-124m --per_process_batch 4 --steps 5
+
+One step = one batched reward-model forward of batch*4 (query ⊕ sample) rows, best-of-4 cross-entropy, backward and a
+TF-style Adam step: exactly what train_reward.py does per optimizer step on one process. Random weights change nothing
+about the cost, so no download is needed.
+"""
+
+import os
+import sys
+import time
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+import tyro
+from transformers import GPT2Config, GPT2Model
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from lm_human_preference_details.modeling import RewardModel  # noqa: E402
+from lm_human_preference_details.optim import AdamTensorFlowStyle  # noqa: E402
+from train_reward import best_of_n_loss, score_label_rows  # noqa: E402
+
+CONFIGS = {
+    "tiny": dict(n_layer=2, n_head=2, n_embd=32),
+    "gpt2-124m": dict(n_layer=12, n_head=12, n_embd=768),
+}
+
+
+@dataclass
+class Args:
+    model: Literal["tiny", "gpt2-124m"] = "tiny"
+    """random GPT-2 shape to time"""
+    per_process_batch: int = 4
+    """label rows per step on this process (OAI: 32 labels over 8 processes = 4)"""
+    query_length: int = 64
+    """query tokens (OAI books tasks: 64)"""
+    response_length: int = 24
+    """response tokens (OAI books tasks: 24)"""
+    steps: int = 20
+    """timed steps (after 2 warm-up steps)"""
+    threads: int = 0
+    """torch CPU threads (0: leave torch's default)"""
+
+
+def main(args: Args) -> None:
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    torch.manual_seed(0)
+    config = GPT2Config(vocab_size=50257, n_positions=1024, attn_pdrop=0.0, embd_pdrop=0.0, resid_pdrop=0.0, **CONFIGS[args.model])
+    reward_model = RewardModel(GPT2Model(config).eval()).to(device)
+    optimizer = AdamTensorFlowStyle(reward_model.parameters(), lr=1e-5, eps=1e-5)
+    pad = 50257
+    query = torch.randint(0, 50257, (args.per_process_batch, args.query_length), device=device)
+    samples = torch.randint(0, 50257, (args.per_process_batch, 4, args.response_length), device=device)
+    best = torch.randint(0, 4, (args.per_process_batch,), device=device)
+
+    def step() -> None:
+        loss = best_of_n_loss(score_label_rows(reward_model, query, samples, pad), best)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    for _ in range(2):
+        step()
+    if device == "cuda":
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(args.steps):
+        step()
+    if device == "cuda":
+        torch.cuda.synchronize()
+    seconds = (time.perf_counter() - start) / args.steps
+    params = sum(p.numel() for p in reward_model.parameters())
+    print(f"model {args.model} ({params / 1e6:.1f}M params) on {device} with {torch.get_num_threads()} threads, "
+          f"batch {args.per_process_batch}x4 rows of {args.query_length}+{args.response_length} tokens")
+    print(f"{seconds * 1000:.1f} ms/step, {args.per_process_batch / seconds:.1f} labels/s")
+
+
+if __name__ == "__main__":
+    main(tyro.cli(Args, use_underscores=True))

@@ -1,0 +1,315 @@
+"""Reward model training from best-of-4 human labels, as in openai/lm-human-preferences train_reward.py.
+https://github.com/openai/lm-human-preferences/blob/cbfd210bb8b08f6bc5c26878c10984b90f516c66/lm_human_preferences/train_reward.py
+
+Run:   accelerate launch --num_processes 8 train_reward.py --task sentiment --output_dir models/sentiment_reward
+Steps: normalize the untrained reward to N(0, 1) on samples of the pretrained policy, train one epoch of best-of-4
+cross-entropy on the labels, normalize again, save. Batch sizes are global (summed over processes), as in OAI.
+"""
+
+import dataclasses
+import json
+import math
+import os
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from accelerate.utils import broadcast
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+from rich.table import Table
+
+from lm_human_preference_details.cli import parse_args
+from lm_human_preference_details.core import (
+    Tracker,
+    allreduce_gradients,
+    broadcast_parameters,
+    ceil_div,
+    exact_div,
+    make_accelerator,
+    set_seed,
+)
+from lm_human_preference_details.data import (
+    TASKS,
+    Labels,
+    QueryStream,
+    TaskHParams,
+    encode_context_affixes,
+    format_contexts,
+    load_labels,
+    load_texts,
+)
+from lm_human_preference_details.modeling import PolicyWithValueHead, RewardModel, load_causal_lm, sample
+from lm_human_preference_details.optim import AdamTensorFlowStyle
+from lm_human_preference_details.tokenizer import load_tokenizer, tokenizer_fingerprint
+
+
+# ---------------------------------------------------------------- hyperparameters
+@dataclass
+class LabelHParams:
+    num_train: int = 4992
+    """labels used for training: the first `num_train` rows of the label file; the rest are held out for eval/ (OAI
+    launch.py#L71, it had no held-out set)"""
+    num_samples: int = 4
+    """responses per label row; the label type is best-of-`num_samples` (OAI launch.py#L70: best_of_4)"""
+
+
+@dataclass
+class Args:
+    exp_name: str = "train_reward"
+    """name of this experiment (run name prefix)"""
+    seed: int = 1
+    """run seed; process r seeds NumPy and torch with seed + r*100003 (OAI utils/core.py#L108-L113)"""
+    data_seed: int = 0
+    """seed of the one global shuffle of the query texts, identical on every process (OAI datasets.py#L33)"""
+    base_model: str = "gpt2"
+    """pretrained model (hub id or local directory) for the reward trunk and for the normalization samples"""
+    label_dataset: str = "sentiment/offline_5k.json"
+    """label file: a local JSON path in OAI's schema, or a file of the hub dataset vwxyzjn/lm-human-preferences"""
+    task: TaskHParams = field(default_factory=TaskHParams)
+    """query construction, response length and sampling temperature (OAI lm_tasks.py)"""
+    labels: LabelHParams = field(default_factory=LabelHParams)
+    """which labels to train on"""
+    batch_size: int = 32
+    """labels per optimizer step, summed over all processes (OAI launch.py#L73)"""
+    gradient_accumulation_steps: int = 1
+    """micro-batches per process and step; gives the same update with less memory"""
+    lr: float = 5e-5
+    """Adam learning rate, annealed linearly to lr*batch_size/num_train at the last step (OAI train_reward.py#L249)"""
+    rollout_batch_size: int = 512
+    """queries per normalization batch, summed over all processes (OAI launch.py#L74)"""
+    normalize_samples: int = 256
+    """normalization draws ceil(normalize_samples / rollout_batch_size) whole rollout batches (OAI launch.py#L75)"""
+    normalize_before: bool = True
+    """set gain/bias so the untrained reward is N(0, 1) on samples of the pretrained policy (OAI launch.py#L76)"""
+    normalize_after: bool = True
+    """set gain/bias again after training (OAI launch.py#L77)"""
+    use_tensorflow_adam: bool = True
+    """TF1-style Adam (eps after bias correction, as OAI); off: torch.optim.Adam with the same eps"""
+    eval_interval: int = 0
+    """evaluate held-out accuracy every this many steps (0: only before and after training)"""
+    output_dir: str = "models/reward"
+    """where the reward model, tokenizer, TensorBoard events and wandb files are written"""
+    track: bool = False
+    """log to Weights & Biases (set WANDB_MODE=offline to log without network)"""
+    wandb_project_name: str = "lm_human_preference_details"
+    """wandb project"""
+    wandb_entity: str | None = None
+    """wandb entity (team or user)"""
+
+
+def books_preset(label_file: str) -> Args:
+    """OAI's sentiment/descriptiveness reward training (launch.py#L49-L80)."""
+    return Args(label_dataset=label_file, task=dataclasses.replace(TASKS["sentiment"]))
+
+
+def summarization_preset(task: str) -> Args:
+    """OAI's tldr/cnndm reward training (launch.py#L82-L111): 46k online labels, batch 16, lr 2.5e-5, rollouts 128."""
+    return Args(
+        label_dataset=f"{task}/online_45k.json",
+        task=dataclasses.replace(TASKS[task]),
+        labels=LabelHParams(num_train=46_000),
+        batch_size=16,
+        lr=2.5e-5,
+        rollout_batch_size=128,
+    )
+
+
+PRESETS = {
+    "sentiment": books_preset("sentiment/offline_5k.json"),
+    "descriptiveness": books_preset("descriptiveness/offline_5k.json"),
+    "tldr": summarization_preset("tldr"),
+    "cnndm": summarization_preset("cnndm"),
+}
+
+
+# ---------------------------------------------------------------- algorithm helpers
+def best_of_n_loss(rewards: torch.Tensor, best: torch.Tensor) -> torch.Tensor:
+    """Softmax cross-entropy over the N responses of each label row, target = the labeled best one."""
+    # https://github.com/openai/lm-human-preferences/blob/cbfd210bb8b08f6bc5c26878c10984b90f516c66/lm_human_preferences/label_types.py#L44-L49
+    return F.cross_entropy(rewards, best)
+
+
+def score_label_rows(reward_model: RewardModel, query: torch.Tensor, samples: torch.Tensor, pad_id: int) -> torch.Tensor:
+    """Rewards (B, N) of every response of B label rows, in one batched forward of B*N query ⊕ response rows."""
+    b, n, length = samples.shape
+    query_responses = torch.cat([query.repeat_interleave(n, dim=0), samples.reshape(b * n, length)], dim=1)
+    return reward_model(query_responses, pad_id).view(b, n)
+
+
+@torch.no_grad()
+def normalize_rewards(args, accelerator, reward_model, ref_policy, query_stream, affixes, pad_id, generator) -> dict:
+    """Set gain/bias so rewards of the pretrained policy's samples have mean 0 and std 1 over all processes."""
+    # reset, sample ceil(normalize_samples/rollout_batch_size) global rollout batches from the pretrained policy at
+    # the task temperature (raw, untruncated), score raw query ⊕ response, population std of the global sample
+    # https://github.com/openai/lm-human-preferences/blob/cbfd210bb8b08f6bc5c26878c10984b90f516c66/lm_human_preferences/train_reward.py#L149-L219
+    reward_model.gain.fill_(1.0)
+    reward_model.bias.fill_(0.0)
+    local_rollout_batch_size = exact_div(args.rollout_batch_size, accelerator.num_processes, "rollout_batch_size")
+    scores = []
+    for _ in range(ceil_div(args.normalize_samples, args.rollout_batch_size)):
+        queries = query_stream.next_batch(local_rollout_batch_size).to(accelerator.device)
+        contexts = format_contexts(queries, *affixes)
+        responses, _, _ = sample(ref_policy, contexts, args.task.response_length, args.task.temperature, pad_id, generator)
+        scores.append(reward_model(torch.cat([queries, responses], dim=1), pad_id))
+    scores = torch.cat(scores)
+    moments = accelerator.reduce(torch.stack([scores.mean(), scores.square().mean()]), reduction="mean")
+    mean, std = moments[0], (moments[1] - moments[0].square()).clamp_min(0).sqrt()  # TF-PARITY: population std
+    # target N(0, 1) for best-of-N labels: gain = 1/std, bias = -gain*mean
+    # https://github.com/openai/lm-human-preferences/blob/cbfd210bb8b08f6bc5c26878c10984b90f516c66/lm_human_preferences/rewards.py#L73-L89
+    if not torch.isfinite(std) or std <= 0:
+        raise ValueError(f"reward normalization failed: sample std is {std.item()} over {accelerator.num_processes * len(scores)} samples")
+    reward_model.gain.fill_(1.0 / std)
+    reward_model.bias.fill_(-mean / std)
+    return {"mean": mean.item(), "std": std.item(), "gain": reward_model.gain.item(), "bias": reward_model.bias.item(),
+            "samples": accelerator.num_processes * len(scores)}
+
+
+@torch.no_grad()
+def evaluate_labels(accelerator, reward_model, labels: Labels, pad_id: int, micro_batch_size: int) -> dict:
+    """Loss and accuracy of the reward model on label rows (each process scores a rank-strided share)."""
+    rows = torch.arange(accelerator.process_index, len(labels), accelerator.num_processes)
+    totals = torch.zeros(3, device=accelerator.device)  # loss sum, correct, rows
+    for chunk in rows.split(micro_batch_size):
+        rewards = score_label_rows(reward_model, labels.query[chunk].to(accelerator.device),
+                                   labels.samples[chunk].to(accelerator.device), pad_id)
+        best = labels.best[chunk].to(accelerator.device)
+        totals += torch.stack([F.cross_entropy(rewards, best, reduction="sum"),
+                               (rewards.argmax(1) == best).sum().float(), torch.tensor(float(len(chunk)), device=totals.device)])
+    totals = accelerator.reduce(totals, reduction="sum")
+    return {"loss": (totals[0] / totals[2]).item(), "accuracy": (totals[1] / totals[2]).item(), "rows": int(totals[2].item())}
+
+
+# ---------------------------------------------------------------- main
+def main(args: Args) -> dict:
+    """Train and save a reward model; returns the final figures, this process's label indices and the model."""
+    # 0. processes, derived sizes, seeding, tracking
+    accelerator = make_accelerator()
+    world, rank = accelerator.num_processes, accelerator.process_index
+    local_batch_size = exact_div(args.batch_size, world, "batch_size (labels per step) over processes")
+    micro_batch_size = exact_div(local_batch_size, args.gradient_accumulation_steps, "per-process batch over gradient_accumulation_steps")
+    exact_div(args.labels.num_train, args.batch_size, "labels.num_train over batch_size")  # OAI train_reward.py#L56-L58
+    exact_div(args.rollout_batch_size, world, "rollout_batch_size over processes")
+    num_steps = args.labels.num_train // args.batch_size
+    run_name = f"{args.exp_name}__{args.seed}__{int(time.time())}"
+    console = Console()
+    if accelerator.is_main_process:
+        sizes = Table(title=f"reward training: {run_name}")
+        for column in ("processes", "labels/step", "per process", "micro-batch", "steps", "normalize samples"):
+            sizes.add_column(column)
+        sizes.add_row(str(world), str(args.batch_size), str(local_batch_size), str(micro_batch_size), str(num_steps),
+                      str(ceil_div(args.normalize_samples, args.rollout_batch_size) * args.rollout_batch_size))
+        console.print(sizes)
+    # per-process seeds; rank 0's NumPy RNG draws the label order
+    # https://github.com/openai/lm-human-preferences/blob/cbfd210bb8b08f6bc5c26878c10984b90f516c66/lm_human_preferences/utils/core.py#L108-L113
+    set_seed(args.seed + rank * 100003)
+    generator = torch.Generator(accelerator.device).manual_seed(args.seed + rank * 100003)
+
+    # 1. tokenizer, labels (validated before any model is loaded), models, optimizer, query stream
+    tokenizer = load_tokenizer(args.base_model)
+    pad_id = tokenizer.pad_token_id
+    labels = load_labels(args.label_dataset, args.task.query_length, args.task.response_length, pad_id,
+                         args.labels.num_train, args.labels.num_samples)
+    train_labels, heldout_labels = labels[: args.labels.num_train], labels[args.labels.num_train :]
+    reward_model = RewardModel.from_base(args.base_model).to(accelerator.device)
+    broadcast_parameters(reward_model, accelerator)  # rank 0's random head everywhere (OAI train_reward.py#L316-L318)
+    ref_policy = PolicyWithValueHead(load_causal_lm(args.base_model)).to(accelerator.device).requires_grad_(False)
+    # gain and bias are trained too (their effect is reset by normalize_after)
+    # https://github.com/openai/lm-human-preferences/blob/cbfd210bb8b08f6bc5c26878c10984b90f516c66/lm_human_preferences/rewards.py#L69-L71
+    params = list(reward_model.parameters())
+    if args.use_tensorflow_adam:
+        optimizer = AdamTensorFlowStyle(params, lr=args.lr, eps=1e-5)
+    else:
+        optimizer = torch.optim.Adam(params, lr=args.lr, eps=1e-5)
+    query_stream = QueryStream(load_texts(args.task.query_dataset), tokenizer, args.task, rank, world, args.data_seed)
+    affixes = encode_context_affixes(tokenizer, args.task)
+    tracker = Tracker(args.output_dir, args.track, args.wandb_project_name, args.wandb_entity, run_name,
+                      {**dataclasses.asdict(args), "world_size": world}, accelerator.is_main_process)
+
+    def log_eval(step: int) -> dict | None:
+        if len(heldout_labels) == 0:
+            return None
+        result = evaluate_labels(accelerator, reward_model, heldout_labels, pad_id, micro_batch_size * args.labels.num_samples)
+        tracker.log({"eval/loss": result["loss"], "eval/accuracy": result["accuracy"]}, step)
+        return result
+
+    # 2. normalize before training
+    norms = {}
+    if args.normalize_before:
+        norms["before"] = normalize_rewards(args, accelerator, reward_model, ref_policy, query_stream, affixes, pad_id, generator)
+        tracker.log({f"normalize_before/{k}": v for k, v in norms["before"].items()}, 0)
+        accelerator.print(f"before normalize: mean {norms['before']['mean']:.4f} +- {norms['before']['std']:.4f}")
+    eval_before = log_eval(0)
+
+    # 3. one epoch over the labels: rank 0's permutation, rank-strided slices, lr annealed linearly
+    # https://github.com/openai/lm-human-preferences/blob/cbfd210bb8b08f6bc5c26878c10984b90f516c66/lm_human_preferences/train_reward.py#L221-L254
+    permutation = torch.from_numpy(np.random.permutation(args.labels.num_train)).to(accelerator.device)
+    permutation = broadcast(permutation, from_process=0).cpu()
+    seen = []
+    progress = Progress(TextColumn("reward"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[stats]}"),
+                        TimeRemainingColumn(), disable=not accelerator.is_main_process, console=console)
+    with progress:
+        bar = progress.add_task("train", total=num_steps, stats="")
+        for step, start in enumerate(range(0, args.labels.num_train, args.batch_size)):
+            lr = args.lr * (1 - start / args.labels.num_train)
+            for group in optimizer.param_groups:
+                group["lr"] = lr
+            local_indices = permutation[start : start + args.batch_size][rank::world]
+            seen.append(local_indices)
+            stats = torch.zeros(2, device=accelerator.device)  # loss, accuracy
+            for micro_indices in local_indices.split(micro_batch_size):
+                rewards = score_label_rows(reward_model, train_labels.query[micro_indices].to(accelerator.device),
+                                           train_labels.samples[micro_indices].to(accelerator.device), pad_id)
+                best = train_labels.best[micro_indices].to(accelerator.device)
+                loss = best_of_n_loss(rewards, best)
+                (loss / args.gradient_accumulation_steps).backward()
+                stats += torch.stack([loss.detach(), (rewards.argmax(1) == best).float().mean()]) / args.gradient_accumulation_steps
+            allreduce_gradients(params, accelerator)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            loss_value, accuracy = accelerator.reduce(stats, reduction="mean").tolist()
+            if not math.isfinite(loss_value):
+                raise ValueError(f"reward training diverged: loss is {loss_value} at step {step}; try a smaller --lr")
+            # OAI's stats for best-of-N: loss and error are the same cross-entropy
+            # https://github.com/openai/lm-human-preferences/blob/cbfd210bb8b08f6bc5c26878c10984b90f516c66/lm_human_preferences/train_reward.py#L124-L146
+            tracker.log({"train_reward/minibatch/loss": loss_value, "train_reward/minibatch/error": loss_value,
+                         "debug/accuracy": accuracy, "debug/lr": lr}, step)
+            if args.eval_interval and (step + 1) % args.eval_interval == 0:
+                log_eval(step + 1)
+            progress.update(bar, advance=1, stats=f"loss {loss_value:.3f} acc {accuracy:.2f}")
+    eval_after = log_eval(num_steps)
+
+    # 4. normalize after training
+    if args.normalize_after:
+        norms["after"] = normalize_rewards(args, accelerator, reward_model, ref_policy, query_stream, affixes, pad_id, generator)
+        tracker.log({f"normalize_after/{k}": v for k, v in norms["after"].items()}, num_steps)
+        accelerator.print(f"after training, before normalize: mean {norms['after']['mean']:.4f} +- {norms['after']['std']:.4f}")
+
+    # 5. save
+    if accelerator.is_main_process:
+        metadata = {"base_model": args.base_model, "tokenizer": args.base_model,
+                    "tokenizer_fingerprint": tokenizer_fingerprint(tokenizer), "pad_token_id": pad_id,
+                    "task": dataclasses.asdict(args.task), "label_dataset": args.label_dataset,
+                    "num_train": args.labels.num_train, "eval_before": eval_before, "eval_after": eval_after}
+        reward_model.save(args.output_dir, metadata)
+        tokenizer.save_pretrained(args.output_dir)
+        with open(os.path.join(args.output_dir, "args.json"), "w") as f:
+            json.dump(dataclasses.asdict(args), f, indent=2)
+        summary = Table(title="reward model")
+        for column in ("held-out rows", "accuracy before", "accuracy after", "gain", "bias", "saved to"):
+            summary.add_column(column)
+        summary.add_row(str(len(heldout_labels)), f"{eval_before['accuracy']:.3f}" if eval_before else "-",
+                        f"{eval_after['accuracy']:.3f}" if eval_after else "-", f"{reward_model.gain.item():.4f}",
+                        f"{reward_model.bias.item():.4f}", args.output_dir)
+        console.print(summary)
+    accelerator.wait_for_everyone()
+    tracker.close()
+    return {"eval_before": eval_before, "eval_after": eval_after, "normalization": norms,
+            "label_indices": torch.cat(seen).tolist(), "gain": reward_model.gain.item(), "bias": reward_model.bias.item(),
+            "model": reward_model}
+
+
+if __name__ == "__main__":
+    main(parse_args(Args, PRESETS, "sentiment", __doc__.split("\n")[0])[1])
