@@ -1,0 +1,427 @@
+"""train_policy.py: the inline algorithm (rewards, GAE, whitening, truncation, PPO losses, KL control) and tiny runs."""
+
+import ast
+import dataclasses
+import json
+import math
+import os
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from transformers import AutoModelForCausalLM
+
+from lm_human_preference_details import core
+from lm_human_preference_details.cli import parse_args
+from lm_human_preference_details.modeling import RewardModel
+from lm_human_preference_details.tokenizer import load_tokenizer, tokenizer_fingerprint
+from train_policy import (
+    AdaptiveKLController,
+    Args,
+    FixedKLController,
+    compute_advantages,
+    compute_rewards,
+    main,
+    oai_presets,
+    penalize_failed_filter,
+    ppo_losses,
+    truncate_response,
+    whiten_in_groups,
+)
+
+PAD = 50257
+
+# spec §4.1: OAI's policy metric names (train_policy.py#L199-L261)
+OAI_POLICY_METRICS = {
+    "objective/kl", "objective/kl_coef", "objective/entropy", "objective/score", "objective/score_total",
+    "ppo/loss/policy", "ppo/loss/value", "ppo/loss/total",
+    "ppo/policy/entropy", "ppo/policy/approxkl", "ppo/policy/clipfrac",
+    "ppo/returns/mean", "ppo/returns/var",
+    "ppo/val/vpred", "ppo/val/error", "ppo/val/clipfrac", "ppo/val/mean", "ppo/val/var", "ppo/val/var_explained",
+    "elapsed/updates", "elapsed/steps/serial", "elapsed/steps/total", "elapsed/episodes", "elapsed/fps", "elapsed/time",
+}  # fmt: skip
+
+QUERY_TEXTS = [
+    "The old man walked slowly down the road, thinking about the letter he had received that morning.",
+    "She opened the window and the cold air rushed into the small room.",
+    "Nobody in the village knew where the stranger had come from.",
+    "He laughed, but his eyes were sad.",
+    "The train was late again, and the platform was crowded with tired people.",
+    "I never expected to see her again after that summer.",
+    "The dog barked twice and then fell silent.",
+    "Rain hammered on the roof all night long.",
+    "They argued about money, as they always did on Sundays.",
+    "The letter was short: come home, everything is forgiven.",
+    "A single candle burned on the table.",
+    "Her brother had left for the city years ago.",
+]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def single_thread():
+    """The tiny models' ops are far too small to gain from intra-op threads, which only add sync overhead."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+# ---------------------------------------------------------------- algorithm helpers (spec §5 test vectors)
+
+
+def test_compute_rewards_matches_tv5():
+    ref_logprobs = torch.tensor([[-3.3213, -4.9980, -3.8690]])
+    logprobs = torch.tensor([[-3.6528, -5.0406, -3.2339]])
+    rewards, non_score_reward, kl = compute_rewards(torch.tensor([0.4]), logprobs, ref_logprobs, kl_coef=0.15)
+    torch.testing.assert_close(kl, torch.tensor([[-0.3315, -0.0426, 0.6351]]), atol=1e-5, rtol=0)
+    torch.testing.assert_close(non_score_reward, torch.tensor([[0.049725, 0.00639, -0.095265]]), atol=1e-6, rtol=0)
+    torch.testing.assert_close(rewards, torch.tensor([[0.049725, 0.00639, 0.304735]]), atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize(
+    "kl, expected", [(0.0, 0.148464), (3.0, 0.148464), (6.0, 0.15), (7.0, 0.15128), (12.0, 0.151536), (100.0, 0.151536)]
+)
+def test_adaptive_kl_controller_matches_tv7(kl, expected):
+    controller = AdaptiveKLController(0.15, target=6.0, horizon=10000)
+    controller.update(kl, n_steps=512)
+    assert controller.value == pytest.approx(expected, abs=1e-6)
+
+
+def test_adaptive_kl_controller_compounds_over_updates():
+    controller = AdaptiveKLController(0.15, target=6.0, horizon=10000)
+    for _ in range(3):
+        controller.update(12.0, n_steps=512)
+    assert controller.value == pytest.approx(0.15465534698, abs=1e-9)
+
+
+def test_fixed_kl_controller_keeps_value():
+    controller = FixedKLController(0.03)
+    controller.update(100.0, n_steps=32)
+    assert controller.value == 0.03
+
+
+def test_compute_advantages_matches_tv9():
+    rewards, values = torch.tensor([[0.0, 0.0, 1.0]]), torch.tensor([[0.1, 0.2, 0.3]])
+    advantages, returns = compute_advantages(rewards, values, 1.0, 0.95)
+    torch.testing.assert_close(advantages, torch.tensor([[0.82675, 0.765, 0.7]]), atol=1e-6, rtol=0)
+    torch.testing.assert_close(returns, torch.tensor([[0.92675, 0.965, 1.0]]), atol=1e-6, rtol=0)
+
+
+def test_compute_advantages_matches_discounted_loop_per_row():
+    rewards, values = torch.randn(3, 5, dtype=torch.float64), torch.randn(3, 5, dtype=torch.float64)
+    gamma, lam = 0.9, 0.8
+    advantages, _ = compute_advantages(rewards, values, gamma, lam)
+    # A_t = sum_k (gamma*lam)^k delta_{t+k}, delta_t = r_t + gamma V_{t+1} - V_t, V_L = 0
+    next_values = torch.cat([values[:, 1:], torch.zeros(3, 1, dtype=torch.float64)], 1)
+    deltas = rewards + gamma * next_values - values
+    expected = torch.stack(
+        [sum((gamma * lam) ** (k - t) * deltas[:, k] for k in range(t, 5)) for t in range(5)], 1
+    )
+    torch.testing.assert_close(advantages, expected)
+
+
+def test_truncate_response_pads_after_first_qualifying_token():
+    # truncate_token 13, truncate_after 2 (spec P2): a 13 before index 2 does not count, the 13 itself is kept
+    responses = torch.tensor(
+        [
+            [13, 5, 6, 13, 7, 13],  # first 13 at index 0 is too early; the one at 3 truncates
+            [5, 6, 13, 8, 9, 10],  # 13 exactly at index truncate_after counts
+            [13, 13, 5, 6, 7, 8],  # only early 13s: unchanged
+            [1, 2, 3, 4, 5, 13],  # 13 last: nothing to pad
+        ]
+    )
+    expected = torch.tensor(
+        [
+            [13, 5, 6, 13, PAD, PAD],
+            [5, 6, 13, PAD, PAD, PAD],
+            [13, 13, 5, 6, 7, 8],
+            [1, 2, 3, 4, 5, 13],
+        ]
+    )
+    assert torch.equal(truncate_response(responses, 13, 2, PAD), expected)
+    assert torch.equal(truncate_response(responses, None, 2, PAD), responses)
+
+
+def test_penalize_failed_filter_replaces_scores_without_late_token():
+    responses = torch.tensor(
+        [[13, 5, 6, 13, PAD, PAD], [5, 6, 13, PAD, PAD, PAD], [13, 13, 5, 6, 7, 8], [1, 2, 3, 4, 5, 13]]
+    )
+    scores = torch.tensor([0.5, 0.1, 0.9, -0.3])
+    penalized, passed = penalize_failed_filter(scores, responses, 13, 2, -1.0)
+    assert passed.tolist() == [True, True, False, True]
+    torch.testing.assert_close(penalized, torch.tensor([0.5, 0.1, -1.0, -0.3]))
+    unfiltered, passed = penalize_failed_filter(scores, responses, None, 2, -1.0)
+    assert passed.all() and torch.equal(unfiltered, scores)
+
+
+def test_whiten_in_groups_uses_population_moments_per_group():
+    values = torch.randn(8, 3, dtype=torch.float64) * 3 + torch.arange(8, dtype=torch.float64)[:, None]
+    whitened = whiten_in_groups(values, group_size=4)
+    for rows in (slice(0, 4), slice(4, 8)):
+        group = values[rows].numpy()
+        expected = (group - group.mean()) / np.sqrt(group.var() + 1e-8)  # numpy var: population (ddof=0)
+        np.testing.assert_allclose(whitened[rows].numpy(), expected, atol=1e-10)
+    kept = whiten_in_groups(values, group_size=4, shift_mean=False)
+    torch.testing.assert_close(kept[:4].mean(), values[:4].mean())
+    torch.testing.assert_close(kept[4:].mean(), values[4:].mean())
+    # one group = OAI's whiten over the whole per-rank tensor
+    torch.testing.assert_close(whiten_in_groups(values, group_size=8), core.whiten(values))
+
+
+def test_whiten_in_groups_matches_tv6():
+    values = torch.tensor([[1.2, 1.3, 1.4], [1.5, 1.6, 1.7], [1.8, 1.9, 2.0]])
+    expected = torch.tensor(
+        [[0.05080712, 0.4381051, 0.8254035], [1.2127019, 1.6000004, 1.9872988], [2.3745968, 2.7618952, 3.1491938]]
+    )
+    torch.testing.assert_close(whiten_in_groups(values, 3, shift_mean=False), expected, atol=1e-5, rtol=0)
+
+
+def test_ppo_losses_hand_computed_example():
+    # ratio [1.5, 0.5], advantages 1: the first ratio is clipped to 1.2, the second (0.5 < 0.8) is not, since
+    # max(-A*ratio, -A*clip) keeps the pessimistic -0.5. Value: vpred 0.5 clipped to 0.2 (loss 0.64 > 0.25).
+    logprobs = torch.zeros(1, 2)
+    new_logprobs = torch.log(torch.tensor([[1.5, 0.5]]))
+    values, vpred = torch.zeros(1, 2), torch.tensor([[0.5, 0.1]])
+    advantages, returns = torch.ones(1, 2), torch.ones(1, 2)
+    out = ppo_losses(new_logprobs, vpred, logprobs, values, advantages, returns, 0.2, 0.2, 0.1)
+    expected = {
+        "loss/policy": (-1.2 - 0.5) / 2,
+        "policy/clipfrac": 0.5,
+        "loss/value": 0.5 * (0.64 + 0.81) / 2,
+        "val/clipfrac": 0.5,
+        "loss/total": (-1.2 - 0.5) / 2 + 0.1 * 0.5 * (0.64 + 0.81) / 2,
+        "policy/approxkl": 0.5 * (math.log(1.5) ** 2 + math.log(0.5) ** 2) / 2,
+        "val/vpred": 0.3,
+        "val/error": (0.25 + 0.81) / 2,
+    }
+    for key, value in expected.items():
+        assert out[key].item() == pytest.approx(value, abs=1e-6), key
+    torch.testing.assert_close(out["ratio"], torch.tensor([[1.5, 0.5]]))
+
+
+def test_ppo_losses_gradient_vanishes_when_ratio_clipped():
+    new_logprobs = torch.log(torch.tensor([[1.5]])).requires_grad_()
+    out = ppo_losses(new_logprobs, torch.zeros(1, 1), torch.zeros(1, 1), torch.zeros(1, 1), torch.ones(1, 1),
+                     torch.zeros(1, 1), 0.2, 0.2, 0.1)  # fmt: skip
+    out["loss/total"].backward()
+    assert new_logprobs.grad.abs().item() == 0.0
+
+
+# ---------------------------------------------------------------- configuration and CLI
+
+
+def test_oai_presets_match_launch_settings():
+    presets = oai_presets()
+    for name in ("sentiment", "descriptiveness"):
+        args = presets[name]
+        rewards, ppo = args.rewards, args.ppo
+        assert (rewards.kl_coef, rewards.adaptive_kl.enabled, rewards.adaptive_kl.target) == (0.15, True, 6.0)
+        assert (ppo.batch_size, ppo.lr, ppo.whiten_rewards, args.task.query_length) == (512, 1e-5, True, 64)
+    for name, kl_coef in (("tldr", 0.03), ("cnndm", 0.01)):
+        args = presets[name]
+        assert (args.rewards.kl_coef, args.rewards.adaptive_kl.enabled) == (kl_coef, False)
+        assert (args.ppo.batch_size, args.ppo.lr, args.ppo.whiten_rewards) == (32, 2e-6, False)
+        assert args.task.response_length == 75 and args.task_id == name
+    assert presets["cnndm"].task.temperature == 0.5
+    assert presets["sentiment"].task is not presets["descriptiveness"].task
+
+
+def test_cli_task_preset_can_be_overridden():
+    task, args = parse_args(Args, oai_presets(), "sentiment", "", argv=["--task", "tldr", "--rewards.kl_coef", "0.05"])
+    assert task == "tldr" and args.task_id == "tldr"
+    assert args.rewards.kl_coef == 0.05 and not args.rewards.adaptive_kl.enabled and args.task.query_length == 500
+    argv = ["--ppo.whiten_group_size", "64", "--no_use_tensorflow_adam"]
+    _, args = parse_args(Args, oai_presets(), "sentiment", "", argv=argv)
+    assert args.ppo.whiten_group_size == 64 and not args.use_tensorflow_adam and args.rewards.adaptive_kl.enabled
+
+
+def test_args_every_field_has_a_docstring():
+    with open(os.path.join(os.path.dirname(__file__), "..", "train_policy.py"), encoding="utf-8") as f:
+        tree = ast.parse(f.read())
+    names = {"AdaptiveKLParams", "RewardHParams", "PpoHParams", "Args"}
+    classes = [node for node in tree.body if isinstance(node, ast.ClassDef) and node.name in names]
+    assert len(classes) == 4
+    for cls in classes:
+        for field, following in zip(cls.body, cls.body[1:] + [None]):
+            if isinstance(field, ast.AnnAssign):
+                is_doc = isinstance(following, ast.Expr) and isinstance(following.value, ast.Constant)
+                assert is_doc, f"{cls.name}.{field.target.id} has no docstring (tyro --help text)"
+
+
+# ---------------------------------------------------------------- tiny end-to-end runs of main()
+
+
+@pytest.fixture(scope="module")
+def query_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("queries") / "queries.txt"
+    path.write_text("\n".join(QUERY_TEXTS) + "\n", encoding="utf-8")
+    return str(path)
+
+
+def save_reward_model(path, model_dir: str, **metadata_overrides) -> str:
+    """A random reward model on the tiny trunk, saved as train_reward.py would (tokenizer beside it)."""
+    tokenizer = load_tokenizer(model_dir)
+    metadata = {
+        "base_model": model_dir,
+        "tokenizer": model_dir,
+        "tokenizer_fingerprint": tokenizer_fingerprint(tokenizer),
+        "pad_token_id": tokenizer.pad_token_id,
+        "task": dataclasses.asdict(oai_presets()["sentiment"].task),
+        **metadata_overrides,
+    }
+    torch.manual_seed(0)
+    RewardModel.from_base(model_dir).save(str(path), metadata)
+    tokenizer.save_pretrained(str(path))
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def reward_model_dir(tmp_path_factory, tiny_model_dir):
+    return save_reward_model(tmp_path_factory.mktemp("reward"), tiny_model_dir)
+
+
+def tiny_args(output_dir, model_dir: str, rm_dir: str, query_file: str, preset: str = "sentiment", **ppo) -> Args:
+    """A preset shrunk to a tiny run: 8-episode updates of 16-token queries and 8-token responses."""
+    args = oai_presets()[preset]
+    args.base_model, args.output_dir = model_dir, str(output_dir)
+    args.log_interval, args.save_interval, args.print_samples = 1, 0, 2
+    args.task = dataclasses.replace(
+        args.task, query_dataset=query_file, query_length=16, response_length=8, start_text=None, end_text=None,
+        truncate_token=13, truncate_after=2,
+    )  # fmt: skip
+    args.rewards.trained_model = rm_dir
+    args.ppo = dataclasses.replace(args.ppo, **{"total_episodes": 16, "batch_size": 8, **ppo})
+    return args
+
+
+@pytest.fixture(scope="module")
+def sentiment_run(tmp_path_factory, tiny_model_dir, reward_model_dir, query_file):
+    output_dir = tmp_path_factory.mktemp("policy")
+    history = main(tiny_args(output_dir, tiny_model_dir, reward_model_dir, query_file))
+    return output_dir, history
+
+
+def test_main_logs_exactly_oai_metric_names(sentiment_run):
+    _, history = sentiment_run
+    assert len(history) == 2
+    for stats in history:
+        assert {key for key in stats if not key.startswith("debug/")} == OAI_POLICY_METRICS
+        assert all(math.isfinite(value) for value in stats.values())
+    assert history[1]["elapsed/episodes"] == 16 and history[1]["elapsed/steps/total"] == 16 * 8
+    assert 0.0 <= history[0]["ppo/policy/clipfrac"] <= 1.0 and history[0]["ppo/returns/var"] >= 0.0
+
+
+def test_main_first_minibatch_ratio_is_one(sentiment_run):
+    _, history = sentiment_run
+    # rollout logprobs come from the sampling pass; the first PPO forward sees the same weights
+    assert history[0]["debug/first_minibatch_ratio_max_abs_dev"] < 1e-5
+    assert history[0]["debug/ratio_max"] > history[0]["debug/ratio_min"]
+
+
+def test_main_adaptive_kl_uses_the_measured_kl(sentiment_run):
+    _, history = sentiment_run
+    assert history[0]["objective/kl_coef"] == 0.15
+    controller = AdaptiveKLController(0.15, target=6.0, horizon=10000)
+    controller.update(history[0]["objective/kl"], n_steps=8)
+    assert history[1]["objective/kl_coef"] == pytest.approx(controller.value, rel=1e-12)
+    assert history[1]["objective/kl_coef"] != 0.15
+
+
+def test_main_lr_anneals_linearly_per_update(sentiment_run):
+    _, history = sentiment_run
+    assert [stats["debug/lr"] for stats in history] == pytest.approx([1e-5, 0.5e-5])
+
+
+def test_main_saves_a_loadable_policy(sentiment_run, tiny_model_dir):
+    output_dir, _ = sentiment_run
+    trained = AutoModelForCausalLM.from_pretrained(output_dir)
+    initial = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    assert not torch.equal(trained.transformer.h[0].attn.c_attn.weight, initial.transformer.h[0].attn.c_attn.weight)
+    assert set(load_file(os.path.join(output_dir, "value_head.safetensors"))) == {"weight", "bias"}
+    assert load_tokenizer(str(output_dir)).pad_token_id == PAD
+    with open(os.path.join(output_dir, "args.json"), encoding="utf-8") as f:
+        saved = json.load(f)
+    assert saved["ppo"]["batch_size"] == 8 and saved["task_id"] == "sentiment"
+    assert os.path.isdir(os.path.join(output_dir, "tb"))
+
+
+def test_main_fixed_kl_preset_keeps_kl_coef(tmp_path, tiny_model_dir, reward_model_dir, query_file):
+    history = main(tiny_args(tmp_path, tiny_model_dir, reward_model_dir, query_file, preset="tldr"))
+    assert [stats["objective/kl_coef"] for stats in history] == [0.03, 0.03]
+
+
+def policy_state(output_dir) -> dict[str, torch.Tensor]:
+    """Saved LM and value-head tensors of a policy directory."""
+    state = {f"lm.{k}": v for k, v in load_file(os.path.join(output_dir, "model.safetensors")).items()}
+    value_head = load_file(os.path.join(output_dir, "value_head.safetensors"))
+    state.update({f"value_head.{k}": v for k, v in value_head.items()})
+    return state
+
+
+def test_main_gradient_accumulation_gives_the_same_update(tmp_path, tiny_model_dir, reward_model_dir, query_file):
+    common = dict(total_episodes=8, lr=1e-3)
+    single = main(tiny_args(tmp_path / "single", tiny_model_dir, reward_model_dir, query_file, **common))
+    accumulated_args = tiny_args(tmp_path / "accum", tiny_model_dir, reward_model_dir, query_file, **common)
+    accumulated_args.ppo.gradient_accumulation_steps = 2
+    accumulated = main(accumulated_args)
+    for key in ("ppo/loss/total", "ppo/loss/value", "ppo/policy/approxkl", "ppo/returns/var"):
+        assert accumulated[0][key] == pytest.approx(single[0][key], abs=1e-6), key
+    single_state, accumulated_state = policy_state(tmp_path / "single"), policy_state(tmp_path / "accum")
+    initial = {f"lm.{k}": v for k, v in load_file(os.path.join(tiny_model_dir, "model.safetensors")).items()}
+    moved = max((single_state[k] - initial[k]).abs().max().item() for k in initial if k in single_state)
+    assert moved > 1e-4  # the update is not trivially zero
+    for key, value in single_state.items():
+        torch.testing.assert_close(accumulated_state[key], value, atol=1e-6, rtol=0, msg=key)
+
+
+@pytest.mark.parametrize(
+    "ppo, numbers",
+    [
+        (dict(batch_size=12, nminibatches=5), ("12", "5")),
+        (dict(batch_size=8, gradient_accumulation_steps=3), ("8", "3")),
+        (dict(batch_size=16, whiten_group_size=6), ("16", "6")),
+    ],
+)
+def test_main_sizes_that_do_not_divide_raise(tmp_path, ppo, numbers):
+    args = Args(output_dir=str(tmp_path), dry_run=True)
+    args.ppo = dataclasses.replace(args.ppo, **ppo)
+    with pytest.raises(ValueError) as error:
+        main(args)
+    assert all(number in str(error.value) for number in numbers)
+
+
+def test_main_whitening_group_below_eight_raises(tmp_path):
+    args = Args(output_dir=str(tmp_path), dry_run=True)
+    args.ppo = dataclasses.replace(args.ppo, batch_size=8, nminibatches=2)
+    with pytest.raises(ValueError, match="at least 8 episodes"):
+        main(args)
+    args.ppo.whiten_rewards = False
+    assert main(args) == []  # dry run: sizes only
+
+
+def test_main_rejects_reward_model_of_another_tokenizer(tmp_path, tiny_model_dir, query_file):
+    rm_dir = save_reward_model(
+        tmp_path / "reward", tiny_model_dir, tokenizer="EleutherAI/pythia-160m", tokenizer_fingerprint="0123abcd"
+    )
+    args = tiny_args(tmp_path / "policy", tiny_model_dir, rm_dir, query_file)
+    with pytest.raises(ValueError, match="tokenizer mismatch") as error:
+        main(args)
+    assert "EleutherAI/pythia-160m" in str(error.value) and tiny_model_dir in str(error.value)
+
+
+def test_main_rejects_reward_model_with_another_pad_id(tmp_path, tiny_model_dir, query_file):
+    rm_dir = save_reward_model(tmp_path / "reward", tiny_model_dir, pad_token_id=50259)
+    with pytest.raises(ValueError, match="pad id 50259"):
+        main(tiny_args(tmp_path / "policy", tiny_model_dir, rm_dir, query_file))
+
+
+def test_main_raises_on_non_finite_scores(tmp_path, tiny_model_dir, query_file):
+    rm_dir = save_reward_model(tmp_path / "reward", tiny_model_dir)
+    head = load_file(os.path.join(rm_dir, "reward_head.safetensors"))
+    head["gain"] = torch.tensor(float("nan"))
+    save_file(head, os.path.join(rm_dir, "reward_head.safetensors"))
+    args = tiny_args(tmp_path / "policy", tiny_model_dir, rm_dir, query_file, total_episodes=8)
+    args.task.truncate_token = None  # every response passes the filter, so the NaN score is not replaced
+    with pytest.raises(ValueError, match="non-finite scores"):
+        main(args)

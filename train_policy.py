@@ -1,0 +1,658 @@
+"""PPO fine-tuning of GPT-2 against a learned reward model, as in openai/lm-human-preferences train_policy.py.
+https://github.com/openai/lm-human-preferences/blob/cbfd210bb8b08f6bc5c26878c10984b90f516c66/lm_human_preferences/train_policy.py
+
+Ziegler et al. 2019, "Fine-Tuning Language Models from Human Preferences" (arXiv:1909.08593), section 2.
+
+All batch sizes are global (summed over processes) as in OAI; per-process sizes are derived and printed at start-up.
+Run with the reward model that train_reward.py wrote to models/reward, on 8 GPUs or on 1:
+
+    accelerate launch --num_processes 8 train_policy.py --task sentiment --rewards.trained_model models/reward
+    python train_policy.py --task sentiment --ppo.whiten_group_size 64 --ppo.gradient_accumulation_steps 8
+"""
+
+import copy
+import dataclasses
+import json
+import os
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+import tyro
+from accelerate import Accelerator
+from accelerate.utils import broadcast_object_list
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+from rich.table import Table
+from transformers import PreTrainedTokenizerBase
+
+from lm_human_preference_details import core
+from lm_human_preference_details.cli import parse_args
+from lm_human_preference_details.data import (
+    TASKS,
+    QueryStream,
+    TaskHParams,
+    encode_context_affixes,
+    format_contexts,
+    load_texts,
+)
+from lm_human_preference_details.hub import HubUnavailableError, hub_reachable
+from lm_human_preference_details.modeling import PolicyWithValueHead, load_causal_lm, load_reward_model, sample
+from lm_human_preference_details.optim import AdamTensorFlowStyle
+from lm_human_preference_details.tokenizer import load_tokenizer, tokenizer_fingerprint
+
+# ---------------------------------------------------------------------------------------------------- hyperparameters
+# Group and field names follow OAI's HParams, so `--ppo.lr` is OAI's `bind('ppo.lr', ...)`. Defaults are launch.py's
+# sentiment experiment; `--task` picks another experiment (OAI_PRESETS below).
+# https://github.com/openai/lm-human-preferences/blob/cbfd210bb8b08f6bc5c26878c10984b90f516c66/lm_human_preferences/train_policy.py#L25-L58
+
+
+@dataclass
+class AdaptiveKLParams:
+    enabled: bool = True
+    """adapt kl_coef towards `target` (OAI: rewards.adaptive_kl='on'); disabled: kl_coef stays fixed (OAI tldr/cnndm)"""
+    target: float = 6.0
+    """target KL between rollout policy and reference policy, in nats per episode (OAI launch.py#L131)"""
+    horizon: int = 10000
+    """episodes over which a KL error is corrected; larger = slower adaptation (OAI train_policy.py#L28)"""
+
+
+@dataclass
+class RewardHParams:
+    trained_model: str = "models/reward"
+    """directory of the reward model written by train_reward.py (its --output_dir)"""
+    kl_coef: float = 0.15
+    """initial coefficient beta of the per-token KL penalty -beta*(logp - logp_ref) (OAI launch.py#L129)"""
+    adaptive_kl: AdaptiveKLParams = field(default_factory=AdaptiveKLParams)
+    """adaptive KL controller, Ziegler et al. 2019 eq. (2)"""
+
+
+@dataclass
+class PpoHParams:
+    total_episodes: int = 1_000_000
+    """episodes (query, response pairs) in the run; nupdates = ceil(total_episodes / batch_size) (OAI launch.py#L123)"""
+    batch_size: int = 512
+    """episodes per update, summed over all processes (OAI launch.py#L124); the per-process share is derived"""
+    nminibatches: int = 1
+    """minibatches per PPO epoch, i.e. optimizer steps per epoch (OAI default 1)"""
+    noptepochs: int = 4
+    """PPO epochs over each batch of rollouts (CleanRL: update_epochs)"""
+    lr: float = 1e-5
+    """Adam learning rate, annealed linearly: lr * (1 - update / nupdates) (OAI launch.py#L122)"""
+    vf_coef: float = 0.1
+    """weight of the value loss in the total loss (CleanRL: vf_coef)"""
+    cliprange: float = 0.2
+    """PPO clip range of the probability ratio (CleanRL: clip_coef)"""
+    cliprange_value: float = 0.2
+    """clip range of the value prediction around the rollout value"""
+    gamma: float = 1.0
+    """discount factor over response tokens"""
+    lam: float = 0.95
+    """GAE lambda (CleanRL: gae_lambda)"""
+    whiten_rewards: bool = True
+    """whiten per-token rewards (population moments, mean kept) per minibatch before GAE (OAI train_policy.py#L324)"""
+    gradient_accumulation_steps: int = 1
+    """micro-batches per process and minibatch (backward passes per optimizer step); the update does not depend on it"""
+    whiten_group_size: int | None = None
+    """whiten rewards and advantages per this many episodes (64: OAI's 8-rank statistics on 1 GPU); None: per process"""
+
+
+@dataclass
+class Args:
+    exp_name: str = "train_policy"
+    """experiment name, part of the run name"""
+    seed: int = 1
+    """run seed; process r seeds python/numpy/torch and the sampler with seed + 100003 * r (OAI launch.py#L137)"""
+    data_seed: int = 0
+    """seed of the query order, shared by all processes (OAI shuffles with 0 whatever the run seed)"""
+    base_model: str = "gpt2"
+    """pretrained causal LM for the policy and the reference policy: hub id or local directory (OAI: 124M)"""
+    output_dir: str = "models/policy"
+    """directory for the trained policy, its tokenizer, args.json and TensorBoard logs (tb/)"""
+    track: bool = False
+    """log to Weights & Biases (set WANDB_MODE=offline to log without network)"""
+    wandb_project_name: str = "lm_human_preference_details"
+    """Weights & Biases project"""
+    wandb_entity: str | None = None
+    """Weights & Biases entity (team); None = your default entity"""
+    log_interval: int = 10
+    """print and log a table of samples every this many updates (OAI run.log_interval)"""
+    save_interval: int = 50
+    """save the policy every this many updates, and always at the end (OAI run.save_interval); 0 = only at the end"""
+    print_samples: int = 3
+    """rows of the sample table (OAI prints 3)"""
+    use_tensorflow_adam: bool = True
+    """TF1 Adam as OAI (epsilon added after bias correction); off: torch.optim.Adam with the same eps 1e-5"""
+    push_to_hub: bool = False
+    """upload output_dir (policy, value head, tokenizer, args) to the Hugging Face hub at the end"""
+    hf_repo_id: str | None = None
+    """hub repository for --push_to_hub; None = {exp_name}__{task}__seed{seed} in your namespace"""
+    dry_run: bool = False
+    """print the derived per-process sizes and exit"""
+    task_id: tyro.conf.Suppress[str] = "sentiment"
+    """name of the --task preset these settings started from (recorded in the run config)"""
+    task: TaskHParams = field(default_factory=lambda: dataclasses.replace(TASKS["sentiment"]))
+    """query data, lengths, truncation and sampling temperature (OAI lm_tasks.TaskHParams)"""
+    rewards: RewardHParams = field(default_factory=RewardHParams)
+    """reward model and KL penalty"""
+    ppo: PpoHParams = field(default_factory=PpoHParams)
+    """PPO optimisation"""
+
+
+def oai_presets() -> dict[str, Args]:
+    """OAI's launch.py policy experiments, one `Args` per `--task` name."""
+    # books: launch.py's _books_task, sentiment and descriptiveness (they differ only in the reward model's labels)
+    # https://github.com/openai/lm-human-preferences/blob/cbfd210bb8b08f6bc5c26878c10984b90f516c66/launch.py#L119-L151
+    books = ("sentiment", "descriptiveness")
+    presets = {name: Args(task_id=name, task=dataclasses.replace(TASKS[name])) for name in books}
+    # tldr / cnndm: fixed kl_coef (their adaptive_kl lines are commented out), batch 32, lr 2e-6. OAI binds
+    # `rewards.whiten=False`, a key that does not exist; the intent is ppo.whiten_rewards=False (spec H2), which the
+    # 4-episode per-process minibatch also requires (P17).
+    # https://github.com/openai/lm-human-preferences/blob/cbfd210bb8b08f6bc5c26878c10984b90f516c66/launch.py#L153-L187
+    for name, kl_coef in (("tldr", 0.03), ("cnndm", 0.01)):
+        presets[name] = Args(
+            task_id=name,
+            task=dataclasses.replace(TASKS[name]),
+            rewards=RewardHParams(kl_coef=kl_coef, adaptive_kl=AdaptiveKLParams(enabled=False)),
+            ppo=PpoHParams(batch_size=32, lr=2e-6, whiten_rewards=False),
+        )
+    return presets
+
+
+# ---------------------------------------------------------------------------------------------------- algorithm helpers
+class FixedKLController:
+    """kl_coef stays at its initial value (OAI's tldr and cnndm runs)."""
+
+    def __init__(self, kl_coef: float):
+        self.value = kl_coef
+
+    def update(self, current: float, n_steps: int) -> None:
+        """No-op."""
+
+
+class AdaptiveKLController:
+    """Proportional controller steering the measured KL towards a target (Ziegler et al. 2019, eq. 2)."""
+
+    def __init__(self, init_kl_coef: float, target: float, horizon: int):
+        self.value = init_kl_coef
+        self.target = target
+        self.horizon = horizon
+
+    def update(self, current: float, n_steps: int) -> None:
+        """Scale kl_coef by 1 + clip(KL/target - 1, -0.2, 0.2) * n_steps/horizon; n_steps = episodes in the update."""
+        # https://github.com/openai/lm-human-preferences/blob/cbfd210bb8b08f6bc5c26878c10984b90f516c66/lm_human_preferences/train_policy.py#L115-L124
+        proportional_error = float(np.clip(current / self.target - 1, -0.2, 0.2))
+        self.value *= 1 + proportional_error * n_steps / self.horizon
+
+
+def truncate_response(
+    responses: torch.Tensor, truncate_token: int | None, truncate_after: int, pad_id: int
+) -> torch.Tensor:
+    """PAD every token after the first `truncate_token` at index >= truncate_after; that token itself is kept."""
+    # only the reward model sees the truncated response; PPO trains on the raw one (spec P2)
+    # https://github.com/openai/lm-human-preferences/blob/cbfd210bb8b08f6bc5c26878c10984b90f516c66/lm_human_preferences/lm_tasks.py#L39-L52
+    if truncate_token is None:
+        return responses
+    positions = torch.arange(responses.shape[1], device=responses.device)
+    matches = (responses == truncate_token) & (positions >= truncate_after)  # (B, L)
+    after_first_match = (matches.cumsum(1) - matches.long()) > 0
+    return responses.masked_fill(after_first_match, pad_id)
+
+
+def penalize_failed_filter(
+    scores: torch.Tensor, responses: torch.Tensor, truncate_token: int | None, truncate_after: int, penalty: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Score := penalty where no `truncate_token` occurs at index >= truncate_after; also returns the pass mask."""
+    # "ensure there is a period between the 16th and 24th token; fixed reward of -1 otherwise" (spec P3)
+    # https://github.com/openai/lm-human-preferences/blob/cbfd210bb8b08f6bc5c26878c10984b90f516c66/lm_human_preferences/lm_tasks.py#L58-L65
+    # https://github.com/openai/lm-human-preferences/blob/cbfd210bb8b08f6bc5c26878c10984b90f516c66/lm_human_preferences/train_policy.py#L384-L390
+    if truncate_token is None:
+        passed = torch.ones_like(scores, dtype=torch.bool)
+    else:
+        passed = (responses[:, truncate_after:] == truncate_token).any(1)  # (B,)
+    return torch.where(passed, scores, torch.full_like(scores, penalty)), passed
+
+
+def compute_rewards(
+    scores: torch.Tensor, logprobs: torch.Tensor, ref_logprobs: torch.Tensor, kl_coef: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Rewards -kl_coef * (logprob - ref_logprob) per token, + score at the last; returns rewards, non_score, kl."""
+    # the score always lands on the last position, even when the response was truncated earlier (spec P4)
+    # https://github.com/openai/lm-human-preferences/blob/cbfd210bb8b08f6bc5c26878c10984b90f516c66/lm_human_preferences/train_policy.py#L149-L155
+    kl = logprobs - ref_logprobs  # (B, L)
+    non_score_reward = -kl_coef * kl
+    rewards = non_score_reward.clone()
+    rewards[:, -1] += scores
+    return rewards, non_score_reward, kl
+
+
+def whiten_in_groups(values: torch.Tensor, group_size: int, shift_mean: bool = True) -> torch.Tensor:
+    """Whiten each group of `group_size` consecutive rows over all its elements: (x - mean) / sqrt(var + 1e-8)."""
+    # OAI whitens the per-rank tensor; groups emulate ranks when fewer processes run the same batch (spec D4).
+    # TF-PARITY: population variance (tf.nn.moments); with shift_mean=False the mean is added back.
+    # https://github.com/openai/lm-human-preferences/blob/cbfd210bb8b08f6bc5c26878c10984b90f516c66/lm_human_preferences/utils/core.py#L336-L341
+    groups = values.reshape(-1, group_size, *values.shape[1:])  # (G, group_size, L)
+    dims = tuple(range(1, groups.dim()))
+    mean = groups.mean(dims, keepdim=True)
+    var = groups.var(dims, unbiased=False, keepdim=True)
+    whitened = (groups - mean) * torch.rsqrt(var + 1e-8)
+    if not shift_mean:
+        whitened = whitened + mean
+    return whitened.reshape(values.shape)
+
+
+def compute_advantages(
+    rewards: torch.Tensor, values: torch.Tensor, gamma: float, lam: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """GAE(gamma, lam) backwards over the response (the episode ends after its last token); -> advantages, returns."""
+    # https://github.com/openai/lm-human-preferences/blob/cbfd210bb8b08f6bc5c26878c10984b90f516c66/lm_human_preferences/train_policy.py#L327-L339
+    lastgaelam = torch.zeros_like(values[:, 0])
+    advantages_reversed = []
+    gen_length = rewards.shape[1]
+    for t in reversed(range(gen_length)):
+        nextvalues = values[:, t + 1] if t < gen_length - 1 else 0.0
+        delta = rewards[:, t] + gamma * nextvalues - values[:, t]
+        lastgaelam = delta + gamma * lam * lastgaelam
+        advantages_reversed.append(lastgaelam)
+    advantages = torch.stack(advantages_reversed[::-1], 1)  # (B, L)
+    return advantages, advantages + values
+
+
+def ppo_losses(
+    new_logprobs: torch.Tensor,
+    vpred: torch.Tensor,
+    logprobs: torch.Tensor,
+    values: torch.Tensor,
+    advantages: torch.Tensor,
+    returns: torch.Tensor,
+    cliprange: float,
+    cliprange_value: float,
+    vf_coef: float,
+) -> dict[str, torch.Tensor]:
+    """Clipped PPO policy loss + vf_coef * clipped value loss (means over all tokens), and stats under OAI names."""
+    # value loss: the prediction may move at most cliprange_value from the rollout value (spec P8)
+    # https://github.com/openai/lm-human-preferences/blob/cbfd210bb8b08f6bc5c26878c10984b90f516c66/lm_human_preferences/train_policy.py#L343-L348
+    vpredclipped = torch.clamp(vpred, values - cliprange_value, values + cliprange_value)
+    vf_losses1 = (vpred - returns) ** 2
+    vf_losses2 = (vpredclipped - returns) ** 2
+    vf_loss = 0.5 * torch.max(vf_losses1, vf_losses2).mean()
+    vf_clipfrac = (vf_losses2 > vf_losses1).float().mean()
+    # policy loss (spec P9); no entropy bonus, the KL only enters through the rewards (spec P10)
+    # https://github.com/openai/lm-human-preferences/blob/cbfd210bb8b08f6bc5c26878c10984b90f516c66/lm_human_preferences/train_policy.py#L350-L357
+    logprob_diff = new_logprobs - logprobs
+    ratio = torch.exp(logprob_diff)
+    pg_losses = -advantages * ratio
+    pg_losses2 = -advantages * torch.clamp(ratio, 1.0 - cliprange, 1.0 + cliprange)
+    pg_loss = torch.max(pg_losses, pg_losses2).mean()
+    pg_clipfrac = (pg_losses2 > pg_losses).float().mean()
+    # approxkl = 0.5 * mean(dlogp^2), not the k1/k3 estimators (spec P11)
+    # https://github.com/openai/lm-human-preferences/blob/cbfd210bb8b08f6bc5c26878c10984b90f516c66/lm_human_preferences/train_policy.py#L359-L371
+    return {
+        "loss/total": pg_loss + vf_coef * vf_loss,
+        "loss/policy": pg_loss,
+        "loss/value": vf_loss,
+        "policy/approxkl": 0.5 * (logprob_diff**2).mean(),
+        "policy/clipfrac": pg_clipfrac,
+        "val/vpred": vpred.mean(),
+        "val/error": vf_losses1.mean(),
+        "val/clipfrac": vf_clipfrac,
+        "ratio": ratio,
+    }
+
+
+# ---------------------------------------------------------------------------------------------------- plumbing helpers
+def check_reward_model_tokenizer(
+    metadata: dict, rm_dir: str, tokenizer: PreTrainedTokenizerBase, base_model: str
+) -> None:
+    """Raise ValueError unless the reward model was trained on the same token ids (vocabulary and PAD) as the policy."""
+    fingerprint, pad_id = tokenizer_fingerprint(tokenizer), tokenizer.pad_token_id
+    if metadata.get("tokenizer_fingerprint") != fingerprint or metadata.get("pad_token_id") != pad_id:
+        raise ValueError(
+            f"tokenizer mismatch: the reward model in '{rm_dir}' (--rewards.trained_model) was trained with tokenizer "
+            f"'{metadata.get('tokenizer')}' (fingerprint {metadata.get('tokenizer_fingerprint')}, pad id "
+            f"{metadata.get('pad_token_id')}), but the policy uses tokenizer '{base_model}' (fingerprint "
+            f"{fingerprint}, pad id {pad_id}). Train the reward model from the same --base_model or pass a matching "
+            "--base_model."
+        )
+
+
+def reduce_stats(local: dict[str, torch.Tensor], accelerator: Accelerator) -> dict[str, float]:
+    """All statistics in one gather and one device-to-host copy: mean over processes (min/max for the extremes)."""
+    # OAI all-reduce-means every statistic over ranks (spec D5)
+    # https://github.com/openai/lm-human-preferences/blob/cbfd210bb8b08f6bc5c26878c10984b90f516c66/lm_human_preferences/train_policy.py#L229-L237
+    keys = list(local)
+    gathered = accelerator.gather(torch.stack([local[k].float() for k in keys])[None]).cpu()  # (world, n_stats)
+    reduced = {}
+    for key, column in zip(keys, gathered.T):
+        if key.endswith("_min"):
+            reduced[key] = column.min().item()
+        elif key.endswith(("_max", "_max_abs_dev")) or key.startswith("nonfinite/"):
+            reduced[key] = column.max().item()
+        else:
+            reduced[key] = column.mean().item()
+    return reduced
+
+
+class PhaseTimer:
+    """Time between marks without host syncs: CUDA events on GPU (read after the update's one sync), clock on CPU."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.marks: list = []
+
+    def mark(self) -> None:
+        """Record the current point of the (GPU) timeline."""
+        if self.cuda:
+            self.marks.append(torch.cuda.Event(enable_timing=True))
+            self.marks[-1].record()
+        else:
+            self.marks.append(time.perf_counter())
+
+    def durations(self) -> list[float]:
+        """Seconds between consecutive marks."""
+        pairs = zip(self.marks, self.marks[1:])
+        return [a.elapsed_time(b) / 1000 if self.cuda else b - a for a, b in pairs]
+
+
+def sample_table_rows(
+    tokenizer: PreTrainedTokenizerBase,
+    pad_id: int,
+    queries: torch.Tensor,
+    responses: torch.Tensor,
+    scores: torch.Tensor,
+    kl_sums: torch.Tensor,
+    kl_coef: float,
+    n: int,
+) -> list[list]:
+    """(query, truncated response, score, kl, total) for the first n episodes; total uses the initial kl_coef as OAI."""
+    # https://github.com/openai/lm-human-preferences/blob/cbfd210bb8b08f6bc5c26878c10984b90f516c66/lm_human_preferences/train_policy.py#L264-L279
+    def text(tokens: torch.Tensor) -> str:
+        """Decoded tokens without PADs, newlines shown as ⏎ (as OAI prints them)."""
+        return tokenizer.decode(tokens[tokens != pad_id].tolist()).replace("\n", "⏎")
+
+    queries, responses, scores, kl_sums = queries[:n].cpu(), responses[:n].cpu(), scores[:n].cpu(), kl_sums[:n].cpu()
+    return [
+        [text(q), text(r), round(s.item(), 4), round(k.item(), 4), round(s.item() - kl_coef * k.item(), 4)]
+        for q, r, s, k in zip(queries, responses, scores, kl_sums)
+    ]
+
+
+def accumulate(sums: dict[str, torch.Tensor], stats: dict[str, torch.Tensor], weight: float) -> None:
+    """sums[key] += weight * stats[key], detached; statistics stay on the device until the update's one sync."""
+    for key, value in stats.items():
+        sums[key] = sums.get(key, 0.0) + value.detach() * weight
+
+
+def save_policy(policy: PolicyWithValueHead, tokenizer: PreTrainedTokenizerBase, args: Args, output_dir: str) -> None:
+    """Write the policy (AutoModelForCausalLM-loadable + value_head.safetensors), tokenizer and args.json."""
+    os.makedirs(output_dir, exist_ok=True)
+    policy.save(output_dir)
+    tokenizer.save_pretrained(output_dir)
+    with open(os.path.join(output_dir, "args.json"), "w") as f:
+        json.dump(dataclasses.asdict(args), f, indent=2)
+
+
+# ---------------------------------------------------------------------------------------------------- main
+def main(args: Args) -> list[dict[str, float]]:
+    """Train the policy; returns the logged statistics of every update."""
+    # 0. sizes: global as in OAI, split over the processes (spec D1); printed, then checked by --dry_run
+    # https://github.com/openai/lm-human-preferences/blob/cbfd210bb8b08f6bc5c26878c10984b90f516c66/lm_human_preferences/train_policy.py#L157-L159
+    accelerator = core.make_accelerator()
+    device, ppo, task = accelerator.device, args.ppo, args.task
+    world_size = accelerator.num_processes
+    local_batch_size = core.exact_div(ppo.batch_size, world_size, "ppo.batch_size (episodes per update) / processes")
+    local_mini_batch_size = core.exact_div(local_batch_size, ppo.nminibatches, "episodes per process / nminibatches")
+    accum = ppo.gradient_accumulation_steps
+    micro_batch_size = core.exact_div(local_mini_batch_size, accum, "minibatch / ppo.gradient_accumulation_steps")
+    whiten_group_size = ppo.whiten_group_size or local_mini_batch_size
+    core.exact_div(local_mini_batch_size, whiten_group_size, "per-process minibatch / ppo.whiten_group_size")
+    # nupdates rounds up (spec P15): books ceil(1e6 / 512) = 1954
+    # https://github.com/openai/lm-human-preferences/blob/cbfd210bb8b08f6bc5c26878c10984b90f516c66/lm_human_preferences/train_policy.py#L78-L79
+    nupdates = core.ceil_div(ppo.total_episodes, ppo.batch_size)
+    # whitening needs enough episodes per group (spec P17)
+    # https://github.com/openai/lm-human-preferences/blob/cbfd210bb8b08f6bc5c26878c10984b90f516c66/lm_human_preferences/train_policy.py#L69-L75
+    if ppo.whiten_rewards and whiten_group_size < 8:
+        raise ValueError(
+            f"ppo.whiten_rewards needs at least 8 episodes per whitening group, got {whiten_group_size} (per-process "
+            f"minibatch {local_mini_batch_size}, ppo.whiten_group_size {ppo.whiten_group_size}); "
+            "raise ppo.batch_size or ppo.whiten_group_size, or pass --ppo.no_whiten_rewards"
+        )
+    accelerator.print(
+        f"processes {world_size} | episodes per update {ppo.batch_size}, per process {local_batch_size} | "
+        f"per-process minibatch {local_mini_batch_size} x {ppo.nminibatches} | "
+        f"micro-batch {micro_batch_size} x {accum} | "
+        f"whitening group {whiten_group_size} | nupdates {nupdates} | "
+        f"optimizer steps {nupdates * ppo.noptepochs * ppo.nminibatches}"
+    )
+    if args.dry_run:
+        return []
+    if args.push_to_hub and not hub_reachable():
+        raise HubUnavailableError("--push_to_hub needs the Hugging Face hub, which is unreachable; drop the flag")
+
+    # per-process seed (spec D2); the query order uses data_seed instead (spec D3)
+    # https://github.com/openai/lm-human-preferences/blob/cbfd210bb8b08f6bc5c26878c10984b90f516c66/lm_human_preferences/utils/core.py#L108-L113
+    local_seed = args.seed + accelerator.process_index * 100003
+    core.set_seed(local_seed)
+    generator = torch.Generator(device=device).manual_seed(local_seed)
+
+    # 1. tokenizer, policy (+ value head on the shared trunk), frozen reference policy and reward model, optimizer, data
+    tokenizer = load_tokenizer(args.base_model)
+    pad_id = tokenizer.pad_token_id
+    reward_model, rm_metadata = load_reward_model(args.rewards.trained_model)
+    check_reward_model_tokenizer(rm_metadata, args.rewards.trained_model, tokenizer, args.base_model)
+    # dropout is off everywhere: p=0 in the configs and eval mode (spec G7)
+    policy = PolicyWithValueHead(load_causal_lm(args.base_model)).to(device).eval()
+    # every process starts from rank 0's weights (spec D6); no DDP: gradients are all-reduced by hand (spec O4)
+    # https://github.com/openai/lm-human-preferences/blob/cbfd210bb8b08f6bc5c26878c10984b90f516c66/lm_human_preferences/train_policy.py#L482-L485
+    core.broadcast_parameters(policy, accelerator)
+    ref_policy = copy.deepcopy(policy).requires_grad_(False)
+    reward_model = reward_model.to(device).eval().requires_grad_(False)
+    params = list(policy.parameters())
+    # TF1 Adam, eps 1e-5 (spec O1-O3)
+    # https://github.com/openai/lm-human-preferences/blob/cbfd210bb8b08f6bc5c26878c10984b90f516c66/lm_human_preferences/utils/core.py#L621-L629
+    optimizer_class = AdamTensorFlowStyle if args.use_tensorflow_adam else torch.optim.Adam
+    optimizer = optimizer_class(params, lr=ppo.lr, eps=1e-5)
+    # fixed or adaptive KL coefficient (OAI: fixed when rewards.adaptive_kl is None)
+    # https://github.com/openai/lm-human-preferences/blob/cbfd210bb8b08f6bc5c26878c10984b90f516c66/lm_human_preferences/train_policy.py#L136-L139
+    kl_params = args.rewards.adaptive_kl
+    if kl_params.enabled:
+        kl_ctl = AdaptiveKLController(args.rewards.kl_coef, kl_params.target, kl_params.horizon)
+    else:
+        kl_ctl = FixedKLController(args.rewards.kl_coef)
+    texts = load_texts(task.query_dataset)
+    query_stream = QueryStream(texts, tokenizer, task, accelerator.process_index, world_size, args.data_seed)
+    prefix, suffix = encode_context_affixes(tokenizer, task)
+
+    # one run name for all processes (rank 0's clock), TensorBoard under output_dir/tb, wandb with --track
+    run_name = broadcast_object_list([f"{args.task_id}__{args.exp_name}__{args.seed}__{int(time.time())}"])[0]
+    config = {**dataclasses.asdict(args), "world_size": world_size, "nupdates": nupdates}
+    tracker = core.Tracker(
+        args.output_dir, args.track, args.wandb_project_name, args.wandb_entity, run_name, config,
+        accelerator.is_main_process,
+    )  # fmt: skip
+    console = Console()
+    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn())
+    progress = Progress(*columns, console=console, disable=not accelerator.is_main_process)
+    bar = progress.add_task("PPO updates", total=nupdates)
+    history: list[dict[str, float]] = []
+    start_time = last_time = time.time()
+    with progress:
+        # OAI's step = number of completed updates, 0 at the first one
+        for update in range(nupdates):
+            timer = PhaseTimer(device)
+            timer.mark()
+            # a fresh permutation of the local batch for each PPO epoch (spec P12), drawn now, while the GPU is idle,
+            # so that the host-to-device copy does not wait for queued kernels
+            epoch_orders = np.stack([np.random.permutation(local_batch_size) for _ in range(ppo.noptepochs)])
+            epoch_orders = torch.from_numpy(epoch_orders).to(device)  # (noptepochs, B)
+            with torch.no_grad():
+                # 2. rollout: responses, with logprobs and values from the sampling pass itself (spec P13)
+                queries = query_stream.next_batch(local_batch_size).to(device)  # (B, Lq)
+                contexts = format_contexts(queries, prefix, suffix)  # (B, C): prefix + query + suffix (spec G4)
+                context_length = contexts.shape[1]
+                responses, logprobs, values = sample(
+                    policy, contexts, task.response_length, task.temperature, pad_id, generator
+                )  # (B, L) each
+                query_responses = torch.cat([contexts, responses], 1)  # (B, C + L)
+                # one forward of the frozen reference policy; its (B, L, V) logits are freed right away
+                ref_logprobs = core.logprobs_from_logits(
+                    ref_policy(query_responses, context_length, pad_id, task.temperature)[0], responses
+                )  # (B, L)
+                timer.mark()
+
+                # 3. response processing: truncate -> score (raw query, no prefix/suffix, spec G4) -> filter penalty
+                # https://github.com/openai/lm-human-preferences/blob/cbfd210bb8b08f6bc5c26878c10984b90f516c66/lm_human_preferences/train_policy.py#L378-L390
+                postprocessed_responses = truncate_response(responses, task.truncate_token, task.truncate_after, pad_id)
+                scores = reward_model(torch.cat([queries, postprocessed_responses], 1), pad_id)  # (B,)
+                scores, passed = penalize_failed_filter(
+                    scores, postprocessed_responses, task.truncate_token, task.truncate_after, task.penalty_reward_value
+                )
+
+                # 4. per-token rewards: -kl_coef * kl, + score at the last token
+                kl_coef = kl_ctl.value
+                rewards, non_score_reward, kl = compute_rewards(scores, logprobs, ref_logprobs, kl_coef)  # (B, L)
+            timer.mark()
+
+            # 5. PPO: noptepochs x nminibatches optimizer steps, each over `accum` micro-batches.
+            # lr annealed per update, constant within it (spec P16)
+            # https://github.com/openai/lm-human-preferences/blob/cbfd210bb8b08f6bc5c26878c10984b90f516c66/lm_human_preferences/train_policy.py#L172-L173
+            lr_now = ppo.lr * (1 - update / nupdates)
+            for group in optimizer.param_groups:
+                group["lr"] = lr_now
+            # stats are means over all minibatch steps of the update (spec D5), summed on the device
+            mb_weight = 1.0 / (ppo.noptepochs * ppo.nminibatches)
+            ppo_sums: dict[str, torch.Tensor] = {}
+            ratio_min = torch.full((), float("inf"), device=device)
+            ratio_max = torch.full((), -float("inf"), device=device)
+            first_mb_ratio_dev = torch.zeros((), device=device)
+            nonfinite_advantages = torch.zeros((), device=device)
+            # each epoch cuts its permutation into contiguous minibatches; one optimizer step per minibatch
+            # https://github.com/openai/lm-human-preferences/blob/cbfd210bb8b08f6bc5c26878c10984b90f516c66/lm_human_preferences/train_policy.py#L180-L196
+            for epoch, order in enumerate(epoch_orders):
+                for mb_start in range(0, local_batch_size, local_mini_batch_size):
+                    mb_inds = order[mb_start : mb_start + local_mini_batch_size]
+                    mb_values = values[mb_inds]
+                    # reward whitening and GAE run per minibatch, inside OAI's loss (spec P5, P6)
+                    # https://github.com/openai/lm-human-preferences/blob/cbfd210bb8b08f6bc5c26878c10984b90f516c66/lm_human_preferences/train_policy.py#L324-L339
+                    mb_rewards = rewards[mb_inds]
+                    if ppo.whiten_rewards:
+                        mb_rewards = whiten_in_groups(mb_rewards, whiten_group_size, shift_mean=False)
+                    mb_advantages, mb_returns = compute_advantages(mb_rewards, mb_values, ppo.gamma, ppo.lam)
+                    mb_advantages = whiten_in_groups(mb_advantages, whiten_group_size)
+                    nonfinite_advantages += (~torch.isfinite(mb_advantages)).sum()
+                    # TF-PARITY: population variances (tf.nn.moments)
+                    moments = {
+                        "returns/mean": mb_returns.mean(),
+                        "returns/var": mb_returns.var(unbiased=False),
+                        "val/mean": mb_values.mean(),
+                        "val/var": mb_values.var(unbiased=False),
+                    }
+                    accumulate(ppo_sums, moments, mb_weight)
+                    for micro_start in range(0, local_mini_batch_size, micro_batch_size):
+                        micro = slice(micro_start, micro_start + micro_batch_size)
+                        micro_inds = mb_inds[micro]
+                        # forward on context + raw response: tempered logits and values at response positions (P7)
+                        new_logits, vpred = policy(
+                            query_responses[micro_inds], context_length, pad_id, task.temperature
+                        )  # (b, L, V), (b, L)
+                        new_logprobs = core.logprobs_from_logits(new_logits, responses[micro_inds])  # (b, L)
+                        losses = ppo_losses(
+                            new_logprobs, vpred, logprobs[micro_inds], mb_values[micro], mb_advantages[micro],
+                            mb_returns[micro], ppo.cliprange, ppo.cliprange_value, ppo.vf_coef,
+                        )  # fmt: skip
+                        # each micro loss is a mean over its rows; dividing by `accum` makes the summed gradient
+                        # that of the minibatch mean, so accumulation does not change the update
+                        (losses["loss/total"] / accum).backward()
+                        ratio = losses.pop("ratio").detach()
+                        losses["policy/entropy"] = core.entropy_from_logits(new_logits.detach()).mean()
+                        losses["ratio_mean"] = ratio.mean()
+                        accumulate(ppo_sums, losses, mb_weight / accum)
+                        ratio_min = torch.minimum(ratio_min, ratio.min())
+                        ratio_max = torch.maximum(ratio_max, ratio.max())
+                        if epoch == 0 and mb_start == 0:
+                            first_mb_ratio_dev = torch.maximum(first_mb_ratio_dev, (ratio - 1).abs().max())
+                    # average gradients over processes (OAI's MPI all-reduce, spec O4), then one Adam step
+                    # https://github.com/openai/lm-human-preferences/blob/cbfd210bb8b08f6bc5c26878c10984b90f516c66/lm_human_preferences/utils/core.py#L485-L489
+                    core.allreduce_gradients(params, accelerator)
+                    optimizer.step()
+                    optimizer.zero_grad(set_to_none=True)
+            # the only explicit release: the last micro-batch's (b, L, V) logits would stay alive into the next rollout
+            del new_logits
+            timer.mark()
+
+            # 6. statistics under OAI's names (spec §4.1) with a single device-to-host copy
+            # https://github.com/openai/lm-human-preferences/blob/cbfd210bb8b08f6bc5c26878c10984b90f516c66/lm_human_preferences/train_policy.py#L199-L261
+            local_stats = {
+                "objective/kl": kl.sum(1).mean(),
+                "objective/entropy": (-logprobs).sum(1).mean(),
+                "objective/score": scores.mean(),
+                "objective/score_total": scores.mean() + non_score_reward.sum(1).mean(),
+                **{f"ppo/{key}": value for key, value in ppo_sums.items() if key != "ratio_mean"},
+                "debug/ratio_mean": ppo_sums["ratio_mean"],
+                "debug/ratio_min": ratio_min,
+                "debug/ratio_max": ratio_max,
+                "debug/first_minibatch_ratio_max_abs_dev": first_mb_ratio_dev,
+                "debug/num_eos": (responses == tokenizer.eos_token_id).sum(1).float().mean(),
+                "debug/filter_pass_rate": passed.float().mean(),
+                "nonfinite/scores": (~torch.isfinite(scores)).sum(),
+                "nonfinite/rewards": (~torch.isfinite(rewards)).sum(),
+                "nonfinite/advantages": nonfinite_advantages,
+            }
+            stats = reduce_stats(local_stats, accelerator)
+            for name in ("scores", "rewards", "advantages"):
+                if stats.pop(f"nonfinite/{name}") > 0:
+                    raise ValueError(f"non-finite {name} at update {update}; lower --ppo.lr or check the reward model")
+            stats["ppo/val/var_explained"] = 1 - stats["ppo/val/error"] / stats["ppo/returns/var"]
+            stats["objective/kl_coef"] = kl_coef
+            steps, now = update + 1, time.time()
+            stats["elapsed/updates"] = steps
+            stats["elapsed/steps/serial"] = steps * task.response_length
+            stats["elapsed/steps/total"] = steps * ppo.batch_size * task.response_length
+            stats["elapsed/episodes"] = steps * ppo.batch_size
+            stats["elapsed/fps"] = int(ppo.batch_size * task.response_length / (now - last_time))
+            stats["elapsed/time"] = now - start_time
+            last_time = now
+            stats["debug/lr"] = lr_now
+            phases = ("rollout", "scoring", "optimisation")
+            stats.update({f"debug/time/{phase}": seconds for phase, seconds in zip(phases, timer.durations())})
+            tracker.log(stats, step=update)
+            history.append(stats)
+
+            # 7. adaptive KL from the KL of all processes (REF used the rank-local one, spec P14), after PPO training
+            # https://github.com/openai/lm-human-preferences/blob/cbfd210bb8b08f6bc5c26878c10984b90f516c66/lm_human_preferences/train_policy.py#L305
+            kl_ctl.update(stats["objective/kl"], ppo.batch_size)
+
+            if update % args.log_interval == 0 and accelerator.is_main_process:
+                sample_columns = ["query", "response (truncated)", "score", "kl", "total"]
+                rows = sample_table_rows(
+                    tokenizer, pad_id, queries, postprocessed_responses, scores, kl.sum(1), args.rewards.kl_coef,
+                    args.print_samples,
+                )  # fmt: skip
+                table = Table(*sample_columns, title=f"update {update}", show_lines=True)
+                for row in rows:
+                    table.add_row(*map(str, row))
+                console.print(table)
+                tracker.log_table("samples", sample_columns, rows, step=update)
+            description = f"score {stats['objective/score']:+.3f} kl {stats['objective/kl']:.3f}"
+            progress.update(bar, advance=1, description=description)
+
+            # 8. checkpoint every save_interval updates and at the end (spec P20)
+            is_last = update == nupdates - 1
+            if accelerator.is_main_process and (is_last or (args.save_interval and steps % args.save_interval == 0)):
+                save_policy(policy, tokenizer, args, args.output_dir)
+
+    accelerator.wait_for_everyone()
+    tracker.close()
+    if args.push_to_hub and accelerator.is_main_process:
+        from huggingface_hub import HfApi
+
+        api = HfApi()
+        repo_id = api.create_repo(args.hf_repo_id or f"{args.exp_name}__{args.task_id}__seed{args.seed}", exist_ok=True)
+        api.upload_folder(folder_path=args.output_dir, repo_id=repo_id.repo_id, ignore_patterns=["tb/*", "wandb/*"])
+        accelerator.print(f"pushed {args.output_dir} to {repo_id}")
+    return history
+
+
+if __name__ == "__main__":
+    main(parse_args(Args, oai_presets(), "sentiment", __doc__)[1])
