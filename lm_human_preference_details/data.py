@@ -28,6 +28,8 @@ OAI_PAD_TOKEN = 50259
 
 LABELS_REPO = "vwxyzjn/lm-human-preferences"
 """HF hub dataset mirroring OAI's label files (e.g. sentiment/offline_5k.json)."""
+LABELS_META_SUFFIX = ".meta.json"
+"""Suffix of the metadata file written beside a generated label file; its `pad_id` overrides OAI_PAD_TOKEN."""
 OAI_LABELS_URL = "https://openaipublic.blob.core.windows.net/lm-human-preferences/labels/"
 """Prefix of the label sources in OAI's launch.py; stripped to get the file name inside LABELS_REPO."""
 
@@ -420,20 +422,20 @@ class Labels:
         return Labels(self.query[rows], self.samples[rows], self.best[rows])
 
 
-def _resolve_label_source(source: str) -> str:
+def _resolve_label_source(source: str, flag: str = "--label_dataset") -> str:
     """A local path for `source`: the file itself, or a file of the HF mirror of OAI's labels downloaded."""
     if os.path.isfile(source):
         return source
     if source.startswith(("/", ".", "~")) or os.path.isdir(source):
-        raise FileNotFoundError(f"label file '{source}' does not exist; fix --label_dataset.")
+        raise FileNotFoundError(f"label file '{source}' does not exist; fix {flag}.")
     filename = source.removeprefix(OAI_LABELS_URL)
     try:
-        check_available(LABELS_REPO, "--label_dataset", kind="dataset", filename=filename)
+        check_available(LABELS_REPO, flag, kind="dataset", filename=filename)
     except HubUnavailableError as e:
         raise HubUnavailableError(
             f"could not fetch label file '{filename}' of hub dataset '{LABELS_REPO}' (offline, not cached). On a "
             f"machine with internet run `hf download {LABELS_REPO} {filename} --repo-type dataset --local-dir DIR`, "
-            f"copy DIR here and pass --label_dataset DIR/{filename}."
+            f"copy DIR here and pass {flag} DIR/{filename}."
         ) from e
     from huggingface_hub import hf_hub_download
     from huggingface_hub.errors import EntryNotFoundError
@@ -443,8 +445,29 @@ def _resolve_label_source(source: str) -> str:
     except EntryNotFoundError as e:
         raise FileNotFoundError(
             f"hub dataset '{LABELS_REPO}' has no file '{filename}'; pass e.g. sentiment/offline_5k.json, "
-            "descriptiveness/offline_5k.json or a local JSON path as --label_dataset."
+            f"descriptiveness/offline_5k.json or a local JSON path as {flag}."
         ) from e
+
+
+def labels_meta_path(path: str) -> str:
+    """The metadata file written beside a generated label file: `<path>.meta.json`."""
+    return f"{path}{LABELS_META_SUFFIX}"
+
+
+def label_file_pad_id(path: str) -> int:
+    """The PAD id used inside a label file: `pad_id` of its `<path>.meta.json` when present, else OAI's 50259."""
+    meta_path = labels_meta_path(path)
+    if not os.path.isfile(meta_path):
+        return OAI_PAD_TOKEN
+    with open(meta_path, encoding="utf-8") as f:
+        try:
+            meta = json.load(f)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"label metadata '{meta_path}': invalid JSON ({e}); fix or delete it.") from e
+    pad_id = meta.get("pad_id", OAI_PAD_TOKEN) if isinstance(meta, dict) else None
+    if isinstance(pad_id, bool) or not isinstance(pad_id, int) or pad_id < 0:
+        raise ValueError(f"label metadata '{meta_path}': 'pad_id' must be a token id >= 0, got {pad_id!r}; fix it.")
+    return pad_id
 
 
 def _label_fields(num_samples: int) -> list[str]:
@@ -492,19 +515,46 @@ def _token_array(rows: list[dict], field: str, where: str) -> np.ndarray:
     raise ValueError(f"{where}: field '{field}' could not be read as integer tokens.")
 
 
+def _read_json_rows(path: str, where: str) -> Any:
+    """The parsed JSON content of a label file; ValueError naming the file when it is not JSON."""
+    with open(path, encoding="utf-8") as f:
+        try:
+            return json.load(f)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{where}: invalid JSON ({e}).") from e
+
+
+def read_label_rows(source: str, flag: str = "--label_dataset") -> tuple[list[dict], int, int]:
+    """Rows of a best-of-N label file of any lengths, validated against its first row; -> rows, N, the file's PAD."""
+    path = _resolve_label_source(source, flag)
+    where = f"label file '{source}'"
+    rows = _read_json_rows(path, where)
+    first = rows[0] if isinstance(rows, list) and rows and isinstance(rows[0], dict) else {}
+    num_samples = sum(1 for key in first if re.fullmatch(r"sample[0-9]+", key))
+    if not num_samples or not isinstance(first.get("query"), list):
+        raise ValueError(
+            f"{where} is not in OAI's best-of-N schema: expected a non-empty JSON list of objects with fields query, "
+            f"sample0..sampleN-1 and best, got {type(rows).__name__} with first row keys {sorted(first)[:8]}."
+        )
+    lengths = {key: len(value) for key, value in first.items() if key in _label_fields(num_samples) and key != "best"}
+    _check_label_rows(rows, lengths, num_samples, where)
+    for field in lengths:
+        _token_array(rows, field, where)
+    return rows, num_samples, label_file_pad_id(path)
+
+
 def load_labels(
     source: str, query_length: int, response_length: int, pad_id: int, num_train: int, num_samples: int = 4
 ) -> Labels:
-    """OAI best-of-N label file (local JSON or a file of the HF mirror), validated, with OAI's PAD mapped to pad_id."""
+    """OAI best-of-N label file (local JSON or a file of the HF mirror), validated, the file's PAD mapped to pad_id.
+
+    The file's PAD is OAI's 50259, or the `pad_id` of a `<file>.meta.json` beside it (label_generation.py writes one).
+    """
     # OAI: a JSON list of {query, sample0..3, best} rows; at least num_train rows, the first num_train are trained on
     # https://github.com/openai/lm-human-preferences/blob/cbfd210bb8b08f6bc5c26878c10984b90f516c66/lm_human_preferences/train_reward.py#L64-L96
     path = _resolve_label_source(source)
     where = f"label file '{source}'"
-    with open(path, encoding="utf-8") as f:
-        try:
-            rows = json.load(f)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{where}: invalid JSON ({e}).") from e
+    rows = _read_json_rows(path, where)
     lengths = {"query": query_length, **{f"sample{i}": response_length for i in range(num_samples)}}
     _check_label_rows(rows, lengths, num_samples, where)
     if len(rows) < num_train:
@@ -512,9 +562,11 @@ def load_labels(
     query = _token_array(rows, "query", where)  # (N, Lq)
     samples = np.stack([_token_array(rows, f"sample{i}", where) for i in range(num_samples)], axis=1)  # (N, S, L)
     best = np.array([row["best"] for row in rows], dtype=np.int64)  # (N,)
-    # label files pad with OAI's 50259; map it to our PAD (REF-R#L605-L607)
-    query[query == OAI_PAD_TOKEN] = pad_id
-    samples[samples == OAI_PAD_TOKEN] = pad_id
+    # label files pad with OAI's 50259; map it to our PAD (REF-R#L605-L607). Generated files whose vocabulary has a
+    # real token 50259 record their PAD in <file>.meta.json instead
+    file_pad_id = label_file_pad_id(path)
+    query[query == file_pad_id] = pad_id
+    samples[samples == file_pad_id] = pad_id
     # the transformer requires a real first token (model.py#L333-L340)
     starts_with_pad = np.flatnonzero(query[:, 0] == pad_id) if len(rows) else np.array([], dtype=np.int64)
     if starts_with_pad.size:

