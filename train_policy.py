@@ -38,6 +38,7 @@ from lm_human_preference_details.data import (
     load_texts,
 )
 from lm_human_preference_details.hub import HubUnavailableError, hub_reachable
+from lm_human_preference_details.labelers import load_labeler
 from lm_human_preference_details.modeling import PolicyWithValueHead, load_causal_lm, load_reward_model, sample
 from lm_human_preference_details.optim import AdamTensorFlowStyle
 from lm_human_preference_details.tokenizer import load_tokenizer, tokenizer_fingerprint
@@ -66,6 +67,9 @@ class RewardHParams:
     """initial coefficient beta of the per-token KL penalty -beta*(logp - logp_ref) (OAI launch.py#L129)"""
     adaptive_kl: AdaptiveKLParams = field(default_factory=AdaptiveKLParams)
     """adaptive KL controller, Ziegler et al. 2019 eq. (2)"""
+    gold_model: str | None = None
+    """a held-out judge that scores every rollout but never trains the policy, logged as objective/gold_score to show
+    reward over-optimisation: reward_model:DIR, classifier:NAME_OR_DIR[#LABEL] or vader (label_generation.py's syntax)"""
 
 
 @dataclass
@@ -448,6 +452,9 @@ def main(args: Args) -> list[dict[str, float]]:
     core.broadcast_parameters(policy, accelerator)
     ref_policy = copy.deepcopy(policy).requires_grad_(False)
     reward_model = reward_model.to(device).eval().requires_grad_(False)
+    gold_labeler = None
+    if args.rewards.gold_model:
+        gold_labeler = load_labeler(args.rewards.gold_model, tokenizer, pad_id, device, flag="--rewards.gold_model")
     params = list(policy.parameters())
     # TF1 Adam, eps 1e-5 (spec O1-O3)
     # https://github.com/openai/lm-human-preferences/blob/cbfd210bb8b08f6bc5c26878c10984b90f516c66/lm_human_preferences/utils/core.py#L621-L629
@@ -508,6 +515,9 @@ def main(args: Args) -> list[dict[str, float]]:
                 scores, passed = penalize_failed_filter(
                     scores, postprocessed_responses, task.truncate_token, task.truncate_after, task.penalty_reward_value
                 )
+
+                if gold_labeler is not None:  # the gold judge sees what the reward model sees; it never trains
+                    gold_scores = gold_labeler.scores(queries, postprocessed_responses[:, None])[:, 0].to(device)
 
                 # 4. per-token rewards: -kl_coef * kl, + score at the last token
                 kl_coef = kl_ctl.value
@@ -588,6 +598,7 @@ def main(args: Args) -> list[dict[str, float]]:
                 "objective/entropy": (-logprobs).sum(1).mean(),
                 "objective/score": scores.mean(),
                 "objective/score_total": scores.mean() + non_score_reward.sum(1).mean(),
+                **({"objective/gold_score": gold_scores.mean()} if gold_labeler is not None else {}),
                 **{f"ppo/{key}": value for key, value in ppo_sums.items() if key != "ratio_mean"},
                 "debug/ratio_mean": ppo_sums["ratio_mean"],
                 "debug/ratio_min": ratio_min,
@@ -635,6 +646,8 @@ def main(args: Args) -> list[dict[str, float]]:
                 console.print(table)
                 tracker.log_table("samples", sample_columns, rows, step=update)
             description = f"score {stats['objective/score']:+.3f} kl {stats['objective/kl']:.3f}"
+            if gold_labeler is not None:
+                description += f" gold {stats['objective/gold_score']:+.3f}"
             progress.update(bar, advance=1, description=description)
 
             # 8. checkpoint every save_interval updates and at the end (spec P20)

@@ -39,3 +39,29 @@ def tiny_model_dir(tmp_path_factory, tokenizer):
     tiny_gpt2().save_pretrained(path)
     tokenizer.save_pretrained(path)
     return str(path)
+
+
+def small_vocab_gpt2(tokens: list[int], seed: int = 0, strength: float = 10.0) -> GPT2LMHeadModel:
+    """A tiny GPT-2 that samples almost only `tokens` (nearly uniformly), so planted preferences are discoverable."""
+    model = tiny_gpt2(seed)
+    with torch.no_grad():
+        # hidden dim 0 is a constant `strength` after ln_f; the tied embedding's dim 0 is +1 for `tokens`, -1 otherwise
+        model.transformer.ln_f.weight[0] = 0.0
+        model.transformer.ln_f.bias[0] = strength
+        model.transformer.wte.weight[:, 0] = -1.0
+        model.transformer.wte.weight[tokens, 0] = 1.0
+    return model
+
+
+@pytest.fixture(scope="session")
+def small_vocab_words(tokenizer):
+    words = [" the", " a", " and", " of", " to", " in", " was", " he", " she", " it", " on", " with", " happy", " sad"]
+    return {w.strip(): tokenizer.encode(w)[0] for w in words}
+
+
+@pytest.fixture(scope="session")
+def small_vocab_model_dir(tmp_path_factory, tokenizer, small_vocab_words):
+    path = tmp_path_factory.mktemp("small-vocab-gpt2")
+    small_vocab_gpt2(list(small_vocab_words.values())).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return str(path)

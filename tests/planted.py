@@ -39,14 +39,14 @@ def run_script(script: str, *flags: str, timeout: int = 600, cwd: Path = REPO) -
 
 
 def write_policy_planted_labels(path: Path, model_dir: str, tokenizer, corpus: Path, n_rows: int, query_length: int,
-                                response_length: int, marker: int, seed: int = 0) -> Path:
+                                response_length: int, marker: int, seed: int = 0, **task_fields) -> Path:
     """Like OAI's offline labels: 4 samples of the base policy per query; the best one gets `marker` planted in it."""
     import torch
 
     from lm_human_preference_details.data import QueryStream, TaskHParams, load_texts
     from lm_human_preference_details.modeling import PolicyWithValueHead, load_causal_lm, sample
 
-    task = TaskHParams(query_dataset=str(corpus), query_length=query_length, response_length=response_length)
+    task = TaskHParams(query_dataset=str(corpus), query_length=query_length, response_length=response_length, **task_fields)
     queries = QueryStream(load_texts(str(corpus)), tokenizer, task, 0, 1, data_seed=seed).next_batch(n_rows)
     policy = PolicyWithValueHead(load_causal_lm(model_dir))
     generator = torch.Generator().manual_seed(seed)
