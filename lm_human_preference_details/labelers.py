@@ -17,7 +17,7 @@ from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTok
 
 from lm_human_preference_details.hub import HubUnavailableError, check_available
 from lm_human_preference_details.modeling import load_reward_model
-from lm_human_preference_details.tokenizer import tokenizer_fingerprint
+from lm_human_preference_details.tokenizer import check_same_tokenizer
 
 LABELER_FORMS = (
     "reward_model:DIR (a reward model written by train_reward.py)",
@@ -76,15 +76,8 @@ class RewardModelLabeler(Labeler):
                 "written by train_reward.py (its --output_dir)."
             )
         model, metadata = load_reward_model(directory, flag=f"{flag} reward_model:DIR")
-        fingerprint = tokenizer_fingerprint(tokenizer)
-        if metadata.get("tokenizer_fingerprint") != fingerprint or metadata.get("pad_token_id") != pad_id:
-            raise ValueError(
-                f"tokenizer mismatch for {flag} reward_model:{directory}: the reward model was trained with tokenizer "
-                f"'{metadata.get('tokenizer')}' (fingerprint {metadata.get('tokenizer_fingerprint')}, pad id "
-                f"{metadata.get('pad_token_id')}), but the labelled tokens come from tokenizer "
-                f"'{tokenizer.name_or_path}' (fingerprint {fingerprint}, pad id {pad_id}). Use a reward model trained "
-                "on the same --base_model, or that base model."
-            )
+        check_same_tokenizer(metadata, tokenizer, f"{flag} reward_model:{directory}",
+                             f"the labelled tokens come from tokenizer '{tokenizer.name_or_path}'")
         self.name = f"reward_model:{directory}"
         self.model = model.to(device).eval().requires_grad_(False)
         self.pad_id = pad_id

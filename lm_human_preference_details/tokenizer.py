@@ -45,3 +45,14 @@ def tokenizer_fingerprint(tokenizer: PreTrainedTokenizerBase) -> str:
     """A short hash of the vocabulary and PAD id: two models can share token ids only if these are equal."""
     vocab = json.dumps(sorted(tokenizer.get_vocab().items()), ensure_ascii=False)
     return hashlib.sha256(f"{vocab}|pad={tokenizer.pad_token_id}".encode()).hexdigest()[:16]
+
+
+def check_same_tokenizer(metadata: dict, tokenizer: PreTrainedTokenizerBase, model_desc: str, tokens_desc: str) -> None:
+    """ValueError naming both sides unless a saved model's tokenizer (its metadata) has the same ids and PAD as ours."""
+    fingerprint, pad_id = tokenizer_fingerprint(tokenizer), tokenizer.pad_token_id
+    if metadata.get("tokenizer_fingerprint") != fingerprint or metadata.get("pad_token_id") != pad_id:
+        raise ValueError(
+            f"tokenizer mismatch: {model_desc} was trained with tokenizer '{metadata.get('tokenizer')}' (fingerprint "
+            f"{metadata.get('tokenizer_fingerprint')}, pad id {metadata.get('pad_token_id')}), but {tokens_desc} "
+            f"(fingerprint {fingerprint}, pad id {pad_id}). Use models trained from the same --base_model."
+        )
