@@ -41,7 +41,7 @@ from lm_human_preference_details.hub import HubUnavailableError, hub_reachable
 from lm_human_preference_details.labelers import load_labeler
 from lm_human_preference_details.modeling import PolicyWithValueHead, load_causal_lm, load_reward_model, sample
 from lm_human_preference_details.optim import AdamTensorFlowStyle
-from lm_human_preference_details.tokenizer import load_tokenizer, tokenizer_fingerprint
+from lm_human_preference_details.tokenizer import check_same_tokenizer, load_tokenizer
 
 # ---------------------------------------------------------------------------------------------------- hyperparameters
 # Group and field names follow OAI's HParams, so `--ppo.lr` is OAI's `bind('ppo.lr', ...)`. Defaults are launch.py's
@@ -306,21 +306,6 @@ def ppo_losses(
 
 
 # ---------------------------------------------------------------------------------------------------- plumbing helpers
-def check_reward_model_tokenizer(
-    metadata: dict, rm_dir: str, tokenizer: PreTrainedTokenizerBase, base_model: str
-) -> None:
-    """Raise ValueError unless the reward model was trained on the same token ids (vocabulary and PAD) as the policy."""
-    fingerprint, pad_id = tokenizer_fingerprint(tokenizer), tokenizer.pad_token_id
-    if metadata.get("tokenizer_fingerprint") != fingerprint or metadata.get("pad_token_id") != pad_id:
-        raise ValueError(
-            f"tokenizer mismatch: the reward model in '{rm_dir}' (--rewards.trained_model) was trained with tokenizer "
-            f"'{metadata.get('tokenizer')}' (fingerprint {metadata.get('tokenizer_fingerprint')}, pad id "
-            f"{metadata.get('pad_token_id')}), but the policy uses tokenizer '{base_model}' (fingerprint "
-            f"{fingerprint}, pad id {pad_id}). Train the reward model from the same --base_model or pass a matching "
-            "--base_model."
-        )
-
-
 def reduce_stats(local: dict[str, torch.Tensor], accelerator: Accelerator) -> dict[str, float]:
     """All statistics in one gather and one device-to-host copy: mean over processes (min/max for the extremes)."""
     # OAI all-reduce-means every statistic over ranks (spec D5)
@@ -444,7 +429,8 @@ def main(args: Args) -> list[dict[str, float]]:
     tokenizer = load_tokenizer(args.base_model)
     pad_id = tokenizer.pad_token_id
     reward_model, rm_metadata = load_reward_model(args.rewards.trained_model)
-    check_reward_model_tokenizer(rm_metadata, args.rewards.trained_model, tokenizer, args.base_model)
+    check_same_tokenizer(rm_metadata, tokenizer, f"the reward model '{args.rewards.trained_model}' "
+                         "(--rewards.trained_model)", f"the policy uses tokenizer '{args.base_model}'")
     # dropout is off everywhere: p=0 in the configs and eval mode (spec G7)
     policy = PolicyWithValueHead(load_causal_lm(args.base_model)).to(device).eval()
     # every process starts from rank 0's weights (spec D6); no DDP: gradients are all-reduced by hand (spec O4)
@@ -566,7 +552,10 @@ def main(args: Args) -> list[dict[str, float]]:
                         new_logits, vpred = policy(
                             query_responses[micro_inds], context_length, pad_id, task.temperature
                         )  # (b, L, V), (b, L)
-                        new_logprobs = core.logprobs_from_logits(new_logits, responses[micro_inds])  # (b, L)
+                        # the entropy statistic comes from the same pass over the (b, L, V) logits
+                        new_logprobs, new_entropy = core.logprobs_and_entropy_from_logits(
+                            new_logits, responses[micro_inds]
+                        )  # (b, L) each
                         losses = ppo_losses(
                             new_logprobs, vpred, logprobs[micro_inds], mb_values[micro], mb_advantages[micro],
                             mb_returns[micro], ppo.cliprange, ppo.cliprange_value, ppo.vf_coef,
@@ -575,7 +564,7 @@ def main(args: Args) -> list[dict[str, float]]:
                         # that of the minibatch mean, so accumulation does not change the update
                         (losses["loss/total"] / accum).backward()
                         ratio = losses.pop("ratio").detach()
-                        losses["policy/entropy"] = core.entropy_from_logits(new_logits.detach()).mean()
+                        losses["policy/entropy"] = new_entropy.mean()
                         losses["ratio_mean"] = ratio.mean()
                         accumulate(ppo_sums, losses, mb_weight / accum)
                         ratio_min = torch.minimum(ratio_min, ratio.min())

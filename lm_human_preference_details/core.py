@@ -44,17 +44,67 @@ def whiten(values: torch.Tensor, shift_mean: bool = True, eps: float = 1e-8) -> 
     return whitened
 
 
+def _exp_stats(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """max, exp(z - max) and sum(exp(z - max)) over the last axis (keepdim); exp(z - max) is the one (..., V) tensor."""
+    maxes = logits.amax(dim=-1, keepdim=True)
+    exps = (logits - maxes).exp_()
+    return maxes, exps, exps.sum(dim=-1, keepdim=True)
+
+
+def _entropy_from_exp_stats(
+    logits: torch.Tensor, maxes: torch.Tensor, exps: torch.Tensor, total: torch.Tensor
+) -> torch.Tensor:
+    """logsumexp(z) - sum(softmax(z) * z) = max + log(total) - (exps . z) / total, keepdim."""
+    # the sum of products is a batched dot product: no (..., V) product tensor
+    expected_logit = (exps.unsqueeze(-2) @ logits.unsqueeze(-1)).squeeze(-1) / total
+    return maxes + total.log() - expected_logit
+
+
+class _TokenLogprob(torch.autograd.Function):
+    """log softmax(z)[token] = (z[token] - max) - log(sum(exp(z - max))) and, optionally, the (non-differentiable)
+    entropy, from one (..., V) buffer; the backward allocates one more, the gradient."""
+
+    @staticmethod
+    def forward(
+        ctx, logits: torch.Tensor, tokens: torch.Tensor, with_entropy: bool
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        maxes, exps, total = _exp_stats(logits)
+        logprobs = logits.gather(-1, tokens.unsqueeze(-1)) - maxes - total.log()  # (..., 1)
+        entropy = None
+        if with_entropy:
+            entropy = _entropy_from_exp_stats(logits, maxes, exps, total).squeeze(-1)
+            ctx.mark_non_differentiable(entropy)
+        if ctx.needs_input_grad[0]:
+            ctx.save_for_backward(exps.div_(total), tokens)  # softmax(z)
+        return logprobs.squeeze(-1), entropy
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad: torch.Tensor, grad_entropy: None) -> tuple[torch.Tensor, None, None]:
+        # d logp[token] / dz = onehot(token) - softmax(z); the saved softmax stays intact for retained graphs
+        probs, tokens = ctx.saved_tensors
+        grad = grad.unsqueeze(-1)  # (..., 1)
+        return (probs * -grad).scatter_add_(-1, tokens.unsqueeze(-1), grad), None, None
+
+
 def logprobs_from_logits(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
     """log softmax(logits)[tokens] for logits (..., V) and tokens (...), without materializing the log-softmax."""
+    # gather(logits) - logsumexp(logits), computed as (z - max)[token] - log(sum(exp(z - max))); one (..., V) tensor
+    # is allocated (autograd through gather and logsumexp allocates five, forward and backward)
     # https://github.com/openai/lm-human-preferences/blob/cbfd210bb8b08f6bc5c26878c10984b90f516c66/lm_human_preferences/utils/core.py#L295-L296
-    picked = logits.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)  # (...)
-    return picked - torch.logsumexp(logits, dim=-1)
+    return _TokenLogprob.apply(logits, tokens, False)[0]
 
 
 def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
     """Entropy of softmax(logits) over the last axis: logsumexp(z) - sum(softmax(z) * z)."""
     # https://github.com/openai/lm-human-preferences/blob/cbfd210bb8b08f6bc5c26878c10984b90f516c66/lm_human_preferences/utils/core.py#L290-L292
-    return torch.logsumexp(logits, dim=-1) - (torch.softmax(logits, dim=-1) * logits).sum(dim=-1)
+    return _entropy_from_exp_stats(logits, *_exp_stats(logits)).squeeze(-1)
+
+
+def logprobs_and_entropy_from_logits(logits: torch.Tensor, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`logprobs_from_logits` (differentiable) and `entropy_from_logits` (detached) from one pass over the logits."""
+    logprobs, entropy = _TokenLogprob.apply(logits, tokens, True)
+    return logprobs, entropy
 
 
 def set_seed(seed: int) -> None:

@@ -21,6 +21,7 @@ from lm_human_preference_details.core import (
     ceil_div,
     entropy_from_logits,
     exact_div,
+    logprobs_and_entropy_from_logits,
     logprobs_from_logits,
     set_seed,
     whiten,
@@ -96,6 +97,38 @@ def test_logprobs_from_logits_matches_log_softmax_gather(dtype, atol):
     out = logprobs_from_logits(logits, tokens)
     assert out.shape == (3, 7)
     torch.testing.assert_close(out, expected, rtol=0, atol=atol)
+
+
+def test_logprobs_from_logits_gradient_matches_log_softmax_gather():
+    generator = torch.Generator().manual_seed(2)
+    logits = torch.randn(3, 7, 50, generator=generator, dtype=torch.float64, requires_grad=True)
+    tokens = torch.randint(0, 50, (3, 7), generator=generator)
+    weights = torch.randn(3, 7, generator=generator, dtype=torch.float64)
+    (grad,) = torch.autograd.grad((logprobs_from_logits(logits, tokens) * weights).sum(), logits)
+    expected_logprobs = torch.log_softmax(logits, dim=-1).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+    (expected,) = torch.autograd.grad((expected_logprobs * weights).sum(), logits)
+    torch.testing.assert_close(grad, expected, rtol=0, atol=1e-12)
+    small = logits[:1, :2, :6].detach().requires_grad_()
+    assert torch.autograd.gradcheck(lambda z: logprobs_from_logits(z, tokens[:1, :2] % 6), (small,))
+
+
+def test_logprobs_and_entropy_from_logits_match_separate_functions():
+    generator = torch.Generator().manual_seed(4)
+    logits = torch.randn(2, 5, 40, generator=generator, dtype=torch.float64, requires_grad=True)
+    tokens = torch.randint(0, 40, (2, 5), generator=generator)
+    logprobs, entropy = logprobs_and_entropy_from_logits(logits, tokens)
+    torch.testing.assert_close(logprobs, logprobs_from_logits(logits, tokens), rtol=0, atol=1e-12)
+    torch.testing.assert_close(entropy, entropy_from_logits(logits.detach()), rtol=0, atol=1e-12)
+    assert logprobs.requires_grad and not entropy.requires_grad
+
+
+def test_logprobs_from_logits_leaves_input_unchanged_under_no_grad():
+    logits = torch.randn(4, 30, generator=torch.Generator().manual_seed(3))
+    before = logits.clone()
+    with torch.no_grad():
+        out = logprobs_from_logits(logits, torch.tensor([0, 5, 29, 7]))
+    assert torch.equal(logits, before)
+    torch.testing.assert_close(out, torch.log_softmax(before, -1)[torch.arange(4), [0, 5, 29, 7]], rtol=0, atol=1e-6)
 
 
 @pytest.mark.parametrize("dtype, atol", [(torch.float32, 1e-6), (torch.float64, 1e-12)])

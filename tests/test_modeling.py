@@ -16,6 +16,7 @@ from lm_human_preference_details.modeling import (
     load_reward_model,
     pad_invisible_hidden,
     position_ids_from_mask,
+    _sample_categorical,
     reward_head_std,
     sample,
 )
@@ -107,6 +108,17 @@ def test_load_causal_lm_disables_dropout(tmp_path):
         assert torch.equal(lm(tokens).logits, lm(tokens).logits)
 
 
+def test_load_causal_lm_fused_gelu_matches_gelu_new(tmp_path):
+    reference = tiny_gpt2()
+    assert reference.config.activation_function == "gelu_new"
+    reference.save_pretrained(tmp_path)
+    lm = load_causal_lm(str(tmp_path))
+    assert lm.config.activation_function == "gelu_pytorch_tanh"
+    tokens = torch.tensor([[23073, 11, 339, 561], [7091, 1807, 546, 340]])
+    with torch.no_grad():
+        torch.testing.assert_close(lm(tokens).logits, reference(tokens).logits, rtol=0, atol=1e-5)
+
+
 def test_load_causal_lm_missing_local_dir_raises(tmp_path):
     missing = str(tmp_path / "no-such-model")
     with pytest.raises(FileNotFoundError, match="--base_model") as info:
@@ -164,6 +176,19 @@ def test_sample_never_samples_pad_inside_vocab():
     responses, logprobs, _ = sample(policy, contexts, 6, 1.0, PAD, torch.Generator().manual_seed(0))
     assert not bool((responses == PAD).any())
     assert bool(torch.isfinite(logprobs).all())
+
+
+def test_sample_categorical_frequencies_match_softmax():
+    # the first and last tokens have probability 0: an inverse-CDF sampler must never return them
+    logits = torch.tensor([torch.finfo(torch.float32).min, 0.5, -1.0, 2.0, 0.0, torch.finfo(torch.float32).min])
+    rows = 40000
+    tokens, logprobs = _sample_categorical(logits.expand(rows, -1), torch.Generator().manual_seed(0))
+    probs = torch.softmax(logits, -1)
+    counts = torch.bincount(tokens, minlength=6).double()
+    assert counts[0] == 0 and counts[5] == 0
+    sigma = (rows * probs * (1 - probs)).sqrt().double()
+    assert bool(((counts - rows * probs.double()).abs() <= 5 * sigma + 1e-9).all()), counts
+    torch.testing.assert_close(logprobs, torch.log_softmax(logits, -1)[tokens], rtol=0, atol=1e-6)
 
 
 def test_sample_matches_full_forward(tiny_lm):
