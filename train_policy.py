@@ -484,8 +484,10 @@ def main(args: Args) -> list[dict[str, float]]:
                 queries = query_stream.next_batch(local_batch_size).to(device)  # (B, Lq)
                 contexts = format_contexts(queries, prefix, suffix)  # (B, C): prefix + query + suffix (spec G4)
                 context_length = contexts.shape[1]
+                # QueryStream's queries start with a real token, so the sampler and the reward model skip that check
+                # and its host sync: the update's only sync is the statistics copy in step 6
                 responses, logprobs, values = sample(
-                    policy, contexts, task.response_length, task.temperature, pad_id, generator
+                    policy, contexts, task.response_length, task.temperature, pad_id, generator, check_first_token=False
                 )  # (B, L) each
                 query_responses = torch.cat([contexts, responses], 1)  # (B, C + L)
                 # one forward of the frozen reference policy; its (B, L, V) logits are freed right away
@@ -497,7 +499,7 @@ def main(args: Args) -> list[dict[str, float]]:
                 # 3. response processing: truncate -> score (raw query, no prefix/suffix, spec G4) -> filter penalty
                 # https://github.com/openai/lm-human-preferences/blob/cbfd210bb8b08f6bc5c26878c10984b90f516c66/lm_human_preferences/train_policy.py#L378-L390
                 postprocessed_responses = truncate_response(responses, task.truncate_token, task.truncate_after, pad_id)
-                scores = reward_model(torch.cat([queries, postprocessed_responses], 1), pad_id)  # (B,)
+                scores = reward_model(torch.cat([queries, postprocessed_responses], 1), pad_id, False)  # (B,)
                 scores, passed = penalize_failed_filter(
                     scores, postprocessed_responses, task.truncate_token, task.truncate_after, task.penalty_reward_value
                 )

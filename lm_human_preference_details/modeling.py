@@ -236,8 +236,13 @@ def sample(
     temperature: float,
     pad_id: int,
     generator: torch.Generator | None = None,
+    check_first_token: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Fixed-length KV-cached categorical sampling: responses, tempered logprobs and values, each (B, L)."""
+    """Fixed-length KV-cached categorical sampling: responses, tempered logprobs and values, each (B, L).
+
+    `check_first_token=False` skips the leading-PAD check and its device-to-host sync, for contexts built by
+    QueryStream, whose queries always start with a real token.
+    """
     _check_temperature(temperature)
     if response_length < 1:
         raise ValueError(f"response_length must be >= 1, got {response_length} (--task.response_length).")
@@ -245,7 +250,8 @@ def sample(
     batch_size, context_length = contexts.shape
     device = contexts.device
     mask = contexts != pad_id  # (B, C)
-    _check_first_token_real(mask, pad_id)
+    if check_first_token:
+        _check_first_token_real(mask, pad_id)
     total_length = context_length + response_length
     # attention mask of the whole episode; sampled tokens are always real
     attention_mask = torch.ones(batch_size, total_length, dtype=torch.long, device=device)
@@ -319,9 +325,9 @@ class RewardModel(nn.Module):
         self.bias = nn.Parameter(torch.tensor(0.0))
         self.train(trunk.training)  # the heads follow the mode of the model they wrap (eval after loading)
 
-    def forward(self, query_responses: torch.Tensor, pad_id: int) -> torch.Tensor:
+    def forward(self, query_responses: torch.Tensor, pad_id: int, check_first_token: bool = True) -> torch.Tensor:
         """Rewards (B,) read at position -1, i.e. at the last real token after the PAD replacement."""
-        hidden, mask = _transformer_hidden(self.trunk, query_responses, pad_id)
+        hidden, mask = _transformer_hidden(self.trunk, query_responses, pad_id, check_first_token)
         # the head output at index -1 of query ⊕ response (a trailing PAD holds the last real token's state)
         # https://github.com/openai/lm-human-preferences/blob/cbfd210bb8b08f6bc5c26878c10984b90f516c66/lm_human_preferences/rewards.py#L130-L138
         last = _gather_positions(hidden, _last_real_index(mask)[:, -1:])[:, 0]  # (B, D)
