@@ -1,0 +1,392 @@
+"""The whole RLHF pipeline of Ziegler et al. 2019 (arXiv:1909.08593) on a small offline world, on a CPU, in minutes.
+
+    make demo                                  # installs the demo extra, then runs this script
+    python demo/run_demo.py                    # full pipeline, seed 1
+    python demo/run_demo.py --seed 2           # another seed; reuses the world and the pretrained model
+    python demo/run_demo.py --quick            # shortened pipeline (tests/test_demo.py)
+
+Each stage runs one of the project's scripts in a subprocess with the flags a user would type (they are printed):
+ 1. demo/world.py        passages from a grammar whose adjectives, verbs, objects and endings carry VADER sentiment
+ 2. demo/pretrain.py     a tiny GPT-2 with the real GPT-2 tokenizer, pretrained on them (skipped when
+                         OUTPUT_DIR/base_model already holds a model pretrained with the same settings)
+ 3. label_generation.py  best-of-4 labels on the pretrained model's samples; VADER picks the best
+ 4. train_reward.py      a reward model trained on those labels
+ 5. train_policy.py      PPO against the reward model; VADER, never seen by the policy, is the gold judge
+ 6. evaluation           base and trained policy sample the same held-out queries; VADER scores both
+Results go to OUTPUT_DIR/seed{SEED}/ (quick-seed{SEED}/ with --quick): results.json, curves.png, the stage logs, the
+labels, the reward model and the policy.
+"""
+
+import dataclasses
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import tyro
+
+REPO = Path(__file__).resolve().parents[1]
+DEMO = Path(__file__).resolve().parent
+# idle OpenMP threads sleep instead of spinning: on a busy machine, spinning threads of torch's two-thread pool steal
+# the CPU from the thread doing the work (measured: a pretraining step 3-4x slower next to one other busy process)
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+if str(REPO) not in sys.path:  # the package and the training scripts, also when the project is not pip-installed
+    sys.path.insert(0, str(REPO))
+
+import pretrain  # noqa: E402
+import world  # noqa: E402
+
+QUICK_MIN_GOLD_MARGIN = 0.3
+"""mean VADER gain (trained - base) on held-out queries that --quick guarantees (tests/test_demo.py checks it)"""
+FULL_MIN_GOLD_MARGIN = 0.5
+"""mean VADER gain that the full demo guarantees"""
+
+
+@dataclass
+class Args:
+    seed: int = 1
+    """seed of label sampling, reward-model training, PPO and the evaluation samples"""
+    output_dir: str = "runs/demo"
+    """the world and the pretrained model go here; everything of one seed goes to OUTPUT_DIR/seed{SEED}
+    (OUTPUT_DIR/quick-seed{SEED} with --quick)"""
+    quick: bool = False
+    """shortened pipeline (fewer labels and PPO updates, the same base model): about two minutes, same story"""
+    samples_to_show: int = 8
+    """rows of the before/after table"""
+
+
+@dataclass
+class Settings:
+    """Sizes of one demo mode."""
+
+    pretrain: pretrain.Args
+    """the base model and its pretraining budget"""
+    num_labels: int
+    """label rows (a query and 4 responses each) written by label_generation.py"""
+    heldout_labels: int
+    """the last rows of the label file, kept out of reward training to measure its accuracy"""
+    reward_lr: float
+    """train_reward.py --lr"""
+    reward_batch_size: int
+    """train_reward.py --batch_size (labels per step; one epoch over the labels, as OAI)"""
+    ppo_episodes: int
+    """train_policy.py --ppo.total_episodes"""
+    ppo_batch_size: int
+    """train_policy.py --ppo.batch_size (episodes per PPO update)"""
+    ppo_lr: float
+    """train_policy.py --ppo.lr"""
+    eval_queries: int
+    """held-out queries sampled by the base and the trained policy for the before/after figures"""
+
+
+# the task: a query is the sentence after a passage's first '.' (12 tokens, padded to 16); the response is 12 tokens,
+# one sentence of the grammar; it must hold a '.' at index >= 8 to pass the filter (the grammar puts it at 11)
+QUERY_LENGTH, RESPONSE_LENGTH, TRUNCATE_AFTER = 16, 12, 8
+# KL budget: enough for the policy to turn a continuation's mood positive, not enough to leave the grammar
+KL_TARGET, KL_HORIZON, KL_COEF = 3.0, 512, 0.15
+
+FULL = Settings(
+    pretrain=pretrain.Args(),  # demo/pretrain.py's defaults: 2 layers, 64 wide, 250 steps of 32 x 24 tokens
+    num_labels=1536, heldout_labels=128, reward_lr=1e-3, reward_batch_size=8,
+    ppo_episodes=64 * 32, ppo_batch_size=64, ppo_lr=3e-4, eval_queries=256,
+)  # fmt: skip
+QUICK = Settings(
+    pretrain=FULL.pretrain,
+    num_labels=768, heldout_labels=64, reward_lr=1e-3, reward_batch_size=8,
+    ppo_episodes=64 * 12, ppo_batch_size=64, ppo_lr=3e-4, eval_queries=128,
+)  # fmt: skip
+
+
+def child_env() -> dict[str, str]:
+    """The environment of every stage: offline, the repository importable, no tokenizer thread pools, CPU tuning."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), *filter(None, [env.get("PYTHONPATH")])])
+    env.update(HF_HUB_OFFLINE="1", WANDB_MODE="offline", TOKENIZERS_PARALLELISM="false")
+    # glibc returns every freed block over 32 MiB to the OS and page-faults it in again at the next allocation; the
+    # (batch, 50257) logits are such blocks. Keeping them in the heap halves label generation's wall time (sys time
+    # 15s -> 1s for 512 labels); other C libraries ignore these variables
+    env.setdefault("MALLOC_MMAP_THRESHOLD_", str(2**30))
+    env.setdefault("MALLOC_TRIM_THRESHOLD_", str(2**30))
+    return env
+
+
+def run_stage(name: str, script: Path, flags: list[str], log_dir: Path) -> float:
+    """Run `python script flags...` like a user would, echo its output and save it to log_dir/name.log; seconds."""
+    command = [sys.executable, str(script.relative_to(REPO)), *flags]
+    print(f"\n=== {name} ===\n$ {' '.join(command[1:])}", flush=True)
+    log_dir.mkdir(parents=True, exist_ok=True)
+    start = time.time()
+    with open(log_dir / f"{name}.log", "w", encoding="utf-8") as log:
+        process = subprocess.Popen(command, cwd=REPO, env=child_env(), stdout=subprocess.PIPE,
+                                   stderr=subprocess.STDOUT, text=True, bufsize=1)
+        for line in process.stdout:
+            sys.stdout.write(line)
+            log.write(line)
+        process.wait()
+    if process.returncode != 0:
+        raise SystemExit(f"stage '{name}' failed with exit code {process.returncode}; see {log_dir / name}.log")
+    seconds = time.time() - start
+    print(f"--- {name}: {seconds:.0f}s", flush=True)
+    return seconds
+
+
+def flag_list(values: dict[str, object]) -> list[str]:
+    """{'--a': 1, '--b': 'x'} -> ['--a', '1', '--b', 'x']."""
+    return [item for key, value in values.items() for item in (key, str(value))]
+
+
+def same_json(path: Path, key: str, expected: dict) -> bool:
+    """True when the JSON file at `path` exists and its `key` equals `expected`."""
+    if not path.is_file():
+        return False
+    with open(path, encoding="utf-8") as f:
+        return json.load(f).get(key) == json.loads(json.dumps(expected))
+
+
+def read_scalars(tb_dir: Path) -> dict[str, list[tuple[int, float]]]:
+    """Every scalar series of the TensorBoard events under tb_dir: tag -> [(step, value), ...]."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(tb_dir), size_guidance={"scalars": 0})
+    events.Reload()
+    return {tag: [(s.step, s.value) for s in events.Scalars(tag)] for tag in events.Tags()["scalars"]}
+
+
+def evaluate(base_dir: Path, policy_dir: Path, reward_dir: Path, heldout: str, task, n: int, seed: int) -> dict:
+    """Base and trained policy sample the same held-out queries; VADER and the reward model score both."""
+    import torch
+
+    from lm_human_preference_details.data import QueryStream, load_texts
+    from lm_human_preference_details.labelers import decode_without_pad, load_labeler
+    from lm_human_preference_details.modeling import PolicyWithValueHead, load_causal_lm, sample
+    from lm_human_preference_details.tokenizer import load_tokenizer
+    from train_policy import penalize_failed_filter, truncate_response
+
+    tokenizer = load_tokenizer(str(base_dir))
+    pad_id = tokenizer.pad_token_id
+    queries = QueryStream(load_texts(heldout), tokenizer, task, 0, 1, data_seed=0).next_batch(n)  # (n, Lq)
+    judges = {"gold": load_labeler("vader", tokenizer, pad_id, "cpu"),
+              "reward": load_labeler(f"reward_model:{reward_dir}", tokenizer, pad_id, "cpu")}
+    out = {"queries": decode_without_pad(tokenizer, queries, pad_id)}
+    for name, model_dir in (("base", base_dir), ("trained", policy_dir)):
+        policy = PolicyWithValueHead(load_causal_lm(str(model_dir)))
+        generator = torch.Generator().manual_seed(seed)
+        responses = torch.cat([
+            sample(policy, chunk, task.response_length, task.temperature, pad_id, generator)[0]
+            for chunk in queries.split(64)
+        ])  # (n, L)
+        responses = truncate_response(responses, task.truncate_token, task.truncate_after, pad_id)
+        _, passed = penalize_failed_filter(torch.zeros(n), responses, task.truncate_token, task.truncate_after, -1.0)
+        out[name] = {
+            "responses": decode_without_pad(tokenizer, responses, pad_id),
+            "filter_pass_rate": passed.float().mean().item(),
+            **{judge: labeler.scores(queries, responses[:, None])[:, 0].tolist() for judge, labeler in judges.items()},
+        }
+    return out
+
+
+def mean_and_stderr(values: list[float]) -> tuple[float, float]:
+    """Sample mean and its standard error."""
+    mean = sum(values) / len(values)
+    var = sum((v - mean) ** 2 for v in values) / max(1, len(values) - 1)
+    return mean, math.sqrt(var / len(values))
+
+
+def plot_curves(policy_scalars: dict, reward_scalars: dict, path: Path, title: str) -> None:
+    """curves.png: the policy's score, gold score, KL and kl_coef per update; the reward model's accuracy and loss."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(2, 3, figsize=(15, 7.5))
+    panels = [
+        ("objective/score", "reward-model score (what PPO maximizes)", None),
+        ("objective/gold_score", "gold score: VADER compound (never trained on)", None),
+        ("objective/kl", "KL(policy || base) per response, nats", KL_TARGET),
+        ("objective/kl_coef", "kl_coef (adaptive KL controller)", None),
+    ]
+    for ax, (tag, label, target) in zip(axes.flat, panels):
+        steps, values = zip(*policy_scalars[tag])
+        ax.plot(steps, values, marker=".")
+        if target is not None:
+            ax.axhline(target, color="gray", linestyle="--", label=f"target {target:g}")
+            ax.legend()
+        ax.set_title(label)
+        ax.set_xlabel("PPO update")
+    ax = axes.flat[4]
+    steps, values = zip(*reward_scalars["debug/accuracy"])
+    ax.plot(steps, values, alpha=0.4, label="train minibatch")
+    steps, values = zip(*reward_scalars["eval/accuracy"])
+    ax.plot(steps, values, marker=".", label="held-out labels")
+    ax.axhline(0.25, color="gray", linestyle=":", label="chance")
+    ax.set_ylim(0, 1)
+    ax.set_title("reward model: best-of-4 accuracy")
+    ax.set_xlabel("reward training step")
+    ax.legend()
+    ax = axes.flat[5]
+    steps, values = zip(*reward_scalars["train_reward/minibatch/loss"])
+    ax.plot(steps, values, alpha=0.6, label="train minibatch")
+    steps, values = zip(*reward_scalars["eval/loss"])
+    ax.plot(steps, values, marker=".", label="held-out labels")
+    ax.set_title("reward model: best-of-4 cross-entropy")
+    ax.set_xlabel("reward training step")
+    ax.legend()
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def print_report(evaluation: dict, results: dict, rows: int) -> None:
+    """The before/after table of samples and the headline figures."""
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console(width=max(120, Console().width))
+    table = Table(title="held-out queries: base policy vs PPO-trained policy, with the VADER compound of each response",
+                  show_lines=True)
+    for column in ("query", "base policy", "VADER", "trained policy", "VADER"):
+        table.add_column(column, overflow="fold")
+    base, trained = evaluation["base"], evaluation["trained"]
+    for i in range(min(rows, len(evaluation["queries"]))):
+        table.add_row(evaluation["queries"][i].strip(), base["responses"][i].strip(), f"{base['gold'][i]:+.2f}",
+                      trained["responses"][i].strip(), f"{trained['gold'][i]:+.2f}")
+    console.print(table)
+    gold, rm, policy = results["gold"], results["reward_model"], results["policy"]
+    figures = Table(title=f"demo results (seed {results['seed']}, {results['mode']} mode)")
+    figures.add_column("figure")
+    figures.add_column("value")
+    figures.add_row(f"gold score (mean VADER compound, {gold['queries']} held-out queries)",
+                    f"base {gold['base']:+.3f} ± {gold['base_stderr']:.3f}  ->  trained {gold['trained']:+.3f} ± "
+                    f"{gold['trained_stderr']:.3f}  (margin {gold['margin']:+.3f})")
+    figures.add_row("reward-model score on the same samples (normalized)",
+                    f"base {results['reward_score']['base']:+.3f}  ->  trained {results['reward_score']['trained']:+.3f}")
+    figures.add_row(f"reward model held-out accuracy ({rm['heldout_rows']} best-of-4 labels, chance 0.25)",
+                    f"{rm['accuracy_before']:.3f} before training  ->  {rm['accuracy_after']:.3f} after")
+    figures.add_row("final KL(policy || base) per response",
+                    f"{policy['final_kl']:.2f} nats at the last update, {policy['kl_last5']:.2f} over the last 5 (target "
+                    f"{policy['kl_target']:g}); kl_coef {policy['final_kl_coef']:.4f}")
+    figures.add_row(f"response filter pass rate (a '.' at index >= {TRUNCATE_AFTER})",
+                    f"base {results['filter_pass_rate']['base']:.3f}  ->  trained {results['filter_pass_rate']['trained']:.3f}")
+    figures.add_row("wall time", ", ".join(f"{k} {v:.0f}s" for k, v in results["timings"].items()))
+    console.print(figures)
+
+
+def main(args: Args) -> dict:
+    """Run every stage, evaluate, write results.json and curves.png; returns the results."""
+    start = time.time()
+    settings = QUICK if args.quick else FULL
+    root = Path(args.output_dir).resolve()
+    mode = "quick" if args.quick else "full"
+    run_dir = root / (f"quick-seed{args.seed}" if args.quick else f"seed{args.seed}")
+    logs = run_dir / "logs"
+    timings: dict[str, float] = {}
+
+    # 1. world: regenerated only when its settings changed (it is deterministic)
+    world_args = world.Args(output_dir=str(root / "world"))
+    world_dir = Path(world_args.output_dir)
+    fresh_world = not same_json(world_dir / "world.json", "args", dataclasses.asdict(world_args))
+    if fresh_world:
+        timings["world"] = run_stage("world", DEMO / "world.py", flag_list({"--output_dir": world_dir}), logs)
+
+    # 2. pretraining, skipped when the same settings already produced a model from the same world
+    pretrain_args = dataclasses.replace(settings.pretrain, corpus=str(world_dir / "pretrain.txt"),
+                                        output_dir=str(root / "base_model"))
+    base_dir = Path(pretrain_args.output_dir)
+    if fresh_world or not same_json(base_dir / pretrain.SETTINGS_FILE, "args", dataclasses.asdict(pretrain_args)):
+        pretrain_flags = {f"--{k}": v for k, v in dataclasses.asdict(pretrain_args).items()}
+        timings["pretrain"] = run_stage("pretrain", DEMO / "pretrain.py", flag_list(pretrain_flags), logs)
+    else:
+        print(f"\n=== pretrain === skipped: {base_dir} holds a model pretrained with the same settings")
+
+    task_flags = {
+        "--task.query_dataset": world_dir / "queries.txt",
+        "--task.query_length": QUERY_LENGTH,
+        "--task.response_length": RESPONSE_LENGTH,
+        "--task.truncate_after": TRUNCATE_AFTER,
+    }
+    # 3-5 start from scratch in the seed's directory
+    for name in ("labels", "reward", "policy"):
+        shutil.rmtree(run_dir / name, ignore_errors=True)
+    labels = run_dir / "labels" / "vader.json"
+    timings["labels"] = run_stage("labels", REPO / "label_generation.py", ["generate", *flag_list({
+        "--labeler": "vader", "--base_model": base_dir, "--num_queries": settings.num_labels, "--batch_size": 32,
+        "--seed": args.seed, "--output": labels, **task_flags,
+    })], logs)  # fmt: skip
+    num_train = settings.num_labels - settings.heldout_labels
+    timings["reward"] = run_stage("reward", REPO / "train_reward.py", flag_list({
+        "--base_model": base_dir, "--label_dataset": labels, "--labels.num_train": num_train,
+        "--batch_size": settings.reward_batch_size, "--lr": settings.reward_lr, "--rollout_batch_size": 64,
+        "--normalize_samples": 256, "--eval_interval": 2, "--seed": args.seed, "--output_dir": run_dir / "reward",
+        **task_flags,
+    }), logs)  # fmt: skip
+    timings["policy"] = run_stage("policy", REPO / "train_policy.py", flag_list({
+        "--base_model": base_dir, "--rewards.trained_model": run_dir / "reward", "--rewards.gold_model": "vader",
+        "--rewards.kl_coef": KL_COEF, "--rewards.adaptive_kl.target": KL_TARGET,
+        "--rewards.adaptive_kl.horizon": KL_HORIZON, "--ppo.total_episodes": settings.ppo_episodes,
+        "--ppo.batch_size": settings.ppo_batch_size, "--ppo.lr": settings.ppo_lr, "--log_interval": 8,
+        "--save_interval": 0, "--seed": args.seed, "--output_dir": run_dir / "policy", **task_flags,
+    }), logs)  # fmt: skip
+
+    # 6. evaluation on held-out queries
+    print("\n=== evaluation ===", flush=True)
+    eval_start = time.time()
+    from lm_human_preference_details.data import TaskHParams
+
+    task = TaskHParams(query_dataset=str(world_dir / "heldout.txt"), query_length=QUERY_LENGTH,
+                       response_length=RESPONSE_LENGTH, truncate_after=TRUNCATE_AFTER)
+    evaluation = evaluate(base_dir, run_dir / "policy", run_dir / "reward", task.query_dataset, task,
+                          settings.eval_queries, args.seed)
+    policy_scalars = read_scalars(run_dir / "policy" / "tb")
+    reward_scalars = read_scalars(run_dir / "reward" / "tb")
+    with open(run_dir / "reward" / "reward_model.json", encoding="utf-8") as f:
+        reward_meta = json.load(f)
+    timings["evaluation"] = time.time() - eval_start
+    timings["total"] = time.time() - start
+
+    (base_gold, base_se), (trained_gold, trained_se) = (mean_and_stderr(evaluation[k]["gold"]) for k in ("base", "trained"))
+    results = {
+        "seed": args.seed,
+        "mode": mode,
+        "guaranteed_margin": QUICK_MIN_GOLD_MARGIN if args.quick else FULL_MIN_GOLD_MARGIN,
+        "gold": {"queries": settings.eval_queries, "base": base_gold, "base_stderr": base_se, "trained": trained_gold,
+                 "trained_stderr": trained_se, "margin": trained_gold - base_gold},
+        "reward_score": {k: mean_and_stderr(evaluation[k]["reward"])[0] for k in ("base", "trained")},
+        "filter_pass_rate": {k: evaluation[k]["filter_pass_rate"] for k in ("base", "trained")},
+        "reward_model": {"heldout_rows": reward_meta["eval_after"]["rows"],
+                         "accuracy_before": reward_meta["eval_before"]["accuracy"],
+                         "accuracy_after": reward_meta["eval_after"]["accuracy"]},
+        "policy": {"updates": len(policy_scalars["objective/kl"]), "kl_target": KL_TARGET,
+                   "final_kl": policy_scalars["objective/kl"][-1][1],
+                   "kl_last5": sum(v for _, v in policy_scalars["objective/kl"][-5:]) / 5,
+                   "final_kl_coef": policy_scalars["objective/kl_coef"][-1][1],
+                   "final_score": policy_scalars["objective/score"][-1][1],
+                   "final_gold_score": policy_scalars["objective/gold_score"][-1][1]},
+        "timings": {k: round(v, 1) for k, v in timings.items()},
+        "settings": {"pretrain": dataclasses.asdict(pretrain_args), **{k: v for k, v in dataclasses.asdict(settings).items() if k != "pretrain"},
+                     "query_length": QUERY_LENGTH, "response_length": RESPONSE_LENGTH,
+                     "truncate_after": TRUNCATE_AFTER, "kl_coef": KL_COEF, "kl_horizon": KL_HORIZON},
+        "samples": [{"query": q, "base": b, "base_gold": bg, "trained": t, "trained_gold": tg}
+                    for q, b, bg, t, tg in zip(evaluation["queries"], evaluation["base"]["responses"],
+                                               evaluation["base"]["gold"], evaluation["trained"]["responses"],
+                                               evaluation["trained"]["gold"])][: args.samples_to_show],
+    }
+    with open(run_dir / "results.json", "w", encoding="utf-8") as f:
+        json.dump(results, f, indent=2)
+    title = (f"demo seed {args.seed} ({results['mode']}): gold {base_gold:+.2f} -> {trained_gold:+.2f}, "
+             f"reward-model accuracy {results['reward_model']['accuracy_after']:.2f}, "
+             f"final KL {results['policy']['final_kl']:.2f} (target {KL_TARGET:g})")
+    plot_curves(policy_scalars, reward_scalars, run_dir / "curves.png", title)
+    print_report(evaluation, results, args.samples_to_show)
+    print(f"wrote {run_dir / 'results.json'} and {run_dir / 'curves.png'}")
+    return results
+
+
+if __name__ == "__main__":
+    main(tyro.cli(Args))
