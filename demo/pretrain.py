@@ -91,6 +91,7 @@ def main(args: Args) -> dict:
         bos_token_id=tokenizer.eos_token_id, eos_token_id=tokenizer.eos_token_id,
     )  # fmt: skip
     model = GPT2LMHeadModel(config).train()
+    model.loss_type = "ForCausalLM"  # plain shifted next-token cross-entropy (named, so transformers does not warn)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay, betas=(0.9, 0.95))
     generator = torch.Generator().manual_seed(args.seed)
     order = torch.randperm(len(data), generator=generator)
@@ -110,7 +111,8 @@ def main(args: Args) -> dict:
         optimizer.zero_grad(set_to_none=True)
         losses.append(loss.item())
         if step % 50 == 0 or step == args.steps - 1:
-            print(f"step {step:4d}  loss {loss.item():.3f}  lr {learning_rate(args, step):.2e}  {time.time() - start:.0f}s")
+            lr = learning_rate(args, step)
+            print(f"step {step:4d}  loss {loss.item():.3f}  lr {lr:.2e}  {time.time() - start:.0f}s", flush=True)
     os.makedirs(args.output_dir, exist_ok=True)
     model.eval().save_pretrained(args.output_dir)
     tokenizer.save_pretrained(args.output_dir)
@@ -122,7 +124,7 @@ def main(args: Args) -> dict:
     # a look at what the pretrained model writes after three corpus queries
     policy = PolicyWithValueHead(load_causal_lm(args.output_dir))
     contexts = data[:3, :12]
-    responses, _, _ = sample(policy, contexts, 16, 0.7, tokenizer.pad_token_id, generator)
+    responses, _, _ = sample(policy, contexts, 12, 0.7, tokenizer.pad_token_id, generator)
     for context, response in zip(contexts.tolist(), responses.tolist()):
         print(f"{tokenizer.decode(context)!r} -> {tokenizer.decode(response)!r}")
     print(f"pretrained in {result['seconds']:.0f}s, final loss {result['final_loss']:.3f}, saved to {args.output_dir}")

@@ -157,7 +157,7 @@ def read_scalars(tb_dir: Path) -> dict[str, list[tuple[int, float]]]:
     return {tag: [(s.step, s.value) for s in events.Scalars(tag)] for tag in events.Tags()["scalars"]}
 
 
-def evaluate(base_dir: Path, policy_dir: Path, reward_dir: Path, heldout: str, task, n: int, seed: int) -> dict:
+def evaluate(base_dir: Path, policy_dir: Path, reward_dir: Path, task, n: int, seed: int) -> dict:
     """Base and trained policy sample the same held-out queries; VADER and the reward model score both."""
     import torch
 
@@ -169,7 +169,7 @@ def evaluate(base_dir: Path, policy_dir: Path, reward_dir: Path, heldout: str, t
 
     tokenizer = load_tokenizer(str(base_dir))
     pad_id = tokenizer.pad_token_id
-    queries = QueryStream(load_texts(heldout), tokenizer, task, 0, 1, data_seed=0).next_batch(n)  # (n, Lq)
+    queries = QueryStream(load_texts(task.query_dataset), tokenizer, task, 0, 1, data_seed=0).next_batch(n)  # (n, Lq)
     judges = {"gold": load_labeler("vader", tokenizer, pad_id, "cpu"),
               "reward": load_labeler(f"reward_model:{reward_dir}", tokenizer, pad_id, "cpu")}
     out = {"queries": decode_without_pad(tokenizer, queries, pad_id)}
@@ -265,26 +265,25 @@ def print_report(evaluation: dict, results: dict, rows: int) -> None:
     figures.add_row(f"gold score (mean VADER compound, {gold['queries']} held-out queries)",
                     f"base {gold['base']:+.3f} ± {gold['base_stderr']:.3f}  ->  trained {gold['trained']:+.3f} ± "
                     f"{gold['trained_stderr']:.3f}  (margin {gold['margin']:+.3f})")
+    reward_score, pass_rate = results["reward_score"], results["filter_pass_rate"]
     figures.add_row("reward-model score on the same samples (normalized)",
-                    f"base {results['reward_score']['base']:+.3f}  ->  trained {results['reward_score']['trained']:+.3f}")
+                    f"base {reward_score['base']:+.3f}  ->  trained {reward_score['trained']:+.3f}")
     figures.add_row(f"reward model held-out accuracy ({rm['heldout_rows']} best-of-4 labels, chance 0.25)",
                     f"{rm['accuracy_before']:.3f} before training  ->  {rm['accuracy_after']:.3f} after")
     figures.add_row("final KL(policy || base) per response",
-                    f"{policy['final_kl']:.2f} nats at the last update, {policy['kl_last5']:.2f} over the last 5 (target "
-                    f"{policy['kl_target']:g}); kl_coef {policy['final_kl_coef']:.4f}")
+                    f"{policy['final_kl']:.2f} nats at the last update, {policy['kl_last5']:.2f} over the last 5 "
+                    f"(target {policy['kl_target']:g}); kl_coef {policy['final_kl_coef']:.4f}")
     figures.add_row(f"response filter pass rate (a '.' at index >= {TRUNCATE_AFTER})",
-                    f"base {results['filter_pass_rate']['base']:.3f}  ->  trained {results['filter_pass_rate']['trained']:.3f}")
+                    f"base {pass_rate['base']:.3f}  ->  trained {pass_rate['trained']:.3f}")
     figures.add_row("wall time", ", ".join(f"{k} {v:.0f}s" for k, v in results["timings"].items()))
     console.print(figures)
+    guaranteed = results["guaranteed_margin"]
+    verdict = "as guaranteed" if gold["margin"] >= guaranteed else "BELOW the guaranteed margin: something is off"
+    console.print(f"gold margin {gold['margin']:+.3f} vs {guaranteed:+.2f} guaranteed in {results['mode']} mode: {verdict}")
 
 
-def main(args: Args) -> dict:
-    """Run every stage, evaluate, write results.json and curves.png; returns the results."""
-    start = time.time()
-    settings = QUICK if args.quick else FULL
-    root = Path(args.output_dir).resolve()
-    mode = "quick" if args.quick else "full"
-    run_dir = root / (f"quick-seed{args.seed}" if args.quick else f"seed{args.seed}")
+def run_stages(args: Args, settings: Settings, root: Path, run_dir: Path) -> tuple[Path, Path, dict[str, float]]:
+    """Stages 1-5 as subprocesses; returns the world directory, the base model directory and the stage timings."""
     logs = run_dir / "logs"
     timings: dict[str, float] = {}
 
@@ -305,26 +304,25 @@ def main(args: Args) -> dict:
     else:
         print(f"\n=== pretrain === skipped: {base_dir} holds a model pretrained with the same settings")
 
+    # 3-5 start from scratch in the seed's directory
+    for name in ("labels", "reward", "policy"):
+        shutil.rmtree(run_dir / name, ignore_errors=True)
     task_flags = {
         "--task.query_dataset": world_dir / "queries.txt",
         "--task.query_length": QUERY_LENGTH,
         "--task.response_length": RESPONSE_LENGTH,
         "--task.truncate_after": TRUNCATE_AFTER,
     }
-    # 3-5 start from scratch in the seed's directory
-    for name in ("labels", "reward", "policy"):
-        shutil.rmtree(run_dir / name, ignore_errors=True)
     labels = run_dir / "labels" / "vader.json"
     timings["labels"] = run_stage("labels", REPO / "label_generation.py", ["generate", *flag_list({
         "--labeler": "vader", "--base_model": base_dir, "--num_queries": settings.num_labels, "--batch_size": 32,
         "--seed": args.seed, "--output": labels, **task_flags,
     })], logs)  # fmt: skip
-    num_train = settings.num_labels - settings.heldout_labels
     timings["reward"] = run_stage("reward", REPO / "train_reward.py", flag_list({
-        "--base_model": base_dir, "--label_dataset": labels, "--labels.num_train": num_train,
-        "--batch_size": settings.reward_batch_size, "--lr": settings.reward_lr, "--rollout_batch_size": 64,
-        "--normalize_samples": 256, "--eval_interval": 2, "--seed": args.seed, "--output_dir": run_dir / "reward",
-        **task_flags,
+        "--base_model": base_dir, "--label_dataset": labels,
+        "--labels.num_train": settings.num_labels - settings.heldout_labels, "--batch_size": settings.reward_batch_size,
+        "--lr": settings.reward_lr, "--rollout_batch_size": 64, "--normalize_samples": 256, "--eval_interval": 2,
+        "--seed": args.seed, "--output_dir": run_dir / "reward", **task_flags,
     }), logs)  # fmt: skip
     timings["policy"] = run_stage("policy", REPO / "train_policy.py", flag_list({
         "--base_model": base_dir, "--rewards.trained_model": run_dir / "reward", "--rewards.gold_model": "vader",
@@ -333,27 +331,20 @@ def main(args: Args) -> dict:
         "--ppo.batch_size": settings.ppo_batch_size, "--ppo.lr": settings.ppo_lr, "--log_interval": 8,
         "--save_interval": 0, "--seed": args.seed, "--output_dir": run_dir / "policy", **task_flags,
     }), logs)  # fmt: skip
+    return world_dir, base_dir, timings
 
-    # 6. evaluation on held-out queries
-    print("\n=== evaluation ===", flush=True)
-    eval_start = time.time()
-    from lm_human_preference_details.data import TaskHParams
 
-    task = TaskHParams(query_dataset=str(world_dir / "heldout.txt"), query_length=QUERY_LENGTH,
-                       response_length=RESPONSE_LENGTH, truncate_after=TRUNCATE_AFTER)
-    evaluation = evaluate(base_dir, run_dir / "policy", run_dir / "reward", task.query_dataset, task,
-                          settings.eval_queries, args.seed)
-    policy_scalars = read_scalars(run_dir / "policy" / "tb")
-    reward_scalars = read_scalars(run_dir / "reward" / "tb")
-    with open(run_dir / "reward" / "reward_model.json", encoding="utf-8") as f:
-        reward_meta = json.load(f)
-    timings["evaluation"] = time.time() - eval_start
-    timings["total"] = time.time() - start
-
-    (base_gold, base_se), (trained_gold, trained_se) = (mean_and_stderr(evaluation[k]["gold"]) for k in ("base", "trained"))
-    results = {
+def summarize(args: Args, settings: Settings, evaluation: dict, policy_scalars: dict, reward_meta: dict,
+              timings: dict[str, float]) -> dict:
+    """The figures written to results.json."""
+    base_gold, base_se = mean_and_stderr(evaluation["base"]["gold"])
+    trained_gold, trained_se = mean_and_stderr(evaluation["trained"]["gold"])
+    kl = [value for _, value in policy_scalars["objective/kl"]]
+    samples = zip(evaluation["queries"], evaluation["base"]["responses"], evaluation["base"]["gold"],
+                  evaluation["trained"]["responses"], evaluation["trained"]["gold"])
+    return {
         "seed": args.seed,
-        "mode": mode,
+        "mode": "quick" if args.quick else "full",
         "guaranteed_margin": QUICK_MIN_GOLD_MARGIN if args.quick else FULL_MIN_GOLD_MARGIN,
         "gold": {"queries": settings.eval_queries, "base": base_gold, "base_stderr": base_se, "trained": trained_gold,
                  "trained_stderr": trained_se, "margin": trained_gold - base_gold},
@@ -362,26 +353,50 @@ def main(args: Args) -> dict:
         "reward_model": {"heldout_rows": reward_meta["eval_after"]["rows"],
                          "accuracy_before": reward_meta["eval_before"]["accuracy"],
                          "accuracy_after": reward_meta["eval_after"]["accuracy"]},
-        "policy": {"updates": len(policy_scalars["objective/kl"]), "kl_target": KL_TARGET,
-                   "final_kl": policy_scalars["objective/kl"][-1][1],
-                   "kl_last5": sum(v for _, v in policy_scalars["objective/kl"][-5:]) / 5,
+        "policy": {"updates": len(kl), "kl_target": KL_TARGET, "final_kl": kl[-1],
+                   "kl_last5": sum(kl[-5:]) / len(kl[-5:]),
                    "final_kl_coef": policy_scalars["objective/kl_coef"][-1][1],
                    "final_score": policy_scalars["objective/score"][-1][1],
                    "final_gold_score": policy_scalars["objective/gold_score"][-1][1]},
         "timings": {k: round(v, 1) for k, v in timings.items()},
-        "settings": {"pretrain": dataclasses.asdict(pretrain_args), **{k: v for k, v in dataclasses.asdict(settings).items() if k != "pretrain"},
-                     "query_length": QUERY_LENGTH, "response_length": RESPONSE_LENGTH,
-                     "truncate_after": TRUNCATE_AFTER, "kl_coef": KL_COEF, "kl_horizon": KL_HORIZON},
-        "samples": [{"query": q, "base": b, "base_gold": bg, "trained": t, "trained_gold": tg}
-                    for q, b, bg, t, tg in zip(evaluation["queries"], evaluation["base"]["responses"],
-                                               evaluation["base"]["gold"], evaluation["trained"]["responses"],
-                                               evaluation["trained"]["gold"])][: args.samples_to_show],
+        "settings": {**dataclasses.asdict(settings), "query_length": QUERY_LENGTH, "response_length": RESPONSE_LENGTH,
+                     "truncate_after": TRUNCATE_AFTER, "kl_coef": KL_COEF, "kl_target": KL_TARGET,
+                     "kl_horizon": KL_HORIZON},
+        "samples": [{"query": q.strip(), "base": b.strip(), "base_gold": bg, "trained": t.strip(), "trained_gold": tg}
+                    for q, b, bg, t, tg in samples][: args.samples_to_show],
     }
+
+
+def main(args: Args) -> dict:
+    """Run every stage, evaluate, write results.json and curves.png; returns the results."""
+    from lm_human_preference_details.data import TaskHParams
+
+    start = time.time()
+    settings = QUICK if args.quick else FULL
+    root = Path(args.output_dir).resolve()
+    run_dir = root / (f"quick-seed{args.seed}" if args.quick else f"seed{args.seed}")
+    world_dir, base_dir, timings = run_stages(args, settings, root, run_dir)
+
+    # 6. evaluation on held-out queries, and the curves from the TensorBoard events of the two training runs
+    print("\n=== evaluation ===", flush=True)
+    eval_start = time.time()
+    task = TaskHParams(query_dataset=str(world_dir / "heldout.txt"), query_length=QUERY_LENGTH,
+                       response_length=RESPONSE_LENGTH, truncate_after=TRUNCATE_AFTER)
+    evaluation = evaluate(base_dir, run_dir / "policy", run_dir / "reward", task, settings.eval_queries, args.seed)
+    policy_scalars = read_scalars(run_dir / "policy" / "tb")
+    reward_scalars = read_scalars(run_dir / "reward" / "tb")
+    with open(run_dir / "reward" / "reward_model.json", encoding="utf-8") as f:
+        reward_meta = json.load(f)
+    timings["evaluation"] = time.time() - eval_start
+    timings["total"] = time.time() - start
+
+    results = summarize(args, settings, evaluation, policy_scalars, reward_meta, timings)
     with open(run_dir / "results.json", "w", encoding="utf-8") as f:
         json.dump(results, f, indent=2)
-    title = (f"demo seed {args.seed} ({results['mode']}): gold {base_gold:+.2f} -> {trained_gold:+.2f}, "
+    gold, policy = results["gold"], results["policy"]
+    title = (f"demo seed {args.seed} ({results['mode']}): gold {gold['base']:+.2f} -> {gold['trained']:+.2f}, "
              f"reward-model accuracy {results['reward_model']['accuracy_after']:.2f}, "
-             f"final KL {results['policy']['final_kl']:.2f} (target {KL_TARGET:g})")
+             f"final KL {policy['final_kl']:.2f} (target {KL_TARGET:g})")
     plot_curves(policy_scalars, reward_scalars, run_dir / "curves.png", title)
     print_report(evaluation, results, args.samples_to_show)
     print(f"wrote {run_dir / 'results.json'} and {run_dir / 'curves.png'}")

@@ -2,8 +2,9 @@
 
 Every sentence has a mood (positive, negative or neutral): it opens with an adverb of that mood ("Luckily,", "Sadly,",
 "Then,"), and its sentiment slots (adjectives, verbs, objects, endings) take a word of that mood, or now and then a
-neutral one; a passage keeps its mood from one sentence to the next with probability `mood_persistence`. A language model pretrained on the passages therefore continues a query with a
-mix of sentiments that leans towards the query's mood, and a policy can raise VADER's score by picking positive words.
+neutral one; a passage keeps its mood from one sentence to the next with probability `mood_persistence`. A language
+model pretrained on the passages therefore continues a query with a mix of sentiments that leans towards the query's
+mood, and a policy can raise VADER's score by picking positive words.
 
     python demo/world.py --output_dir runs/demo/world
 writes pretrain.txt (language-model pretraining), queries.txt (label generation, reward and policy training) and

@@ -14,7 +14,7 @@ REPO = Path(__file__).resolve().parents[1]
 @pytest.mark.slow
 def test_run_demo_quick_raises_gold_score(tmp_path):
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "WANDB_MODE": "offline", "TOKENIZERS_PARALLELISM": "false"}
-    command = [sys.executable, str(REPO / "demo" / "run_demo.py"), "--quick", "--seed", "1", "--output_dir", str(tmp_path)]
+    command = [sys.executable, str(REPO / "demo" / "run_demo.py"), "--quick", "--output_dir", str(tmp_path)]
     run = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-5000:]
     seed_dir = tmp_path / "quick-seed1"
@@ -22,5 +22,6 @@ def test_run_demo_quick_raises_gold_score(tmp_path):
     results = json.loads((seed_dir / "results.json").read_text())
     assert results["mode"] == "quick"
     assert results["gold"]["margin"] >= results["guaranteed_margin"] >= 0.2, results["gold"]
-    assert results["reward_model"]["accuracy_after"] > results["reward_model"]["accuracy_before"], results["reward_model"]
+    accuracy = results["reward_model"]
+    assert accuracy["accuracy_after"] > max(0.5, accuracy["accuracy_before"]), accuracy
     assert "trained policy" in run.stdout and "gold score" in run.stdout
