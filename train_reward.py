@@ -41,7 +41,13 @@ from lm_human_preference_details.data import (
     load_labels,
     load_texts,
 )
-from lm_human_preference_details.modeling import PolicyWithValueHead, RewardModel, load_causal_lm, sample
+from lm_human_preference_details.modeling import (
+    PolicyWithValueHead,
+    RewardModel,
+    load_causal_lm,
+    sample,
+    score_label_rows,
+)
 from lm_human_preference_details.optim import AdamTensorFlowStyle
 from lm_human_preference_details.tokenizer import load_tokenizer, tokenizer_fingerprint
 
@@ -130,13 +136,6 @@ def best_of_n_loss(rewards: torch.Tensor, best: torch.Tensor) -> torch.Tensor:
     """Softmax cross-entropy over the N responses of each label row, target = the labeled best one."""
     # https://github.com/openai/lm-human-preferences/blob/cbfd210bb8b08f6bc5c26878c10984b90f516c66/lm_human_preferences/label_types.py#L44-L49
     return F.cross_entropy(rewards, best)
-
-
-def score_label_rows(reward_model: RewardModel, query: torch.Tensor, samples: torch.Tensor, pad_id: int) -> torch.Tensor:
-    """Rewards (B, N) of every response of B label rows, in one batched forward of B*N query ⊕ response rows."""
-    b, n, length = samples.shape
-    query_responses = torch.cat([query.repeat_interleave(n, dim=0), samples.reshape(b * n, length)], dim=1)
-    return reward_model(query_responses, pad_id).view(b, n)
 
 
 @torch.no_grad()

@@ -16,7 +16,7 @@ from rich.text import Text
 from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer, PreTrainedTokenizerBase
 
 from lm_human_preference_details.hub import HubUnavailableError, check_available
-from lm_human_preference_details.modeling import load_reward_model
+from lm_human_preference_details.modeling import load_reward_model, score_label_rows
 from lm_human_preference_details.tokenizer import check_same_tokenizer
 
 LABELER_FORMS = (
@@ -87,12 +87,10 @@ class RewardModelLabeler(Labeler):
     def scores(self, queries: torch.Tensor, responses: torch.Tensor) -> torch.Tensor:
         """Rewards (B, N) in one forward of B*N rows; the reward model never sees the policy's prefix/suffix."""
         _check_shapes(queries, responses)
-        b, n, length = responses.shape
         # reward read at the last real token of the raw query ⊕ truncated response
         # https://github.com/openai/lm-human-preferences/blob/cbfd210bb8b08f6bc5c26878c10984b90f516c66/lm_human_preferences/rewards.py#L177-L179
-        query_responses = torch.cat([queries.repeat_interleave(n, dim=0), responses.reshape(b * n, length)], dim=1)
-        rewards = self.model(query_responses.to(self.device), self.pad_id)  # (B*N,)
-        return rewards.view(b, n).float().to(responses.device)
+        rewards = score_label_rows(self.model, queries.to(self.device), responses.to(self.device), self.pad_id)
+        return rewards.float().to(responses.device)
 
 
 # ---------------------------------------------------------------- HF sequence classifier

@@ -362,6 +362,15 @@ class RewardModel(nn.Module):
             json.dump(info, f, indent=2)
 
 
+def score_label_rows(
+    reward_model: RewardModel, query: torch.Tensor, samples: torch.Tensor, pad_id: int
+) -> torch.Tensor:
+    """Rewards (B, N) of every response of B label rows, in one batched forward of B*N query ⊕ response rows."""
+    b, n, length = samples.shape
+    query_responses = torch.cat([query.repeat_interleave(n, dim=0), samples.reshape(b * n, length)], dim=1)
+    return reward_model(query_responses, pad_id).view(b, n)
+
+
 def load_reward_model(output_dir: str, flag: str = REWARD_MODEL_FLAG) -> tuple[RewardModel, dict]:
     """Inverse of `RewardModel.save`: the model (dropout off, eval mode) and the saved metadata."""
     for name in ("", REWARD_HEAD_FILE, REWARD_CONFIG_FILE):
