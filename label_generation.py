@@ -18,37 +18,37 @@ import importlib.util
 import json
 import math
 import os
-import sys
 import time
 from dataclasses import dataclass, field
-from typing import Annotated, Any, Union
 
 import numpy as np
 import torch
 import tyro
-from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from transformers import PreTrainedTokenizerBase
 
-from lm_human_preference_details.cli import pop_task_flag
-from lm_human_preference_details.data import (
+from lm_human_preference_details import cli
+from lm_human_preference_details.data import QueryStream, load_texts
+from lm_human_preference_details.hub import HubUnavailableError
+from lm_human_preference_details.labelers import LabelingStopped, load_labeler
+from lm_human_preference_details.labels import (
     OAI_PAD_TOKEN,
+    labels_meta_path,
+    load_labels,
+    oai_pad_compatible,
+    read_label_rows,
+    save_label_file,
+)
+from lm_human_preference_details.modeling import PolicyWithValueHead, load_causal_lm, sample
+from lm_human_preference_details.tasks import (
     TASKS,
-    QueryStream,
     TaskHParams,
     encode_context_affixes,
     format_contexts,
-    labels_meta_path,
-    load_labels,
-    load_texts,
-    read_label_rows,
-    save_labels,
+    passes_filter,
+    truncate_response,
 )
-from lm_human_preference_details.hub import HubUnavailableError
-from lm_human_preference_details.labelers import LabelingStopped, load_labeler
-from lm_human_preference_details.modeling import PolicyWithValueHead, load_causal_lm, sample
 from lm_human_preference_details.tokenizer import gpt2_tokenizer_offline, load_tokenizer, tokenizer_fingerprint
-from train_policy import penalize_failed_filter, truncate_response
 
 DEFAULT_TASK = "sentiment"
 RESUME_SETTINGS = (
@@ -89,6 +89,8 @@ class Generate:
     """start over when `output` exists; otherwise a re-run with the same settings resumes (or extends) it"""
     device: str | None = None
     """torch device for sampling and scoring; None: cuda when available, else cpu"""
+    dry_run: bool = False
+    """print the settings and the output file, check the labeler spec, and exit without sampling"""
     task_id: tyro.conf.Suppress[str] = DEFAULT_TASK
     """name of the --task preset the task settings started from (recorded in the metadata)"""
     task: TaskHParams = field(default_factory=lambda: dataclasses.replace(TASKS[DEFAULT_TASK]))
@@ -117,34 +119,16 @@ class Convert:
     """converted label file; `<output>.meta.json` is written beside it"""
     task: TokenLengths = field(default_factory=TokenLengths)
     """query and response lengths of the converted file (train_reward.py's --task.query_length/response_length)"""
+    dry_run: bool = False
+    """read and validate the input, print what would be written, and exit"""
 
 
 # ---------------------------------------------------------------- helpers
 
 
-def oai_pad_compatible(tokenizer: PreTrainedTokenizerBase) -> bool:
-    """True when OAI's PAD 50259 is not a real token of this tokenizer, so files can be padded with it."""
-    return OAI_PAD_TOKEN >= len(tokenizer) or tokenizer.pad_token_id == OAI_PAD_TOKEN
-
-
 def batch_seed(seed: int, batch_index: int) -> int:
     """Independent sampler seed of one batch, so a resumed run redraws any batch without replaying earlier ones."""
     return int(np.random.SeedSequence([seed, batch_index]).generate_state(1)[0])
-
-
-def write_json_atomic(path: str, obj: Any) -> None:
-    """json.dump to `path` through a temporary file and a rename, so readers never see a half-written file."""
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    tmp = f"{path}.tmp"
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(obj, f, indent=2)
-    os.replace(tmp, path)
-
-
-def save_label_file(path: str, rows: list[dict], pad_id: int, file_pad_id: int, meta: dict) -> None:
-    """Rows (tokenizer PAD) in OAI's schema with PAD written as file_pad_id, then the metadata beside them."""
-    save_labels(path, rows, pad_id=pad_id if file_pad_id == OAI_PAD_TOKEN else None)
-    write_json_atomic(labels_meta_path(path), meta)
 
 
 @torch.no_grad()
@@ -178,9 +162,7 @@ def sample_passing_responses(
         # those that pass the filter (spec LG, P2, P3)
         # https://github.com/openai/lm-human-preferences/blob/cbfd210bb8b08f6bc5c26878c10984b90f516c66/lm_human_preferences/lm_tasks.py#L54-L57
         postprocessed = truncate_response(raw, task.truncate_token, task.truncate_after, pad_id)
-        _, ok = penalize_failed_filter(torch.zeros(raw.shape[0], device=device), postprocessed, task.truncate_token,
-                                       task.truncate_after, task.penalty_reward_value)
-        ok = ok.view(-1, per_query)  # (A, m)
+        ok = passes_filter(postprocessed, task.truncate_token, task.truncate_after).view(-1, per_query)  # (A, m)
         postprocessed = postprocessed.view(-1, per_query, length)  # (A, m, L)
         # the k-th passing candidate of a query goes to its next free slot, while slots remain
         slot = count[active, None] + ok.long().cumsum(1) - 1  # (A, m)
@@ -261,7 +243,7 @@ def generate(args: Generate) -> dict:
             f"{task.response_length}; lower truncate_after or pass --task.truncate_token None."
         )
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    console = Console(highlight=False)
+    console = cli.make_console()
 
     # 1. tokenizer, labeler (fails fast on a bad spec), resume state, model, query stream
     tokenizer = load_tokenizer(args.base_model)
@@ -285,6 +267,13 @@ def generate(args: Generate) -> dict:
         "max_rounds": args.max_rounds,
         "max_oversample": args.max_oversample,
     }
+    if args.dry_run:
+        cli.print_table(console, "label generation (dry run)", {
+            "labeler": labeler.name, "base model": args.base_model, "task": args.task_id,
+            "rows": f"{args.num_queries} x best-of-{args.num_labels}", "output": args.output,
+            "exists": os.path.exists(args.output),
+        })  # fmt: skip
+        return meta
     rows, resume, saved_meta = _resume(args, meta, pad_id)
     if len(rows) >= args.num_queries:
         console.print(f"{args.output} already holds {len(rows)} label rows; nothing to do (--overwrite starts over).")
@@ -427,6 +416,12 @@ def convert(args: Convert) -> dict:
             f"{e} convert reads best-of-N label files in OAI's schema (a JSON list of objects with query, "
             "sample0..sampleN-1 and best, e.g. sentiment/offline_5k.json); fix --input."
         ) from e
+    if args.dry_run:
+        cli.print_table(cli.make_console(), "label conversion (dry run)", {
+            "input": f"{args.input} ({len(rows)} rows, best-of-{num_samples}, PAD {source_pad_id})",
+            "target tokenizer": args.base_model, "output": args.output,
+        })  # fmt: skip
+        return {"rows": len(rows), "num_labels": num_samples}
     source = load_source_tokenizer(args.source_tokenizer)
     target = load_tokenizer(args.base_model)
     target_pad_id = target.pad_token_id
@@ -461,7 +456,7 @@ def convert(args: Convert) -> dict:
         "wall_time_s": time.time() - start_time,
     }
     save_label_file(args.output, out_rows, target_pad_id, file_pad_id, meta)
-    Console(highlight=False).print(
+    cli.make_console().print(
         f"converted {len(out_rows)} rows of {args.input} to {args.output} for {args.base_model} (truncated: "
         f"{meta['counts']['truncated_queries']} queries, {meta['counts']['truncated_samples']} samples)"
     )
@@ -471,29 +466,26 @@ def convert(args: Convert) -> dict:
 # ---------------------------------------------------------------- command line
 
 
-def parse_args(argv: list[str] | None = None) -> Generate | Convert:
-    """`generate ...` or `convert ...`; `--task NAME` picks OAI's launch.py settings for that task first."""
-    argv = sys.argv[1:] if argv is None else list(argv)
-    task_id, rest = pop_task_flag(argv, list(TASKS), DEFAULT_TASK)
-    preset = TASKS[task_id]
-    generate_default = Generate(task_id=task_id, task=dataclasses.replace(preset))
-    convert_default = Convert(base_model=tyro.MISSING, task=TokenLengths(preset.query_length, preset.response_length))
-    commands = Union[
-        Annotated[Generate, tyro.conf.subcommand("generate", default=generate_default)],
-        Annotated[Convert, tyro.conf.subcommand("convert", default=convert_default)],
-    ]
-    description = (
-        f"{__doc__.split(chr(10))[0]}\n\n--task {{{','.join(TASKS)}}} (before or after the subcommand's flags) selects "
-        f"OAI's launch.py settings for that task (default: {DEFAULT_TASK}); --task.* flags override them."
-    )
-    return tyro.cli(commands, args=rest, description=description, use_underscores=True)
+def oai_presets() -> dict[str, dict[str, Generate | Convert]]:
+    """Per `--task` name, each subcommand's defaults with OAI's launch.py task settings."""
+    presets = {}
+    for task_id, task in TASKS.items():
+        presets[task_id] = {
+            "generate": Generate(task_id=task_id, task=dataclasses.replace(task)),
+            "convert": Convert(base_model=tyro.MISSING, task=TokenLengths(task.query_length, task.response_length)),
+        }
+    return presets
 
 
-def main(argv: list[str] | None = None) -> dict:
-    """Run the subcommand given on the command line; returns the written metadata."""
-    args = parse_args(argv)
+def parse(argv: list[str] | None = None) -> Generate | Convert:
+    """`generate ...` or `convert ...`; `--task NAME` (before or after the subcommand's flags) picks OAI's settings."""
+    return cli.parse_subcommands(oai_presets(), DEFAULT_TASK, __doc__, argv)[1]
+
+
+def main(args: Generate | Convert) -> dict:
+    """Run the parsed subcommand; returns the written metadata."""
     return generate(args) if isinstance(args, Generate) else convert(args)
 
 
 if __name__ == "__main__":
-    main()
+    cli.run(main, parse)

@@ -12,8 +12,6 @@ Run with the reward model that train_reward.py wrote to models/reward, on 8 GPUs
 
 import copy
 import dataclasses
-import json
-import os
 import time
 from dataclasses import dataclass, field
 
@@ -21,26 +19,25 @@ import numpy as np
 import torch
 import tyro
 from accelerate import Accelerator
-from accelerate.utils import broadcast_object_list
-from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.table import Table
 from transformers import PreTrainedTokenizerBase
 
-from lm_human_preference_details import core
-from lm_human_preference_details.cli import parse_args
-from lm_human_preference_details.data import (
+from lm_human_preference_details import cli, core
+from lm_human_preference_details.data import QueryStream, load_texts
+from lm_human_preference_details.hub import HubUnavailableError, hub_reachable
+from lm_human_preference_details.kernels import logprobs_and_entropy_from_logits, logprobs_from_logits
+from lm_human_preference_details.labelers import load_labeler
+from lm_human_preference_details.modeling import PolicyWithValueHead, load_causal_lm, load_reward_model, sample
+from lm_human_preference_details.optim import make_optimizer
+from lm_human_preference_details.tasks import (
     TASKS,
-    QueryStream,
     TaskHParams,
     encode_context_affixes,
     format_contexts,
-    load_texts,
+    passes_filter,
+    truncate_response,
 )
-from lm_human_preference_details.hub import HubUnavailableError, hub_reachable
-from lm_human_preference_details.labelers import load_labeler
-from lm_human_preference_details.modeling import PolicyWithValueHead, load_causal_lm, load_reward_model, sample
-from lm_human_preference_details.optim import AdamTensorFlowStyle
 from lm_human_preference_details.tokenizer import check_same_tokenizer, load_tokenizer
 
 # ---------------------------------------------------------------------------------------------------- hyperparameters
@@ -190,34 +187,6 @@ class AdaptiveKLController:
         self.value *= 1 + proportional_error * n_steps / self.horizon
 
 
-def truncate_response(
-    responses: torch.Tensor, truncate_token: int | None, truncate_after: int, pad_id: int
-) -> torch.Tensor:
-    """PAD every token after the first `truncate_token` at index >= truncate_after; that token itself is kept."""
-    # only the reward model sees the truncated response; PPO trains on the raw one (spec P2)
-    # https://github.com/openai/lm-human-preferences/blob/cbfd210bb8b08f6bc5c26878c10984b90f516c66/lm_human_preferences/lm_tasks.py#L39-L52
-    if truncate_token is None:
-        return responses
-    positions = torch.arange(responses.shape[1], device=responses.device)
-    matches = (responses == truncate_token) & (positions >= truncate_after)  # (B, L)
-    after_first_match = (matches.cumsum(1) - matches.long()) > 0
-    return responses.masked_fill(after_first_match, pad_id)
-
-
-def penalize_failed_filter(
-    scores: torch.Tensor, responses: torch.Tensor, truncate_token: int | None, truncate_after: int, penalty: float
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Score := penalty where no `truncate_token` occurs at index >= truncate_after; also returns the pass mask."""
-    # "ensure there is a period between the 16th and 24th token; fixed reward of -1 otherwise" (spec P3)
-    # https://github.com/openai/lm-human-preferences/blob/cbfd210bb8b08f6bc5c26878c10984b90f516c66/lm_human_preferences/lm_tasks.py#L58-L65
-    # https://github.com/openai/lm-human-preferences/blob/cbfd210bb8b08f6bc5c26878c10984b90f516c66/lm_human_preferences/train_policy.py#L384-L390
-    if truncate_token is None:
-        passed = torch.ones_like(scores, dtype=torch.bool)
-    else:
-        passed = (responses[:, truncate_after:] == truncate_token).any(1)  # (B,)
-    return torch.where(passed, scores, torch.full_like(scores, penalty)), passed
-
-
 def compute_rewards(
     scores: torch.Tensor, logprobs: torch.Tensor, ref_logprobs: torch.Tensor, kl_coef: float
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -229,21 +198,6 @@ def compute_rewards(
     rewards = non_score_reward.clone()
     rewards[:, -1] += scores
     return rewards, non_score_reward, kl
-
-
-def whiten_in_groups(values: torch.Tensor, group_size: int, shift_mean: bool = True) -> torch.Tensor:
-    """Whiten each group of `group_size` consecutive rows over all its elements: (x - mean) / sqrt(var + 1e-8)."""
-    # OAI whitens the per-rank tensor; groups emulate ranks when fewer processes run the same batch (spec D4).
-    # TF-PARITY: population variance (tf.nn.moments); with shift_mean=False the mean is added back.
-    # https://github.com/openai/lm-human-preferences/blob/cbfd210bb8b08f6bc5c26878c10984b90f516c66/lm_human_preferences/utils/core.py#L336-L341
-    groups = values.reshape(-1, group_size, *values.shape[1:])  # (G, group_size, L)
-    dims = tuple(range(1, groups.dim()))
-    mean = groups.mean(dims, keepdim=True)
-    var = groups.var(dims, unbiased=False, keepdim=True)
-    whitened = (groups - mean) * torch.rsqrt(var + 1e-8)
-    if not shift_mean:
-        whitened = whitened + mean
-    return whitened.reshape(values.shape)
 
 
 def compute_advantages(
@@ -306,6 +260,93 @@ def ppo_losses(
 
 
 # ---------------------------------------------------------------------------------------------------- plumbing helpers
+@dataclass
+class Sizes:
+    """Per-process sizes derived from the global ones (spec D1)."""
+
+    world: int
+    """processes"""
+    batch: int
+    """episodes per process and update"""
+    minibatch: int
+    """episodes per process and optimizer step"""
+    micro: int
+    """episodes per backward pass"""
+    whiten_group: int
+    """episodes per whitening group (a virtual rank, spec D4)"""
+    nupdates: int
+    """PPO updates in the run"""
+
+
+def derive_sizes(args: Args, world: int) -> Sizes:
+    """Split the global batch over processes, minibatches and micro-batches; ValueError naming sizes that do not divide."""
+    # https://github.com/openai/lm-human-preferences/blob/cbfd210bb8b08f6bc5c26878c10984b90f516c66/lm_human_preferences/train_policy.py#L157-L159
+    ppo = args.ppo
+    batch = core.exact_div(ppo.batch_size, world, "ppo.batch_size (episodes per update) / processes")
+    minibatch = core.exact_div(batch, ppo.nminibatches, "episodes per process / nminibatches")
+    micro = core.exact_div(minibatch, ppo.gradient_accumulation_steps, "minibatch / ppo.gradient_accumulation_steps")
+    whiten_group = ppo.whiten_group_size or minibatch
+    core.exact_div(minibatch, whiten_group, "per-process minibatch / ppo.whiten_group_size")
+    # whitening needs enough episodes per group (spec P17)
+    # https://github.com/openai/lm-human-preferences/blob/cbfd210bb8b08f6bc5c26878c10984b90f516c66/lm_human_preferences/train_policy.py#L69-L75
+    if ppo.whiten_rewards and whiten_group < 8:
+        raise ValueError(
+            f"ppo.whiten_rewards needs at least 8 episodes per whitening group, got {whiten_group} (per-process "
+            f"minibatch {minibatch}, ppo.whiten_group_size {ppo.whiten_group_size}); "
+            "raise ppo.batch_size or ppo.whiten_group_size, or pass --ppo.no_whiten_rewards"
+        )
+    # nupdates rounds up (spec P15): books ceil(1e6 / 512) = 1954
+    # https://github.com/openai/lm-human-preferences/blob/cbfd210bb8b08f6bc5c26878c10984b90f516c66/lm_human_preferences/train_policy.py#L78-L79
+    nupdates = core.ceil_div(ppo.total_episodes, ppo.batch_size)
+    return Sizes(world, batch, minibatch, micro, whiten_group, nupdates)
+
+
+class PPOStats:
+    """Diagnostics of one update's PPO steps, summed on the device: means over minibatch steps (spec D5), extremes."""
+
+    def __init__(self, device: torch.device, num_steps: int):
+        self.weight = 1.0 / num_steps
+        self.sums: dict[str, torch.Tensor] = {}
+        self.ratio_min = torch.full((), float("inf"), device=device)
+        self.ratio_max = torch.full((), -float("inf"), device=device)
+        self.first_ratio_dev = torch.zeros((), device=device)
+        self.nonfinite_advantages = torch.zeros((), device=device)
+
+    def _accumulate(self, stats: dict[str, torch.Tensor], weight: float) -> None:
+        for key, value in stats.items():
+            self.sums[key] = self.sums.get(key, 0.0) + value.detach() * weight
+
+    def add_minibatch(self, returns: torch.Tensor, values: torch.Tensor, advantages: torch.Tensor) -> None:
+        """Moments of one minibatch's returns and rollout values; non-finite advantages counted."""
+        # TF-PARITY: population variances (tf.nn.moments)
+        var_returns, mean_returns = torch.var_mean(returns, correction=0)
+        var_values, mean_values = torch.var_mean(values, correction=0)
+        moments = {"returns/mean": mean_returns, "returns/var": var_returns, "val/mean": mean_values, "val/var": var_values}
+        self._accumulate(moments, self.weight)
+        self.nonfinite_advantages += (~torch.isfinite(advantages)).sum()
+
+    def add_micro(self, losses: dict[str, torch.Tensor], entropy: torch.Tensor, share: float, first: bool) -> None:
+        """One micro-batch's losses and statistics, weighted by its share of the minibatch; ratio extremes."""
+        ratio = losses.pop("ratio").detach()
+        self._accumulate({**losses, "policy/entropy": entropy.mean(), "ratio_mean": ratio.mean()}, self.weight * share)
+        self.ratio_min = torch.minimum(self.ratio_min, ratio.min())
+        self.ratio_max = torch.maximum(self.ratio_max, ratio.max())
+        if first:  # the first minibatch of the first epoch: the ratio should be ~1 (spec P13)
+            self.first_ratio_dev = torch.maximum(self.first_ratio_dev, (ratio - 1).abs().max())
+
+    def local(self) -> dict[str, torch.Tensor]:
+        """This process's statistics under OAI's `ppo/` names, plus `debug/` extremes."""
+        ratio_mean = self.sums.pop("ratio_mean")
+        return {
+            **{f"ppo/{key}": value for key, value in self.sums.items()},
+            "debug/ratio_mean": ratio_mean,
+            "debug/ratio_min": self.ratio_min,
+            "debug/ratio_max": self.ratio_max,
+            "debug/first_minibatch_ratio_max_abs_dev": self.first_ratio_dev,
+            "nonfinite/advantages": self.nonfinite_advantages,
+        }
+
+
 def reduce_stats(local: dict[str, torch.Tensor], accelerator: Accelerator) -> dict[str, float]:
     """All statistics in one gather and one device-to-host copy: mean over processes (min/max for the extremes)."""
     # OAI all-reduce-means every statistic over ranks (spec D5)
@@ -323,6 +364,26 @@ def reduce_stats(local: dict[str, torch.Tensor], accelerator: Accelerator) -> di
     return reduced
 
 
+def add_elapsed_stats(stats: dict[str, float], update: int, args: Args, start_time: float, last_time: float) -> None:
+    """OAI's `elapsed/*` counters, `var_explained` (from the reduced statistics) and the update's kl_coef."""
+    # https://github.com/openai/lm-human-preferences/blob/cbfd210bb8b08f6bc5c26878c10984b90f516c66/lm_human_preferences/train_policy.py#L238-L261
+    steps, now, batch, length = update + 1, time.time(), args.ppo.batch_size, args.task.response_length
+    stats["ppo/val/var_explained"] = 1 - stats["ppo/val/error"] / stats["ppo/returns/var"]
+    stats["elapsed/updates"] = steps
+    stats["elapsed/steps/serial"] = steps * length
+    stats["elapsed/steps/total"] = steps * batch * length
+    stats["elapsed/episodes"] = steps * batch
+    stats["elapsed/fps"] = int(batch * length / (now - last_time))
+    stats["elapsed/time"] = now - start_time
+
+
+def check_finite(stats: dict[str, float], update: int) -> None:
+    """ValueError naming the update and the tensor when any score, reward or advantage was NaN or infinite."""
+    for name in ("scores", "rewards", "advantages"):
+        if stats.pop(f"nonfinite/{name}") > 0:
+            raise ValueError(f"non-finite {name} at update {update}; lower --ppo.lr or check the reward model")
+
+
 class PhaseTimer:
     """Time between marks without host syncs: CUDA events on GPU (read after the update's one sync), clock on CPU."""
 
@@ -338,10 +399,11 @@ class PhaseTimer:
         else:
             self.marks.append(time.perf_counter())
 
-    def durations(self) -> list[float]:
-        """Seconds between consecutive marks."""
+    def durations(self) -> dict[str, float]:
+        """Seconds of each phase between consecutive marks, as `debug/time/<phase>`."""
         pairs = zip(self.marks, self.marks[1:])
-        return [a.elapsed_time(b) / 1000 if self.cuda else b - a for a, b in pairs]
+        seconds = [a.elapsed_time(b) / 1000 if self.cuda else b - a for a, b in pairs]
+        return {f"debug/time/{phase}": s for phase, s in zip(("rollout", "scoring", "optimisation"), seconds)}
 
 
 def sample_table_rows(
@@ -355,6 +417,7 @@ def sample_table_rows(
     n: int,
 ) -> list[list]:
     """(query, truncated response, score, kl, total) for the first n episodes; total uses the initial kl_coef as OAI."""
+
     # https://github.com/openai/lm-human-preferences/blob/cbfd210bb8b08f6bc5c26878c10984b90f516c66/lm_human_preferences/train_policy.py#L264-L279
     def text(tokens: torch.Tensor) -> str:
         """Decoded tokens without PADs, newlines shown as ⏎ (as OAI prints them)."""
@@ -362,58 +425,60 @@ def sample_table_rows(
 
     queries, responses, scores, kl_sums = queries[:n].cpu(), responses[:n].cpu(), scores[:n].cpu(), kl_sums[:n].cpu()
     return [
-        [text(q), text(r), round(s.item(), 4), round(k.item(), 4), round(s.item() - kl_coef * k.item(), 4)]
+        [text(q), text(r), cli.number(s.item(), 4), cli.number(k.item(), 4), cli.number(s.item() - kl_coef * k.item(), 4)]
         for q, r, s, k in zip(queries, responses, scores, kl_sums)
     ]
 
 
-def accumulate(sums: dict[str, torch.Tensor], stats: dict[str, torch.Tensor], weight: float) -> None:
-    """sums[key] += weight * stats[key], detached; statistics stay on the device until the update's one sync."""
-    for key, value in stats.items():
-        sums[key] = sums.get(key, 0.0) + value.detach() * weight
+def print_samples(console, tracker: core.Tracker, rows: list[list], update: int) -> None:
+    """The sample table on the console and in the trackers."""
+    columns = ["query", "response (truncated)", "score", "kl", "total"]
+    table = Table(*columns, title=f"update {update}", show_lines=True)
+    for row in rows:
+        table.add_row(*map(str, row))
+    console.print(table)
+    tracker.log_table("samples", columns, rows, step=update)
 
 
 def save_policy(policy: PolicyWithValueHead, tokenizer: PreTrainedTokenizerBase, args: Args, output_dir: str) -> None:
     """Write the policy (AutoModelForCausalLM-loadable + value_head.safetensors), tokenizer and args.json."""
-    os.makedirs(output_dir, exist_ok=True)
     policy.save(output_dir)
     tokenizer.save_pretrained(output_dir)
-    with open(os.path.join(output_dir, "args.json"), "w") as f:
-        json.dump(dataclasses.asdict(args), f, indent=2)
+    core.save_args(args, output_dir)
+
+
+def push_to_hub(args: Args) -> str:
+    """Upload output_dir (policy, value head, tokenizer, args; no logs) to the hub; returns the repo id."""
+    from huggingface_hub import HfApi
+
+    api = HfApi()
+    repo_id = api.create_repo(args.hf_repo_id or f"{args.exp_name}__{args.task_id}__seed{args.seed}", exist_ok=True)
+    api.upload_folder(folder_path=args.output_dir, repo_id=repo_id.repo_id, ignore_patterns=["tb/*", "wandb/*"])
+    return repo_id.repo_id
 
 
 # ---------------------------------------------------------------------------------------------------- main
 def main(args: Args) -> list[dict[str, float]]:
     """Train the policy; returns the logged statistics of every update."""
     # 0. sizes: global as in OAI, split over the processes (spec D1); printed, then checked by --dry_run
-    # https://github.com/openai/lm-human-preferences/blob/cbfd210bb8b08f6bc5c26878c10984b90f516c66/lm_human_preferences/train_policy.py#L157-L159
+    cli.quiet_transformers()
     accelerator = core.make_accelerator()
     device, ppo, task = accelerator.device, args.ppo, args.task
-    world_size = accelerator.num_processes
-    local_batch_size = core.exact_div(ppo.batch_size, world_size, "ppo.batch_size (episodes per update) / processes")
-    local_mini_batch_size = core.exact_div(local_batch_size, ppo.nminibatches, "episodes per process / nminibatches")
-    accum = ppo.gradient_accumulation_steps
-    micro_batch_size = core.exact_div(local_mini_batch_size, accum, "minibatch / ppo.gradient_accumulation_steps")
-    whiten_group_size = ppo.whiten_group_size or local_mini_batch_size
-    core.exact_div(local_mini_batch_size, whiten_group_size, "per-process minibatch / ppo.whiten_group_size")
-    # nupdates rounds up (spec P15): books ceil(1e6 / 512) = 1954
-    # https://github.com/openai/lm-human-preferences/blob/cbfd210bb8b08f6bc5c26878c10984b90f516c66/lm_human_preferences/train_policy.py#L78-L79
-    nupdates = core.ceil_div(ppo.total_episodes, ppo.batch_size)
-    # whitening needs enough episodes per group (spec P17)
-    # https://github.com/openai/lm-human-preferences/blob/cbfd210bb8b08f6bc5c26878c10984b90f516c66/lm_human_preferences/train_policy.py#L69-L75
-    if ppo.whiten_rewards and whiten_group_size < 8:
-        raise ValueError(
-            f"ppo.whiten_rewards needs at least 8 episodes per whitening group, got {whiten_group_size} (per-process "
-            f"minibatch {local_mini_batch_size}, ppo.whiten_group_size {ppo.whiten_group_size}); "
-            "raise ppo.batch_size or ppo.whiten_group_size, or pass --ppo.no_whiten_rewards"
-        )
-    accelerator.print(
-        f"processes {world_size} | episodes per update {ppo.batch_size}, per process {local_batch_size} | "
-        f"per-process minibatch {local_mini_batch_size} x {ppo.nminibatches} | "
-        f"micro-batch {micro_batch_size} x {accum} | "
-        f"whitening group {whiten_group_size} | nupdates {nupdates} | "
-        f"optimizer steps {nupdates * ppo.noptepochs * ppo.nminibatches}"
-    )
+    sizes = derive_sizes(args, accelerator.num_processes)
+    console = cli.make_console()
+    if accelerator.is_main_process:
+        cli.print_table(console, "policy training (train_policy.py)", {
+            "task": args.task_id,
+            "processes": sizes.world,
+            "episodes per update": f"{ppo.batch_size} ({sizes.batch} per process)",
+            "minibatch per process": f"{sizes.minibatch} x {ppo.nminibatches} per epoch, {ppo.noptepochs} epochs",
+            "micro-batch": f"{sizes.micro} x {ppo.gradient_accumulation_steps}",
+            "whitening group": sizes.whiten_group,
+            "updates": sizes.nupdates,
+            "optimizer steps": sizes.nupdates * ppo.noptepochs * ppo.nminibatches,
+            "reward model": args.rewards.trained_model,
+            "output dir": args.output_dir,
+        })  # fmt: skip
     if args.dry_run:
         return []
     if args.push_to_hub and not hub_reachable():
@@ -430,7 +495,7 @@ def main(args: Args) -> list[dict[str, float]]:
     pad_id = tokenizer.pad_token_id
     reward_model, rm_metadata = load_reward_model(args.rewards.trained_model)
     check_same_tokenizer(rm_metadata, tokenizer, f"the reward model '{args.rewards.trained_model}' "
-                         "(--rewards.trained_model)", f"the policy uses tokenizer '{args.base_model}'")
+                         "(--rewards.trained_model)", f"the policy uses tokenizer '{args.base_model}'")  # fmt: skip
     # dropout is off everywhere: p=0 in the configs and eval mode (spec G7)
     policy = PolicyWithValueHead(load_causal_lm(args.base_model)).to(device).eval()
     # every process starts from rank 0's weights (spec D6); no DDP: gradients are all-reduced by hand (spec O4)
@@ -442,10 +507,7 @@ def main(args: Args) -> list[dict[str, float]]:
     if args.rewards.gold_model:
         gold_labeler = load_labeler(args.rewards.gold_model, tokenizer, pad_id, device, flag="--rewards.gold_model")
     params = list(policy.parameters())
-    # TF1 Adam, eps 1e-5 (spec O1-O3)
-    # https://github.com/openai/lm-human-preferences/blob/cbfd210bb8b08f6bc5c26878c10984b90f516c66/lm_human_preferences/utils/core.py#L621-L629
-    optimizer_class = AdamTensorFlowStyle if args.use_tensorflow_adam else torch.optim.Adam
-    optimizer = optimizer_class(params, lr=ppo.lr, eps=1e-5)
+    optimizer = make_optimizer(params, ppo.lr, args.use_tensorflow_adam)
     # fixed or adaptive KL coefficient (OAI: fixed when rewards.adaptive_kl is None)
     # https://github.com/openai/lm-human-preferences/blob/cbfd210bb8b08f6bc5c26878c10984b90f516c66/lm_human_preferences/train_policy.py#L136-L139
     kl_params = args.rewards.adaptive_kl
@@ -454,34 +516,30 @@ def main(args: Args) -> list[dict[str, float]]:
     else:
         kl_ctl = FixedKLController(args.rewards.kl_coef)
     texts = load_texts(task.query_dataset)
-    query_stream = QueryStream(texts, tokenizer, task, accelerator.process_index, world_size, args.data_seed)
+    query_stream = QueryStream(texts, tokenizer, task, accelerator.process_index, sizes.world, args.data_seed)
     prefix, suffix = encode_context_affixes(tokenizer, task)
 
-    # one run name for all processes (rank 0's clock), TensorBoard under output_dir/tb, wandb with --track
-    run_name = broadcast_object_list([f"{args.task_id}__{args.exp_name}__{args.seed}__{int(time.time())}"])[0]
-    config = {**dataclasses.asdict(args), "world_size": world_size, "nupdates": nupdates}
-    tracker = core.Tracker(
-        args.output_dir, args.track, args.wandb_project_name, args.wandb_entity, run_name, config,
-        accelerator.is_main_process,
-    )  # fmt: skip
-    console = Console()
+    run_name = core.run_name(accelerator, args.task_id, args.exp_name, args.seed)
+    config = {**dataclasses.asdict(args), "world_size": sizes.world, "nupdates": sizes.nupdates}
+    tracker = core.Tracker(args.output_dir, args.track, args.wandb_project_name, args.wandb_entity, run_name, config,
+                           accelerator.is_main_process)  # fmt: skip
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn())
     progress = Progress(*columns, console=console, disable=not accelerator.is_main_process)
-    bar = progress.add_task("PPO updates", total=nupdates)
+    bar = progress.add_task("PPO updates", total=sizes.nupdates)
     history: list[dict[str, float]] = []
     start_time = last_time = time.time()
     with progress:
         # OAI's step = number of completed updates, 0 at the first one
-        for update in range(nupdates):
+        for update in range(sizes.nupdates):
             timer = PhaseTimer(device)
             timer.mark()
             # a fresh permutation of the local batch for each PPO epoch (spec P12), drawn now, while the GPU is idle,
             # so that the host-to-device copy does not wait for queued kernels
-            epoch_orders = np.stack([np.random.permutation(local_batch_size) for _ in range(ppo.noptepochs)])
+            epoch_orders = np.stack([np.random.permutation(sizes.batch) for _ in range(ppo.noptepochs)])
             epoch_orders = torch.from_numpy(epoch_orders).to(device)  # (noptepochs, B)
             with torch.no_grad():
                 # 2. rollout: responses, with logprobs and values from the sampling pass itself (spec P13)
-                queries = query_stream.next_batch(local_batch_size).to(device)  # (B, Lq)
+                queries = query_stream.next_batch(sizes.batch).to(device)  # (B, Lq)
                 contexts = format_contexts(queries, prefix, suffix)  # (B, C): prefix + query + suffix (spec G4)
                 context_length = contexts.shape[1]
                 # QueryStream's queries start with a real token, so the sampler and the reward model skip that check
@@ -491,7 +549,7 @@ def main(args: Args) -> list[dict[str, float]]:
                 )  # (B, L) each
                 query_responses = torch.cat([contexts, responses], 1)  # (B, C + L)
                 # one forward of the frozen reference policy; its (B, L, V) logits are freed right away
-                ref_logprobs = core.logprobs_from_logits(
+                ref_logprobs = logprobs_from_logits(
                     ref_policy(query_responses, context_length, pad_id, task.temperature)[0], responses
                 )  # (B, L)
                 timer.mark()
@@ -500,10 +558,9 @@ def main(args: Args) -> list[dict[str, float]]:
                 # https://github.com/openai/lm-human-preferences/blob/cbfd210bb8b08f6bc5c26878c10984b90f516c66/lm_human_preferences/train_policy.py#L378-L390
                 postprocessed_responses = truncate_response(responses, task.truncate_token, task.truncate_after, pad_id)
                 scores = reward_model(torch.cat([queries, postprocessed_responses], 1), pad_id, False)  # (B,)
-                scores, passed = penalize_failed_filter(
-                    scores, postprocessed_responses, task.truncate_token, task.truncate_after, task.penalty_reward_value
-                )
-
+                # responses without truncate_token at index >= truncate_after get a fixed score (spec P3)
+                passed = passes_filter(postprocessed_responses, task.truncate_token, task.truncate_after)  # (B,)
+                scores = torch.where(passed, scores, task.penalty_reward_value)
                 if gold_labeler is not None:  # the gold judge sees what the reward model sees; it never trains
                     gold_scores = gold_labeler.scores(queries, postprocessed_responses[:, None])[:, 0].to(device)
 
@@ -515,47 +572,34 @@ def main(args: Args) -> list[dict[str, float]]:
             # 5. PPO: noptepochs x nminibatches optimizer steps, each over `accum` micro-batches.
             # lr annealed per update, constant within it (spec P16)
             # https://github.com/openai/lm-human-preferences/blob/cbfd210bb8b08f6bc5c26878c10984b90f516c66/lm_human_preferences/train_policy.py#L172-L173
-            lr_now = ppo.lr * (1 - update / nupdates)
+            lr_now = ppo.lr * (1 - update / sizes.nupdates)
             for group in optimizer.param_groups:
                 group["lr"] = lr_now
-            # stats are means over all minibatch steps of the update (spec D5), summed on the device
-            mb_weight = 1.0 / (ppo.noptepochs * ppo.nminibatches)
-            ppo_sums: dict[str, torch.Tensor] = {}
-            ratio_min = torch.full((), float("inf"), device=device)
-            ratio_max = torch.full((), -float("inf"), device=device)
-            first_mb_ratio_dev = torch.zeros((), device=device)
-            nonfinite_advantages = torch.zeros((), device=device)
+            ppo_stats = PPOStats(device, ppo.noptepochs * ppo.nminibatches)
+            accum = ppo.gradient_accumulation_steps
             # each epoch cuts its permutation into contiguous minibatches; one optimizer step per minibatch
             # https://github.com/openai/lm-human-preferences/blob/cbfd210bb8b08f6bc5c26878c10984b90f516c66/lm_human_preferences/train_policy.py#L180-L196
             for epoch, order in enumerate(epoch_orders):
-                for mb_start in range(0, local_batch_size, local_mini_batch_size):
-                    mb_inds = order[mb_start : mb_start + local_mini_batch_size]
+                for mb_start in range(0, sizes.batch, sizes.minibatch):
+                    mb_inds = order[mb_start : mb_start + sizes.minibatch]
                     mb_values = values[mb_inds]
                     # reward whitening and GAE run per minibatch, inside OAI's loss (spec P5, P6)
                     # https://github.com/openai/lm-human-preferences/blob/cbfd210bb8b08f6bc5c26878c10984b90f516c66/lm_human_preferences/train_policy.py#L324-L339
                     mb_rewards = rewards[mb_inds]
                     if ppo.whiten_rewards:
-                        mb_rewards = whiten_in_groups(mb_rewards, whiten_group_size, shift_mean=False)
+                        mb_rewards = core.whiten(mb_rewards, shift_mean=False, group_size=sizes.whiten_group)
                     mb_advantages, mb_returns = compute_advantages(mb_rewards, mb_values, ppo.gamma, ppo.lam)
-                    mb_advantages = whiten_in_groups(mb_advantages, whiten_group_size)
-                    nonfinite_advantages += (~torch.isfinite(mb_advantages)).sum()
-                    # TF-PARITY: population variances (tf.nn.moments)
-                    moments = {
-                        "returns/mean": mb_returns.mean(),
-                        "returns/var": mb_returns.var(unbiased=False),
-                        "val/mean": mb_values.mean(),
-                        "val/var": mb_values.var(unbiased=False),
-                    }
-                    accumulate(ppo_sums, moments, mb_weight)
-                    for micro_start in range(0, local_mini_batch_size, micro_batch_size):
-                        micro = slice(micro_start, micro_start + micro_batch_size)
+                    mb_advantages = core.whiten(mb_advantages, group_size=sizes.whiten_group)
+                    ppo_stats.add_minibatch(mb_returns, mb_values, mb_advantages)
+                    for micro_start in range(0, sizes.minibatch, sizes.micro):
+                        micro = slice(micro_start, micro_start + sizes.micro)
                         micro_inds = mb_inds[micro]
                         # forward on context + raw response: tempered logits and values at response positions (P7)
                         new_logits, vpred = policy(
                             query_responses[micro_inds], context_length, pad_id, task.temperature
                         )  # (b, L, V), (b, L)
                         # the entropy statistic comes from the same pass over the (b, L, V) logits
-                        new_logprobs, new_entropy = core.logprobs_and_entropy_from_logits(
+                        new_logprobs, new_entropy = logprobs_and_entropy_from_logits(
                             new_logits, responses[micro_inds]
                         )  # (b, L) each
                         losses = ppo_losses(
@@ -565,14 +609,7 @@ def main(args: Args) -> list[dict[str, float]]:
                         # each micro loss is a mean over its rows; dividing by `accum` makes the summed gradient
                         # that of the minibatch mean, so accumulation does not change the update
                         (losses["loss/total"] / accum).backward()
-                        ratio = losses.pop("ratio").detach()
-                        losses["policy/entropy"] = new_entropy.mean()
-                        losses["ratio_mean"] = ratio.mean()
-                        accumulate(ppo_sums, losses, mb_weight / accum)
-                        ratio_min = torch.minimum(ratio_min, ratio.min())
-                        ratio_max = torch.maximum(ratio_max, ratio.max())
-                        if epoch == 0 and mb_start == 0:
-                            first_mb_ratio_dev = torch.maximum(first_mb_ratio_dev, (ratio - 1).abs().max())
+                        ppo_stats.add_micro(losses, new_entropy, 1 / accum, first=epoch == 0 and mb_start == 0)
                     # average gradients over processes (OAI's MPI all-reduce, spec O4), then one Adam step
                     # https://github.com/openai/lm-human-preferences/blob/cbfd210bb8b08f6bc5c26878c10984b90f516c66/lm_human_preferences/utils/core.py#L485-L489
                     core.allreduce_gradients(params, accelerator)
@@ -582,7 +619,7 @@ def main(args: Args) -> list[dict[str, float]]:
             del new_logits
             timer.mark()
 
-            # 6. statistics under OAI's names (spec §4.1) with a single device-to-host copy
+            # 6. statistics under OAI's names (spec §4.1), all processes, one device-to-host copy
             # https://github.com/openai/lm-human-preferences/blob/cbfd210bb8b08f6bc5c26878c10984b90f516c66/lm_human_preferences/train_policy.py#L199-L261
             local_stats = {
                 "objective/kl": kl.sum(1).mean(),
@@ -590,34 +627,17 @@ def main(args: Args) -> list[dict[str, float]]:
                 "objective/score": scores.mean(),
                 "objective/score_total": scores.mean() + non_score_reward.sum(1).mean(),
                 **({"objective/gold_score": gold_scores.mean()} if gold_labeler is not None else {}),
-                **{f"ppo/{key}": value for key, value in ppo_sums.items() if key != "ratio_mean"},
-                "debug/ratio_mean": ppo_sums["ratio_mean"],
-                "debug/ratio_min": ratio_min,
-                "debug/ratio_max": ratio_max,
-                "debug/first_minibatch_ratio_max_abs_dev": first_mb_ratio_dev,
+                **ppo_stats.local(),
                 "debug/num_eos": (responses == tokenizer.eos_token_id).sum(1).float().mean(),
                 "debug/filter_pass_rate": passed.float().mean(),
                 "nonfinite/scores": (~torch.isfinite(scores)).sum(),
                 "nonfinite/rewards": (~torch.isfinite(rewards)).sum(),
-                "nonfinite/advantages": nonfinite_advantages,
             }
             stats = reduce_stats(local_stats, accelerator)
-            for name in ("scores", "rewards", "advantages"):
-                if stats.pop(f"nonfinite/{name}") > 0:
-                    raise ValueError(f"non-finite {name} at update {update}; lower --ppo.lr or check the reward model")
-            stats["ppo/val/var_explained"] = 1 - stats["ppo/val/error"] / stats["ppo/returns/var"]
-            stats["objective/kl_coef"] = kl_coef
-            steps, now = update + 1, time.time()
-            stats["elapsed/updates"] = steps
-            stats["elapsed/steps/serial"] = steps * task.response_length
-            stats["elapsed/steps/total"] = steps * ppo.batch_size * task.response_length
-            stats["elapsed/episodes"] = steps * ppo.batch_size
-            stats["elapsed/fps"] = int(ppo.batch_size * task.response_length / (now - last_time))
-            stats["elapsed/time"] = now - start_time
-            last_time = now
-            stats["debug/lr"] = lr_now
-            phases = ("rollout", "scoring", "optimisation")
-            stats.update({f"debug/time/{phase}": seconds for phase, seconds in zip(phases, timer.durations())})
+            check_finite(stats, update)
+            add_elapsed_stats(stats, update, args, start_time, last_time)
+            last_time = time.time()
+            stats.update({"objective/kl_coef": kl_coef, "debug/lr": lr_now, **timer.durations()})
             tracker.log(stats, step=update)
             history.append(stats)
 
@@ -625,38 +645,41 @@ def main(args: Args) -> list[dict[str, float]]:
             # https://github.com/openai/lm-human-preferences/blob/cbfd210bb8b08f6bc5c26878c10984b90f516c66/lm_human_preferences/train_policy.py#L305
             kl_ctl.update(stats["objective/kl"], ppo.batch_size)
 
+            # 8. samples every log_interval updates, progress, checkpoint every save_interval and at the end (P19, P20)
             if update % args.log_interval == 0 and accelerator.is_main_process:
-                sample_columns = ["query", "response (truncated)", "score", "kl", "total"]
-                rows = sample_table_rows(
-                    tokenizer, pad_id, queries, postprocessed_responses, scores, kl.sum(1), args.rewards.kl_coef,
-                    args.print_samples,
-                )  # fmt: skip
-                table = Table(*sample_columns, title=f"update {update}", show_lines=True)
-                for row in rows:
-                    table.add_row(*map(str, row))
-                console.print(table)
-                tracker.log_table("samples", sample_columns, rows, step=update)
-            description = f"score {stats['objective/score']:+.3f} kl {stats['objective/kl']:.3f}"
+                rows = sample_table_rows(tokenizer, pad_id, queries, postprocessed_responses, scores, kl.sum(1),
+                                         args.rewards.kl_coef, args.print_samples)  # fmt: skip
+                print_samples(console, tracker, rows, update)
+            description = f"score {cli.number(stats['objective/score'])} kl {cli.number(stats['objective/kl'])}"
             if gold_labeler is not None:
-                description += f" gold {stats['objective/gold_score']:+.3f}"
+                description += f" gold {cli.number(stats['objective/gold_score'])}"
             progress.update(bar, advance=1, description=description)
-
-            # 8. checkpoint every save_interval updates and at the end (spec P20)
-            is_last = update == nupdates - 1
-            if accelerator.is_main_process and (is_last or (args.save_interval and steps % args.save_interval == 0)):
+            is_last = update == sizes.nupdates - 1
+            if accelerator.is_main_process and (is_last or (args.save_interval and (update + 1) % args.save_interval == 0)):
                 save_policy(policy, tokenizer, args, args.output_dir)
 
     accelerator.wait_for_everyone()
     tracker.close()
-    if args.push_to_hub and accelerator.is_main_process:
-        from huggingface_hub import HfApi
-
-        api = HfApi()
-        repo_id = api.create_repo(args.hf_repo_id or f"{args.exp_name}__{args.task_id}__seed{args.seed}", exist_ok=True)
-        api.upload_folder(folder_path=args.output_dir, repo_id=repo_id.repo_id, ignore_patterns=["tb/*", "wandb/*"])
-        accelerator.print(f"pushed {args.output_dir} to {repo_id}")
+    if accelerator.is_main_process:
+        final = history[-1]
+        summary = {
+            "updates": f"{len(history)} ({int(final['elapsed/episodes'])} episodes, {final['elapsed/time']:.0f} s)",
+            "objective/score": f"{cli.number(history[0]['objective/score'])} -> {cli.number(final['objective/score'])}",
+            "objective/kl": f"{cli.number(history[0]['objective/kl'])} -> {cli.number(final['objective/kl'])}",
+            "kl_coef": f"{cli.number(args.rewards.kl_coef, 4)} -> {cli.number(kl_ctl.value, 4)}",
+            "policy, value head, tokenizer": args.output_dir,
+            "TensorBoard": f"{args.output_dir}/tb",
+        }
+        if args.push_to_hub:
+            summary["hub"] = push_to_hub(args)
+        cli.print_table(console, "policy training done", summary)
     return history
 
 
+def parse(argv: list[str] | None = None) -> Args:
+    """Args from the command line, starting from the `--task` preset (default sentiment)."""
+    return cli.parse_args(Args, oai_presets(), "sentiment", __doc__, argv)[1]
+
+
 if __name__ == "__main__":
-    main(parse_args(Args, oai_presets(), "sentiment", __doc__)[1])
+    cli.run(main, parse)

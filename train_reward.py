@@ -7,21 +7,17 @@ cross-entropy on the labels, normalize again, save. Batch sizes are global (summ
 """
 
 import dataclasses
-import json
 import math
-import os
-import time
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 import torch.nn.functional as F
+import tyro
 from accelerate.utils import broadcast
-from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
-from rich.table import Table
 
-from lm_human_preference_details.cli import parse_args
+from lm_human_preference_details import cli
 from lm_human_preference_details.core import (
     Tracker,
     allreduce_gradients,
@@ -29,18 +25,12 @@ from lm_human_preference_details.core import (
     ceil_div,
     exact_div,
     make_accelerator,
+    run_name,
+    save_args,
     set_seed,
 )
-from lm_human_preference_details.data import (
-    TASKS,
-    Labels,
-    QueryStream,
-    TaskHParams,
-    encode_context_affixes,
-    format_contexts,
-    load_labels,
-    load_texts,
-)
+from lm_human_preference_details.data import QueryStream, load_texts
+from lm_human_preference_details.labels import Labels, best_of_n_loss, load_labels
 from lm_human_preference_details.modeling import (
     PolicyWithValueHead,
     RewardModel,
@@ -48,7 +38,8 @@ from lm_human_preference_details.modeling import (
     sample,
     score_label_rows,
 )
-from lm_human_preference_details.optim import AdamTensorFlowStyle
+from lm_human_preference_details.optim import make_optimizer
+from lm_human_preference_details.tasks import TASKS, TaskHParams, encode_context_affixes, format_contexts
 from lm_human_preference_details.tokenizer import load_tokenizer, tokenizer_fingerprint
 
 
@@ -104,16 +95,22 @@ class Args:
     """wandb project"""
     wandb_entity: str | None = None
     """wandb entity (team or user)"""
+    dry_run: bool = False
+    """print the derived per-process sizes and exit"""
+    task_id: tyro.conf.Suppress[str] = "sentiment"
+    """name of the --task preset these settings started from (recorded in the run config)"""
 
 
 def books_preset(label_file: str) -> Args:
     """OAI's sentiment/descriptiveness reward training (launch.py#L49-L80)."""
-    return Args(label_dataset=label_file, task=dataclasses.replace(TASKS["sentiment"]))
+    task_id = label_file.split("/")[0]
+    return Args(label_dataset=label_file, task=dataclasses.replace(TASKS[task_id]), task_id=task_id)
 
 
 def summarization_preset(task: str) -> Args:
     """OAI's tldr/cnndm reward training (launch.py#L82-L111): 46k online labels, batch 16, lr 2.5e-5, rollouts 128."""
     return Args(
+        task_id=task,
         label_dataset=f"{task}/online_45k.json",
         task=dataclasses.replace(TASKS[task]),
         labels=LabelHParams(num_train=46_000),
@@ -123,21 +120,17 @@ def summarization_preset(task: str) -> Args:
     )
 
 
-PRESETS = {
-    "sentiment": books_preset("sentiment/offline_5k.json"),
-    "descriptiveness": books_preset("descriptiveness/offline_5k.json"),
-    "tldr": summarization_preset("tldr"),
-    "cnndm": summarization_preset("cnndm"),
-}
+def oai_presets() -> dict[str, Args]:
+    """OAI's launch.py reward experiments, one `Args` per `--task` name."""
+    return {
+        "sentiment": books_preset("sentiment/offline_5k.json"),
+        "descriptiveness": books_preset("descriptiveness/offline_5k.json"),
+        "tldr": summarization_preset("tldr"),
+        "cnndm": summarization_preset("cnndm"),
+    }
 
 
 # ---------------------------------------------------------------- algorithm helpers
-def best_of_n_loss(rewards: torch.Tensor, best: torch.Tensor) -> torch.Tensor:
-    """Softmax cross-entropy over the N responses of each label row, target = the labeled best one."""
-    # https://github.com/openai/lm-human-preferences/blob/cbfd210bb8b08f6bc5c26878c10984b90f516c66/lm_human_preferences/label_types.py#L44-L49
-    return F.cross_entropy(rewards, best)
-
-
 @torch.no_grad()
 def normalize_rewards(args, accelerator, reward_model, ref_policy, query_stream, affixes, pad_id, generator) -> dict:
     """Set gain/bias so rewards of the pretrained policy's samples have mean 0 and std 1 over all processes."""
@@ -184,23 +177,30 @@ def evaluate_labels(accelerator, reward_model, labels: Labels, pad_id: int, micr
 # ---------------------------------------------------------------- main
 def main(args: Args) -> dict:
     """Train and save a reward model; returns the final figures, this process's label indices and the model."""
-    # 0. processes, derived sizes, seeding, tracking
+    # 0. processes, derived sizes (spec D1), seeding, tracking
+    cli.quiet_transformers()
     accelerator = make_accelerator()
     world, rank = accelerator.num_processes, accelerator.process_index
     local_batch_size = exact_div(args.batch_size, world, "batch_size (labels per step) over processes")
-    micro_batch_size = exact_div(local_batch_size, args.gradient_accumulation_steps, "per-process batch over gradient_accumulation_steps")
+    accum = args.gradient_accumulation_steps
+    micro_batch_size = exact_div(local_batch_size, accum, "per-process batch over gradient_accumulation_steps")
     exact_div(args.labels.num_train, args.batch_size, "labels.num_train over batch_size")  # OAI train_reward.py#L56-L58
     exact_div(args.rollout_batch_size, world, "rollout_batch_size over processes")
     num_steps = args.labels.num_train // args.batch_size
-    run_name = f"{args.exp_name}__{args.seed}__{int(time.time())}"
-    console = Console()
+    console = cli.make_console()
     if accelerator.is_main_process:
-        sizes = Table(title=f"reward training: {run_name}")
-        for column in ("processes", "labels/step", "per process", "micro-batch", "steps", "normalize samples"):
-            sizes.add_column(column)
-        sizes.add_row(str(world), str(args.batch_size), str(local_batch_size), str(micro_batch_size), str(num_steps),
-                      str(ceil_div(args.normalize_samples, args.rollout_batch_size) * args.rollout_batch_size))
-        console.print(sizes)
+        normalize_batches = ceil_div(args.normalize_samples, args.rollout_batch_size)
+        cli.print_table(console, "reward training (train_reward.py)", {
+            "task": args.task_id,
+            "processes": world,
+            "labels per step": f"{args.batch_size} ({local_batch_size} per process, micro-batch {micro_batch_size} x {accum})",
+            "steps": f"{num_steps} (one epoch over {args.labels.num_train} labels)",
+            "normalization samples": f"{normalize_batches} x {args.rollout_batch_size}",
+            "label file": args.label_dataset,
+            "output dir": args.output_dir,
+        })  # fmt: skip
+    if args.dry_run:
+        return {}
     # per-process seeds; rank 0's NumPy RNG draws the label order
     # https://github.com/openai/lm-human-preferences/blob/cbfd210bb8b08f6bc5c26878c10984b90f516c66/lm_human_preferences/utils/core.py#L108-L113
     set_seed(args.seed + rank * 100003)
@@ -210,7 +210,7 @@ def main(args: Args) -> dict:
     tokenizer = load_tokenizer(args.base_model)
     pad_id = tokenizer.pad_token_id
     labels = load_labels(args.label_dataset, args.task.query_length, args.task.response_length, pad_id,
-                         args.labels.num_train, args.labels.num_samples)
+                         args.labels.num_train, args.labels.num_samples)  # fmt: skip
     train_labels, heldout_labels = labels[: args.labels.num_train], labels[args.labels.num_train :]
     reward_model = RewardModel.from_base(args.base_model).to(accelerator.device)
     broadcast_parameters(reward_model, accelerator)  # rank 0's random head everywhere (OAI train_reward.py#L316-L318)
@@ -218,28 +218,33 @@ def main(args: Args) -> dict:
     # gain and bias are trained too (their effect is reset by normalize_after)
     # https://github.com/openai/lm-human-preferences/blob/cbfd210bb8b08f6bc5c26878c10984b90f516c66/lm_human_preferences/rewards.py#L69-L71
     params = list(reward_model.parameters())
-    if args.use_tensorflow_adam:
-        optimizer = AdamTensorFlowStyle(params, lr=args.lr, eps=1e-5)
-    else:
-        optimizer = torch.optim.Adam(params, lr=args.lr, eps=1e-5)
+    optimizer = make_optimizer(params, args.lr, args.use_tensorflow_adam)
     query_stream = QueryStream(load_texts(args.task.query_dataset), tokenizer, args.task, rank, world, args.data_seed)
     affixes = encode_context_affixes(tokenizer, args.task)
-    tracker = Tracker(args.output_dir, args.track, args.wandb_project_name, args.wandb_entity, run_name,
-                      {**dataclasses.asdict(args), "world_size": world}, accelerator.is_main_process)
+    name = run_name(accelerator, args.task_id, args.exp_name, args.seed)
+    tracker = Tracker(args.output_dir, args.track, args.wandb_project_name, args.wandb_entity, name,
+                      {**dataclasses.asdict(args), "world_size": world}, accelerator.is_main_process)  # fmt: skip
+
+    def normalize(when: str, step: int) -> dict:
+        """Normalize the reward on fresh samples; log and print the statistics measured before the change."""
+        result = normalize_rewards(args, accelerator, reward_model, ref_policy, query_stream, affixes, pad_id, generator)
+        tracker.log({f"normalize_{when}/{k}": v for k, v in result.items()}, step)
+        accelerator.print(f"normalize {when}: mean {cli.number(result['mean'], 4)} +- {cli.number(result['std'], 4)}")
+        return result
 
     def log_eval(step: int) -> dict | None:
+        """Held-out loss and accuracy, logged under eval/ (None when every label row is trained on)."""
         if len(heldout_labels) == 0:
             return None
-        result = evaluate_labels(accelerator, reward_model, heldout_labels, pad_id, micro_batch_size * args.labels.num_samples)
+        rows = micro_batch_size * args.labels.num_samples
+        result = evaluate_labels(accelerator, reward_model, heldout_labels, pad_id, rows)
         tracker.log({"eval/loss": result["loss"], "eval/accuracy": result["accuracy"]}, step)
         return result
 
     # 2. normalize before training
     norms = {}
     if args.normalize_before:
-        norms["before"] = normalize_rewards(args, accelerator, reward_model, ref_policy, query_stream, affixes, pad_id, generator)
-        tracker.log({f"normalize_before/{k}": v for k, v in norms["before"].items()}, 0)
-        accelerator.print(f"before normalize: mean {norms['before']['mean']:.4f} +- {norms['before']['std']:.4f}")
+        norms["before"] = normalize("before", 0)
     eval_before = log_eval(0)
 
     # 3. one epoch over the labels: rank 0's permutation, rank-strided slices, lr annealed linearly
@@ -247,8 +252,9 @@ def main(args: Args) -> dict:
     permutation = torch.from_numpy(np.random.permutation(args.labels.num_train)).to(accelerator.device)
     permutation = broadcast(permutation, from_process=0).cpu()
     seen = []
-    progress = Progress(TextColumn("reward"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[stats]}"),
-                        TimeRemainingColumn(), disable=not accelerator.is_main_process, console=console)
+    columns = (TextColumn("reward"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[stats]}"),
+               TimeRemainingColumn())  # fmt: skip
+    progress = Progress(*columns, disable=not accelerator.is_main_process, console=console)
     with progress:
         bar = progress.add_task("train", total=num_steps, stats="")
         for step, start in enumerate(range(0, args.labels.num_train, args.batch_size)):
@@ -259,12 +265,14 @@ def main(args: Args) -> dict:
             seen.append(local_indices)
             stats = torch.zeros(2, device=accelerator.device)  # loss, accuracy
             for micro_indices in local_indices.split(micro_batch_size):
-                rewards = score_label_rows(reward_model, train_labels.query[micro_indices].to(accelerator.device),
-                                           train_labels.samples[micro_indices].to(accelerator.device), pad_id)
+                query = train_labels.query[micro_indices].to(accelerator.device)
+                samples = train_labels.samples[micro_indices].to(accelerator.device)
+                rewards = score_label_rows(reward_model, query, samples, pad_id)  # (b, N)
                 best = train_labels.best[micro_indices].to(accelerator.device)
                 loss = best_of_n_loss(rewards, best)
-                (loss / args.gradient_accumulation_steps).backward()
-                stats += torch.stack([loss.detach(), (rewards.argmax(1) == best).float().mean()]) / args.gradient_accumulation_steps
+                (loss / accum).backward()
+                stats += torch.stack([loss.detach(), (rewards.argmax(1) == best).float().mean()]) / accum
+            # gradients averaged over processes, then one Adam step (spec O4)
             allreduce_gradients(params, accelerator)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
@@ -274,41 +282,43 @@ def main(args: Args) -> dict:
             # OAI's stats for best-of-N: loss and error are the same cross-entropy
             # https://github.com/openai/lm-human-preferences/blob/cbfd210bb8b08f6bc5c26878c10984b90f516c66/lm_human_preferences/train_reward.py#L124-L146
             tracker.log({"train_reward/minibatch/loss": loss_value, "train_reward/minibatch/error": loss_value,
-                         "debug/accuracy": accuracy, "debug/lr": lr}, step)
+                         "debug/accuracy": accuracy, "debug/lr": lr}, step)  # fmt: skip
             if args.eval_interval and (step + 1) % args.eval_interval == 0:
                 log_eval(step + 1)
-            progress.update(bar, advance=1, stats=f"loss {loss_value:.3f} acc {accuracy:.2f}")
+            progress.update(bar, advance=1, stats=f"loss {cli.number(loss_value)} acc {accuracy:.2f}")
     eval_after = log_eval(num_steps)
 
     # 4. normalize after training
     if args.normalize_after:
-        norms["after"] = normalize_rewards(args, accelerator, reward_model, ref_policy, query_stream, affixes, pad_id, generator)
-        tracker.log({f"normalize_after/{k}": v for k, v in norms["after"].items()}, num_steps)
-        accelerator.print(f"after training, before normalize: mean {norms['after']['mean']:.4f} +- {norms['after']['std']:.4f}")
+        norms["after"] = normalize("after", num_steps)
 
     # 5. save
     if accelerator.is_main_process:
         metadata = {"base_model": args.base_model, "tokenizer": args.base_model,
                     "tokenizer_fingerprint": tokenizer_fingerprint(tokenizer), "pad_token_id": pad_id,
                     "task": dataclasses.asdict(args.task), "label_dataset": args.label_dataset,
-                    "num_train": args.labels.num_train, "eval_before": eval_before, "eval_after": eval_after}
+                    "num_train": args.labels.num_train, "eval_before": eval_before, "eval_after": eval_after}  # fmt: skip
         reward_model.save(args.output_dir, metadata)
         tokenizer.save_pretrained(args.output_dir)
-        with open(os.path.join(args.output_dir, "args.json"), "w") as f:
-            json.dump(dataclasses.asdict(args), f, indent=2)
-        summary = Table(title="reward model")
-        for column in ("held-out rows", "accuracy before", "accuracy after", "gain", "bias", "saved to"):
-            summary.add_column(column)
-        summary.add_row(str(len(heldout_labels)), f"{eval_before['accuracy']:.3f}" if eval_before else "-",
-                        f"{eval_after['accuracy']:.3f}" if eval_after else "-", f"{reward_model.gain.item():.4f}",
-                        f"{reward_model.bias.item():.4f}", args.output_dir)
-        console.print(summary)
+        save_args(args, args.output_dir)
+        cli.print_table(console, "reward training done", {
+            "held-out rows": len(heldout_labels),
+            "held-out accuracy": f"{eval_before['accuracy']:.3f} -> {eval_after['accuracy']:.3f}" if eval_after else "-",
+            "gain, bias": f"{cli.number(reward_model.gain.item(), 4)}, {cli.number(reward_model.bias.item(), 4)}",
+            "reward model, tokenizer": args.output_dir,
+            "TensorBoard": f"{args.output_dir}/tb",
+        })  # fmt: skip
     accelerator.wait_for_everyone()
     tracker.close()
     return {"eval_before": eval_before, "eval_after": eval_after, "normalization": norms,
-            "label_indices": torch.cat(seen).tolist(), "gain": reward_model.gain.item(), "bias": reward_model.bias.item(),
-            "model": reward_model}
+            "label_indices": torch.cat(seen).tolist(), "gain": reward_model.gain.item(),
+            "bias": reward_model.bias.item(), "model": reward_model}  # fmt: skip
+
+
+def parse(argv: list[str] | None = None) -> Args:
+    """Args from the command line, starting from the `--task` preset (default sentiment)."""
+    return cli.parse_args(Args, oai_presets(), "sentiment", __doc__, argv)[1]
 
 
 if __name__ == "__main__":
-    main(parse_args(Args, PRESETS, "sentiment", __doc__.split("\n")[0])[1])
+    cli.run(main, parse)

@@ -19,9 +19,9 @@ import tyro
 from transformers import GPT2Config, GPT2Model
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from lm_human_preference_details.modeling import RewardModel  # noqa: E402
+from lm_human_preference_details.labels import best_of_n_loss  # noqa: E402
+from lm_human_preference_details.modeling import RewardModel, score_label_rows  # noqa: E402
 from lm_human_preference_details.optim import AdamTensorFlowStyle  # noqa: E402
-from train_reward import best_of_n_loss, score_label_rows  # noqa: E402
 
 CONFIGS = {
     "tiny": dict(n_layer=2, n_head=2, n_embd=32),

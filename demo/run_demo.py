@@ -165,7 +165,7 @@ def evaluate(base_dir: Path, policy_dir: Path, reward_dir: Path, task, n: int, s
     from lm_human_preference_details.labelers import decode_without_pad, load_labeler
     from lm_human_preference_details.modeling import PolicyWithValueHead, load_causal_lm, sample
     from lm_human_preference_details.tokenizer import load_tokenizer
-    from train_policy import penalize_failed_filter, truncate_response
+    from lm_human_preference_details.tasks import passes_filter, truncate_response
 
     tokenizer = load_tokenizer(str(base_dir))
     pad_id = tokenizer.pad_token_id
@@ -181,7 +181,7 @@ def evaluate(base_dir: Path, policy_dir: Path, reward_dir: Path, task, n: int, s
             for chunk in queries.split(64)
         ])  # (n, L)
         responses = truncate_response(responses, task.truncate_token, task.truncate_after, pad_id)
-        _, passed = penalize_failed_filter(torch.zeros(n), responses, task.truncate_token, task.truncate_after, -1.0)
+        passed = passes_filter(responses, task.truncate_token, task.truncate_after)
         out[name] = {
             "responses": decode_without_pad(tokenizer, responses, pad_id),
             "filter_pass_rate": passed.float().mean().item(),
@@ -369,7 +369,7 @@ def summarize(args: Args, settings: Settings, evaluation: dict, policy_scalars: 
 
 def main(args: Args) -> dict:
     """Run every stage, evaluate, write results.json and curves.png; returns the results."""
-    from lm_human_preference_details.data import TaskHParams
+    from lm_human_preference_details.tasks import TaskHParams
 
     start = time.time()
     settings = QUICK if args.quick else FULL

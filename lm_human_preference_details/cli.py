@@ -1,12 +1,33 @@
-"""tyro command lines whose defaults come from one of OAI's launch.py experiments, picked with `--task NAME`."""
+"""The scripts' shared command line and console: `--task` presets, `--debug`, one-line errors, start/end tables.
 
+Every script parses the same way: `--task NAME` picks one of OAI's launch.py experiments, every other flag then
+overrides one field of it (tyro), and `--debug` shows the traceback that bad input otherwise reports in one line.
+"""
+
+import os
+import shutil
 import sys
-from collections.abc import Sequence
-from typing import TypeVar
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
 
 import tyro
+from rich.console import Console
+from rich.table import Table
+
+from lm_human_preference_details.hub import HubUnavailableError
 
 T = TypeVar("T")
+
+USER_ERRORS = (ValueError, FileNotFoundError, NotADirectoryError, IsADirectoryError, HubUnavailableError, ImportError)
+"""Exceptions that mean bad input (a flag, a file, the network): reported as one line, not a traceback."""
+DEBUG_ENV = "LHPD_DEBUG"
+"""Set to 1 to see tracebacks, like --debug."""
+
+
+def pop_flag(argv: Sequence[str], flag: str) -> tuple[bool, list[str]]:
+    """Remove a boolean `flag` from argv; -> whether it was there, the rest."""
+    rest = [arg for arg in argv if arg != flag]
+    return len(rest) != len(argv), rest
 
 
 def pop_task_flag(argv: Sequence[str], choices: Sequence[str], default: str) -> tuple[str, list[str]]:
@@ -25,11 +46,80 @@ def pop_task_flag(argv: Sequence[str], choices: Sequence[str], default: str) -> 
     return task, rest
 
 
+def describe(doc: str, tasks: Sequence[str], default_task: str) -> str:
+    """The --help text: the script's docstring (usage examples included), then what --task and --debug do."""
+    return (
+        f"{doc.strip()}\n\n--task {{{','.join(tasks)}}} selects the settings of OAI's launch.py for that experiment "
+        f"(default: {default_task}); every flag below then overrides one of them. --debug shows full tracebacks."
+    )
+
+
 def parse_args(args_type: type[T], presets: dict[str, T], default_task: str, doc: str, argv=None) -> tuple[str, T]:
     """Parse argv into `args_type`, starting from the preset chosen with `--task` (any field can still be overridden)."""
-    task, rest = pop_task_flag(sys.argv[1:] if argv is None else argv, list(presets), default_task)
-    description = (
-        f"{doc}\n\n--task {{{','.join(presets)}}} selects the settings of OAI's launch.py for that experiment "
-        f"(default: {default_task}); every flag below then overrides one of them."
-    )
+    argv = sys.argv[1:] if argv is None else list(argv)
+    task, rest = pop_task_flag(pop_flag(argv, "--debug")[1], list(presets), default_task)
+    description = describe(doc, list(presets), default_task)
     return task, tyro.cli(args_type, default=presets[task], args=rest, description=description, use_underscores=True)
+
+
+def run(main: Callable[[T], Any], parse: Callable[[list[str]], T], argv: Sequence[str] | None = None) -> None:
+    """Parse the command line and run `main`; bad input ends with one `error: ...` line and exit code 2.
+
+    `--debug` on the command line (or LHPD_DEBUG=1) re-raises instead, with the full traceback.
+    """
+    argv = sys.argv[1:] if argv is None else list(argv)
+    debug, argv = pop_flag(argv, "--debug")
+    debug = debug or os.environ.get(DEBUG_ENV, "0") not in ("", "0")
+    try:
+        main(parse(argv))
+    except USER_ERRORS as e:
+        if debug:
+            raise
+        print(f"error: {e}\n(run with --debug for the traceback)", file=sys.stderr)
+        sys.exit(2)
+
+
+def quiet_transformers() -> None:
+    """Silence transformers' and the hub's per-load progress bars and load reports (our own tables say what loaded)."""
+    import huggingface_hub.utils
+    import transformers.utils.logging
+
+    transformers.utils.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+    huggingface_hub.utils.disable_progress_bars()
+
+
+def make_console() -> Console:
+    """A rich console; when output is piped, 160 columns wide so tables and paths are not cut at 80."""
+    width = None if sys.stdout.isatty() else max(160, shutil.get_terminal_size((160, 24)).columns)
+    return Console(width=width, highlight=False)
+
+
+def number(value: float, digits: int = 3) -> str:
+    """`value` with `digits` decimals, never "-0.000"."""
+    text = f"{value:.{digits}f}"
+    return text[1:] if text.startswith("-") and float(text) == 0 else text
+
+
+def print_table(console: Console, title: str, rows: dict[str, Any]) -> None:
+    """A two-column (what, value) table; long values fold instead of being cut."""
+    table = Table(title=title, show_header=False, title_justify="left")
+    table.add_column("what", style="bold", no_wrap=True)
+    table.add_column("value", overflow="fold")
+    for key, value in rows.items():
+        table.add_row(key, value if isinstance(value, str) else str(value))
+    console.print(table)
+
+
+def parse_subcommands(presets: dict[str, dict[str, Any]], default_task: str, doc: str, argv=None) -> tuple[str, Any]:
+    """Parse `SUBCOMMAND flags...` where each subcommand's defaults come from the `--task` preset (presets[task][name])."""
+    from typing import Annotated, Union
+
+    argv = sys.argv[1:] if argv is None else list(argv)
+    task, rest = pop_task_flag(pop_flag(argv, "--debug")[1], list(presets), default_task)
+    commands = [
+        Annotated[type(default), tyro.conf.subcommand(name, default=default)]
+        for name, default in presets[task].items()
+    ]
+    description = describe(doc, list(presets), default_task)
+    return task, tyro.cli(Union[tuple(commands)], args=rest, description=description, use_underscores=True)

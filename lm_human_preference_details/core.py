@@ -1,7 +1,10 @@
-"""Small numerics and plumbing shared by the training scripts: sizes, whitening, log-probs, seeding, sync, logging."""
+"""Small numerics and plumbing shared by the training scripts: sizes, whitening, seeding, sync, logging."""
 
+import dataclasses
+import json
 import os
 import random
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -10,6 +13,7 @@ import torch
 import torch.distributed as dist
 import wandb
 from accelerate import Accelerator
+from accelerate.utils import broadcast_object_list
 from torch.utils.tensorboard import SummaryWriter
 
 
@@ -33,78 +37,41 @@ def ceil_div(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def whiten(values: torch.Tensor, shift_mean: bool = True, eps: float = 1e-8) -> torch.Tensor:
-    """Normalize by the mean and variance over all elements; keep the mean when shift_mean is False."""
+def whiten(values: torch.Tensor, shift_mean: bool = True, group_size: int | None = None) -> torch.Tensor:
+    """(x - mean) / sqrt(var + 1e-8) over all elements of each group of `group_size` rows (None: one group of all rows).
+
+    The mean is added back when shift_mean is False. Groups stand for OAI's ranks when fewer processes run the same
+    batch ("virtual ranks", spec D4): OAI whitens each rank's tensor on its own.
+    """
     # TF-PARITY: tf.nn.moments gives the population variance (divide by N, not N - 1)
     # https://github.com/openai/lm-human-preferences/blob/cbfd210bb8b08f6bc5c26878c10984b90f516c66/lm_human_preferences/utils/core.py#L336-L341
-    var, mean = torch.var_mean(values, correction=0)
-    whitened = (values - mean) * torch.rsqrt(var + eps)
+    groups = values.reshape(-1, group_size or values.shape[0], *values.shape[1:])  # (G, group_size, ...)
+    dims = tuple(range(1, groups.dim()))
+    var, mean = torch.var_mean(groups, dim=dims, correction=0, keepdim=True)
+    whitened = (groups - mean) * torch.rsqrt(var + 1e-8)
     if not shift_mean:
         whitened = whitened + mean
-    return whitened
+    return whitened.reshape(values.shape)
 
 
-def _exp_stats(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """max, exp(z - max) and sum(exp(z - max)) over the last axis (keepdim); exp(z - max) is the one (..., V) tensor."""
-    maxes = logits.amax(dim=-1, keepdim=True)
-    exps = (logits - maxes).exp_()
-    return maxes, exps, exps.sum(dim=-1, keepdim=True)
+def run_name(accelerator: Accelerator, *parts: Any) -> str:
+    """`part1__part2__...__<unix time>`, from rank 0's clock on every process (one name for one run)."""
+    name = "__".join([*map(str, parts), str(int(time.time()))])
+    return broadcast_object_list([name])[0] if accelerator.num_processes > 1 else name
 
 
-def _entropy_from_exp_stats(
-    logits: torch.Tensor, maxes: torch.Tensor, exps: torch.Tensor, total: torch.Tensor
-) -> torch.Tensor:
-    """logsumexp(z) - sum(softmax(z) * z) = max + log(total) - (exps . z) / total, keepdim."""
-    # the sum of products is a batched dot product: no (..., V) product tensor
-    expected_logit = (exps.unsqueeze(-2) @ logits.unsqueeze(-1)).squeeze(-1) / total
-    return maxes + total.log() - expected_logit
+def write_json_atomic(path: str, obj: Any) -> None:
+    """json.dump to `path` through a temporary file and a rename, so readers never see a half-written file."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    tmp = f"{path}.tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(obj, f, indent=2)
+    os.replace(tmp, path)
 
 
-class _TokenLogprob(torch.autograd.Function):
-    """log softmax(z)[token] = (z[token] - max) - log(sum(exp(z - max))) and, optionally, the (non-differentiable)
-    entropy, from one (..., V) buffer; the backward allocates one more, the gradient."""
-
-    @staticmethod
-    def forward(
-        ctx, logits: torch.Tensor, tokens: torch.Tensor, with_entropy: bool
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        maxes, exps, total = _exp_stats(logits)
-        logprobs = logits.gather(-1, tokens.unsqueeze(-1)) - maxes - total.log()  # (..., 1)
-        entropy = None
-        if with_entropy:
-            entropy = _entropy_from_exp_stats(logits, maxes, exps, total).squeeze(-1)
-            ctx.mark_non_differentiable(entropy)
-        if ctx.needs_input_grad[0]:
-            ctx.save_for_backward(exps.div_(total), tokens)  # softmax(z)
-        return logprobs.squeeze(-1), entropy
-
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx, grad: torch.Tensor, grad_entropy: None) -> tuple[torch.Tensor, None, None]:
-        # d logp[token] / dz = onehot(token) - softmax(z); the saved softmax stays intact for retained graphs
-        probs, tokens = ctx.saved_tensors
-        grad = grad.unsqueeze(-1)  # (..., 1)
-        return (probs * -grad).scatter_add_(-1, tokens.unsqueeze(-1), grad), None, None
-
-
-def logprobs_from_logits(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-    """log softmax(logits)[tokens] for logits (..., V) and tokens (...), without materializing the log-softmax."""
-    # gather(logits) - logsumexp(logits), computed as (z - max)[token] - log(sum(exp(z - max))); one (..., V) tensor
-    # is allocated (autograd through gather and logsumexp allocates five, forward and backward)
-    # https://github.com/openai/lm-human-preferences/blob/cbfd210bb8b08f6bc5c26878c10984b90f516c66/lm_human_preferences/utils/core.py#L295-L296
-    return _TokenLogprob.apply(logits, tokens, False)[0]
-
-
-def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
-    """Entropy of softmax(logits) over the last axis: logsumexp(z) - sum(softmax(z) * z)."""
-    # https://github.com/openai/lm-human-preferences/blob/cbfd210bb8b08f6bc5c26878c10984b90f516c66/lm_human_preferences/utils/core.py#L290-L292
-    return _entropy_from_exp_stats(logits, *_exp_stats(logits)).squeeze(-1)
-
-
-def logprobs_and_entropy_from_logits(logits: torch.Tensor, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """`logprobs_from_logits` (differentiable) and `entropy_from_logits` (detached) from one pass over the logits."""
-    logprobs, entropy = _TokenLogprob.apply(logits, tokens, True)
-    return logprobs, entropy
+def save_args(args: Any, output_dir: str) -> None:
+    """The run's settings (a dataclass) as `output_dir/args.json`."""
+    write_json_atomic(os.path.join(output_dir, "args.json"), dataclasses.asdict(args))
 
 
 def set_seed(seed: int) -> None:

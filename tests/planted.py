@@ -7,7 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from lm_human_preference_details.data import OAI_PAD_TOKEN
+from lm_human_preference_details.labels import OAI_PAD_TOKEN
 
 REPO = Path(__file__).resolve().parents[1]
 SUBJECTS = ["the cat", "a dog", "my friend", "the old man", "her sister", "the teacher", "a bird", "our neighbour"]
@@ -43,7 +43,8 @@ def write_policy_planted_labels(path: Path, model_dir: str, tokenizer, corpus: P
     """Like OAI's offline labels: 4 samples of the base policy per query; the best one gets `marker` planted in it."""
     import torch
 
-    from lm_human_preference_details.data import QueryStream, TaskHParams, load_texts
+    from lm_human_preference_details.data import QueryStream, load_texts
+    from lm_human_preference_details.tasks import TaskHParams
     from lm_human_preference_details.modeling import PolicyWithValueHead, load_causal_lm, sample
 
     task = TaskHParams(query_dataset=str(corpus), query_length=query_length, response_length=response_length, **task_fields)

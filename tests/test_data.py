@@ -11,21 +11,15 @@ import pytest
 import torch
 import tyro
 
-from lm_human_preference_details.data import (
-    OAI_PAD_TOKEN,
+from lm_human_preference_details.data import HubTexts, QueryStream, clean_cnndm_article, clean_tldr_post, load_texts
+from lm_human_preference_details.labels import OAI_PAD_TOKEN, load_labels, save_labels
+from lm_human_preference_details.tasks import (
     TASKS,
-    HubTexts,
-    QueryStream,
     TaskHParams,
     build_query,
-    clean_cnndm_article,
-    clean_tldr_post,
     encode_context_affixes,
     encode_texts,
     format_contexts,
-    load_labels,
-    load_texts,
-    save_labels,
     text_to_token,
 )
 from lm_human_preference_details.hub import HubUnavailableError

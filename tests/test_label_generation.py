@@ -14,20 +14,20 @@ from transformers import PreTrainedTokenizerFast
 
 import label_generation
 import train_reward
-from lm_human_preference_details.data import (
-    OAI_PAD_TOKEN,
-    QueryStream,
-    TaskHParams,
-    load_labels,
-    load_texts,
-    read_label_rows,
-)
+from lm_human_preference_details.data import QueryStream, load_texts
+from lm_human_preference_details.labels import OAI_PAD_TOKEN, load_labels, read_label_rows
+from lm_human_preference_details.tasks import TaskHParams
 from lm_human_preference_details.labelers import VaderLabeler
-from lm_human_preference_details.modeling import PolicyWithValueHead, load_causal_lm, load_reward_model
+from lm_human_preference_details.modeling import PolicyWithValueHead, load_causal_lm, load_reward_model, score_label_rows
 from lm_human_preference_details.tokenizer import gpt2_tokenizer_offline
 from tests.conftest import tiny_gpt2
 from tests.planted import REPO, run_script
 from tests.test_labelers import make_reward_model_dir
+
+
+def run_label_generation(argv: list[str]) -> dict:
+    """label_generation.py in-process, from its command line."""
+    return label_generation.main(label_generation.parse(argv))
 
 QUERY_LENGTH, RESPONSE_LENGTH, TRUNCATE_AFTER, PERIOD = 16, 8, 4, 13
 WORDS = [" happy", " sad", " love", " hate", "."]
@@ -115,7 +115,7 @@ def passes_filter_and_is_truncated(sample: list[int]) -> bool:
 def vader_labels(world, tmp_path_factory):
     """16 rows labelled by VADER, written by the real CLI entry point."""
     output = tmp_path_factory.mktemp("vader") / "labels.json"
-    meta = label_generation.main(generate_flags(world, output, "--labeler", "vader", "--num_queries", "16",
+    meta = run_label_generation(generate_flags(world, output, "--labeler", "vader", "--num_queries", "16",
                                                 "--batch_size", "8"))
     return output, meta
 
@@ -197,12 +197,12 @@ def test_generated_labels_train_a_reward_model(vader_labels, world, tmp_path):
 def test_generate_reward_model_best_is_its_argmax(world, tiny_model_dir, tokenizer, tmp_path):
     rm_dir = make_reward_model_dir(tmp_path / "rm", tiny_model_dir, tokenizer)
     output = tmp_path / "rm_labels.json"
-    label_generation.main(generate_flags(world, output, "--labeler", f"reward_model:{rm_dir}", "--num_queries", "6",
+    run_label_generation(generate_flags(world, output, "--labeler", f"reward_model:{rm_dir}", "--num_queries", "6",
                                          "--num_labels", "3", "--batch_size", "6", "--seed", "3"))
     labels = load_labels(str(output), QUERY_LENGTH, RESPONSE_LENGTH, tokenizer.pad_token_id, 6, num_samples=3)
     reward_model, _ = load_reward_model(rm_dir)
     with torch.no_grad():
-        rewards = train_reward.score_label_rows(reward_model, labels.query, labels.samples, tokenizer.pad_token_id)
+        rewards = score_label_rows(reward_model, labels.query, labels.samples, tokenizer.pad_token_id)
     assert labels.best.tolist() == rewards.argmax(1).tolist()
     assert len(set(labels.best.tolist())) > 1
     assert read_meta(output)["labeler"] == f"reward_model:{rm_dir}"
@@ -210,7 +210,7 @@ def test_generate_reward_model_best_is_its_argmax(world, tiny_model_dir, tokeniz
 
 def test_generate_skips_queries_without_enough_passing_responses(world, tmp_path):
     output = tmp_path / "skips.json"
-    meta = label_generation.main(generate_flags(world, output, "--labeler", "vader", "--num_queries", "3",
+    meta = run_label_generation(generate_flags(world, output, "--labeler", "vader", "--num_queries", "3",
                                                 "--num_labels", "2", "--batch_size", "8", "--max_rounds", "1",
                                                 "--max_oversample", "1"))
     counts = meta["counts"]
@@ -226,21 +226,21 @@ def test_generate_refuses_to_resume_with_other_settings(vader_labels, world, tmp
     shutil.copy(f"{vader_labels[0]}.meta.json", f"{output}.meta.json")
     flags = generate_flags(world, output, "--labeler", "vader", "--num_queries", "16", "--batch_size", "8")
     with pytest.raises(ValueError, match="other settings.*'seed': \\(1, 2\\).*--overwrite"):
-        label_generation.main([*flags, "--seed", "2"])
+        run_label_generation([*flags, "--seed", "2"])
     # the same settings find the file complete and leave its rows unchanged
     before = output.read_text()
-    assert label_generation.main(flags)["counts"]["rows"] == 16 and output.read_text() == before
+    assert run_label_generation(flags)["counts"]["rows"] == 16 and output.read_text() == before
     os.remove(f"{output}.meta.json")
     with pytest.raises(ValueError, match="not written by"):
-        label_generation.main(flags)
+        run_label_generation(flags)
 
 
 def test_generate_extends_a_file_like_a_fresh_run_and_writes_raw_queries(world, tokenizer, tmp_path):
     extended, fresh = tmp_path / "extended.json", tmp_path / "fresh.json"
     common = ["--labeler", "vader", "--num_labels", "2", "--batch_size", "4", "--task.query_suffix", " So"]
-    label_generation.main(generate_flags(world, extended, *common, "--num_queries", "5"))
-    label_generation.main(generate_flags(world, extended, *common, "--num_queries", "7"))
-    label_generation.main(generate_flags(world, fresh, *common, "--num_queries", "7"))
+    run_label_generation(generate_flags(world, extended, *common, "--num_queries", "5"))
+    run_label_generation(generate_flags(world, extended, *common, "--num_queries", "7"))
+    run_label_generation(generate_flags(world, fresh, *common, "--num_queries", "7"))
     assert read_rows(extended) == read_rows(fresh) and len(read_rows(fresh)) == 7
     assert read_meta(extended)["counts"] == read_meta(fresh)["counts"]
     # queries in OAI's data order, without the policy's suffix (the reward model never sees it, spec G4)
@@ -252,7 +252,7 @@ def test_generate_extends_a_file_like_a_fresh_run_and_writes_raw_queries(world, 
 
 def test_generate_unknown_labeler_fails_with_forms(world, tmp_path):
     with pytest.raises(ValueError, match="(?s)unknown --labeler 'gpt4'.*reward_model:DIR"):
-        label_generation.main(generate_flags(world, tmp_path / "x.json", "--labeler", "gpt4"))
+        run_label_generation(generate_flags(world, tmp_path / "x.json", "--labeler", "gpt4"))
     assert not (tmp_path / "x.json").exists()
 
 
@@ -322,7 +322,7 @@ def decoded_rows(tokenizer, rows: list[dict], pad_id: int) -> list[list[str]]:
 
 def test_convert_gpt2_to_gpt2_keeps_tokens(source_labels, tiny_model_dir, tmp_path):
     output = tmp_path / "same.json"
-    meta = label_generation.main(convert_flags(source_labels, tiny_model_dir, output))
+    meta = run_label_generation(convert_flags(source_labels, tiny_model_dir, output))
     assert read_rows(output) == read_rows(source_labels)
     assert meta["pad_id"] == OAI_PAD_TOKEN and meta["counts"] == {"rows": 12, "truncated_queries": 0,
                                                                   "truncated_samples": 0}
@@ -339,7 +339,7 @@ def test_convert_to_other_tokenizer_decodes_to_same_texts(source_labels, tokeniz
     target_dir = tmp_path / "bpe"
     PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<|endoftext|>").save_pretrained(target_dir)
     output = tmp_path / "bpe.json"
-    meta = label_generation.main(convert_flags(source_labels, target_dir, output, 40, 24))
+    meta = run_label_generation(convert_flags(source_labels, target_dir, output, 40, 24))
     target = label_generation.load_tokenizer(str(target_dir))
     assert meta["counts"]["truncated_queries"] == meta["counts"]["truncated_samples"] == 0
     converted, source = read_rows(output), read_rows(source_labels)
@@ -361,7 +361,7 @@ def test_convert_records_pad_when_50259_is_a_real_token(source_labels, tmp_path)
     source_path = tmp_path / "with_x1.json"
     source_path.write_text(json.dumps(source))
     output = tmp_path / "wide.json"
-    meta = label_generation.main(convert_flags(source_path, target_dir, output))
+    meta = run_label_generation(convert_flags(source_path, target_dir, output))
     assert meta["pad_id"] == target.pad_token_id == 50257
     rows = read_rows(output)
     assert 50259 in rows[2]["sample3"] and 50257 in rows[2]["sample3"]
@@ -385,7 +385,7 @@ def test_convert_rejects_file_not_in_oai_schema(tmp_path, tiny_model_dir, conten
     bad = tmp_path / "bad.json"
     bad.write_text(json.dumps(content))
     with pytest.raises(ValueError) as error:
-        label_generation.main(convert_flags(bad, tiny_model_dir, tmp_path / "out.json"))
+        run_label_generation(convert_flags(bad, tiny_model_dir, tmp_path / "out.json"))
     message = str(error.value)
     assert problem in message and "OAI's schema" in message and "--input" in message
     assert not (tmp_path / "out.json").exists()
@@ -396,12 +396,12 @@ def test_convert_rejects_file_not_in_oai_schema(tmp_path, tiny_model_dir, conten
 
 def test_cli_subcommands_and_task_presets():
     argv = ["generate", "--task", "tldr", "--task.temperature", "0.3", "--labeler", "human"]
-    args = label_generation.parse_args(argv)
+    args = label_generation.parse(argv)
     assert isinstance(args, label_generation.Generate) and args.task_id == "tldr" and args.labeler == "human"
     assert (args.task.query_length, args.task.truncate_token, args.task.temperature) == (500, 198, 0.3)
-    args = label_generation.parse_args(["convert", "--base_model", "m", "--task", "cnndm"])
+    args = label_generation.parse(["convert", "--base_model", "m", "--task", "cnndm"])
     assert isinstance(args, label_generation.Convert)
     assert (args.task.query_length, args.task.response_length) == (500, 75)
     assert args.source_tokenizer == "gpt2" and args.base_model == "m"
     with pytest.raises(SystemExit):
-        label_generation.parse_args(["convert"])  # --base_model is required
+        label_generation.parse(["convert"])  # --base_model is required

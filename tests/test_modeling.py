@@ -16,10 +16,10 @@ from lm_human_preference_details.modeling import (
     load_reward_model,
     pad_invisible_hidden,
     position_ids_from_mask,
-    _sample_categorical,
     reward_head_std,
     sample,
 )
+from lm_human_preference_details.kernels import sample_categorical
 from tests.conftest import tiny_gpt2
 
 PAD = 50257
@@ -182,7 +182,7 @@ def test_sample_categorical_frequencies_match_softmax():
     # the first and last tokens have probability 0: an inverse-CDF sampler must never return them
     logits = torch.tensor([torch.finfo(torch.float32).min, 0.5, -1.0, 2.0, 0.0, torch.finfo(torch.float32).min])
     rows = 40000
-    tokens, logprobs = _sample_categorical(logits.expand(rows, -1), torch.Generator().manual_seed(0))
+    tokens, logprobs = sample_categorical(logits.expand(rows, -1), torch.Generator().manual_seed(0))
     probs = torch.softmax(logits, -1)
     counts = torch.bincount(tokens, minlength=6).double()
     assert counts[0] == 0 and counts[5] == 0

@@ -15,6 +15,7 @@ from transformers import AutoModelForCausalLM
 from lm_human_preference_details import core
 from lm_human_preference_details.cli import parse_args
 from lm_human_preference_details.modeling import RewardModel
+from lm_human_preference_details.tasks import passes_filter, truncate_response
 from lm_human_preference_details.tokenizer import load_tokenizer, tokenizer_fingerprint
 from train_policy import (
     AdaptiveKLController,
@@ -24,10 +25,7 @@ from train_policy import (
     compute_rewards,
     main,
     oai_presets,
-    penalize_failed_filter,
     ppo_losses,
-    truncate_response,
-    whiten_in_groups,
 )
 
 PAD = 50257
@@ -143,38 +141,34 @@ def test_truncate_response_pads_after_first_qualifying_token():
     assert torch.equal(truncate_response(responses, None, 2, PAD), responses)
 
 
-def test_penalize_failed_filter_replaces_scores_without_late_token():
+def test_passes_filter_needs_truncate_token_at_or_after_truncate_after():
     responses = torch.tensor(
         [[13, 5, 6, 13, PAD, PAD], [5, 6, 13, PAD, PAD, PAD], [13, 13, 5, 6, 7, 8], [1, 2, 3, 4, 5, 13]]
     )
-    scores = torch.tensor([0.5, 0.1, 0.9, -0.3])
-    penalized, passed = penalize_failed_filter(scores, responses, 13, 2, -1.0)
-    assert passed.tolist() == [True, True, False, True]
-    torch.testing.assert_close(penalized, torch.tensor([0.5, 0.1, -1.0, -0.3]))
-    unfiltered, passed = penalize_failed_filter(scores, responses, None, 2, -1.0)
-    assert passed.all() and torch.equal(unfiltered, scores)
+    assert passes_filter(responses, 13, 2).tolist() == [True, True, False, True]
+    assert passes_filter(responses, None, 2).tolist() == [True] * 4
 
 
-def test_whiten_in_groups_uses_population_moments_per_group():
+def test_whiten_groups_use_population_moments_per_group():
     values = torch.randn(8, 3, dtype=torch.float64) * 3 + torch.arange(8, dtype=torch.float64)[:, None]
-    whitened = whiten_in_groups(values, group_size=4)
+    whitened = core.whiten(values, group_size=4)
     for rows in (slice(0, 4), slice(4, 8)):
         group = values[rows].numpy()
         expected = (group - group.mean()) / np.sqrt(group.var() + 1e-8)  # numpy var: population (ddof=0)
         np.testing.assert_allclose(whitened[rows].numpy(), expected, atol=1e-10)
-    kept = whiten_in_groups(values, group_size=4, shift_mean=False)
+    kept = core.whiten(values, group_size=4, shift_mean=False)
     torch.testing.assert_close(kept[:4].mean(), values[:4].mean())
     torch.testing.assert_close(kept[4:].mean(), values[4:].mean())
     # one group = OAI's whiten over the whole per-rank tensor
-    torch.testing.assert_close(whiten_in_groups(values, group_size=8), core.whiten(values))
+    torch.testing.assert_close(core.whiten(values, group_size=8), core.whiten(values))
 
 
-def test_whiten_in_groups_matches_tv6():
+def test_whiten_group_matches_tv6():
     values = torch.tensor([[1.2, 1.3, 1.4], [1.5, 1.6, 1.7], [1.8, 1.9, 2.0]])
     expected = torch.tensor(
         [[0.05080712, 0.4381051, 0.8254035], [1.2127019, 1.6000004, 1.9872988], [2.3745968, 2.7618952, 3.1491938]]
     )
-    torch.testing.assert_close(whiten_in_groups(values, 3, shift_mean=False), expected, atol=1e-5, rtol=0)
+    torch.testing.assert_close(core.whiten(values, group_size=3, shift_mean=False), expected, atol=1e-5, rtol=0)
 
 
 def test_ppo_losses_hand_computed_example():

@@ -12,7 +12,9 @@ import pytest
 import torch
 
 import train_reward
-from lm_human_preference_details.data import QueryStream, TaskHParams, load_texts
+from lm_human_preference_details.data import QueryStream, load_texts
+from lm_human_preference_details.labels import best_of_n_loss
+from lm_human_preference_details.tasks import TaskHParams
 from lm_human_preference_details.modeling import PolicyWithValueHead, RewardModel, load_causal_lm, load_reward_model, sample
 from tests.planted import REPO, run_script, write_policy_planted_labels, write_query_file
 
@@ -41,9 +43,9 @@ def reward_flags(model_dir, world, output_dir, *extra):
 def test_best_of_n_loss_is_softmax_cross_entropy():
     rewards = torch.tensor([[0.5, -1.0, 2.0, 0.0]])
     expected = -(2.0 - torch.logsumexp(rewards[0], 0))
-    assert torch.allclose(train_reward.best_of_n_loss(rewards, torch.tensor([2])), expected)
+    assert torch.allclose(best_of_n_loss(rewards, torch.tensor([2])), expected)
     # shift invariance: the bias parameter never gets a gradient from this loss (spec R3)
-    assert torch.allclose(train_reward.best_of_n_loss(rewards + 3.0, torch.tensor([2])), expected)
+    assert torch.allclose(best_of_n_loss(rewards + 3.0, torch.tensor([2])), expected)
 
 
 def test_score_label_rows_matches_separate_forwards(tiny_model_dir, tokenizer):
@@ -60,18 +62,18 @@ def test_score_label_rows_matches_separate_forwards(tiny_model_dir, tokenizer):
 
 
 def test_presets_follow_oai_launch():
-    tldr, sentiment = train_reward.PRESETS["tldr"], train_reward.PRESETS["sentiment"]
+    tldr, sentiment = train_reward.oai_presets()["tldr"], train_reward.oai_presets()["sentiment"]
     assert (sentiment.labels.num_train, sentiment.batch_size, sentiment.lr, sentiment.rollout_batch_size) == (4992, 32, 5e-5, 512)
     assert (tldr.labels.num_train, tldr.batch_size, tldr.lr, tldr.rollout_batch_size) == (46000, 16, 2.5e-5, 128)
     assert tldr.label_dataset == "tldr/online_45k.json" and tldr.task.query_length == 500
-    assert train_reward.PRESETS["descriptiveness"].label_dataset == "descriptiveness/offline_5k.json"
+    assert train_reward.oai_presets()["descriptiveness"].label_dataset == "descriptiveness/offline_5k.json"
 
 
 @pytest.mark.slow
 def test_train_reward_learns_planted_preference_and_normalizes(tmp_path, tiny_model_dir, world, tokenizer):
     out = tmp_path / "rm"
     result = run_script("train_reward.py", *reward_flags(tiny_model_dir, world, out))
-    assert "before normalize" in result.stdout
+    assert "normalize before: mean" in result.stdout and "normalize after: mean" in result.stdout
     reward_model, meta = load_reward_model(str(out))
     assert meta["eval_after"]["rows"] == 128
     assert meta["eval_after"]["accuracy"] >= 0.9, meta
@@ -178,7 +180,7 @@ def test_two_processes_agree_on_weights_and_shard_labels_like_oai(tmp_path, tiny
         import json, sys, torch
         sys.path.insert(0, {str(REPO)!r})
         import train_reward
-        from lm_human_preference_details.data import TaskHParams
+        from lm_human_preference_details.tasks import TaskHParams
         args = train_reward.Args(
             base_model={tiny_model_dir!r}, label_dataset={str(world["labels"])!r}, output_dir={str(tmp_path / "rm")!r},
             task=TaskHParams(query_dataset={str(world["corpus"])!r}, query_length={QUERY_LENGTH}, response_length={RESPONSE_LENGTH}),

@@ -1,0 +1,157 @@
+"""OAI's tasks: query/response settings, the launch.py presets, query construction, context formatting, truncation.
+
+The counterpart of lm_human_preferences/lm_tasks.py (task hparams, postprocess and filter functions, query formatter)
+plus the per-text query construction of language/datasets.py.
+https://github.com/openai/lm-human-preferences/blob/cbfd210bb8b08f6bc5c26878c10984b90f516c66/lm_human_preferences/lm_tasks.py
+"""
+
+from dataclasses import dataclass
+
+import torch
+from transformers import PreTrainedTokenizerBase
+
+
+@dataclass
+class TaskHParams:
+    """Query/response settings of one task; defaults are OAI's books task (sentiment, descriptiveness)."""
+
+    query_length: int = 64
+    """query tokens, right-padded with PAD (OAI launch.py#L9)"""
+    query_dataset: str = "books"
+    """books | tldr | cnndm (HF hub) or a local .txt (one passage per line) / .jsonl ("text" field) (launch.py#L10)"""
+    query_prefix: str = ""
+    """text put before the query for the policy only, never the reward model (launch.py#L22; lm_tasks.py#L68-L80)"""
+    query_suffix: str = ""
+    """text put after the query for the policy only, e.g. '\\n\\nTL;DR:' (launch.py#L23, #L37)"""
+    start_text: str | None = "."
+    """a query starts right after the first occurrence of this single-token text; None: no trimming (launch.py#L12)"""
+    end_text: str | None = "."
+    """a query ends at the last occurrence of this single-token text; None: no trimming (launch.py#L13)"""
+    response_length: int = 24
+    """sampled response tokens per query, fixed length, no EOS stop (launch.py#L11)"""
+    truncate_token: int | None = 13
+    """response tokens after its first occurrence at index >= truncate_after become PAD; 13 = '.' (launch.py#L14)"""
+    truncate_after: int = 16
+    """responses must contain truncate_token at index >= this to pass the filter (launch.py#L15)"""
+    penalty_reward_value: float = -1.0
+    """score given to responses that fail the filter, replacing the reward model's (lm_tasks.py#L32)"""
+    temperature: float = 0.7
+    """sampling temperature of the policy and reference policy, also applied to log-probs (launch.py#L17)"""
+
+
+# launch.py's task presets; copy with dataclasses.replace before changing a field
+# https://github.com/openai/lm-human-preferences/blob/cbfd210bb8b08f6bc5c26878c10984b90f516c66/launch.py#L8-L47
+_BOOKS = dict(query_length=64, query_dataset="books", response_length=24, start_text=".", end_text=".")
+_BOOKS.update(truncate_token=13, truncate_after=16, temperature=0.7)
+_SUMMARIZE = dict(query_length=500, response_length=75, start_text=None, truncate_token=198, truncate_after=55)
+TASKS: dict[str, TaskHParams] = {
+    "sentiment": TaskHParams(**_BOOKS),
+    "descriptiveness": TaskHParams(**_BOOKS),
+    # tldr binds no end_text, so TaskHParams' default None applies (lm_tasks.py#L24)
+    "tldr": TaskHParams(**_SUMMARIZE, query_dataset="tldr", query_suffix="\n\nTL;DR:", end_text=None, temperature=0.7),
+    "cnndm": TaskHParams(
+        **_SUMMARIZE,
+        query_dataset="cnndm",
+        query_prefix="Article:\n\n",
+        query_suffix="\n\nTL;DR:",
+        end_text="\n",
+        temperature=0.5,
+    ),
+}
+
+
+# ---------------------------------------------------------------- tokens
+
+
+def encode_texts(tokenizer: PreTrainedTokenizerBase, texts: list[str]) -> list[list[int]]:
+    """BPE ids of each text in one batched tokenizer call, with special-token strings encoded as plain text."""
+    # OAI's encoder is plain BPE with no special tokens: a literal "[PAD]" or "<|endoftext|>" is ordinary text
+    # https://github.com/openai/lm-human-preferences/blob/cbfd210bb8b08f6bc5c26878c10984b90f516c66/lm_human_preferences/language/encodings.py#L103-L108
+    if not texts:
+        return []
+    return tokenizer(texts, add_special_tokens=False, split_special_tokens=True)["input_ids"]
+
+
+def text_to_token(tokenizer: PreTrainedTokenizerBase, text: str | None, flag: str = "--task.start_text") -> int | None:
+    """The single token id of `text` (None for None or ""); ValueError if it encodes to more or fewer tokens."""
+    # OAI unpacks `start_token, = encoder.encode(start_text)` and treats an empty text as unset
+    # https://github.com/openai/lm-human-preferences/blob/cbfd210bb8b08f6bc5c26878c10984b90f516c66/lm_human_preferences/lm_tasks.py#L84-L92
+    if not text:
+        return None
+    tokens = encode_texts(tokenizer, [text])[0]
+    if len(tokens) != 1:
+        raise ValueError(
+            f"{flag} {text!r} must be exactly one token, but encodes to {tokens}; pass a single-token text or None."
+        )
+    return tokens[0]
+
+
+def build_query(
+    tokens: list[int], query_length: int, start_token: int | None, end_token: int | None, pad_id: int
+) -> list[int] | None:
+    """OAI's query from a text's tokens: trim after start_token, truncate, trim to the last end_token, right-pad."""
+    # 1. (tokens given) 2. start after the first start_token unless it is the last token; skip if absent
+    # 3. truncate to query_length 4. keep up to the last end_token, skip if absent 5. right-pad with PAD
+    # https://github.com/openai/lm-human-preferences/blob/cbfd210bb8b08f6bc5c26878c10984b90f516c66/lm_human_preferences/language/datasets.py#L45-L71
+    if query_length <= 0:
+        raise ValueError(f"query_length must be positive, got {query_length}; set --task.query_length.")
+    if start_token is not None:
+        if start_token not in tokens:
+            return None
+        first = tokens.index(start_token) + 1
+        if first < len(tokens):
+            tokens = tokens[first:]
+    tokens = tokens[:query_length]
+    if end_token is not None:
+        if end_token not in tokens:
+            return None
+        tokens = tokens[: len(tokens) - tokens[::-1].index(end_token)]
+    # DEVIATION: an empty text is skipped; OAI would yield an all-PAD query that fails its first-token-not-PAD
+    # assertion in the transformer (model.py#L333-L340)
+    if not tokens:
+        return None
+    return tokens + [pad_id] * (query_length - len(tokens))
+
+
+def encode_context_affixes(tokenizer: PreTrainedTokenizerBase, task: TaskHParams) -> tuple[list[int], list[int]]:
+    """Token ids of the task's query_prefix and query_suffix (empty lists when unset)."""
+    prefix, suffix = encode_texts(tokenizer, [task.query_prefix, task.query_suffix])
+    return list(prefix), list(suffix)
+
+
+def format_contexts(queries: torch.Tensor, prefix: list[int], suffix: list[int]) -> torch.Tensor:
+    """prefix ⊕ query ⊕ suffix for every row: the policy's context; the reward model sees raw queries."""
+    # context = encode(prefix) ++ padded query ++ encode(suffix); PADs between query and suffix are invisible (G2)
+    # https://github.com/openai/lm-human-preferences/blob/cbfd210bb8b08f6bc5c26878c10984b90f516c66/lm_human_preferences/lm_tasks.py#L68-L80
+    if queries.dim() != 2:
+        raise ValueError(f"queries must be a (batch, query_length) tensor, got shape {tuple(queries.shape)}.")
+    batch = queries.shape[0]
+    pre = torch.tensor(prefix, dtype=queries.dtype, device=queries.device).expand(batch, -1)  # (B, P)
+    suf = torch.tensor(suffix, dtype=queries.dtype, device=queries.device).expand(batch, -1)  # (B, S)
+    return torch.cat([pre, queries, suf], dim=1)  # (B, P + Lq + S)
+
+
+# ---------------------------------------------------------------- responses
+
+
+def truncate_response(
+    responses: torch.Tensor, truncate_token: int | None, truncate_after: int, pad_id: int
+) -> torch.Tensor:
+    """PAD every token after the first `truncate_token` at index >= truncate_after; that token itself is kept."""
+    # only the reward model sees the truncated response; PPO trains on the raw one (spec P2)
+    # https://github.com/openai/lm-human-preferences/blob/cbfd210bb8b08f6bc5c26878c10984b90f516c66/lm_human_preferences/lm_tasks.py#L39-L52
+    if truncate_token is None:
+        return responses
+    positions = torch.arange(responses.shape[1], device=responses.device)
+    matches = (responses == truncate_token) & (positions >= truncate_after)  # (B, L)
+    after_first_match = (matches.cumsum(1) - matches.long()) > 0
+    return responses.masked_fill(after_first_match, pad_id)
+
+
+def passes_filter(responses: torch.Tensor, truncate_token: int | None, truncate_after: int) -> torch.Tensor:
+    """(B,) bool: the response holds `truncate_token` at some index >= truncate_after (always True when unset)."""
+    # "ensure there is a period between the 16th and 24th token"; failing responses get a fixed score (spec P3)
+    # https://github.com/openai/lm-human-preferences/blob/cbfd210bb8b08f6bc5c26878c10984b90f516c66/lm_human_preferences/lm_tasks.py#L58-L65
+    if truncate_token is None:
+        return torch.ones(responses.shape[0], dtype=torch.bool, device=responses.device)
+    return (responses[:, truncate_after:] == truncate_token).any(1)
