@@ -1,9 +1,13 @@
 PYTHON ?= python3
 
-.PHONY: install test demo
+.PHONY: install lint test mutation demo
 
 install:
 	$(PYTHON) -m pip install -e ".[test]"
+
+lint: install
+	$(PYTHON) -m ruff check .
+	$(PYTHON) -m ruff format --check .
 
 test: install
 	$(PYTHON) -m pytest

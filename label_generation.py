@@ -52,9 +52,17 @@ from lm_human_preference_details.tokenizer import gpt2_tokenizer_offline, load_t
 
 DEFAULT_TASK = "sentiment"
 RESUME_SETTINGS = (
-    "labeler_spec", "base_model", "tokenizer_fingerprint", "task", "seed", "data_seed", "num_labels", "batch_size",
-    "max_rounds", "max_oversample",
-)  # fmt: skip
+    "labeler_spec",
+    "base_model",
+    "tokenizer_fingerprint",
+    "task",
+    "seed",
+    "data_seed",
+    "num_labels",
+    "batch_size",
+    "max_rounds",
+    "max_oversample",
+)
 """metadata keys that must match for a re-run to continue an existing output file"""
 
 
@@ -156,8 +164,9 @@ def sample_passing_responses(
         # enough candidates per query to fill the largest gap at the pass rate seen so far
         missing = int((n - count[active]).max())
         per_query = math.ceil(missing / max(pass_rate, 1.0 / max_oversample))
-        raw, _, _ = sample(policy, contexts[active].repeat_interleave(per_query, 0), length, task.temperature,
-                           pad_id, generator)  # (A*m, L)
+        raw, _, _ = sample(
+            policy, contexts[active].repeat_interleave(per_query, 0), length, task.temperature, pad_id, generator
+        )  # (A*m, L)
         # humans saw truncated responses (PAD after the first truncate_token at index >= truncate_after), and only
         # those that pass the filter (spec LG, P2, P3)
         # https://github.com/openai/lm-human-preferences/blob/cbfd210bb8b08f6bc5c26878c10984b90f516c66/lm_human_preferences/lm_tasks.py#L54-L57
@@ -182,8 +191,13 @@ def batch_counts(done: torch.Tensor, num_rows: int, sampled: int, passed: int) -
         used = done.numel()
     else:
         used = int(torch.nonzero(done).flatten()[num_rows - 1]) + 1 if num_rows else 0
-    return {"queries": used, "rows": num_rows, "skipped_queries": used - num_rows, "candidates_sampled": sampled,
-            "candidates_passed": passed}
+    return {
+        "queries": used,
+        "rows": num_rows,
+        "skipped_queries": used - num_rows,
+        "candidates_sampled": sampled,
+        "candidates_passed": passed,
+    }
 
 
 def add_counts(a: dict[str, int], b: dict[str, int]) -> dict[str, int]:
@@ -268,11 +282,18 @@ def generate(args: Generate) -> dict:
         "max_oversample": args.max_oversample,
     }
     if args.dry_run:
-        cli.print_table(console, "label generation (dry run)", {
-            "labeler": labeler.name, "base model": args.base_model, "task": args.task_id,
-            "rows": f"{args.num_queries} x best-of-{args.num_labels}", "output": args.output,
-            "exists": os.path.exists(args.output),
-        })  # fmt: skip
+        cli.print_table(
+            console,
+            "label generation (dry run)",
+            {
+                "labeler": labeler.name,
+                "base model": args.base_model,
+                "task": args.task_id,
+                "rows": f"{args.num_queries} x best-of-{args.num_labels}",
+                "output": args.output,
+                "exists": os.path.exists(args.output),
+            },
+        )
         return meta
     rows, resume, saved_meta = _resume(args, meta, pad_id)
     if len(rows) >= args.num_queries:
@@ -289,16 +310,26 @@ def generate(args: Generate) -> dict:
         sampled = counts.get("candidates_sampled", 0)
         rate = counts.get("candidates_passed", 0) / sampled if sampled else None
         wall_time = previous_wall_time + time.time() - start_time
-        full = {**meta, "counts": {**counts, "rows": len(rows), "filter_pass_rate": rate}, "wall_time_s": wall_time,
-                "complete": complete, "resume": dict(resume)}
+        full = {
+            **meta,
+            "counts": {**counts, "rows": len(rows), "filter_pass_rate": rate},
+            "wall_time_s": wall_time,
+            "complete": complete,
+            "resume": dict(resume),
+        }
         if rows:
             save_label_file(args.output, rows, pad_id, file_pad_id, full)
         return full
 
     # 2. batches of queries: sample until every query has num_labels passing responses, label, save
     interactive = labeler.interactive
-    columns = (TextColumn("labels"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[stats]}"),
-               TimeElapsedColumn())
+    columns = (
+        TextColumn("labels"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("{task.fields[stats]}"),
+        TimeElapsedColumn(),
+    )
     progress = Progress(*columns, console=console, disable=interactive)
     result, stopped = {}, False
     with progress:
@@ -312,9 +343,16 @@ def generate(args: Generate) -> dict:
             queries = stream.next_batch(args.batch_size).to(device)  # (B, Lq)
             contexts = format_contexts(queries, prefix, suffix)  # (B, C): the policy sees prefix/suffix (spec G4)
             responses, done, sampled, passed = sample_passing_responses(
-                policy, contexts, task, args.num_labels, pad_id, generator, pass_rate, args.max_rounds,
+                policy,
+                contexts,
+                task,
+                args.num_labels,
+                pad_id,
+                generator,
+                pass_rate,
+                args.max_rounds,
                 args.max_oversample,
-            )  # fmt: skip
+            )
             queries, responses = queries[done], responses[done]  # (D, Lq), (D, N, L)
             first = len(rows) - resume["rows_in_done_batches"]  # rows of this batch labelled by an earlier run
             for i in range(first):
@@ -343,19 +381,27 @@ def generate(args: Generate) -> dict:
             counts = add_counts(done_counts, batch_counts(done, num_rows, sampled, passed))
             if num_rows == len(queries):
                 # the batch is used up: the next run starts from the next batch of the stream
-                resume.update(batches_done=batch_index + 1, rows_in_done_batches=len(rows), completed_counts=counts,
-                              stream_state=stream.state_dict())
+                resume.update(
+                    batches_done=batch_index + 1,
+                    rows_in_done_batches=len(rows),
+                    completed_counts=counts,
+                    stream_state=stream.state_dict(),
+                )
             result = save(counts, len(rows) >= args.num_queries)
             rate = result["counts"]["filter_pass_rate"]
             stats = f"pass rate {rate:.2f} skipped {counts['skipped_queries']}" if rate is not None else ""
             progress.update(bar, completed=len(rows), stats=stats)
     if stopped:
-        console.print(f"stopped: {len(rows)} of {args.num_queries} rows saved to {args.output}; run the same command "
-                      "again to continue.")
+        console.print(
+            f"stopped: {len(rows)} of {args.num_queries} rows saved to {args.output}; run the same command "
+            "again to continue."
+        )
     else:
         counts = result["counts"]
-        console.print(f"wrote {len(rows)} label rows to {args.output} (labeler {labeler.name}, filter pass rate "
-                      f"{counts['filter_pass_rate']:.3f}, skipped queries {counts['skipped_queries']})")
+        console.print(
+            f"wrote {len(rows)} label rows to {args.output} (labeler {labeler.name}, filter pass rate "
+            f"{counts['filter_pass_rate']:.3f}, skipped queries {counts['skipped_queries']})"
+        )
     return result
 
 
@@ -417,10 +463,15 @@ def convert(args: Convert) -> dict:
             "sample0..sampleN-1 and best, e.g. sentiment/offline_5k.json); fix --input."
         ) from e
     if args.dry_run:
-        cli.print_table(cli.make_console(), "label conversion (dry run)", {
-            "input": f"{args.input} ({len(rows)} rows, best-of-{num_samples}, PAD {source_pad_id})",
-            "target tokenizer": args.base_model, "output": args.output,
-        })  # fmt: skip
+        cli.print_table(
+            cli.make_console(),
+            "label conversion (dry run)",
+            {
+                "input": f"{args.input} ({len(rows)} rows, best-of-{num_samples}, PAD {source_pad_id})",
+                "target tokenizer": args.base_model,
+                "output": args.output,
+            },
+        )
         return {"rows": len(rows), "num_labels": num_samples}
     source = load_source_tokenizer(args.source_tokenizer)
     target = load_tokenizer(args.base_model)

@@ -66,7 +66,7 @@ class RewardHParams:
     """adaptive KL controller, Ziegler et al. 2019 eq. (2)"""
     gold_model: str | None = None
     """a held-out judge that scores every rollout but never trains the policy, logged as objective/gold_score to show
-    reward over-optimisation: reward_model:DIR, classifier:NAME_OR_DIR[#LABEL] or vader (label_generation.py's syntax)"""
+    reward over-optimisation: reward_model:DIR, classifier:NAME_OR_DIR[#LABEL] or vader (label_generation's syntax)"""
 
 
 @dataclass
@@ -279,7 +279,7 @@ class Sizes:
 
 
 def derive_sizes(args: Args, world: int) -> Sizes:
-    """Split the global batch over processes, minibatches and micro-batches; ValueError naming sizes that do not divide."""
+    """Split the global batch over processes, minibatches and micro-batches; ValueError naming sizes not dividing."""
     # https://github.com/openai/lm-human-preferences/blob/cbfd210bb8b08f6bc5c26878c10984b90f516c66/lm_human_preferences/train_policy.py#L157-L159
     ppo = args.ppo
     batch = core.exact_div(ppo.batch_size, world, "ppo.batch_size (episodes per update) / processes")
@@ -321,7 +321,12 @@ class PPOStats:
         # TF-PARITY: population variances (tf.nn.moments)
         var_returns, mean_returns = torch.var_mean(returns, correction=0)
         var_values, mean_values = torch.var_mean(values, correction=0)
-        moments = {"returns/mean": mean_returns, "returns/var": var_returns, "val/mean": mean_values, "val/var": var_values}
+        moments = {
+            "returns/mean": mean_returns,
+            "returns/var": var_returns,
+            "val/mean": mean_values,
+            "val/var": var_values,
+        }
         self._accumulate(moments, self.weight)
         self.nonfinite_advantages += (~torch.isfinite(advantages)).sum()
 
@@ -425,7 +430,13 @@ def sample_table_rows(
 
     queries, responses, scores, kl_sums = queries[:n].cpu(), responses[:n].cpu(), scores[:n].cpu(), kl_sums[:n].cpu()
     return [
-        [text(q), text(r), cli.number(s.item(), 4), cli.number(k.item(), 4), cli.number(s.item() - kl_coef * k.item(), 4)]
+        [
+            text(q),
+            text(r),
+            cli.number(s.item(), 4),
+            cli.number(k.item(), 4),
+            cli.number(s.item() - kl_coef * k.item(), 4),
+        ]
         for q, r, s, k in zip(queries, responses, scores, kl_sums)
     ]
 
@@ -467,18 +478,22 @@ def main(args: Args) -> list[dict[str, float]]:
     sizes = derive_sizes(args, accelerator.num_processes)
     console = cli.make_console()
     if accelerator.is_main_process:
-        cli.print_table(console, "policy training (train_policy.py)", {
-            "task": args.task_id,
-            "processes": sizes.world,
-            "episodes per update": f"{ppo.batch_size} ({sizes.batch} per process)",
-            "minibatch per process": f"{sizes.minibatch} x {ppo.nminibatches} per epoch, {ppo.noptepochs} epochs",
-            "micro-batch": f"{sizes.micro} x {ppo.gradient_accumulation_steps}",
-            "whitening group": sizes.whiten_group,
-            "updates": sizes.nupdates,
-            "optimizer steps": sizes.nupdates * ppo.noptepochs * ppo.nminibatches,
-            "reward model": args.rewards.trained_model,
-            "output dir": args.output_dir,
-        })  # fmt: skip
+        cli.print_table(
+            console,
+            "policy training (train_policy.py)",
+            {
+                "task": args.task_id,
+                "processes": sizes.world,
+                "episodes per update": f"{ppo.batch_size} ({sizes.batch} per process)",
+                "minibatch per process": f"{sizes.minibatch} x {ppo.nminibatches} per epoch, {ppo.noptepochs} epochs",
+                "micro-batch": f"{sizes.micro} x {ppo.gradient_accumulation_steps}",
+                "whitening group": sizes.whiten_group,
+                "updates": sizes.nupdates,
+                "optimizer steps": sizes.nupdates * ppo.noptepochs * ppo.nminibatches,
+                "reward model": args.rewards.trained_model,
+                "output dir": args.output_dir,
+            },
+        )
     if args.dry_run:
         return []
     if args.push_to_hub and not hub_reachable():
@@ -494,8 +509,12 @@ def main(args: Args) -> list[dict[str, float]]:
     tokenizer = load_tokenizer(args.base_model)
     pad_id = tokenizer.pad_token_id
     reward_model, rm_metadata = load_reward_model(args.rewards.trained_model)
-    check_same_tokenizer(rm_metadata, tokenizer, f"the reward model '{args.rewards.trained_model}' "
-                         "(--rewards.trained_model)", f"the policy uses tokenizer '{args.base_model}'")  # fmt: skip
+    check_same_tokenizer(
+        rm_metadata,
+        tokenizer,
+        f"the reward model '{args.rewards.trained_model}' (--rewards.trained_model)",
+        f"the policy uses tokenizer '{args.base_model}'",
+    )
     # dropout is off everywhere: p=0 in the configs and eval mode (spec G7)
     policy = PolicyWithValueHead(load_causal_lm(args.base_model)).to(device).eval()
     # every process starts from rank 0's weights (spec D6); no DDP: gradients are all-reduced by hand (spec O4)
@@ -521,8 +540,15 @@ def main(args: Args) -> list[dict[str, float]]:
 
     run_name = core.run_name(accelerator, args.task_id, args.exp_name, args.seed)
     config = {**dataclasses.asdict(args), "world_size": sizes.world, "nupdates": sizes.nupdates}
-    tracker = core.Tracker(args.output_dir, args.track, args.wandb_project_name, args.wandb_entity, run_name, config,
-                           accelerator.is_main_process)  # fmt: skip
+    tracker = core.Tracker(
+        args.output_dir,
+        args.track,
+        args.wandb_project_name,
+        args.wandb_entity,
+        run_name,
+        config,
+        accelerator.is_main_process,
+    )
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn())
     progress = Progress(*columns, console=console, disable=not accelerator.is_main_process)
     bar = progress.add_task("PPO updates", total=sizes.nupdates)
@@ -603,9 +629,16 @@ def main(args: Args) -> list[dict[str, float]]:
                             new_logits, responses[micro_inds]
                         )  # (b, L) each
                         losses = ppo_losses(
-                            new_logprobs, vpred, logprobs[micro_inds], mb_values[micro], mb_advantages[micro],
-                            mb_returns[micro], ppo.cliprange, ppo.cliprange_value, ppo.vf_coef,
-                        )  # fmt: skip
+                            new_logprobs,
+                            vpred,
+                            logprobs[micro_inds],
+                            mb_values[micro],
+                            mb_advantages[micro],
+                            mb_returns[micro],
+                            ppo.cliprange,
+                            ppo.cliprange_value,
+                            ppo.vf_coef,
+                        )
                         # each micro loss is a mean over its rows; dividing by `accum` makes the summed gradient
                         # that of the minibatch mean, so accumulation does not change the update
                         (losses["loss/total"] / accum).backward()
@@ -647,15 +680,25 @@ def main(args: Args) -> list[dict[str, float]]:
 
             # 8. samples every log_interval updates, progress, checkpoint every save_interval and at the end (P19, P20)
             if update % args.log_interval == 0 and accelerator.is_main_process:
-                rows = sample_table_rows(tokenizer, pad_id, queries, postprocessed_responses, scores, kl.sum(1),
-                                         args.rewards.kl_coef, args.print_samples)  # fmt: skip
+                rows = sample_table_rows(
+                    tokenizer,
+                    pad_id,
+                    queries,
+                    postprocessed_responses,
+                    scores,
+                    kl.sum(1),
+                    args.rewards.kl_coef,
+                    args.print_samples,
+                )
                 print_samples(console, tracker, rows, update)
             description = f"score {cli.number(stats['objective/score'])} kl {cli.number(stats['objective/kl'])}"
             if gold_labeler is not None:
                 description += f" gold {cli.number(stats['objective/gold_score'])}"
             progress.update(bar, advance=1, description=description)
             is_last = update == sizes.nupdates - 1
-            if accelerator.is_main_process and (is_last or (args.save_interval and (update + 1) % args.save_interval == 0)):
+            if accelerator.is_main_process and (
+                is_last or (args.save_interval and (update + 1) % args.save_interval == 0)
+            ):
                 save_policy(policy, tokenizer, args, args.output_dir)
 
     accelerator.wait_for_everyone()

@@ -144,7 +144,9 @@ def normalize_rewards(args, accelerator, reward_model, ref_policy, query_stream,
     for _ in range(ceil_div(args.normalize_samples, args.rollout_batch_size)):
         queries = query_stream.next_batch(local_rollout_batch_size).to(accelerator.device)
         contexts = format_contexts(queries, *affixes)
-        responses, _, _ = sample(ref_policy, contexts, args.task.response_length, args.task.temperature, pad_id, generator)
+        responses, _, _ = sample(
+            ref_policy, contexts, args.task.response_length, args.task.temperature, pad_id, generator
+        )
         scores.append(reward_model(torch.cat([queries, responses], dim=1), pad_id))
     scores = torch.cat(scores)
     moments = accelerator.reduce(torch.stack([scores.mean(), scores.square().mean()]), reduction="mean")
@@ -152,11 +154,19 @@ def normalize_rewards(args, accelerator, reward_model, ref_policy, query_stream,
     # target N(0, 1) for best-of-N labels: gain = 1/std, bias = -gain*mean
     # https://github.com/openai/lm-human-preferences/blob/cbfd210bb8b08f6bc5c26878c10984b90f516c66/lm_human_preferences/rewards.py#L73-L89
     if not torch.isfinite(std) or std <= 0:
-        raise ValueError(f"reward normalization failed: sample std is {std.item()} over {accelerator.num_processes * len(scores)} samples")
+        raise ValueError(
+            f"reward normalization failed: sample std is {std.item()} over "
+            f"{accelerator.num_processes * len(scores)} samples; check the reward model and --normalize_samples"
+        )
     reward_model.gain.fill_(1.0 / std)
     reward_model.bias.fill_(-mean / std)
-    return {"mean": mean.item(), "std": std.item(), "gain": reward_model.gain.item(), "bias": reward_model.bias.item(),
-            "samples": accelerator.num_processes * len(scores)}
+    return {
+        "mean": mean.item(),
+        "std": std.item(),
+        "gain": reward_model.gain.item(),
+        "bias": reward_model.bias.item(),
+        "samples": accelerator.num_processes * len(scores),
+    }
 
 
 @torch.no_grad()
@@ -165,13 +175,26 @@ def evaluate_labels(accelerator, reward_model, labels: Labels, pad_id: int, micr
     rows = torch.arange(accelerator.process_index, len(labels), accelerator.num_processes)
     totals = torch.zeros(3, device=accelerator.device)  # loss sum, correct, rows
     for chunk in rows.split(micro_batch_size):
-        rewards = score_label_rows(reward_model, labels.query[chunk].to(accelerator.device),
-                                   labels.samples[chunk].to(accelerator.device), pad_id)
+        rewards = score_label_rows(
+            reward_model,
+            labels.query[chunk].to(accelerator.device),
+            labels.samples[chunk].to(accelerator.device),
+            pad_id,
+        )
         best = labels.best[chunk].to(accelerator.device)
-        totals += torch.stack([F.cross_entropy(rewards, best, reduction="sum"),
-                               (rewards.argmax(1) == best).sum().float(), torch.tensor(float(len(chunk)), device=totals.device)])
+        totals += torch.stack(
+            [
+                F.cross_entropy(rewards, best, reduction="sum"),
+                (rewards.argmax(1) == best).sum().float(),
+                torch.tensor(float(len(chunk)), device=totals.device),
+            ]
+        )
     totals = accelerator.reduce(totals, reduction="sum")
-    return {"loss": (totals[0] / totals[2]).item(), "accuracy": (totals[1] / totals[2]).item(), "rows": int(totals[2].item())}
+    return {
+        "loss": (totals[0] / totals[2]).item(),
+        "accuracy": (totals[1] / totals[2]).item(),
+        "rows": int(totals[2].item()),
+    }
 
 
 # ---------------------------------------------------------------- main
@@ -190,15 +213,20 @@ def main(args: Args) -> dict:
     console = cli.make_console()
     if accelerator.is_main_process:
         normalize_batches = ceil_div(args.normalize_samples, args.rollout_batch_size)
-        cli.print_table(console, "reward training (train_reward.py)", {
-            "task": args.task_id,
-            "processes": world,
-            "labels per step": f"{args.batch_size} ({local_batch_size} per process, micro-batch {micro_batch_size} x {accum})",
-            "steps": f"{num_steps} (one epoch over {args.labels.num_train} labels)",
-            "normalization samples": f"{normalize_batches} x {args.rollout_batch_size}",
-            "label file": args.label_dataset,
-            "output dir": args.output_dir,
-        })  # fmt: skip
+        cli.print_table(
+            console,
+            "reward training (train_reward.py)",
+            {
+                "task": args.task_id,
+                "processes": world,
+                "labels per step": f"{args.batch_size} ({local_batch_size} per process)",
+                "micro-batch": f"{micro_batch_size} x {accum}",
+                "steps": f"{num_steps} (one epoch over {args.labels.num_train} labels)",
+                "normalization samples": f"{normalize_batches} x {args.rollout_batch_size}",
+                "label file": args.label_dataset,
+                "output dir": args.output_dir,
+            },
+        )
     if args.dry_run:
         return {}
     # per-process seeds; rank 0's NumPy RNG draws the label order
@@ -209,8 +237,14 @@ def main(args: Args) -> dict:
     # 1. tokenizer, labels (validated before any model is loaded), models, optimizer, query stream
     tokenizer = load_tokenizer(args.base_model)
     pad_id = tokenizer.pad_token_id
-    labels = load_labels(args.label_dataset, args.task.query_length, args.task.response_length, pad_id,
-                         args.labels.num_train, args.labels.num_samples)  # fmt: skip
+    labels = load_labels(
+        args.label_dataset,
+        args.task.query_length,
+        args.task.response_length,
+        pad_id,
+        args.labels.num_train,
+        args.labels.num_samples,
+    )
     train_labels, heldout_labels = labels[: args.labels.num_train], labels[args.labels.num_train :]
     reward_model = RewardModel.from_base(args.base_model).to(accelerator.device)
     broadcast_parameters(reward_model, accelerator)  # rank 0's random head everywhere (OAI train_reward.py#L316-L318)
@@ -222,12 +256,21 @@ def main(args: Args) -> dict:
     query_stream = QueryStream(load_texts(args.task.query_dataset), tokenizer, args.task, rank, world, args.data_seed)
     affixes = encode_context_affixes(tokenizer, args.task)
     name = run_name(accelerator, args.task_id, args.exp_name, args.seed)
-    tracker = Tracker(args.output_dir, args.track, args.wandb_project_name, args.wandb_entity, name,
-                      {**dataclasses.asdict(args), "world_size": world}, accelerator.is_main_process)  # fmt: skip
+    tracker = Tracker(
+        args.output_dir,
+        args.track,
+        args.wandb_project_name,
+        args.wandb_entity,
+        name,
+        {**dataclasses.asdict(args), "world_size": world},
+        accelerator.is_main_process,
+    )
 
     def normalize(when: str, step: int) -> dict:
         """Normalize the reward on fresh samples; log and print the statistics measured before the change."""
-        result = normalize_rewards(args, accelerator, reward_model, ref_policy, query_stream, affixes, pad_id, generator)
+        result = normalize_rewards(
+            args, accelerator, reward_model, ref_policy, query_stream, affixes, pad_id, generator
+        )
         tracker.log({f"normalize_{when}/{k}": v for k, v in result.items()}, step)
         accelerator.print(f"normalize {when}: mean {cli.number(result['mean'], 4)} +- {cli.number(result['std'], 4)}")
         return result
@@ -252,8 +295,13 @@ def main(args: Args) -> dict:
     permutation = torch.from_numpy(np.random.permutation(args.labels.num_train)).to(accelerator.device)
     permutation = broadcast(permutation, from_process=0).cpu()
     seen = []
-    columns = (TextColumn("reward"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[stats]}"),
-               TimeRemainingColumn())  # fmt: skip
+    columns = (
+        TextColumn("reward"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("{task.fields[stats]}"),
+        TimeRemainingColumn(),
+    )
     progress = Progress(*columns, disable=not accelerator.is_main_process, console=console)
     with progress:
         bar = progress.add_task("train", total=num_steps, stats="")
@@ -281,8 +329,15 @@ def main(args: Args) -> dict:
                 raise ValueError(f"reward training diverged: loss is {loss_value} at step {step}; try a smaller --lr")
             # OAI's stats for best-of-N: loss and error are the same cross-entropy
             # https://github.com/openai/lm-human-preferences/blob/cbfd210bb8b08f6bc5c26878c10984b90f516c66/lm_human_preferences/train_reward.py#L124-L146
-            tracker.log({"train_reward/minibatch/loss": loss_value, "train_reward/minibatch/error": loss_value,
-                         "debug/accuracy": accuracy, "debug/lr": lr}, step)  # fmt: skip
+            tracker.log(
+                {
+                    "train_reward/minibatch/loss": loss_value,
+                    "train_reward/minibatch/error": loss_value,
+                    "debug/accuracy": accuracy,
+                    "debug/lr": lr,
+                },
+                step,
+            )
             if args.eval_interval and (step + 1) % args.eval_interval == 0:
                 log_eval(step + 1)
             progress.update(bar, advance=1, stats=f"loss {cli.number(loss_value)} acc {accuracy:.2f}")
@@ -294,25 +349,44 @@ def main(args: Args) -> dict:
 
     # 5. save
     if accelerator.is_main_process:
-        metadata = {"base_model": args.base_model, "tokenizer": args.base_model,
-                    "tokenizer_fingerprint": tokenizer_fingerprint(tokenizer), "pad_token_id": pad_id,
-                    "task": dataclasses.asdict(args.task), "label_dataset": args.label_dataset,
-                    "num_train": args.labels.num_train, "eval_before": eval_before, "eval_after": eval_after}  # fmt: skip
+        metadata = {
+            "base_model": args.base_model,
+            "tokenizer": args.base_model,
+            "tokenizer_fingerprint": tokenizer_fingerprint(tokenizer),
+            "pad_token_id": pad_id,
+            "task": dataclasses.asdict(args.task),
+            "label_dataset": args.label_dataset,
+            "num_train": args.labels.num_train,
+            "eval_before": eval_before,
+            "eval_after": eval_after,
+        }
         reward_model.save(args.output_dir, metadata)
         tokenizer.save_pretrained(args.output_dir)
         save_args(args, args.output_dir)
-        cli.print_table(console, "reward training done", {
-            "held-out rows": len(heldout_labels),
-            "held-out accuracy": f"{eval_before['accuracy']:.3f} -> {eval_after['accuracy']:.3f}" if eval_after else "-",
-            "gain, bias": f"{cli.number(reward_model.gain.item(), 4)}, {cli.number(reward_model.bias.item(), 4)}",
-            "reward model, tokenizer": args.output_dir,
-            "TensorBoard": f"{args.output_dir}/tb",
-        })  # fmt: skip
+        cli.print_table(
+            console,
+            "reward training done",
+            {
+                "held-out rows": len(heldout_labels),
+                "held-out accuracy": f"{eval_before['accuracy']:.3f} -> {eval_after['accuracy']:.3f}"
+                if eval_after
+                else "-",
+                "gain, bias": f"{cli.number(reward_model.gain.item(), 4)}, {cli.number(reward_model.bias.item(), 4)}",
+                "reward model, tokenizer": args.output_dir,
+                "TensorBoard": f"{args.output_dir}/tb",
+            },
+        )
     accelerator.wait_for_everyone()
     tracker.close()
-    return {"eval_before": eval_before, "eval_after": eval_after, "normalization": norms,
-            "label_indices": torch.cat(seen).tolist(), "gain": reward_model.gain.item(),
-            "bias": reward_model.bias.item(), "model": reward_model}  # fmt: skip
+    return {
+        "eval_before": eval_before,
+        "eval_after": eval_after,
+        "normalization": norms,
+        "label_indices": torch.cat(seen).tolist(),
+        "gain": reward_model.gain.item(),
+        "bias": reward_model.bias.item(),
+        "model": reward_model,
+    }
 
 
 def parse(argv: list[str] | None = None) -> Args:

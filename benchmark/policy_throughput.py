@@ -119,18 +119,33 @@ def policy_args(args: Args, work_dir: str, policy_dir: str, reward_dir: str, cor
     batch_size = args.batch * world_size
     base = train_policy.oai_presets()["sentiment"]
     task = dataclasses.replace(
-        base.task, query_dataset=corpus, query_length=args.query_length, response_length=args.response_length,
-        start_text=None, end_text=None,
-    )  # fmt: skip
+        base.task,
+        query_dataset=corpus,
+        query_length=args.query_length,
+        response_length=args.response_length,
+        start_text=None,
+        end_text=None,
+    )
     ppo = dataclasses.replace(
-        base.ppo, batch_size=batch_size, total_episodes=batch_size * (args.warmup + args.updates),
-        noptepochs=args.noptepochs, nminibatches=args.nminibatches, gradient_accumulation_steps=args.accum,
-    )  # fmt: skip
+        base.ppo,
+        batch_size=batch_size,
+        total_episodes=batch_size * (args.warmup + args.updates),
+        noptepochs=args.noptepochs,
+        nminibatches=args.nminibatches,
+        gradient_accumulation_steps=args.accum,
+    )
     rewards = dataclasses.replace(base.rewards, trained_model=reward_dir)
     return dataclasses.replace(
-        base, base_model=policy_dir, output_dir=os.path.join(work_dir, "policy"), log_interval=10**9,
-        save_interval=0, print_samples=1, task=task, rewards=rewards, ppo=ppo,
-    )  # fmt: skip
+        base,
+        base_model=policy_dir,
+        output_dir=os.path.join(work_dir, "policy"),
+        log_interval=10**9,
+        save_interval=0,
+        print_samples=1,
+        task=task,
+        rewards=rewards,
+        ppo=ppo,
+    )
 
 
 # ---------------------------------------------------------------- lower bound: unavoidable matmul FLOPs / GEMM speed
@@ -282,15 +297,24 @@ def run(args: Args, work_dir: str) -> None:
     for phase in PHASES:
         values = measured[phase]
         table.add_row(
-            phase, f"{values.min():.3f}", f"{np.median(values):.3f}", f"{flops[phase] / 1e9:.1f}",
-            f"{bound[phase]:.3f}", f"{values.min() / bound[phase]:.2f}x",
-        )  # fmt: skip
+            phase,
+            f"{values.min():.3f}",
+            f"{np.median(values):.3f}",
+            f"{flops[phase] / 1e9:.1f}",
+            f"{bound[phase]:.3f}",
+            f"{values.min() / bound[phase]:.2f}x",
+        )
     total = sum(measured[p] for p in PHASES)
     total_bound, total_flops = sum(bound.values()), sum(flops.values())
     table.add_row(
-        "update", f"{total.min():.3f}", f"{np.median(total):.3f}", f"{total_flops / 1e9:.1f}", f"{total_bound:.3f}",
-        f"{total.min() / total_bound:.2f}x", style="bold",
-    )  # fmt: skip
+        "update",
+        f"{total.min():.3f}",
+        f"{np.median(total):.3f}",
+        f"{total_flops / 1e9:.1f}",
+        f"{total_bound:.3f}",
+        f"{total.min() / total_bound:.2f}x",
+        style="bold",
+    )
     console.print(table)
     shapes = Table(title="lower bound: the GEMM shapes that dominate it (measured on this machine)")
     for column in ("(batch x) m x k x n", "GFLOP / update", "GFLOP/s", "seconds / update"):

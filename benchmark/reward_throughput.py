@@ -50,7 +50,9 @@ def main(args: Args) -> None:
         torch.set_num_threads(args.threads)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     torch.manual_seed(0)
-    config = GPT2Config(vocab_size=50257, n_positions=1024, attn_pdrop=0.0, embd_pdrop=0.0, resid_pdrop=0.0, **CONFIGS[args.model])
+    config = GPT2Config(
+        vocab_size=50257, n_positions=1024, attn_pdrop=0.0, embd_pdrop=0.0, resid_pdrop=0.0, **CONFIGS[args.model]
+    )
     reward_model = RewardModel(GPT2Model(config).eval()).to(device)
     optimizer = AdamTensorFlowStyle(reward_model.parameters(), lr=1e-5, eps=1e-5)
     pad = 50257
@@ -75,8 +77,10 @@ def main(args: Args) -> None:
         torch.cuda.synchronize()
     seconds = (time.perf_counter() - start) / args.steps
     params = sum(p.numel() for p in reward_model.parameters())
-    print(f"model {args.model} ({params / 1e6:.1f}M params) on {device} with {torch.get_num_threads()} threads, "
-          f"batch {args.per_process_batch}x4 rows of {args.query_length}+{args.response_length} tokens")
+    print(
+        f"model {args.model} ({params / 1e6:.1f}M params) on {device} with {torch.get_num_threads()} threads, "
+        f"batch {args.per_process_batch}x4 rows of {args.query_length}+{args.response_length} tokens"
+    )
     print(f"{seconds * 1000:.1f} ms/step, {args.per_process_batch / seconds:.1f} labels/s")
 
 

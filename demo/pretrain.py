@@ -20,8 +20,8 @@ from transformers import GPT2Config, GPT2LMHeadModel
 
 from lm_human_preference_details.core import set_seed
 from lm_human_preference_details.data import load_texts
-from lm_human_preference_details.tasks import encode_texts
 from lm_human_preference_details.modeling import PolicyWithValueHead, load_causal_lm, sample
+from lm_human_preference_details.tasks import encode_texts
 from lm_human_preference_details.tokenizer import gpt2_tokenizer_offline
 
 SETTINGS_FILE = "pretrain.json"
@@ -87,10 +87,16 @@ def main(args: Args) -> dict:
     data = windows(args.corpus, tokenizer, args.block_size)  # (N, T)
     config = GPT2Config(
         vocab_size=len(tokenizer) - 1,  # GPT-2's 50257 tokens; the added PAD lies outside the model's vocabulary
-        n_positions=args.n_positions, n_embd=args.n_embd, n_layer=args.n_layer, n_head=args.n_head,
-        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
-        bos_token_id=tokenizer.eos_token_id, eos_token_id=tokenizer.eos_token_id,
-    )  # fmt: skip
+        n_positions=args.n_positions,
+        n_embd=args.n_embd,
+        n_layer=args.n_layer,
+        n_head=args.n_head,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        bos_token_id=tokenizer.eos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+    )
     model = GPT2LMHeadModel(config).train()
     model.loss_type = "ForCausalLM"  # plain shifted next-token cross-entropy (named, so transformers does not warn)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay, betas=(0.9, 0.95))
@@ -118,8 +124,12 @@ def main(args: Args) -> dict:
     model.eval().save_pretrained(args.output_dir)
     tokenizer.save_pretrained(args.output_dir)
     tail = losses[-20:]
-    result = {"args": dataclasses.asdict(args), "final_loss": sum(tail) / len(tail), "windows": len(data),
-              "seconds": time.time() - start}
+    result = {
+        "args": dataclasses.asdict(args),
+        "final_loss": sum(tail) / len(tail),
+        "windows": len(data),
+        "seconds": time.time() - start,
+    }
     with open(os.path.join(args.output_dir, SETTINGS_FILE), "w", encoding="utf-8") as f:
         json.dump(result, f, indent=2)
     # a look at what the pretrained model writes after three corpus queries

@@ -92,14 +92,26 @@ KL_TARGET, KL_HORIZON, KL_COEF = 3.0, 512, 0.15
 
 FULL = Settings(
     pretrain=pretrain.Args(),  # demo/pretrain.py's defaults: 2 layers, 64 wide, 250 steps of 32 x 24 tokens
-    num_labels=1536, heldout_labels=128, reward_lr=1e-3, reward_batch_size=8,
-    ppo_episodes=64 * 32, ppo_batch_size=64, ppo_lr=3e-4, eval_queries=256,
-)  # fmt: skip
+    num_labels=1536,
+    heldout_labels=128,
+    reward_lr=1e-3,
+    reward_batch_size=8,
+    ppo_episodes=64 * 32,
+    ppo_batch_size=64,
+    ppo_lr=3e-4,
+    eval_queries=256,
+)
 QUICK = Settings(
     pretrain=FULL.pretrain,
-    num_labels=768, heldout_labels=64, reward_lr=1e-3, reward_batch_size=8,
-    ppo_episodes=64 * 12, ppo_batch_size=64, ppo_lr=3e-4, eval_queries=128,
-)  # fmt: skip
+    num_labels=768,
+    heldout_labels=64,
+    reward_lr=1e-3,
+    reward_batch_size=8,
+    ppo_episodes=64 * 12,
+    ppo_batch_size=64,
+    ppo_lr=3e-4,
+    eval_queries=128,
+)
 
 
 def child_env() -> dict[str, str]:
@@ -122,8 +134,9 @@ def run_stage(name: str, script: Path, flags: list[str], log_dir: Path) -> float
     log_dir.mkdir(parents=True, exist_ok=True)
     start = time.time()
     with open(log_dir / f"{name}.log", "w", encoding="utf-8") as log:
-        process = subprocess.Popen(command, cwd=REPO, env=child_env(), stdout=subprocess.PIPE,
-                                   stderr=subprocess.STDOUT, text=True, bufsize=1)
+        process = subprocess.Popen(
+            command, cwd=REPO, env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1
+        )
         for line in process.stdout:
             sys.stdout.write(line)
             log.write(line)
@@ -164,22 +177,26 @@ def evaluate(base_dir: Path, policy_dir: Path, reward_dir: Path, task, n: int, s
     from lm_human_preference_details.data import QueryStream, load_texts
     from lm_human_preference_details.labelers import decode_without_pad, load_labeler
     from lm_human_preference_details.modeling import PolicyWithValueHead, load_causal_lm, sample
-    from lm_human_preference_details.tokenizer import load_tokenizer
     from lm_human_preference_details.tasks import passes_filter, truncate_response
+    from lm_human_preference_details.tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer(str(base_dir))
     pad_id = tokenizer.pad_token_id
     queries = QueryStream(load_texts(task.query_dataset), tokenizer, task, 0, 1, data_seed=0).next_batch(n)  # (n, Lq)
-    judges = {"gold": load_labeler("vader", tokenizer, pad_id, "cpu"),
-              "reward": load_labeler(f"reward_model:{reward_dir}", tokenizer, pad_id, "cpu")}
+    judges = {
+        "gold": load_labeler("vader", tokenizer, pad_id, "cpu"),
+        "reward": load_labeler(f"reward_model:{reward_dir}", tokenizer, pad_id, "cpu"),
+    }
     out = {"queries": decode_without_pad(tokenizer, queries, pad_id)}
     for name, model_dir in (("base", base_dir), ("trained", policy_dir)):
         policy = PolicyWithValueHead(load_causal_lm(str(model_dir)))
         generator = torch.Generator().manual_seed(seed)
-        responses = torch.cat([
-            sample(policy, chunk, task.response_length, task.temperature, pad_id, generator)[0]
-            for chunk in queries.split(64)
-        ])  # (n, L)
+        responses = torch.cat(
+            [
+                sample(policy, chunk, task.response_length, task.temperature, pad_id, generator)[0]
+                for chunk in queries.split(64)
+            ]
+        )  # (n, L)
         responses = truncate_response(responses, task.truncate_token, task.truncate_after, pad_id)
         passed = passes_filter(responses, task.truncate_token, task.truncate_after)
         out[name] = {
@@ -249,37 +266,56 @@ def print_report(evaluation: dict, results: dict, rows: int) -> None:
     from rich.table import Table
 
     console = Console(width=max(120, Console().width))
-    table = Table(title="held-out queries: base policy vs PPO-trained policy, with the VADER compound of each response",
-                  show_lines=True)
+    table = Table(
+        title="held-out queries: base policy vs PPO-trained policy, with the VADER compound of each response",
+        show_lines=True,
+    )
     for column in ("query", "base policy", "VADER", "trained policy", "VADER"):
         table.add_column(column, overflow="fold")
     base, trained = evaluation["base"], evaluation["trained"]
     for i in range(min(rows, len(evaluation["queries"]))):
-        table.add_row(evaluation["queries"][i].strip(), base["responses"][i].strip(), f"{base['gold'][i]:+.2f}",
-                      trained["responses"][i].strip(), f"{trained['gold'][i]:+.2f}")
+        table.add_row(
+            evaluation["queries"][i].strip(),
+            base["responses"][i].strip(),
+            f"{base['gold'][i]:+.2f}",
+            trained["responses"][i].strip(),
+            f"{trained['gold'][i]:+.2f}",
+        )
     console.print(table)
     gold, rm, policy = results["gold"], results["reward_model"], results["policy"]
     figures = Table(title=f"demo results (seed {results['seed']}, {results['mode']} mode)")
     figures.add_column("figure")
     figures.add_column("value")
-    figures.add_row(f"gold score (mean VADER compound, {gold['queries']} held-out queries)",
-                    f"base {gold['base']:+.3f} ± {gold['base_stderr']:.3f}  ->  trained {gold['trained']:+.3f} ± "
-                    f"{gold['trained_stderr']:.3f}  (margin {gold['margin']:+.3f})")
+    figures.add_row(
+        f"gold score (mean VADER compound, {gold['queries']} held-out queries)",
+        f"base {gold['base']:+.3f} ± {gold['base_stderr']:.3f}  ->  trained {gold['trained']:+.3f} ± "
+        f"{gold['trained_stderr']:.3f}  (margin {gold['margin']:+.3f})",
+    )
     reward_score, pass_rate = results["reward_score"], results["filter_pass_rate"]
-    figures.add_row("reward-model score on the same samples (normalized)",
-                    f"base {reward_score['base']:+.3f}  ->  trained {reward_score['trained']:+.3f}")
-    figures.add_row(f"reward model held-out accuracy ({rm['heldout_rows']} best-of-4 labels, chance 0.25)",
-                    f"{rm['accuracy_before']:.3f} before training  ->  {rm['accuracy_after']:.3f} after")
-    figures.add_row("final KL(policy || base) per response",
-                    f"{policy['final_kl']:.2f} nats at the last update, {policy['kl_last5']:.2f} over the last 5 "
-                    f"(target {policy['kl_target']:g}); kl_coef {policy['final_kl_coef']:.4f}")
-    figures.add_row(f"response filter pass rate (a '.' at index >= {TRUNCATE_AFTER})",
-                    f"base {pass_rate['base']:.3f}  ->  trained {pass_rate['trained']:.3f}")
+    figures.add_row(
+        "reward-model score on the same samples (normalized)",
+        f"base {reward_score['base']:+.3f}  ->  trained {reward_score['trained']:+.3f}",
+    )
+    figures.add_row(
+        f"reward model held-out accuracy ({rm['heldout_rows']} best-of-4 labels, chance 0.25)",
+        f"{rm['accuracy_before']:.3f} before training  ->  {rm['accuracy_after']:.3f} after",
+    )
+    figures.add_row(
+        "final KL(policy || base) per response",
+        f"{policy['final_kl']:.2f} nats at the last update, {policy['kl_last5']:.2f} over the last 5 "
+        f"(target {policy['kl_target']:g}); kl_coef {policy['final_kl_coef']:.4f}",
+    )
+    figures.add_row(
+        f"response filter pass rate (a '.' at index >= {TRUNCATE_AFTER})",
+        f"base {pass_rate['base']:.3f}  ->  trained {pass_rate['trained']:.3f}",
+    )
     figures.add_row("wall time", ", ".join(f"{k} {v:.0f}s" for k, v in results["timings"].items()))
     console.print(figures)
     guaranteed = results["guaranteed_margin"]
     verdict = "as guaranteed" if gold["margin"] >= guaranteed else "BELOW the guaranteed margin: something is off"
-    console.print(f"gold margin {gold['margin']:+.3f} vs {guaranteed:+.2f} guaranteed in {results['mode']} mode: {verdict}")
+    console.print(
+        f"gold margin {gold['margin']:+.3f} vs {guaranteed:+.2f} guaranteed in {results['mode']} mode: {verdict}"
+    )
 
 
 def run_stages(args: Args, settings: Settings, root: Path, run_dir: Path) -> tuple[Path, Path, dict[str, float]]:
@@ -295,8 +331,9 @@ def run_stages(args: Args, settings: Settings, root: Path, run_dir: Path) -> tup
         timings["world"] = run_stage("world", DEMO / "world.py", flag_list({"--output_dir": world_dir}), logs)
 
     # 2. pretraining, skipped when the same settings already produced a model from the same world
-    pretrain_args = dataclasses.replace(settings.pretrain, corpus=str(world_dir / "pretrain.txt"),
-                                        output_dir=str(root / "base_model"))
+    pretrain_args = dataclasses.replace(
+        settings.pretrain, corpus=str(world_dir / "pretrain.txt"), output_dir=str(root / "base_model")
+    )
     base_dir = Path(pretrain_args.output_dir)
     if fresh_world or not same_json(base_dir / pretrain.SETTINGS_FILE, "args", dataclasses.asdict(pretrain_args)):
         pretrain_flags = {f"--{k}": v for k, v in dataclasses.asdict(pretrain_args).items()}
@@ -314,56 +351,127 @@ def run_stages(args: Args, settings: Settings, root: Path, run_dir: Path) -> tup
         "--task.truncate_after": TRUNCATE_AFTER,
     }
     labels = run_dir / "labels" / "vader.json"
-    timings["labels"] = run_stage("labels", REPO / "label_generation.py", ["generate", *flag_list({
-        "--labeler": "vader", "--base_model": base_dir, "--num_queries": settings.num_labels, "--batch_size": 32,
-        "--seed": args.seed, "--output": labels, **task_flags,
-    })], logs)  # fmt: skip
-    timings["reward"] = run_stage("reward", REPO / "train_reward.py", flag_list({
-        "--base_model": base_dir, "--label_dataset": labels,
-        "--labels.num_train": settings.num_labels - settings.heldout_labels, "--batch_size": settings.reward_batch_size,
-        "--lr": settings.reward_lr, "--rollout_batch_size": 64, "--normalize_samples": 256, "--eval_interval": 2,
-        "--seed": args.seed, "--output_dir": run_dir / "reward", **task_flags,
-    }), logs)  # fmt: skip
-    timings["policy"] = run_stage("policy", REPO / "train_policy.py", flag_list({
-        "--base_model": base_dir, "--rewards.trained_model": run_dir / "reward", "--rewards.gold_model": "vader",
-        "--rewards.kl_coef": KL_COEF, "--rewards.adaptive_kl.target": KL_TARGET,
-        "--rewards.adaptive_kl.horizon": KL_HORIZON, "--ppo.total_episodes": settings.ppo_episodes,
-        "--ppo.batch_size": settings.ppo_batch_size, "--ppo.lr": settings.ppo_lr, "--log_interval": 8,
-        "--save_interval": 0, "--seed": args.seed, "--output_dir": run_dir / "policy", **task_flags,
-    }), logs)  # fmt: skip
+    timings["labels"] = run_stage(
+        "labels",
+        REPO / "label_generation.py",
+        [
+            "generate",
+            *flag_list(
+                {
+                    "--labeler": "vader",
+                    "--base_model": base_dir,
+                    "--num_queries": settings.num_labels,
+                    "--batch_size": 32,
+                    "--seed": args.seed,
+                    "--output": labels,
+                    **task_flags,
+                }
+            ),
+        ],
+        logs,
+    )
+    timings["reward"] = run_stage(
+        "reward",
+        REPO / "train_reward.py",
+        flag_list(
+            {
+                "--base_model": base_dir,
+                "--label_dataset": labels,
+                "--labels.num_train": settings.num_labels - settings.heldout_labels,
+                "--batch_size": settings.reward_batch_size,
+                "--lr": settings.reward_lr,
+                "--rollout_batch_size": 64,
+                "--normalize_samples": 256,
+                "--eval_interval": 2,
+                "--seed": args.seed,
+                "--output_dir": run_dir / "reward",
+                **task_flags,
+            }
+        ),
+        logs,
+    )
+    timings["policy"] = run_stage(
+        "policy",
+        REPO / "train_policy.py",
+        flag_list(
+            {
+                "--base_model": base_dir,
+                "--rewards.trained_model": run_dir / "reward",
+                "--rewards.gold_model": "vader",
+                "--rewards.kl_coef": KL_COEF,
+                "--rewards.adaptive_kl.target": KL_TARGET,
+                "--rewards.adaptive_kl.horizon": KL_HORIZON,
+                "--ppo.total_episodes": settings.ppo_episodes,
+                "--ppo.batch_size": settings.ppo_batch_size,
+                "--ppo.lr": settings.ppo_lr,
+                "--log_interval": 8,
+                "--save_interval": 0,
+                "--seed": args.seed,
+                "--output_dir": run_dir / "policy",
+                **task_flags,
+            }
+        ),
+        logs,
+    )
     return world_dir, base_dir, timings
 
 
-def summarize(args: Args, settings: Settings, evaluation: dict, policy_scalars: dict, reward_meta: dict,
-              timings: dict[str, float]) -> dict:
+def summarize(
+    args: Args, settings: Settings, evaluation: dict, policy_scalars: dict, reward_meta: dict, timings: dict[str, float]
+) -> dict:
     """The figures written to results.json."""
     base_gold, base_se = mean_and_stderr(evaluation["base"]["gold"])
     trained_gold, trained_se = mean_and_stderr(evaluation["trained"]["gold"])
     kl = [value for _, value in policy_scalars["objective/kl"]]
-    samples = zip(evaluation["queries"], evaluation["base"]["responses"], evaluation["base"]["gold"],
-                  evaluation["trained"]["responses"], evaluation["trained"]["gold"])
+    samples = zip(
+        evaluation["queries"],
+        evaluation["base"]["responses"],
+        evaluation["base"]["gold"],
+        evaluation["trained"]["responses"],
+        evaluation["trained"]["gold"],
+    )
     return {
         "seed": args.seed,
         "mode": "quick" if args.quick else "full",
         "guaranteed_margin": QUICK_MIN_GOLD_MARGIN if args.quick else FULL_MIN_GOLD_MARGIN,
-        "gold": {"queries": settings.eval_queries, "base": base_gold, "base_stderr": base_se, "trained": trained_gold,
-                 "trained_stderr": trained_se, "margin": trained_gold - base_gold},
+        "gold": {
+            "queries": settings.eval_queries,
+            "base": base_gold,
+            "base_stderr": base_se,
+            "trained": trained_gold,
+            "trained_stderr": trained_se,
+            "margin": trained_gold - base_gold,
+        },
         "reward_score": {k: mean_and_stderr(evaluation[k]["reward"])[0] for k in ("base", "trained")},
         "filter_pass_rate": {k: evaluation[k]["filter_pass_rate"] for k in ("base", "trained")},
-        "reward_model": {"heldout_rows": reward_meta["eval_after"]["rows"],
-                         "accuracy_before": reward_meta["eval_before"]["accuracy"],
-                         "accuracy_after": reward_meta["eval_after"]["accuracy"]},
-        "policy": {"updates": len(kl), "kl_target": KL_TARGET, "final_kl": kl[-1],
-                   "kl_last5": sum(kl[-5:]) / len(kl[-5:]),
-                   "final_kl_coef": policy_scalars["objective/kl_coef"][-1][1],
-                   "final_score": policy_scalars["objective/score"][-1][1],
-                   "final_gold_score": policy_scalars["objective/gold_score"][-1][1]},
+        "reward_model": {
+            "heldout_rows": reward_meta["eval_after"]["rows"],
+            "accuracy_before": reward_meta["eval_before"]["accuracy"],
+            "accuracy_after": reward_meta["eval_after"]["accuracy"],
+        },
+        "policy": {
+            "updates": len(kl),
+            "kl_target": KL_TARGET,
+            "final_kl": kl[-1],
+            "kl_last5": sum(kl[-5:]) / len(kl[-5:]),
+            "final_kl_coef": policy_scalars["objective/kl_coef"][-1][1],
+            "final_score": policy_scalars["objective/score"][-1][1],
+            "final_gold_score": policy_scalars["objective/gold_score"][-1][1],
+        },
         "timings": {k: round(v, 1) for k, v in timings.items()},
-        "settings": {**dataclasses.asdict(settings), "query_length": QUERY_LENGTH, "response_length": RESPONSE_LENGTH,
-                     "truncate_after": TRUNCATE_AFTER, "kl_coef": KL_COEF, "kl_target": KL_TARGET,
-                     "kl_horizon": KL_HORIZON},
-        "samples": [{"query": q.strip(), "base": b.strip(), "base_gold": bg, "trained": t.strip(), "trained_gold": tg}
-                    for q, b, bg, t, tg in samples][: args.samples_to_show],
+        "settings": {
+            **dataclasses.asdict(settings),
+            "query_length": QUERY_LENGTH,
+            "response_length": RESPONSE_LENGTH,
+            "truncate_after": TRUNCATE_AFTER,
+            "kl_coef": KL_COEF,
+            "kl_target": KL_TARGET,
+            "kl_horizon": KL_HORIZON,
+        },
+        "samples": [
+            {"query": q.strip(), "base": b.strip(), "base_gold": bg, "trained": t.strip(), "trained_gold": tg}
+            for q, b, bg, t, tg in samples
+        ][: args.samples_to_show],
     }
 
 
@@ -380,8 +488,12 @@ def main(args: Args) -> dict:
     # 6. evaluation on held-out queries, and the curves from the TensorBoard events of the two training runs
     print("\n=== evaluation ===", flush=True)
     eval_start = time.time()
-    task = TaskHParams(query_dataset=str(world_dir / "heldout.txt"), query_length=QUERY_LENGTH,
-                       response_length=RESPONSE_LENGTH, truncate_after=TRUNCATE_AFTER)
+    task = TaskHParams(
+        query_dataset=str(world_dir / "heldout.txt"),
+        query_length=QUERY_LENGTH,
+        response_length=RESPONSE_LENGTH,
+        truncate_after=TRUNCATE_AFTER,
+    )
     evaluation = evaluate(base_dir, run_dir / "policy", run_dir / "reward", task, settings.eval_queries, args.seed)
     policy_scalars = read_scalars(run_dir / "policy" / "tb")
     reward_scalars = read_scalars(run_dir / "reward" / "tb")
@@ -394,9 +506,11 @@ def main(args: Args) -> dict:
     with open(run_dir / "results.json", "w", encoding="utf-8") as f:
         json.dump(results, f, indent=2)
     gold, policy = results["gold"], results["policy"]
-    title = (f"demo seed {args.seed} ({results['mode']}): gold {gold['base']:+.2f} -> {gold['trained']:+.2f}, "
-             f"reward-model accuracy {results['reward_model']['accuracy_after']:.2f}, "
-             f"final KL {policy['final_kl']:.2f} (target {KL_TARGET:g})")
+    title = (
+        f"demo seed {args.seed} ({results['mode']}): gold {gold['base']:+.2f} -> {gold['trained']:+.2f}, "
+        f"reward-model accuracy {results['reward_model']['accuracy_after']:.2f}, "
+        f"final KL {policy['final_kl']:.2f} (target {KL_TARGET:g})"
+    )
     plot_curves(policy_scalars, reward_scalars, run_dir / "curves.png", title)
     print_report(evaluation, results, args.samples_to_show)
     print(f"wrote {run_dir / 'results.json'} and {run_dir / 'curves.png'}")

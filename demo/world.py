@@ -22,10 +22,34 @@ import tyro
 MOODS = ("positive", "negative", "neutral")
 # every sentiment word is in VADER's lexicon with the sign of its mood; the neutral words are not in it
 ADJECTIVES = {
-    "positive": ["happy", "kind", "brave", "wonderful", "beautiful", "lovely", "cheerful", "gentle", "friendly",
-                 "sweet", "glad", "joyful"],
-    "negative": ["sad", "angry", "cruel", "terrible", "ugly", "lonely", "bitter", "awful", "miserable", "nasty",
-                 "scared", "evil"],
+    "positive": [
+        "happy",
+        "kind",
+        "brave",
+        "wonderful",
+        "beautiful",
+        "lovely",
+        "cheerful",
+        "gentle",
+        "friendly",
+        "sweet",
+        "glad",
+        "joyful",
+    ],
+    "negative": [
+        "sad",
+        "angry",
+        "cruel",
+        "terrible",
+        "ugly",
+        "lonely",
+        "bitter",
+        "awful",
+        "miserable",
+        "nasty",
+        "scared",
+        "evil",
+    ],
     "neutral": ["old", "young", "tall", "small", "quiet", "red", "blue", "green", "little", "wooden", "big", "short"],
 }
 VERBS = {
@@ -43,8 +67,22 @@ ENDINGS = {
     "negative": ["in pain", "in fear", "in anger", "with tears"],
     "neutral": ["at night", "at home", "after dinner", "in town"],
 }
-SUBJECTS = ["man", "woman", "teacher", "dog", "cat", "girl", "boy", "farmer", "doctor", "child", "king", "sailor",
-            "baker", "bird"]
+SUBJECTS = [
+    "man",
+    "woman",
+    "teacher",
+    "dog",
+    "cat",
+    "girl",
+    "boy",
+    "farmer",
+    "doctor",
+    "child",
+    "king",
+    "sailor",
+    "baker",
+    "bird",
+]
 # every sentence opens with an adverb of its mood, so the state of a language model at a sentence's final '.' has to
 # carry that mood (it predicts the next opener, whose mood mostly persists): features a reward model can read there
 OPENERS = {

@@ -55,7 +55,7 @@ def describe(doc: str, tasks: Sequence[str], default_task: str) -> str:
 
 
 def parse_args(args_type: type[T], presets: dict[str, T], default_task: str, doc: str, argv=None) -> tuple[str, T]:
-    """Parse argv into `args_type`, starting from the preset chosen with `--task` (any field can still be overridden)."""
+    """Parse argv into `args_type`, starting from the `--task` preset (any field can still be overridden)."""
     argv = sys.argv[1:] if argv is None else list(argv)
     task, rest = pop_task_flag(pop_flag(argv, "--debug")[1], list(presets), default_task)
     description = describe(doc, list(presets), default_task)
@@ -112,14 +112,16 @@ def print_table(console: Console, title: str, rows: dict[str, Any]) -> None:
 
 
 def parse_subcommands(presets: dict[str, dict[str, Any]], default_task: str, doc: str, argv=None) -> tuple[str, Any]:
-    """Parse `SUBCOMMAND flags...` where each subcommand's defaults come from the `--task` preset (presets[task][name])."""
-    from typing import Annotated, Union
+    """Parse `SUBCOMMAND flags...`; each subcommand's defaults come from the `--task` preset (presets[task][name])."""
+    import functools
+    import operator
+    from typing import Annotated
 
     argv = sys.argv[1:] if argv is None else list(argv)
     task, rest = pop_task_flag(pop_flag(argv, "--debug")[1], list(presets), default_task)
     commands = [
-        Annotated[type(default), tyro.conf.subcommand(name, default=default)]
-        for name, default in presets[task].items()
+        Annotated[type(default), tyro.conf.subcommand(name, default=default)] for name, default in presets[task].items()
     ]
     description = describe(doc, list(presets), default_task)
-    return task, tyro.cli(Union[tuple(commands)], args=rest, description=description, use_underscores=True)
+    union = functools.reduce(operator.or_, commands)
+    return task, tyro.cli(union, args=rest, description=description, use_underscores=True)

@@ -17,11 +17,11 @@ from accelerate.utils import broadcast_object_list
 from torch.utils.tensorboard import SummaryWriter
 
 
-
 def make_accelerator() -> Accelerator:
-    """An Accelerator that also runs several processes on CPUs (gloo) when torchrun/accelerate start them without GPUs."""
+    """An Accelerator that also runs several CPU processes (gloo) when torchrun/accelerate start them without GPUs."""
     multi_process = int(os.environ.get("WORLD_SIZE", "1")) > 1
     return Accelerator(cpu=multi_process and not torch.cuda.is_available())
+
 
 def exact_div(a: int, b: int, what: str) -> int:
     """a // b, raising ValueError when b does not divide a (OAI derives every per-rank size this way)."""

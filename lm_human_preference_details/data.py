@@ -33,7 +33,6 @@ _LOCAL_SUFFIXES = (".txt", ".jsonl")
 _MAX_SCAN_WITHOUT_QUERY = 10_000
 
 
-
 # ---------------------------------------------------------------- text sources
 
 
@@ -98,7 +97,9 @@ def _read_local_texts(path: str) -> list[str]:
         try:
             row = json.loads(line)
         except json.JSONDecodeError as e:
-            raise ValueError(f"{path} line {lineno}: invalid JSON ({e}); write one {{'text': ...}} object per line.")
+            raise ValueError(
+                f"{path} line {lineno}: invalid JSON ({e}); write one {{'text': ...}} object per line."
+            ) from e
         # OAI's book_passages/*.jsonl rows are bare JSON strings (books.py#L8-L11); other rows need a "text" field
         text = row.get("text") if isinstance(row, dict) else row
         if not isinstance(text, str):
@@ -234,7 +235,12 @@ class QueryStream:
         log = logger.warning if num_found < 0.1 * num_texts else logger.info
         log(
             "query stream: %d of %d texts give a query; query length mean %.1f, min %d, max %d of %d tokens",
-            num_found, num_texts, lengths.mean(), lengths.min(), lengths.max(), self.query_length,
+            num_found,
+            num_texts,
+            lengths.mean(),
+            lengths.min(),
+            lengths.max(),
+            self.query_length,
         )
 
     def next_batch(self, batch_size: int) -> torch.Tensor:

@@ -41,7 +41,8 @@ def check_available(name_or_path: str, flag: str, kind: str = "model", filename:
     if looks_local and kind != "dataset":
         raise FileNotFoundError(f"{kind} path '{name_or_path}' does not exist; point {flag} at an existing directory.")
     raise HubUnavailableError(
-        f"could not fetch {kind} '{name_or_path}' from the Hugging Face hub: the hub is unreachable (offline) and it is "
-        f"not in the local cache. Download it on a machine with internet, e.g. `hf download {name_or_path} "
-        f"{'--repo-type dataset ' if repo_type == 'dataset' else ''}--local-dir DIR`, copy DIR here and pass {flag} DIR."
+        f"could not fetch {kind} '{name_or_path}' from the Hugging Face hub: the hub is unreachable (offline) and it "
+        f"is not in the local cache. Download it on a machine with internet, e.g. `hf download {name_or_path} "
+        f"{'--repo-type dataset ' if repo_type == 'dataset' else ''}--local-dir DIR`, copy DIR here and pass {flag} "
+        "DIR."
     )

@@ -76,8 +76,12 @@ class RewardModelLabeler(Labeler):
                 "written by train_reward.py (its --output_dir)."
             )
         model, metadata = load_reward_model(directory, flag=f"{flag} reward_model:DIR")
-        check_same_tokenizer(metadata, tokenizer, f"{flag} reward_model:{directory}",
-                             f"the labelled tokens come from tokenizer '{tokenizer.name_or_path}'")
+        check_same_tokenizer(
+            metadata,
+            tokenizer,
+            f"{flag} reward_model:{directory}",
+            f"the labelled tokens come from tokenizer '{tokenizer.name_or_path}'",
+        )
         self.name = f"reward_model:{directory}"
         self.model = model.to(device).eval().requires_grad_(False)
         self.pad_id = pad_id
@@ -157,9 +161,12 @@ class ClassifierLabeler(Labeler):
         out = []
         for start in range(0, len(texts), self.batch_size):
             inputs = self.classifier_tokenizer(
-                texts[start : start + self.batch_size], padding=True, truncation=True, max_length=self.max_length,
+                texts[start : start + self.batch_size],
+                padding=True,
+                truncation=True,
+                max_length=self.max_length,
                 return_tensors="pt",
-            ).to(self.device)  # fmt: skip
+            ).to(self.device)
             logits = self.model(**inputs).logits.float()  # (b, num_labels)
             if logits.shape[-1] == 1:
                 out.append(logits[:, 0])

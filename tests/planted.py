@@ -29,37 +29,60 @@ def write_query_file(path: Path, n: int = 300, seed: int = 0) -> Path:
 
 def run_script(script: str, *flags: str, timeout: int = 600, cwd: Path = REPO) -> subprocess.CompletedProcess:
     """Run one of the project's scripts as a user would; raise with its output when it fails."""
-    env_flags = {"WANDB_MODE": "offline", "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    env_flags = {
+        "WANDB_MODE": "offline",
+        "HF_HUB_OFFLINE": "1",
+        "OMP_NUM_THREADS": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+    }
     env = {**os.environ, **env_flags}
-    result = subprocess.run([sys.executable, str(REPO / script), *flags], cwd=cwd, env=env, capture_output=True,
-                            text=True, timeout=timeout)
+    result = subprocess.run(
+        [sys.executable, str(REPO / script), *flags], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout
+    )
     if result.returncode != 0:
-        raise AssertionError(f"{script} failed ({result.returncode}):\n{result.stdout[-3000:]}\n{result.stderr[-5000:]}")
+        raise AssertionError(
+            f"{script} failed ({result.returncode}):\n{result.stdout[-3000:]}\n{result.stderr[-5000:]}"
+        )
     return result
 
 
-def write_policy_planted_labels(path: Path, model_dir: str, tokenizer, corpus: Path, n_rows: int, query_length: int,
-                                response_length: int, marker: int, seed: int = 0, **task_fields) -> Path:
+def write_policy_planted_labels(
+    path: Path,
+    model_dir: str,
+    tokenizer,
+    corpus: Path,
+    n_rows: int,
+    query_length: int,
+    response_length: int,
+    marker: int,
+    seed: int = 0,
+    **task_fields,
+) -> Path:
     """Like OAI's offline labels: 4 samples of the base policy per query; the best one gets `marker` planted in it."""
     import torch
 
     from lm_human_preference_details.data import QueryStream, load_texts
-    from lm_human_preference_details.tasks import TaskHParams
     from lm_human_preference_details.modeling import PolicyWithValueHead, load_causal_lm, sample
+    from lm_human_preference_details.tasks import TaskHParams
 
-    task = TaskHParams(query_dataset=str(corpus), query_length=query_length, response_length=response_length, **task_fields)
+    task = TaskHParams(
+        query_dataset=str(corpus), query_length=query_length, response_length=response_length, **task_fields
+    )
     queries = QueryStream(load_texts(str(corpus)), tokenizer, task, 0, 1, data_seed=seed).next_batch(n_rows)
     policy = PolicyWithValueHead(load_causal_lm(model_dir))
     generator = torch.Generator().manual_seed(seed)
-    samples, _, _ = sample(policy, queries.repeat_interleave(4, 0), response_length, task.temperature,
-                           tokenizer.pad_token_id, generator)
+    samples, _, _ = sample(
+        policy, queries.repeat_interleave(4, 0), response_length, task.temperature, tokenizer.pad_token_id, generator
+    )
     samples = samples.view(n_rows, 4, response_length)
     samples[samples == marker] = tokenizer.eos_token_id
     best = torch.randint(0, 4, (n_rows,), generator=generator)
     position = torch.randint(0, response_length, (n_rows,), generator=generator)
     samples[torch.arange(n_rows), best, position] = marker
     queries[queries == tokenizer.pad_token_id] = OAI_PAD_TOKEN
-    rows = [{"query": q, **{f"sample{i}": s[i] for i in range(4)}, "best": b}
-            for q, s, b in zip(queries.tolist(), samples.tolist(), best.tolist())]
+    rows = [
+        {"query": q, **{f"sample{i}": s[i] for i in range(4)}, "best": b}
+        for q, s, b in zip(queries.tolist(), samples.tolist(), best.tolist())
+    ]
     path.write_text(json.dumps(rows))
     return path

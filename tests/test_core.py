@@ -14,7 +14,6 @@ from accelerate import Accelerator
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from lm_human_preference_details import core
-from lm_human_preference_details.kernels import logprobs_and_entropy_from_logits, logprobs_from_logits
 from lm_human_preference_details.core import (
     Tracker,
     allreduce_gradients,
@@ -24,6 +23,7 @@ from lm_human_preference_details.core import (
     set_seed,
     whiten,
 )
+from lm_human_preference_details.kernels import logprobs_and_entropy_from_logits, logprobs_from_logits
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -31,6 +31,7 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
     """The plain formula the fused kernel must equal: logsumexp(z) - sum(softmax(z) * z) (OAI utils/core.py#L290)."""
     return torch.logsumexp(logits, -1) - (torch.softmax(logits, -1) * logits).sum(-1)
+
 
 TV6_INPUT = [[1.2, 1.3, 1.4], [1.5, 1.6, 1.7], [1.8, 1.9, 2.0]]
 TV6_KEEP_MEAN = [

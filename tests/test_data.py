@@ -12,6 +12,7 @@ import torch
 import tyro
 
 from lm_human_preference_details.data import HubTexts, QueryStream, clean_cnndm_article, clean_tldr_post, load_texts
+from lm_human_preference_details.hub import HubUnavailableError
 from lm_human_preference_details.labels import OAI_PAD_TOKEN, load_labels, save_labels
 from lm_human_preference_details.tasks import (
     TASKS,
@@ -22,7 +23,6 @@ from lm_human_preference_details.tasks import (
     format_contexts,
     text_to_token,
 )
-from lm_human_preference_details.hub import HubUnavailableError
 
 PAD = 50257
 P = 99  # pad id in the hand-written build_query cases
@@ -90,9 +90,18 @@ def test_tasks_match_launch_presets():
     assert (tldr.query_length, tldr.response_length) == (500, 75)
     assert (tldr.query_prefix, tldr.query_suffix) == ("", "\n\nTL;DR:")
     assert (tldr.start_text, tldr.end_text, tldr.truncate_token, tldr.truncate_after, tldr.temperature) == (
-        None, None, 198, 55, 0.7)
+        None,
+        None,
+        198,
+        55,
+        0.7,
+    )
     assert (cnndm.query_prefix, cnndm.query_suffix, cnndm.start_text, cnndm.end_text) == (
-        "Article:\n\n", "\n\nTL;DR:", None, "\n")
+        "Article:\n\n",
+        "\n\nTL;DR:",
+        None,
+        "\n",
+    )
     assert (cnndm.query_length, cnndm.response_length, cnndm.truncate_token, cnndm.truncate_after) == (500, 75, 198, 55)
     assert cnndm.temperature == 0.5
     assert all(task.penalty_reward_value == -1.0 for task in TASKS.values())
@@ -134,7 +143,7 @@ def test_clean_cnndm_article_drops_headers_and_curly_quotes():
         "By . Daily Mail Reporter . PUBLISHED: . 14:11 EST, 25 October 2013 . | . UPDATED: . 15:36 EST, "
         "25 October 2013 . The bishop said \u201cno\u201d and it\u2019s over."
     )
-    assert clean_cnndm_article(daily_mail) == "The bishop said \"no\" and it's over."
+    assert clean_cnndm_article(daily_mail) == 'The bishop said "no" and it\'s over.'
     assert clean_cnndm_article("LONDON, England (CNN) -- Rain fell.") == "Rain fell."
     assert clean_cnndm_article("(CNN)Rain fell. @highlight summary") == "Rain fell."
     assert clean_cnndm_article("Byron stayed home.\n\n\n\nIt rained.") == "Byron stayed home.\n\nIt rained."

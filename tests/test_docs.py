@@ -96,25 +96,48 @@ def doc_anchors() -> list[str]:
 
 
 def test_cited_tags_parser_reads_every_citation_form():
-    text = "\n".join([
-        "# prefix + query + suffix (spec G4)",
-        "# truncate -> score (raw query, spec G4) -> filter penalty",
-        "# statistics under OAI's names (spec §4.1)",
-        '"""as OAI\'s Policy (spec 1.2)."""',
-        "# TF1 Adam, eps 1e-5 (spec O1-O3)",
-        "# reward whitening and GAE (spec P5, P6); spec P2, 4 episodes",
-        "# those that pass the filter (spec LG, P2, P3)",
-        "# global RNG (reward-label order, TV13) untouched; TV10-TV12",
-        "# forward on context + raw response (P7); the spec parser; labeler_spec = spec",
-    ])
+    text = "\n".join(
+        [
+            "# prefix + query + suffix (spec G4)",
+            "# truncate -> score (raw query, spec G4) -> filter penalty",
+            "# statistics under OAI's names (spec §4.1)",
+            '"""as OAI\'s Policy (spec 1.2)."""',
+            "# TF1 Adam, eps 1e-5 (spec O1-O3)",
+            "# reward whitening and GAE (spec P5, P6); spec P2, 4 episodes",
+            "# those that pass the filter (spec LG, P2, P3)",
+            "# global RNG (reward-label order, TV13) untouched; TV10-TV12",
+            "# forward on context + raw response (P7); the spec parser; labeler_spec = spec",
+        ]
+    )
     assert [tag for tag, _ in cited_tags(text)] == [
-        "G4", "G4", "§4.1", "§1.2", "O1", "O2", "O3", "P5", "P6", "P2", "LG", "P2", "P3",
-        "TV13", "TV10", "TV11", "TV12", "P7",
-    ]  # fmt: skip
+        "G4",
+        "G4",
+        "§4.1",
+        "§1.2",
+        "O1",
+        "O2",
+        "O3",
+        "P5",
+        "P6",
+        "P2",
+        "LG",
+        "P2",
+        "P3",
+        "TV13",
+        "TV10",
+        "TV11",
+        "TV12",
+        "P7",
+    ]
     assert [line for _, line in cited_tags(text)][:3] == [1, 2, 3]
     assert [anchor_of(tag) for tag in ("G4", "LG", "TV6", "§4.1", "§4.2", "§9")] == [
-        "g4", "lg", "tv6", "metrics-policy", "metrics-reward", "section-9",
-    ]  # fmt: skip
+        "g4",
+        "lg",
+        "tv6",
+        "metrics-policy",
+        "metrics-reward",
+        "section-9",
+    ]
 
 
 def test_every_spec_tag_in_code_resolves_to_an_anchor():

@@ -13,12 +13,16 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
 import label_generation
-import train_reward
 from lm_human_preference_details.data import QueryStream, load_texts
-from lm_human_preference_details.labels import OAI_PAD_TOKEN, load_labels, read_label_rows
-from lm_human_preference_details.tasks import TaskHParams
 from lm_human_preference_details.labelers import VaderLabeler
-from lm_human_preference_details.modeling import PolicyWithValueHead, load_causal_lm, load_reward_model, score_label_rows
+from lm_human_preference_details.labels import OAI_PAD_TOKEN, load_labels, read_label_rows
+from lm_human_preference_details.modeling import (
+    PolicyWithValueHead,
+    load_causal_lm,
+    load_reward_model,
+    score_label_rows,
+)
+from lm_human_preference_details.tasks import TaskHParams
 from lm_human_preference_details.tokenizer import gpt2_tokenizer_offline
 from tests.conftest import tiny_gpt2
 from tests.planted import REPO, run_script
@@ -28,6 +32,7 @@ from tests.test_labelers import make_reward_model_dir
 def run_label_generation(argv: list[str]) -> dict:
     """label_generation.py in-process, from its command line."""
     return label_generation.main(label_generation.parse(argv))
+
 
 QUERY_LENGTH, RESPONSE_LENGTH, TRUNCATE_AFTER, PERIOD = 16, 8, 4, 13
 WORDS = [" happy", " sad", " love", " hate", "."]
@@ -86,9 +91,22 @@ def world(tmp_path_factory, tokenizer):
 
 
 def generate_flags(world, output, *extra: str) -> list[str]:
-    return ["generate", "--base_model", world["model"], "--task.query_dataset", world["corpus"], "--task.query_length",
-            str(QUERY_LENGTH), "--task.response_length", str(RESPONSE_LENGTH), "--task.truncate_after",
-            str(TRUNCATE_AFTER), "--output", str(output), *extra]
+    return [
+        "generate",
+        "--base_model",
+        world["model"],
+        "--task.query_dataset",
+        world["corpus"],
+        "--task.query_length",
+        str(QUERY_LENGTH),
+        "--task.response_length",
+        str(RESPONSE_LENGTH),
+        "--task.truncate_after",
+        str(TRUNCATE_AFTER),
+        "--output",
+        str(output),
+        *extra,
+    ]
 
 
 def read_rows(path) -> list[dict]:
@@ -115,8 +133,9 @@ def passes_filter_and_is_truncated(sample: list[int]) -> bool:
 def vader_labels(world, tmp_path_factory):
     """16 rows labelled by VADER, written by the real CLI entry point."""
     output = tmp_path_factory.mktemp("vader") / "labels.json"
-    meta = run_label_generation(generate_flags(world, output, "--labeler", "vader", "--num_queries", "16",
-                                                "--batch_size", "8"))
+    meta = run_label_generation(
+        generate_flags(world, output, "--labeler", "vader", "--num_queries", "16", "--batch_size", "8")
+    )
     return output, meta
 
 
@@ -129,9 +148,16 @@ def test_sample_passing_responses_drops_failing_and_truncates(world, tokenizer):
     contexts = torch.tensor([tokenizer.encode(" The cat sat.")] * 24)
     pad = tokenizer.pad_token_id
     responses, done, sampled, passed = label_generation.sample_passing_responses(
-        policy, contexts, task, 2, pad, torch.Generator().manual_seed(0), pass_rate=1.0, max_rounds=1,
+        policy,
+        contexts,
+        task,
+        2,
+        pad,
+        torch.Generator().manual_seed(0),
+        pass_rate=1.0,
+        max_rounds=1,
         max_oversample=1,
-    )  # fmt: skip
+    )
     # one round of 2 candidates per query, ~60% pass: some queries get both, the others stay unfilled (PAD)
     assert sampled == 48 and 0 < passed < sampled and 0 < done.sum() < 24
     assert (responses[~done] == pad).any()
@@ -139,9 +165,16 @@ def test_sample_passing_responses_drops_failing_and_truncates(world, tokenizer):
     kept = torch.where(kept == pad, OAI_PAD_TOKEN, kept)
     assert all(passes_filter_and_is_truncated(row) for row in kept.tolist())
     responses, done, sampled, passed = label_generation.sample_passing_responses(
-        policy, contexts[:6], task, 3, pad, torch.Generator().manual_seed(0), pass_rate=1.0, max_rounds=8,
+        policy,
+        contexts[:6],
+        task,
+        3,
+        pad,
+        torch.Generator().manual_seed(0),
+        pass_rate=1.0,
+        max_rounds=8,
         max_oversample=8,
-    )  # fmt: skip
+    )
     assert done.all() and passed >= 18 and sampled > passed
     kept = torch.where(responses == pad, OAI_PAD_TOKEN, responses).reshape(-1, RESPONSE_LENGTH)
     assert all(passes_filter_and_is_truncated(row) for row in kept.tolist())
@@ -186,10 +219,30 @@ def test_generate_metadata_counts(vader_labels, tokenizer):
 def test_generated_labels_train_a_reward_model(vader_labels, world, tmp_path):
     output, _ = vader_labels
     rm_dir = tmp_path / "rm"
-    run_script("train_reward.py", "--base_model", world["model"], "--label_dataset", str(output),
-               "--task.query_dataset", world["corpus"], "--task.query_length", str(QUERY_LENGTH),
-               "--task.response_length", str(RESPONSE_LENGTH), "--labels.num_train", "16", "--batch_size", "8",
-               "--rollout_batch_size", "8", "--normalize_samples", "8", "--output_dir", str(rm_dir), timeout=300)
+    run_script(
+        "train_reward.py",
+        "--base_model",
+        world["model"],
+        "--label_dataset",
+        str(output),
+        "--task.query_dataset",
+        world["corpus"],
+        "--task.query_length",
+        str(QUERY_LENGTH),
+        "--task.response_length",
+        str(RESPONSE_LENGTH),
+        "--labels.num_train",
+        "16",
+        "--batch_size",
+        "8",
+        "--rollout_batch_size",
+        "8",
+        "--normalize_samples",
+        "8",
+        "--output_dir",
+        str(rm_dir),
+        timeout=300,
+    )
     _, metadata = load_reward_model(str(rm_dir))
     assert metadata["label_dataset"] == str(output) and metadata["num_train"] == 16
 
@@ -197,8 +250,22 @@ def test_generated_labels_train_a_reward_model(vader_labels, world, tmp_path):
 def test_generate_reward_model_best_is_its_argmax(world, tiny_model_dir, tokenizer, tmp_path):
     rm_dir = make_reward_model_dir(tmp_path / "rm", tiny_model_dir, tokenizer)
     output = tmp_path / "rm_labels.json"
-    run_label_generation(generate_flags(world, output, "--labeler", f"reward_model:{rm_dir}", "--num_queries", "6",
-                                         "--num_labels", "3", "--batch_size", "6", "--seed", "3"))
+    run_label_generation(
+        generate_flags(
+            world,
+            output,
+            "--labeler",
+            f"reward_model:{rm_dir}",
+            "--num_queries",
+            "6",
+            "--num_labels",
+            "3",
+            "--batch_size",
+            "6",
+            "--seed",
+            "3",
+        )
+    )
     labels = load_labels(str(output), QUERY_LENGTH, RESPONSE_LENGTH, tokenizer.pad_token_id, 6, num_samples=3)
     reward_model, _ = load_reward_model(rm_dir)
     with torch.no_grad():
@@ -210,9 +277,24 @@ def test_generate_reward_model_best_is_its_argmax(world, tiny_model_dir, tokeniz
 
 def test_generate_skips_queries_without_enough_passing_responses(world, tmp_path):
     output = tmp_path / "skips.json"
-    meta = run_label_generation(generate_flags(world, output, "--labeler", "vader", "--num_queries", "3",
-                                                "--num_labels", "2", "--batch_size", "8", "--max_rounds", "1",
-                                                "--max_oversample", "1"))
+    meta = run_label_generation(
+        generate_flags(
+            world,
+            output,
+            "--labeler",
+            "vader",
+            "--num_queries",
+            "3",
+            "--num_labels",
+            "2",
+            "--batch_size",
+            "8",
+            "--max_rounds",
+            "1",
+            "--max_oversample",
+            "1",
+        )
+    )
     counts = meta["counts"]
     assert len(read_rows(output)) == counts["rows"] == 3
     assert counts["skipped_queries"] > 0 and counts["queries"] == 3 + counts["skipped_queries"]
@@ -259,16 +341,24 @@ def test_generate_unknown_labeler_fails_with_forms(world, tmp_path):
 def run_generate(flags: list[str], answers: str) -> subprocess.CompletedProcess:
     """label_generation.py as a subprocess with `answers` piped to stdin."""
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
-    result = subprocess.run([sys.executable, str(REPO / "label_generation.py"), *flags], input=answers, env=env,
-                            capture_output=True, text=True, timeout=300, cwd=REPO)
+    result = subprocess.run(
+        [sys.executable, str(REPO / "label_generation.py"), *flags],
+        input=answers,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=REPO,
+    )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     return result
 
 
 def test_generate_human_labeler_stops_and_resumes(world, tmp_path):
     output = tmp_path / "human.json"
-    flags = generate_flags(world, output, "--labeler", "human", "--num_queries", "4", "--num_labels", "3",
-                           "--batch_size", "3")
+    flags = generate_flags(
+        world, output, "--labeler", "human", "--num_queries", "4", "--num_labels", "3", "--batch_size", "3"
+    )
     first = run_generate(flags, "x\n1\n0\nq\n")
     assert "invalid answer 'x'" in first.stdout and "stopped: 2 of 4 rows" in first.stdout
     assert first.stdout.count("best response [0-2]") == 4  # 'x', '1', '0', 'q'
@@ -299,19 +389,35 @@ def source_labels(tmp_path_factory, tokenizer, world):
         return ids + [OAI_PAD_TOKEN] * (length - len(ids))
 
     rows = []
-    for i, line in enumerate(lines):
+    for line in lines:
         first, second = line.split(". ", 1)
         samples = [tokens(" " + second.split()[j] + " the end.", RESPONSE_LENGTH) for j in range(4)]
-        rows.append({"query": tokens(first + ".", QUERY_LENGTH), **{f"sample{j}": s for j, s in enumerate(samples)},
-                     "best": int(rng.randint(4))})
+        rows.append(
+            {
+                "query": tokens(first + ".", QUERY_LENGTH),
+                **{f"sample{j}": s for j, s in enumerate(samples)},
+                "best": int(rng.randint(4)),
+            }
+        )
     rows[0]["sample1"] = tokens(" so<|endoftext|>", RESPONSE_LENGTH)
     path.write_text(json.dumps(rows))
     return path
 
 
 def convert_flags(source, target_dir, output, query_length=QUERY_LENGTH, response_length=RESPONSE_LENGTH):
-    return ["convert", "--input", str(source), "--base_model", str(target_dir), "--output", str(output),
-            "--task.query_length", str(query_length), "--task.response_length", str(response_length)]
+    return [
+        "convert",
+        "--input",
+        str(source),
+        "--base_model",
+        str(target_dir),
+        "--output",
+        str(output),
+        "--task.query_length",
+        str(query_length),
+        "--task.response_length",
+        str(response_length),
+    ]
 
 
 def decoded_rows(tokenizer, rows: list[dict], pad_id: int) -> list[list[str]]:
@@ -324,16 +430,20 @@ def test_convert_gpt2_to_gpt2_keeps_tokens(source_labels, tiny_model_dir, tmp_pa
     output = tmp_path / "same.json"
     meta = run_label_generation(convert_flags(source_labels, tiny_model_dir, output))
     assert read_rows(output) == read_rows(source_labels)
-    assert meta["pad_id"] == OAI_PAD_TOKEN and meta["counts"] == {"rows": 12, "truncated_queries": 0,
-                                                                  "truncated_samples": 0}
+    assert meta["pad_id"] == OAI_PAD_TOKEN and meta["counts"] == {
+        "rows": 12,
+        "truncated_queries": 0,
+        "truncated_samples": 0,
+    }
 
 
 def test_convert_to_other_tokenizer_decodes_to_same_texts(source_labels, tokenizer, world, tmp_path):
     bpe = Tokenizer(models.BPE())
     bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     bpe.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<|endoftext|>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=300, special_tokens=["<|endoftext|>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
     with open(world["corpus"], encoding="utf-8") as f:
         bpe.train_from_iterator(f.read().splitlines(), trainer)
     target_dir = tmp_path / "bpe"
@@ -377,8 +487,10 @@ def test_convert_records_pad_when_50259_is_a_real_token(source_labels, tmp_path)
     [
         ({"query": [1, 2]}, "JSON list"),
         ([{"query": [1, 2], "sample": [3], "score": 0.5}], "sample0"),
-        ([{"query": [1], "sample0": [3], "sample1": [4], "best": 0}, {"query": [1], "sample0": [3], "sample1": [4]}],
-         "row 1 is missing field 'best'"),
+        (
+            [{"query": [1], "sample0": [3], "sample1": [4], "best": 0}, {"query": [1], "sample0": [3], "sample1": [4]}],
+            "row 1 is missing field 'best'",
+        ),
     ],
 )
 def test_convert_rejects_file_not_in_oai_schema(tmp_path, tiny_model_dir, content, problem):

@@ -27,8 +27,13 @@ def make_reward_model_dir(path, model_dir: str, tokenizer, fingerprint: str | No
     """A reward model directory as train_reward.py writes it (random head), on the tiny trunk of `model_dir`."""
     torch.manual_seed(0)
     model = RewardModel.from_base(model_dir)
-    metadata = {"base_model": model_dir, "tokenizer": model_dir, "pad_token_id": tokenizer.pad_token_id,
-                "tokenizer_fingerprint": fingerprint or tokenizer_fingerprint(tokenizer), "task": {}}
+    metadata = {
+        "base_model": model_dir,
+        "tokenizer": model_dir,
+        "pad_token_id": tokenizer.pad_token_id,
+        "tokenizer_fingerprint": fingerprint or tokenizer_fingerprint(tokenizer),
+        "task": {},
+    }
     model.save(str(path), metadata)
     tokenizer.save_pretrained(str(path))
     return str(path)
@@ -38,9 +43,17 @@ def make_reward_model_dir(path, model_dir: str, tokenizer, fingerprint: str | No
 def classifier_dir(tmp_path_factory):
     """A tiny GPT-2 sentiment classifier (labels NEGATIVE/POSITIVE) saved with a tokenizer that pads with EOS."""
     path = tmp_path_factory.mktemp("tiny-classifier")
-    config = GPT2Config(n_layer=1, n_head=2, n_embd=16, n_positions=64, vocab_size=50257, num_labels=2,
-                        id2label={0: "NEGATIVE", 1: "POSITIVE"}, label2id={"NEGATIVE": 0, "POSITIVE": 1},
-                        pad_token_id=50256)
+    config = GPT2Config(
+        n_layer=1,
+        n_head=2,
+        n_embd=16,
+        n_positions=64,
+        vocab_size=50257,
+        num_labels=2,
+        id2label={0: "NEGATIVE", 1: "POSITIVE"},
+        label2id={"NEGATIVE": 0, "POSITIVE": 1},
+        pad_token_id=50256,
+    )
     torch.manual_seed(0)
     GPT2ForSequenceClassification(config).save_pretrained(path)
     classifier_tokenizer = gpt2_tokenizer_offline()
@@ -108,8 +121,9 @@ def test_reward_model_labeler_rejects_other_tokenizer(tmp_path, tiny_model_dir, 
 
 def test_reward_model_labeler_missing_dir_names_flag(tmp_path, tokenizer):
     with pytest.raises(FileNotFoundError, match="--rewards.gold_model reward_model:DIR"):
-        load_labeler(f"reward_model:{tmp_path / 'nope'}", tokenizer, tokenizer.pad_token_id, "cpu",
-                     flag="--rewards.gold_model")
+        load_labeler(
+            f"reward_model:{tmp_path / 'nope'}", tokenizer, tokenizer.pad_token_id, "cpu", flag="--rewards.gold_model"
+        )
 
 
 def test_classifier_labeler_scores_log_prob_of_label(classifier_dir, tokenizer):
@@ -122,10 +136,14 @@ def test_classifier_labeler_scores_log_prob_of_label(classifier_dir, tokenizer):
     scores = positive.scores(queries, responses)
     # expected: the classifier run on each text alone (no padding), log-softmax of label 1
     with torch.no_grad():
-        expected = torch.stack([
-            torch.log_softmax(positive.model(**positive.classifier_tokenizer(t, return_tensors="pt")).logits[0], -1)[1]
-            for t in decode_without_pad(tokenizer, responses, pad)
-        ]).view(2, 2)  # fmt: skip
+        expected = torch.stack(
+            [
+                torch.log_softmax(
+                    positive.model(**positive.classifier_tokenizer(t, return_tensors="pt")).logits[0], -1
+                )[1]
+                for t in decode_without_pad(tokenizer, responses, pad)
+            ]
+        ).view(2, 2)
     assert torch.allclose(scores, expected, atol=1e-5)
     # the default label is the last one; '#0' and '#negative' select NEGATIVE
     default = load_labeler(f"classifier:{classifier_dir}", tokenizer, pad, "cpu")
@@ -151,8 +169,13 @@ def test_classifier_labeler_rejects_model_that_cannot_score(tiny_model_dir, toke
 def test_classifier_labeler_offline_hub_fails_fast_naming_flag(offline_hub, tokenizer):
     start = time.perf_counter()
     with pytest.raises(HubUnavailableError) as error:
-        load_labeler("classifier:distilbert/distilbert-base-uncased-finetuned-sst-2-english#POSITIVE", tokenizer,
-                     tokenizer.pad_token_id, "cpu", flag="--labeler")
+        load_labeler(
+            "classifier:distilbert/distilbert-base-uncased-finetuned-sst-2-english#POSITIVE",
+            tokenizer,
+            tokenizer.pad_token_id,
+            "cpu",
+            flag="--labeler",
+        )
     assert time.perf_counter() - start < 5
     assert "--labeler classifier:DIR#POSITIVE" in str(error.value) and "offline" in str(error.value)
 

@@ -8,6 +8,7 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, GPT2Config, GPT2Model
 
 from lm_human_preference_details import hub
+from lm_human_preference_details.kernels import sample_categorical
 from lm_human_preference_details.modeling import (
     REWARD_HEAD_FILE,
     PolicyWithValueHead,
@@ -19,7 +20,6 @@ from lm_human_preference_details.modeling import (
     reward_head_std,
     sample,
 )
-from lm_human_preference_details.kernels import sample_categorical
 from tests.conftest import tiny_gpt2
 
 PAD = 50257

@@ -10,7 +10,6 @@ import pytest
 import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-import train_policy
 from tests.planted import REPO, run_script, write_policy_planted_labels
 from tests.test_train_reward import free_port
 
@@ -29,24 +28,82 @@ def trained_reward(tmp_path_factory, tokenizer, small_vocab_model_dir, small_voc
     """A reward model trained (by the real script) to prefer responses that contain ' happy'."""
     root = tmp_path_factory.mktemp("pipeline")
     corpus = write_unique_corpus(root / "queries.txt")
-    labels = write_policy_planted_labels(root / "labels.json", small_vocab_model_dir, tokenizer, corpus, 320,
-                                         QUERY_LENGTH, RESPONSE_LENGTH, small_vocab_words["happy"], start_text=None,
-                                         end_text=None)
-    run_script("train_reward.py", "--base_model", small_vocab_model_dir, "--label_dataset", str(labels),
-               "--task.query_dataset", str(corpus), "--task.query_length", str(QUERY_LENGTH),
-               "--task.response_length", str(RESPONSE_LENGTH), "--task.start_text", "None", "--task.end_text", "None",
-               "--labels.num_train", "256", "--batch_size", "16", "--lr", "3e-3", "--rollout_batch_size", "128",
-               "--normalize_samples", "512", "--output_dir", str(root / "rm"))
+    labels = write_policy_planted_labels(
+        root / "labels.json",
+        small_vocab_model_dir,
+        tokenizer,
+        corpus,
+        320,
+        QUERY_LENGTH,
+        RESPONSE_LENGTH,
+        small_vocab_words["happy"],
+        start_text=None,
+        end_text=None,
+    )
+    run_script(
+        "train_reward.py",
+        "--base_model",
+        small_vocab_model_dir,
+        "--label_dataset",
+        str(labels),
+        "--task.query_dataset",
+        str(corpus),
+        "--task.query_length",
+        str(QUERY_LENGTH),
+        "--task.response_length",
+        str(RESPONSE_LENGTH),
+        "--task.start_text",
+        "None",
+        "--task.end_text",
+        "None",
+        "--labels.num_train",
+        "256",
+        "--batch_size",
+        "16",
+        "--lr",
+        "3e-3",
+        "--rollout_batch_size",
+        "128",
+        "--normalize_samples",
+        "512",
+        "--output_dir",
+        str(root / "rm"),
+    )
     return {"root": root, "corpus": corpus, "rm": str(root / "rm")}
 
 
 def policy_flags(model_dir: str, trained_reward: dict, output_dir, *extra: str) -> list[str]:
-    return ["--base_model", model_dir, "--rewards.trained_model", trained_reward["rm"],
-            "--task.query_dataset", str(trained_reward["corpus"]), "--task.query_length", str(QUERY_LENGTH),
-            "--task.response_length", str(RESPONSE_LENGTH), "--task.start_text", "None", "--task.end_text", "None",
-            "--task.truncate_token", "None", "--ppo.batch_size", str(BATCH), "--ppo.total_episodes", str(BATCH * UPDATES),
-            "--ppo.lr", "1e-3", "--rewards.adaptive_kl.target", str(KL_TARGET), "--log_interval", "10",
-            "--output_dir", str(output_dir), *extra]
+    return [
+        "--base_model",
+        model_dir,
+        "--rewards.trained_model",
+        trained_reward["rm"],
+        "--task.query_dataset",
+        str(trained_reward["corpus"]),
+        "--task.query_length",
+        str(QUERY_LENGTH),
+        "--task.response_length",
+        str(RESPONSE_LENGTH),
+        "--task.start_text",
+        "None",
+        "--task.end_text",
+        "None",
+        "--task.truncate_token",
+        "None",
+        "--ppo.batch_size",
+        str(BATCH),
+        "--ppo.total_episodes",
+        str(BATCH * UPDATES),
+        "--ppo.lr",
+        "1e-3",
+        "--rewards.adaptive_kl.target",
+        str(KL_TARGET),
+        "--log_interval",
+        "10",
+        "--output_dir",
+        str(output_dir),
+        *extra,
+    ]
 
 
 def scalars(run_dir, tag: str) -> list[float]:
@@ -56,10 +113,16 @@ def scalars(run_dir, tag: str) -> list[float]:
 
 
 @pytest.mark.slow
-def test_policy_raises_the_learned_reward_with_the_kl_controller_in_charge(tmp_path, small_vocab_model_dir, trained_reward):
+def test_policy_raises_the_learned_reward_with_the_kl_controller_in_charge(
+    tmp_path, small_vocab_model_dir, trained_reward
+):
     out = tmp_path / "policy"
-    result = run_script("train_policy.py", *policy_flags(small_vocab_model_dir, trained_reward, out,
-                                                         "--rewards.gold_model", f"reward_model:{trained_reward['rm']}"))
+    result = run_script(
+        "train_policy.py",
+        *policy_flags(
+            small_vocab_model_dir, trained_reward, out, "--rewards.gold_model", f"reward_model:{trained_reward['rm']}"
+        ),
+    )
     assert "update 0" in result.stdout  # the sample table was printed
     score, kl, kl_coef = (scalars(out, f"objective/{k}") for k in ("score", "kl", "kl_coef"))
     assert len(score) == UPDATES
@@ -82,9 +145,16 @@ def test_policy_raises_the_learned_reward_with_the_kl_controller_in_charge(tmp_p
 @pytest.mark.slow
 def test_two_processes_share_kl_coef_and_draw_disjoint_queries(tmp_path, small_vocab_model_dir, trained_reward):
     launcher = tmp_path / "launch.py"
-    flags = policy_flags(small_vocab_model_dir, trained_reward, tmp_path / "policy", "--ppo.total_episodes", str(BATCH * 4),
-                         "--ppo.no_whiten_rewards")
-    launcher.write_text(textwrap.dedent(f"""
+    flags = policy_flags(
+        small_vocab_model_dir,
+        trained_reward,
+        tmp_path / "policy",
+        "--ppo.total_episodes",
+        str(BATCH * 4),
+        "--ppo.no_whiten_rewards",
+    )
+    launcher.write_text(
+        textwrap.dedent(f"""
         import json, sys
         sys.path.insert(0, {str(REPO)!r})
         import train_policy
@@ -103,10 +173,19 @@ def test_two_processes_share_kl_coef_and_draw_disjoint_queries(tmp_path, small_v
         rank = PartialState().process_index
         json.dump({{"kl_coef": [h["objective/kl_coef"] for h in history], "kl": [h["objective/kl"] for h in history],
                    "queries": drawn}}, open({str(tmp_path)!r} + f"/rank{{rank}}.json", "w"))
-    """))
+    """)
+    )
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "WANDB_MODE": "offline"}
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
-               str(launcher)]
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        "2",
+        "--master_port",
+        str(free_port()),
+        str(launcher),
+    ]
     run = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-5000:]
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
@@ -116,4 +195,3 @@ def test_two_processes_share_kl_coef_and_draw_disjoint_queries(tmp_path, small_v
     queries = [set(map(tuple, r["queries"])) for r in ranks]
     assert len(queries[0]) == len(ranks[0]["queries"]) == 4 * BATCH // 2
     assert not queries[0] & queries[1]
-

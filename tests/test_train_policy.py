@@ -32,13 +32,32 @@ PAD = 50257
 
 # spec §4.1: OAI's policy metric names (train_policy.py#L199-L261)
 OAI_POLICY_METRICS = {
-    "objective/kl", "objective/kl_coef", "objective/entropy", "objective/score", "objective/score_total",
-    "ppo/loss/policy", "ppo/loss/value", "ppo/loss/total",
-    "ppo/policy/entropy", "ppo/policy/approxkl", "ppo/policy/clipfrac",
-    "ppo/returns/mean", "ppo/returns/var",
-    "ppo/val/vpred", "ppo/val/error", "ppo/val/clipfrac", "ppo/val/mean", "ppo/val/var", "ppo/val/var_explained",
-    "elapsed/updates", "elapsed/steps/serial", "elapsed/steps/total", "elapsed/episodes", "elapsed/fps", "elapsed/time",
-}  # fmt: skip
+    "objective/kl",
+    "objective/kl_coef",
+    "objective/entropy",
+    "objective/score",
+    "objective/score_total",
+    "ppo/loss/policy",
+    "ppo/loss/value",
+    "ppo/loss/total",
+    "ppo/policy/entropy",
+    "ppo/policy/approxkl",
+    "ppo/policy/clipfrac",
+    "ppo/returns/mean",
+    "ppo/returns/var",
+    "ppo/val/vpred",
+    "ppo/val/error",
+    "ppo/val/clipfrac",
+    "ppo/val/mean",
+    "ppo/val/var",
+    "ppo/val/var_explained",
+    "elapsed/updates",
+    "elapsed/steps/serial",
+    "elapsed/steps/total",
+    "elapsed/episodes",
+    "elapsed/fps",
+    "elapsed/time",
+}
 
 QUERY_TEXTS = [
     "The old man walked slowly down the road, thinking about the letter he had received that morning.",
@@ -113,9 +132,7 @@ def test_compute_advantages_matches_discounted_loop_per_row():
     # A_t = sum_k (gamma*lam)^k delta_{t+k}, delta_t = r_t + gamma V_{t+1} - V_t, V_L = 0
     next_values = torch.cat([values[:, 1:], torch.zeros(3, 1, dtype=torch.float64)], 1)
     deltas = rewards + gamma * next_values - values
-    expected = torch.stack(
-        [sum((gamma * lam) ** (k - t) * deltas[:, k] for k in range(t, 5)) for t in range(5)], 1
-    )
+    expected = torch.stack([sum((gamma * lam) ** (k - t) * deltas[:, k] for k in range(t, 5)) for t in range(5)], 1)
     torch.testing.assert_close(advantages, expected)
 
 
@@ -196,8 +213,17 @@ def test_ppo_losses_hand_computed_example():
 
 def test_ppo_losses_gradient_vanishes_when_ratio_clipped():
     new_logprobs = torch.log(torch.tensor([[1.5]])).requires_grad_()
-    out = ppo_losses(new_logprobs, torch.zeros(1, 1), torch.zeros(1, 1), torch.zeros(1, 1), torch.ones(1, 1),
-                     torch.zeros(1, 1), 0.2, 0.2, 0.1)  # fmt: skip
+    out = ppo_losses(
+        new_logprobs,
+        torch.zeros(1, 1),
+        torch.zeros(1, 1),
+        torch.zeros(1, 1),
+        torch.ones(1, 1),
+        torch.zeros(1, 1),
+        0.2,
+        0.2,
+        0.1,
+    )
     out["loss/total"].backward()
     assert new_logprobs.grad.abs().item() == 0.0
 
@@ -281,9 +307,15 @@ def tiny_args(output_dir, model_dir: str, rm_dir: str, query_file: str, preset: 
     args.base_model, args.output_dir = model_dir, str(output_dir)
     args.log_interval, args.save_interval, args.print_samples = 1, 0, 2
     args.task = dataclasses.replace(
-        args.task, query_dataset=query_file, query_length=16, response_length=8, start_text=None, end_text=None,
-        truncate_token=13, truncate_after=2,
-    )  # fmt: skip
+        args.task,
+        query_dataset=query_file,
+        query_length=16,
+        response_length=8,
+        start_text=None,
+        end_text=None,
+        truncate_token=13,
+        truncate_after=2,
+    )
     args.rewards.trained_model = rm_dir
     args.ppo = dataclasses.replace(args.ppo, **{"total_episodes": 16, "batch_size": 8, **ppo})
     return args

@@ -14,13 +14,25 @@ import torch
 import train_reward
 from lm_human_preference_details.data import QueryStream, load_texts
 from lm_human_preference_details.labels import best_of_n_loss
+from lm_human_preference_details.modeling import (
+    PolicyWithValueHead,
+    RewardModel,
+    load_causal_lm,
+    load_reward_model,
+    sample,
+)
 from lm_human_preference_details.tasks import TaskHParams
-from lm_human_preference_details.modeling import PolicyWithValueHead, RewardModel, load_causal_lm, load_reward_model, sample
 from tests.planted import REPO, run_script, write_policy_planted_labels, write_query_file
 
 QUERY_LENGTH, RESPONSE_LENGTH = 16, 8
-TASK_FLAGS = ["--task.query_length", str(QUERY_LENGTH), "--task.response_length", str(RESPONSE_LENGTH),
-              "--task.truncate_after", "4"]
+TASK_FLAGS = [
+    "--task.query_length",
+    str(QUERY_LENGTH),
+    "--task.response_length",
+    str(RESPONSE_LENGTH),
+    "--task.truncate_after",
+    "4",
+]
 
 
 @pytest.fixture(scope="module")
@@ -29,15 +41,35 @@ def world(tmp_path_factory, tokenizer, tiny_model_dir):
     root = tmp_path_factory.mktemp("reward-world")
     corpus = write_query_file(root / "queries.txt")
     marker = tokenizer.encode(" happy")[0]
-    labels = write_policy_planted_labels(root / "labels.json", tiny_model_dir, tokenizer, corpus, 640, QUERY_LENGTH,
-                                         RESPONSE_LENGTH, marker)
+    labels = write_policy_planted_labels(
+        root / "labels.json", tiny_model_dir, tokenizer, corpus, 640, QUERY_LENGTH, RESPONSE_LENGTH, marker
+    )
     return {"root": root, "corpus": corpus, "labels": labels}
 
 
 def reward_flags(model_dir, world, output_dir, *extra):
-    return ["--base_model", model_dir, "--label_dataset", str(world["labels"]), "--task.query_dataset",
-            str(world["corpus"]), *TASK_FLAGS, "--labels.num_train", "512", "--batch_size", "16", "--lr", "3e-3",
-            "--rollout_batch_size", "256", "--normalize_samples", "1024", "--output_dir", str(output_dir), *extra]
+    return [
+        "--base_model",
+        model_dir,
+        "--label_dataset",
+        str(world["labels"]),
+        "--task.query_dataset",
+        str(world["corpus"]),
+        *TASK_FLAGS,
+        "--labels.num_train",
+        "512",
+        "--batch_size",
+        "16",
+        "--lr",
+        "3e-3",
+        "--rollout_batch_size",
+        "256",
+        "--normalize_samples",
+        "1024",
+        "--output_dir",
+        str(output_dir),
+        *extra,
+    ]
 
 
 def test_best_of_n_loss_is_softmax_cross_entropy():
@@ -63,7 +95,12 @@ def test_score_label_rows_matches_separate_forwards(tiny_model_dir, tokenizer):
 
 def test_presets_follow_oai_launch():
     tldr, sentiment = train_reward.oai_presets()["tldr"], train_reward.oai_presets()["sentiment"]
-    assert (sentiment.labels.num_train, sentiment.batch_size, sentiment.lr, sentiment.rollout_batch_size) == (4992, 32, 5e-5, 512)
+    assert (sentiment.labels.num_train, sentiment.batch_size, sentiment.lr, sentiment.rollout_batch_size) == (
+        4992,
+        32,
+        5e-5,
+        512,
+    )
     assert (tldr.labels.num_train, tldr.batch_size, tldr.lr, tldr.rollout_batch_size) == (46000, 16, 2.5e-5, 128)
     assert tldr.label_dataset == "tldr/online_45k.json" and tldr.task.query_length == 500
     assert train_reward.oai_presets()["descriptiveness"].label_dataset == "descriptiveness/offline_5k.json"
@@ -84,7 +121,12 @@ def test_train_reward_learns_planted_preference_and_normalizes(tmp_path, tiny_mo
     events = EventAccumulator(str(out / "tb"))
     events.Reload()
     tags = set(events.Tags()["scalars"])
-    assert {"train_reward/minibatch/loss", "train_reward/minibatch/error", "eval/accuracy", "normalize_after/std"} <= tags
+    assert {
+        "train_reward/minibatch/loss",
+        "train_reward/minibatch/error",
+        "eval/accuracy",
+        "normalize_after/std",
+    } <= tags
     assert len(events.Scalars("train_reward/minibatch/loss")) == 512 // 16
     # fresh samples of the base policy score N(0, 1) under the normalized reward model
     task = TaskHParams(query_dataset=str(world["corpus"]), query_length=QUERY_LENGTH, response_length=RESPONSE_LENGTH)
@@ -100,9 +142,16 @@ def test_train_reward_learns_planted_preference_and_normalizes(tmp_path, tiny_mo
 
 def test_label_order_is_rank_zero_permutation_of_seed(tmp_path, tiny_model_dir, world):
     args = train_reward.Args(
-        base_model=tiny_model_dir, label_dataset=str(world["labels"]), output_dir=str(tmp_path / "rm"),
-        task=TaskHParams(query_dataset=str(world["corpus"]), query_length=QUERY_LENGTH, response_length=RESPONSE_LENGTH),
-        labels=train_reward.LabelHParams(num_train=64), batch_size=16, normalize_before=False, normalize_after=False,
+        base_model=tiny_model_dir,
+        label_dataset=str(world["labels"]),
+        output_dir=str(tmp_path / "rm"),
+        task=TaskHParams(
+            query_dataset=str(world["corpus"]), query_length=QUERY_LENGTH, response_length=RESPONSE_LENGTH
+        ),
+        labels=train_reward.LabelHParams(num_train=64),
+        batch_size=16,
+        normalize_before=False,
+        normalize_after=False,
     )
     result = train_reward.main(args)
     assert result["label_indices"] == np.random.RandomState(args.seed).permutation(64).tolist()  # spec R6, TV13
@@ -111,10 +160,18 @@ def test_label_order_is_rank_zero_permutation_of_seed(tmp_path, tiny_model_dir, 
 def test_gradient_accumulation_gives_the_same_update(tmp_path, tiny_model_dir, world):
     def train(accumulation: int) -> dict:
         args = train_reward.Args(
-            base_model=tiny_model_dir, label_dataset=str(world["labels"]), output_dir=str(tmp_path / f"rm{accumulation}"),
-            task=TaskHParams(query_dataset=str(world["corpus"]), query_length=QUERY_LENGTH, response_length=RESPONSE_LENGTH),
-            labels=train_reward.LabelHParams(num_train=32), batch_size=16, gradient_accumulation_steps=accumulation,
-            lr=1e-3, normalize_before=False, normalize_after=False,
+            base_model=tiny_model_dir,
+            label_dataset=str(world["labels"]),
+            output_dir=str(tmp_path / f"rm{accumulation}"),
+            task=TaskHParams(
+                query_dataset=str(world["corpus"]), query_length=QUERY_LENGTH, response_length=RESPONSE_LENGTH
+            ),
+            labels=train_reward.LabelHParams(num_train=32),
+            batch_size=16,
+            gradient_accumulation_steps=accumulation,
+            lr=1e-3,
+            normalize_before=False,
+            normalize_after=False,
         )
         train_reward.main(args)
         return load_reward_model(args.output_dir)[0].state_dict()
@@ -176,15 +233,18 @@ def free_port() -> int:
 @pytest.mark.slow
 def test_two_processes_agree_on_weights_and_shard_labels_like_oai(tmp_path, tiny_model_dir, world):
     launcher = tmp_path / "launch.py"
-    launcher.write_text(textwrap.dedent(f"""
+    launcher.write_text(
+        textwrap.dedent(f"""
         import json, sys, torch
         sys.path.insert(0, {str(REPO)!r})
         import train_reward
         from lm_human_preference_details.tasks import TaskHParams
         args = train_reward.Args(
             base_model={tiny_model_dir!r}, label_dataset={str(world["labels"])!r}, output_dir={str(tmp_path / "rm")!r},
-            task=TaskHParams(query_dataset={str(world["corpus"])!r}, query_length={QUERY_LENGTH}, response_length={RESPONSE_LENGTH}),
-            labels=train_reward.LabelHParams(num_train=64), batch_size=16, lr=1e-3, rollout_batch_size=32, normalize_samples=32,
+            task=TaskHParams(query_dataset={str(world["corpus"])!r}, query_length={QUERY_LENGTH},
+                             response_length={RESPONSE_LENGTH}),
+            labels=train_reward.LabelHParams(num_train=64), batch_size=16, lr=1e-3, rollout_batch_size=32,
+            normalize_samples=32,
         )
         result = train_reward.main(args)
         from accelerate import PartialState
@@ -192,9 +252,19 @@ def test_two_processes_agree_on_weights_and_shard_labels_like_oai(tmp_path, tiny
         torch.save(result["model"].state_dict(), {str(tmp_path)!r} + f"/weights{{rank}}.pt")
         json.dump({{"indices": result["label_indices"], "gain": result["gain"], "bias": result["bias"]}},
                   open({str(tmp_path)!r} + f"/rank{{rank}}.json", "w"))
-    """))
+    """)
+    )
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "WANDB_MODE": "offline"}
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()), str(launcher)]
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        "2",
+        "--master_port",
+        str(free_port()),
+        str(launcher),
+    ]
     run = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-5000:]
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
