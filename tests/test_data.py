@@ -2,6 +2,7 @@
 
 import dataclasses
 import json
+import random
 import time
 
 import datasets
@@ -11,7 +12,14 @@ import pytest
 import torch
 import tyro
 
-from lm_human_preference_details.data import HubTexts, QueryStream, clean_cnndm_article, clean_tldr_post, load_texts
+from lm_human_preference_details.data import (
+    HubTexts,
+    QueryStream,
+    clean_cnndm_article,
+    clean_tldr_post,
+    load_texts,
+    oai_shuffle_order,
+)
 from lm_human_preference_details.hub import HubUnavailableError
 from lm_human_preference_details.labels import OAI_PAD_TOKEN, load_labels, save_labels
 from lm_human_preference_details.tasks import (
@@ -211,11 +219,20 @@ def _numbered_texts(n: int, skip_every: int = 0) -> list[str]:
     ]
 
 
+def _oai_shuffled(texts: list[str], seed: int) -> list[str]:
+    """The texts in OAI's order: Python's global `random.seed(seed); random.shuffle(texts)` (datasets/books.py)."""
+    shuffled = list(texts)
+    state = random.getstate()
+    random.seed(seed)
+    random.shuffle(shuffled)
+    random.setstate(state)
+    return shuffled
+
+
 def _expected_queries(texts, tokenizer, task, data_seed=0):
-    """The valid queries of one pass in OAI's order, derived directly from the permutation and build_query."""
-    order = np.random.RandomState(data_seed).permutation(len(texts))
+    """The valid queries of one pass in OAI's order, derived directly from Python's shuffle and build_query."""
     start, end = text_to_token(tokenizer, task.start_text), text_to_token(tokenizer, task.end_text)
-    tokens = encode_texts(tokenizer, [texts[i] for i in order])
+    tokens = encode_texts(tokenizer, _oai_shuffled(texts, data_seed))
     queries = [build_query(t, task.query_length, start, end, tokenizer.pad_token_id) for t in tokens]
     return [q for q in queries if q is not None]
 
@@ -233,6 +250,23 @@ def test_query_stream_follows_seeded_permutation_and_right_pads(tokenizer):
     assert real[:, 0].all()
     assert torch.equal(real, real.cummin(dim=1).values)  # PADs only on the right
     assert (~real).any()
+
+
+@pytest.mark.parametrize("num_texts", [1, 2, 7, 1000, 70_000])
+def test_oai_shuffle_order_equals_python_random_shuffle_of_the_texts(num_texts):
+    texts = [f"text {i}" for i in range(num_texts)]
+    order = oai_shuffle_order(num_texts, 0)
+    assert [texts[i] for i in order] == _oai_shuffled(texts, 0)
+    assert sorted(order.tolist()) == list(range(num_texts))
+
+
+def test_query_stream_order_is_oai_python_shuffle(tokenizer):
+    texts = [f"Intro {i}. Passage {i} ends here." for i in range(10)]
+    period = text_to_token(tokenizer, ".")
+    expected = [build_query(t, 12, period, period, PAD) for t in encode_texts(tokenizer, _oai_shuffled(texts, 0))]
+    assert QueryStream(texts, tokenizer, BOOKS, rank=0, world_size=1).next_batch(10).tolist() == expected
+    # NumPy's permutation (the order used before) starts with another text
+    assert texts[np.random.RandomState(0).permutation(10)[0]] != _oai_shuffled(texts, 0)[0]
 
 
 @pytest.mark.parametrize("chunk_size", [4, 1024])
@@ -270,13 +304,15 @@ def test_query_stream_deterministic_and_seeded(tokenizer):
     assert not torch.equal(a, c)
 
 
-def test_query_stream_leaves_global_numpy_rng_untouched(tokenizer):
+def test_query_stream_leaves_global_rngs_untouched(tokenizer):
     np.random.seed(1)
-    state = np.random.get_state()
+    random.seed(2)
+    state, python_state = np.random.get_state(), random.getstate()
     stream = QueryStream(_numbered_texts(20), tokenizer, BOOKS, 0, 1, data_seed=5)
     stream.next_batch(30)
     after = np.random.get_state()
     assert all(np.array_equal(x, y) for x, y in zip(state, after))
+    assert random.getstate() == python_state
     assert np.random.permutation(4992)[:4].tolist() == [4486, 2985, 3023, 1328]  # TV13 order still intact
 
 
