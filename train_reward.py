@@ -65,7 +65,7 @@ class Args:
     """pretrained model (hub id or local directory) for the reward trunk and for the normalization samples"""
     label_dataset: str = "sentiment/offline_5k.json"
     """label file: a local JSON path in OAI's schema, or a file of the hub dataset vwxyzjn/lm-human-preferences"""
-    task: TaskHParams = field(default_factory=TaskHParams)
+    task: TaskHParams = field(default_factory=lambda: dataclasses.replace(TASKS["sentiment"]))
     """query construction, response length and sampling temperature (OAI lm_tasks.py)"""
     labels: LabelHParams = field(default_factory=LabelHParams)
     """which labels to train on"""

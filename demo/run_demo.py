@@ -477,7 +477,7 @@ def summarize(
 
 def main(args: Args) -> dict:
     """Run every stage, evaluate, write results.json and curves.png; returns the results."""
-    from lm_human_preference_details.tasks import TaskHParams
+    from lm_human_preference_details.tasks import TASKS
 
     start = time.time()
     settings = QUICK if args.quick else FULL
@@ -488,7 +488,8 @@ def main(args: Args) -> dict:
     # 6. evaluation on held-out queries, and the curves from the TensorBoard events of the two training runs
     print("\n=== evaluation ===", flush=True)
     eval_start = time.time()
-    task = TaskHParams(
+    task = dataclasses.replace(
+        TASKS["sentiment"],
         query_dataset=str(world_dir / "heldout.txt"),
         query_length=QUERY_LENGTH,
         response_length=RESPONSE_LENGTH,

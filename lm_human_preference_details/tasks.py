@@ -11,13 +11,15 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 
-@dataclass
+@dataclass(kw_only=True)
 class TaskHParams:
-    """Query/response settings of one task; defaults are OAI's books task (sentiment, descriptiveness)."""
+    """Query/response settings of one task; class defaults are OAI's TaskHParams, the experiments' values are TASKS."""
 
-    query_length: int = 64
+    # OAI's defaults: query/response lengths and dataset are required (None), start '.', no end, no truncation
+    # https://github.com/openai/lm-human-preferences/blob/cbfd210bb8b08f6bc5c26878c10984b90f516c66/lm_human_preferences/lm_tasks.py#L11-L34
+    query_length: int
     """query tokens, right-padded with PAD (OAI launch.py#L9)"""
-    query_dataset: str = "books"
+    query_dataset: str
     """books | tldr | cnndm (HF hub) or a local .txt (one passage per line) / .jsonl ("text" field) (launch.py#L10)"""
     query_prefix: str = ""
     """text put before the query for the policy only, never the reward model (launch.py#L22; lm_tasks.py#L68-L80)"""
@@ -25,18 +27,19 @@ class TaskHParams:
     """text put after the query for the policy only, e.g. '\\n\\nTL;DR:' (launch.py#L23, #L37)"""
     start_text: str | None = "."
     """a query starts right after the first occurrence of this single-token text; None: no trimming (launch.py#L12)"""
-    end_text: str | None = "."
+    end_text: str | None = None
     """a query ends at the last occurrence of this single-token text; None: no trimming (launch.py#L13)"""
-    response_length: int = 24
+    response_length: int
     """sampled response tokens per query, fixed length, no EOS stop (launch.py#L11)"""
-    truncate_token: int | None = 13
+    truncate_token: int | None = None
     """response tokens after its first occurrence at index >= truncate_after become PAD; 13 = '.' (launch.py#L14)"""
-    truncate_after: int = 16
+    truncate_after: int = 0
     """responses must contain truncate_token at index >= this to pass the filter (launch.py#L15)"""
     penalty_reward_value: float = -1.0
     """score given to responses that fail the filter, replacing the reward model's (lm_tasks.py#L32)"""
-    temperature: float = 0.7
-    """sampling temperature of the policy and reference policy, also applied to log-probs (launch.py#L17)"""
+    temperature: float = 1.0
+    """sampling temperature of the policy and reference policy, also applied to log-probs (OAI task.policy.temperature,
+    lm_tasks.py#L13; launch.py#L17)"""
 
 
 # launch.py's task presets; copy with dataclasses.replace before changing a field

@@ -1,5 +1,6 @@
 """Small offline worlds for end-to-end tests: a query corpus and label files with a planted preference."""
 
+import dataclasses
 import json
 import os
 import random
@@ -8,12 +9,18 @@ import sys
 from pathlib import Path
 
 from lm_human_preference_details.labels import OAI_PAD_TOKEN
+from lm_human_preference_details.tasks import TASKS, TaskHParams
 
 REPO = Path(__file__).resolve().parents[1]
 SUBJECTS = ["the cat", "a dog", "my friend", "the old man", "her sister", "the teacher", "a bird", "our neighbour"]
 VERBS = ["walked to", "looked at", "talked about", "thought about", "found", "painted", "visited", "remembered"]
 OBJECTS = ["the house", "a river", "the garden", "an apple", "the city", "a small boat", "the station", "the forest"]
 ENDINGS = ["in the morning", "after dinner", "with a smile", "for a while", "before the rain", "at night"]
+
+
+def books_task(**fields) -> TaskHParams:
+    """OAI's books task (the sentiment preset) with some fields replaced."""
+    return dataclasses.replace(TASKS["sentiment"], **fields)
 
 
 def write_query_file(path: Path, n: int = 300, seed: int = 0) -> Path:
@@ -63,9 +70,8 @@ def write_policy_planted_labels(
 
     from lm_human_preference_details.data import QueryStream, load_texts
     from lm_human_preference_details.modeling import PolicyWithValueHead, load_causal_lm, sample
-    from lm_human_preference_details.tasks import TaskHParams
 
-    task = TaskHParams(
+    task = books_task(
         query_dataset=str(corpus), query_length=query_length, response_length=response_length, **task_fields
     )
     queries = QueryStream(load_texts(str(corpus)), tokenizer, task, 0, 1, data_seed=seed).next_batch(n_rows)

@@ -116,8 +116,19 @@ def test_tasks_match_launch_presets():
 
 
 def test_task_hparams_parse_with_tyro():
-    task = tyro.cli(TaskHParams, args=["--query-length", "500", "--start-text", "None", "--truncate-token", "None"])
-    assert (task.query_length, task.start_text, task.truncate_token, task.end_text) == (500, None, None, ".")
+    args = ["--query-length", "500", "--start-text", "None", "--truncate-token", "13", "--end-text", "."]
+    task = tyro.cli(TaskHParams, default=TASKS["tldr"], args=args)
+    assert (task.query_length, task.start_text, task.truncate_token, task.end_text) == (500, None, 13, ".")
+    assert task.query_dataset == "tldr" and task.response_length == 75
+
+
+def test_task_hparams_class_defaults_are_oai_lm_tasks_defaults():
+    # OAI lm_tasks.py#L11-L34: lengths and dataset required; start '.', no end text, no truncation, penalty -1, T 1.0
+    with pytest.raises(TypeError):
+        TaskHParams(query_length=64, response_length=24)  # query_dataset is required
+    task = TaskHParams(query_length=64, query_dataset="books", response_length=24)
+    assert (task.query_prefix, task.query_suffix, task.start_text, task.end_text) == ("", "", ".", None)
+    assert (task.truncate_token, task.truncate_after, task.penalty_reward_value, task.temperature) == (None, 0, -1, 1.0)
 
 
 def test_format_contexts_tldr_suffix(tokenizer):

@@ -22,10 +22,9 @@ from lm_human_preference_details.modeling import (
     load_reward_model,
     score_label_rows,
 )
-from lm_human_preference_details.tasks import TaskHParams
 from lm_human_preference_details.tokenizer import gpt2_tokenizer_offline
 from tests.conftest import tiny_gpt2
-from tests.planted import REPO, run_script
+from tests.planted import REPO, books_task, run_script
 from tests.test_labelers import make_reward_model_dir
 
 
@@ -143,7 +142,7 @@ def vader_labels(world, tmp_path_factory):
 
 
 def test_sample_passing_responses_drops_failing_and_truncates(world, tokenizer):
-    task = TaskHParams(query_length=QUERY_LENGTH, response_length=RESPONSE_LENGTH, truncate_after=TRUNCATE_AFTER)
+    task = books_task(query_length=QUERY_LENGTH, response_length=RESPONSE_LENGTH, truncate_after=TRUNCATE_AFTER)
     policy = PolicyWithValueHead(load_causal_lm(world["model"]))
     contexts = torch.tensor([tokenizer.encode(" The cat sat.")] * 24)
     pad = tokenizer.pad_token_id
@@ -179,7 +178,7 @@ def test_sample_passing_responses_drops_failing_and_truncates(world, tokenizer):
     kept = torch.where(responses == pad, OAI_PAD_TOKEN, responses).reshape(-1, RESPONSE_LENGTH)
     assert all(passes_filter_and_is_truncated(row) for row in kept.tolist())
     # without a truncate token every response passes: one round of exactly N per query
-    no_filter = TaskHParams(query_length=QUERY_LENGTH, response_length=RESPONSE_LENGTH, truncate_token=None)
+    no_filter = books_task(query_length=QUERY_LENGTH, response_length=RESPONSE_LENGTH, truncate_token=None)
     responses, done, sampled, passed = label_generation.sample_passing_responses(
         policy, contexts[:6], no_filter, 3, pad, torch.Generator().manual_seed(0), 1.0, 8, 8
     )
@@ -326,7 +325,7 @@ def test_generate_extends_a_file_like_a_fresh_run_and_writes_raw_queries(world, 
     assert read_rows(extended) == read_rows(fresh) and len(read_rows(fresh)) == 7
     assert read_meta(extended)["counts"] == read_meta(fresh)["counts"]
     # queries in OAI's data order, without the policy's suffix (the reward model never sees it, spec G4)
-    task = TaskHParams(query_dataset=world["corpus"], query_length=QUERY_LENGTH)
+    task = books_task(query_dataset=world["corpus"], query_length=QUERY_LENGTH)
     expected = QueryStream(load_texts(world["corpus"]), tokenizer, task, 0, 1).next_batch(7)
     expected[expected == tokenizer.pad_token_id] = OAI_PAD_TOKEN
     assert [row["query"] for row in read_rows(fresh)] == expected.tolist()

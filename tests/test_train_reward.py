@@ -21,8 +21,7 @@ from lm_human_preference_details.modeling import (
     load_reward_model,
     sample,
 )
-from lm_human_preference_details.tasks import TaskHParams
-from tests.planted import REPO, run_script, write_policy_planted_labels, write_query_file
+from tests.planted import REPO, books_task, run_script, write_policy_planted_labels, write_query_file
 
 QUERY_LENGTH, RESPONSE_LENGTH = 16, 8
 TASK_FLAGS = [
@@ -129,7 +128,7 @@ def test_train_reward_learns_planted_preference_and_normalizes(tmp_path, tiny_mo
     } <= tags
     assert len(events.Scalars("train_reward/minibatch/loss")) == 512 // 16
     # fresh samples of the base policy score N(0, 1) under the normalized reward model
-    task = TaskHParams(query_dataset=str(world["corpus"]), query_length=QUERY_LENGTH, response_length=RESPONSE_LENGTH)
+    task = books_task(query_dataset=str(world["corpus"]), query_length=QUERY_LENGTH, response_length=RESPONSE_LENGTH)
     stream = QueryStream(load_texts(task.query_dataset), tokenizer, task, rank=0, world_size=1, data_seed=123)
     policy = PolicyWithValueHead(load_causal_lm(tiny_model_dir))
     generator = torch.Generator().manual_seed(7)
@@ -145,9 +144,7 @@ def test_label_order_is_rank_zero_permutation_of_seed(tmp_path, tiny_model_dir, 
         base_model=tiny_model_dir,
         label_dataset=str(world["labels"]),
         output_dir=str(tmp_path / "rm"),
-        task=TaskHParams(
-            query_dataset=str(world["corpus"]), query_length=QUERY_LENGTH, response_length=RESPONSE_LENGTH
-        ),
+        task=books_task(query_dataset=str(world["corpus"]), query_length=QUERY_LENGTH, response_length=RESPONSE_LENGTH),
         labels=train_reward.LabelHParams(num_train=64),
         batch_size=16,
         normalize_before=False,
@@ -163,7 +160,7 @@ def test_gradient_accumulation_gives_the_same_update(tmp_path, tiny_model_dir, w
             base_model=tiny_model_dir,
             label_dataset=str(world["labels"]),
             output_dir=str(tmp_path / f"rm{accumulation}"),
-            task=TaskHParams(
+            task=books_task(
                 query_dataset=str(world["corpus"]), query_length=QUERY_LENGTH, response_length=RESPONSE_LENGTH
             ),
             labels=train_reward.LabelHParams(num_train=32),
@@ -238,10 +235,10 @@ def test_two_processes_agree_on_weights_and_shard_labels_like_oai(tmp_path, tiny
         import json, sys, torch
         sys.path.insert(0, {str(REPO)!r})
         import train_reward
-        from lm_human_preference_details.tasks import TaskHParams
+        from tests.planted import books_task
         args = train_reward.Args(
             base_model={tiny_model_dir!r}, label_dataset={str(world["labels"])!r}, output_dir={str(tmp_path / "rm")!r},
-            task=TaskHParams(query_dataset={str(world["corpus"])!r}, query_length={QUERY_LENGTH},
+            task=books_task(query_dataset={str(world["corpus"])!r}, query_length={QUERY_LENGTH},
                              response_length={RESPONSE_LENGTH}),
             labels=train_reward.LabelHParams(num_train=64), batch_size=16, lr=1e-3, rollout_batch_size=32,
             normalize_samples=32,
