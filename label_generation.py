@@ -1,12 +1,14 @@
-"""Best-of-N label files in OAI's schema: sample responses of a pretrained model, let a labeler pick the best one.
+"""Label files in OAI's schemas: sample responses of a pretrained model, let a labeler pick the best one (best-of-N)
+or score them (scalar_rating: one response and its score; scalar_compare: two responses and score1 - score0).
 
-OAI released the label schema but no labeling code ("It does not contain code for generating labels"); this script
-writes files that train_reward.py reads exactly like OAI's offline_5k.json.
-https://github.com/openai/lm-human-preferences/blob/cbfd210bb8b08f6bc5c26878c10984b90f516c66/lm_human_preferences/label_types.py#L33-L55
+OAI released the label schemas but no labeling code ("It does not contain code for generating labels"); this script
+writes files that train_reward.py reads exactly like OAI's offline_5k.json (--labels.type as in the metadata).
+https://github.com/openai/lm-human-preferences/blob/cbfd210bb8b08f6bc5c26878c10984b90f516c66/lm_human_preferences/label_types.py#L33-L119
 
 Run:
   python label_generation.py generate --task sentiment --base_model gpt2 --labeler vader --output labels/vader.json
   python label_generation.py generate --labeler human --num_queries 100 --output labels/mine.json   (re-run to resume)
+  python label_generation.py generate --label_type scalar_compare --labeler vader --output labels/compare.json
   python label_generation.py convert --input sentiment/offline_5k.json --base_model EleutherAI/pythia-160m \\
       --output labels/sentiment_pythia.json
 Labelers: reward_model:DIR | classifier:NAME_OR_DIR[#LABEL] | vader | human (lm_human_preference_details/labelers.py).
@@ -20,6 +22,7 @@ import math
 import os
 import time
 from dataclasses import dataclass, field
+from typing import Literal
 
 import numpy as np
 import torch
@@ -33,6 +36,8 @@ from lm_human_preference_details.hub import HubUnavailableError
 from lm_human_preference_details.labelers import LabelingStopped, load_labeler
 from lm_human_preference_details.labels import (
     OAI_PAD_TOKEN,
+    LabelType,
+    get_label_type,
     labels_meta_path,
     load_labels,
     oai_pad_compatible,
@@ -52,6 +57,7 @@ from lm_human_preference_details.tokenizer import gpt2_tokenizer_offline, load_t
 
 DEFAULT_TASK = "sentiment"
 RESUME_SETTINGS = (
+    "label_type",
     "labeler_spec",
     "base_model",
     "tokenizer_fingerprint",
@@ -71,8 +77,11 @@ RESUME_SETTINGS = (
 
 @dataclass
 class Generate:
-    """Sample N responses per query from a pretrained model, keep those that pass the task filter, label the best."""
+    """Sample responses per query from a pretrained model, keep those that pass the task filter, label them."""
 
+    label_type: Literal["best_of_N", "scalar_rating", "scalar_compare"] = "best_of_N"
+    """best_of_N: N responses and the index of the best; scalar_rating: one response and the labeler's score;
+    scalar_compare: two responses and score1 - score0 (OAI label_types.py)"""
     labeler: str = "vader"
     """who picks the best response: reward_model:DIR | classifier:NAME_OR_DIR[#LABEL] | vader | human"""
     base_model: str = "gpt2"
@@ -80,7 +89,7 @@ class Generate:
     num_queries: int = 5000
     """label rows to write (one query and its num_labels responses each); a re-run with more extends the file"""
     num_labels: int = 4
-    """responses per query, i.e. the N of best-of-N (OAI launch.py#L70: best_of_4)"""
+    """responses per query for best_of_N, i.e. its N (OAI launch.py#L70: best_of_4); the scalar types use 1 and 2"""
     batch_size: int = 64
     """queries per sampling batch (each is oversampled, see max_oversample)"""
     max_rounds: int = 8
@@ -115,12 +124,12 @@ class TokenLengths:
 
 @dataclass
 class Convert:
-    """Re-tokenize a best-of-N label file (e.g. OAI's) for another base model's tokenizer."""
+    """Re-tokenize a label file of any of OAI's label types (e.g. OAI's) for another base model's tokenizer."""
 
     base_model: str
     """target model (hub id or local directory); its tokenizer encodes the texts"""
     input: str = "sentiment/offline_5k.json"
-    """label file in OAI's schema: a local JSON path or a file of the hub dataset vwxyzjn/lm-human-preferences"""
+    """label file of an OAI label type: a local JSON path or a file of the hub dataset vwxyzjn/lm-human-preferences"""
     source_tokenizer: str = "gpt2"
     """tokenizer of the input's tokens (hub id or directory); gpt2 is built offline when the hub is unreachable"""
     output: str = "labels/converted.json"
@@ -205,9 +214,25 @@ def add_counts(a: dict[str, int], b: dict[str, int]) -> dict[str, int]:
     return {k: a.get(k, 0) + b.get(k, 0) for k in set(a) | set(b)}
 
 
-def _label_row(query: torch.Tensor, responses: torch.Tensor, best: int) -> dict:
-    """One row of OAI's best-of-N schema from a query (Lq,) and its responses (N, L)."""
-    return {"query": query.tolist(), **{f"sample{i}": r.tolist() for i, r in enumerate(responses)}, "best": int(best)}
+def generated_label_type(args: Generate) -> LabelType:
+    """The label type written: best_of_{num_labels}, scalar_rating or scalar_compare."""
+    return get_label_type(f"best_of_{args.num_labels}" if args.label_type == "best_of_N" else args.label_type)
+
+
+def _label_row(label_type: LabelType, query: torch.Tensor, responses: torch.Tensor, label: float) -> dict:
+    """One row of the label type's schema from a query (Lq,), its responses (S, L) and the judgement."""
+    samples = {field: r.tolist() for field, r in zip(label_type.sample_fields, responses)}
+    value = int(label) if label_type.label_field == "best" else float(label)
+    return {"query": query.tolist(), **samples, label_type.label_field: value}
+
+
+def label_values(labeler, label_type: LabelType, queries: torch.Tensor, responses: torch.Tensor) -> list[float]:
+    """The judgement of each row: the best response's index, the labeler's score, or score1 - score0."""
+    # https://github.com/openai/lm-human-preferences/blob/cbfd210bb8b08f6bc5c26878c10984b90f516c66/lm_human_preferences/label_types.py#L33-L102
+    if label_type.label_field == "best":
+        return labeler.best(queries, responses).tolist()
+    scores = labeler.scores(queries, responses)  # (B, S)
+    return (scores[:, 0] if label_type.label_field == "score" else scores[:, 1] - scores[:, 0]).tolist()
 
 
 def _resume(args: Generate, meta: dict, pad_id: int) -> tuple[list[dict], dict, dict]:
@@ -227,6 +252,7 @@ def _resume(args: Generate, meta: dict, pad_id: int) -> tuple[list[dict], dict, 
         )
     with open(meta_path, encoding="utf-8") as f:
         saved = json.load(f)
+    saved.setdefault("label_type", f"best_of_{saved.get('num_labels')}")  # files written before the scalar types
     current = json.loads(json.dumps(meta))
     different = {k: (saved.get(k), current[k]) for k in RESUME_SETTINGS if saved.get(k) != current[k]}
     if different:
@@ -234,10 +260,12 @@ def _resume(args: Generate, meta: dict, pad_id: int) -> tuple[list[dict], dict, 
             f"'{args.output}' was generated with other settings (saved, now): {different}. Re-run with the same "
             "flags to resume it, pass --overwrite to start over, or choose another --output."
         )
-    labels = load_labels(args.output, args.task.query_length, args.task.response_length, pad_id, 0, args.num_labels)
+    label_type = generated_label_type(args)
+    task = args.task
+    labels = load_labels(args.output, task.query_length, task.response_length, pad_id, 0, label_type.name, "--output")
     if len(labels) > args.num_queries:
         raise ValueError(f"'{args.output}' already has {len(labels)} rows, more than --num_queries {args.num_queries}.")
-    rows = [_label_row(q, s, b) for q, s, b in zip(labels.query, labels.samples, labels.best.tolist())]
+    rows = [_label_row(label_type, q, s, v) for q, s, v in zip(labels.query, labels.samples, labels.label.tolist())]
     return rows, {**fresh, **saved.get("resume", {})}, saved
 
 
@@ -251,6 +279,7 @@ def generate(args: Generate) -> dict:
     for name in ("num_queries", "num_labels", "batch_size", "max_rounds", "max_oversample"):
         if getattr(args, name) < (2 if name == "num_labels" else 1):
             raise ValueError(f"--{name} must be >= {2 if name == 'num_labels' else 1}, got {getattr(args, name)}.")
+    label_type = generated_label_type(args)
     if task.truncate_token is not None and task.truncate_after >= task.response_length:
         raise ValueError(
             f"no response can pass the filter: --task.truncate_after {task.truncate_after} >= --task.response_length "
@@ -264,8 +293,11 @@ def generate(args: Generate) -> dict:
     pad_id = tokenizer.pad_token_id
     file_pad_id = OAI_PAD_TOKEN if oai_pad_compatible(tokenizer) else pad_id
     labeler = load_labeler(args.labeler, tokenizer, pad_id, device)
+    if labeler.interactive and label_type.label_field != "best":
+        raise ValueError(f"the {args.labeler} labeler only picks the best response; use --label_type best_of_N.")
     meta = {
-        "format": "best-of-N labels in OAI's schema: query, sample0..sample{N-1}, best",
+        "format": f"{label_type.name} labels in OAI's schema: {', '.join(label_type.fields)}",
+        "label_type": label_type.name,
         "labeler": labeler.name,
         "labeler_spec": args.labeler,
         "base_model": args.base_model,
@@ -276,7 +308,7 @@ def generate(args: Generate) -> dict:
         "task": dataclasses.asdict(task),
         "seed": args.seed,
         "data_seed": args.data_seed,
-        "num_labels": args.num_labels,
+        "num_labels": label_type.num_samples,
         "batch_size": args.batch_size,
         "max_rounds": args.max_rounds,
         "max_oversample": args.max_oversample,
@@ -289,7 +321,7 @@ def generate(args: Generate) -> dict:
                 "labeler": labeler.name,
                 "base model": args.base_model,
                 "task": args.task_id,
-                "rows": f"{args.num_queries} x best-of-{args.num_labels}",
+                "rows": f"{args.num_queries} x {label_type.name}",
                 "output": args.output,
                 "exists": os.path.exists(args.output),
             },
@@ -346,7 +378,7 @@ def generate(args: Generate) -> dict:
                 policy,
                 contexts,
                 task,
-                args.num_labels,
+                label_type.num_samples,
                 pad_id,
                 generator,
                 pass_rate,
@@ -357,7 +389,8 @@ def generate(args: Generate) -> dict:
             first = len(rows) - resume["rows_in_done_batches"]  # rows of this batch labelled by an earlier run
             for i in range(first):
                 saved = rows[resume["rows_in_done_batches"] + i]
-                if i >= len(queries) or _label_row(queries[i], responses[i], saved["best"]) != saved:
+                value = saved[label_type.label_field]
+                if i >= len(queries) or _label_row(label_type, queries[i], responses[i], value) != saved:
                     raise ValueError(
                         f"row {resume['rows_in_done_batches'] + i} of '{args.output}' differs from its regenerated "
                         "query/samples (another device or library version?); resume where the file was started, or "
@@ -367,16 +400,18 @@ def generate(args: Generate) -> dict:
             if interactive:
                 for i in range(first, last):
                     try:
-                        best = labeler.best(queries[i : i + 1], responses[i : i + 1])
+                        value = label_values(labeler, label_type, queries[i : i + 1], responses[i : i + 1])[0]
                     except LabelingStopped:
                         stopped = True
                         break
-                    rows.append(_label_row(queries[i], responses[i], int(best[0])))
+                    rows.append(_label_row(label_type, queries[i], responses[i], value))
                     counts = add_counts(done_counts, batch_counts(done, i + 1, sampled, passed))
                     result = save(counts, False)
             elif last > first:
-                best = labeler.best(queries[first:last], responses[first:last]).tolist()
-                rows.extend(_label_row(queries[i], responses[i], best[i - first]) for i in range(first, last))
+                values = label_values(labeler, label_type, queries[first:last], responses[first:last])
+                rows.extend(
+                    _label_row(label_type, queries[i], responses[i], values[i - first]) for i in range(first, last)
+                )
             num_rows = len(rows) - resume["rows_in_done_batches"]
             counts = add_counts(done_counts, batch_counts(done, num_rows, sampled, passed))
             if num_rows == len(queries):
@@ -399,8 +434,9 @@ def generate(args: Generate) -> dict:
     else:
         counts = result["counts"]
         console.print(
-            f"wrote {len(rows)} label rows to {args.output} (labeler {labeler.name}, filter pass rate "
-            f"{counts['filter_pass_rate']:.3f}, skipped queries {counts['skipped_queries']})"
+            f"wrote {len(rows)} label rows to {args.output} ({label_type.name}, labeler {labeler.name}, filter pass "
+            f"rate {counts['filter_pass_rate']:.3f}, skipped queries {counts['skipped_queries']}); train with "
+            f"train_reward.py --labels.type {label_type.name}"
         )
     return result
 
@@ -456,30 +492,29 @@ def convert(args: Convert) -> dict:
     if lengths.query_length < 1 or lengths.response_length < 1:
         raise ValueError("--task.query_length and --task.response_length must be >= 1.")
     try:
-        rows, num_samples, source_pad_id = read_label_rows(args.input, flag="--input")
+        rows, label_type, source_pad_id = read_label_rows(args.input, flag="--input")
     except ValueError as e:
         raise ValueError(
-            f"{e} convert reads best-of-N label files in OAI's schema (a JSON list of objects with query, "
-            "sample0..sampleN-1 and best, e.g. sentiment/offline_5k.json); fix --input."
+            f"{e} convert reads label files in OAI's schemas (e.g. sentiment/offline_5k.json); fix --input."
         ) from e
     if args.dry_run:
         cli.print_table(
             cli.make_console(),
             "label conversion (dry run)",
             {
-                "input": f"{args.input} ({len(rows)} rows, best-of-{num_samples}, PAD {source_pad_id})",
+                "input": f"{args.input} ({len(rows)} rows, {label_type.name}, PAD {source_pad_id})",
                 "target tokenizer": args.base_model,
                 "output": args.output,
             },
         )
-        return {"rows": len(rows), "num_labels": num_samples}
+        return {"rows": len(rows), "label_type": label_type.name, "num_labels": label_type.num_samples}
     source = load_source_tokenizer(args.source_tokenizer)
     target = load_tokenizer(args.base_model)
     target_pad_id = target.pad_token_id
     file_pad_id = OAI_PAD_TOKEN if oai_pad_compatible(target) else target_pad_id
 
     # decode with the source tokenizer (PAD dropped), encode with the target, pad/truncate to the task lengths
-    fields = {"query": lengths.query_length, **{f"sample{i}": lengths.response_length for i in range(num_samples)}}
+    fields = {"query": lengths.query_length, **{name: lengths.response_length for name in label_type.sample_fields}}
     converted, truncated = {}, {}
     for name, length in fields.items():
         texts = _decode_field(source, [row[name] for row in rows], source_pad_id, name)
@@ -487,9 +522,13 @@ def convert(args: Convert) -> dict:
     empty = next((i for i, query in enumerate(converted["query"]) if query[0] == target_pad_id), None)
     if empty is not None:
         raise ValueError(f"row {empty} field 'query' is empty after re-tokenization; a query needs a real first token.")
-    out_rows = [{name: converted[name][i] for name in fields} | {"best": row["best"]} for i, row in enumerate(rows)]
+    label_field = label_type.label_field
+    out_rows = [
+        {name: converted[name][i] for name in fields} | {label_field: row[label_field]} for i, row in enumerate(rows)
+    ]
     meta = {
-        "format": "best-of-N labels in OAI's schema: query, sample0..sample{N-1}, best",
+        "format": f"{label_type.name} labels in OAI's schema: {', '.join(label_type.fields)}",
+        "label_type": label_type.name,
         "converted_from": args.input,
         "source_tokenizer": args.source_tokenizer,
         "source_pad_id": source_pad_id,
@@ -498,7 +537,7 @@ def convert(args: Convert) -> dict:
         "tokenizer_pad_token_id": target_pad_id,
         "pad_id": file_pad_id,
         "task": dataclasses.asdict(lengths),
-        "num_labels": num_samples,
+        "num_labels": label_type.num_samples,
         "counts": {
             "rows": len(out_rows),
             "truncated_queries": truncated["query"],

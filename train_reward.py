@@ -1,9 +1,10 @@
-"""Reward model training from best-of-4 human labels, as in openai/lm-human-preferences train_reward.py.
+"""Reward model training from human labels (best-of-4 by default), as in openai/lm-human-preferences train_reward.py.
 https://github.com/openai/lm-human-preferences/blob/cbfd210bb8b08f6bc5c26878c10984b90f516c66/lm_human_preferences/train_reward.py
 
 Run:   accelerate launch --num_processes 8 train_reward.py --task sentiment --output_dir models/sentiment_reward
 Steps: normalize the untrained reward to N(0, 1) on samples of the pretrained policy, train one epoch of best-of-4
-cross-entropy on the labels, normalize again, save. Batch sizes are global (summed over processes), as in OAI.
+cross-entropy on the labels (or the MSE of --labels.type scalar_rating / scalar_compare), normalize again, save.
+Batch sizes are global (summed over processes), as in OAI.
 """
 
 import dataclasses
@@ -12,7 +13,6 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 import tyro
 from accelerate.utils import broadcast
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
@@ -30,7 +30,15 @@ from lm_human_preference_details.core import (
     set_seed,
 )
 from lm_human_preference_details.data import QueryStream, load_texts
-from lm_human_preference_details.labels import Labels, best_of_n_loss, load_labels
+from lm_human_preference_details.labels import (
+    Labels,
+    LabelType,
+    get_label_type,
+    label_loss,
+    label_row_errors,
+    load_labels,
+    target_scales,
+)
 from lm_human_preference_details.modeling import (
     PolicyWithValueHead,
     RewardModel,
@@ -46,11 +54,11 @@ from lm_human_preference_details.tokenizer import load_tokenizer, tokenizer_fing
 # ---------------------------------------------------------------- hyperparameters
 @dataclass
 class LabelHParams:
+    type: str = "best_of_4"
+    """label type: best_of_N (pick the best of N responses), scalar_rating or scalar_compare (OAI launch.py#L70)"""
     num_train: int = 4992
     """labels used for training: the first `num_train` rows of the label file; the rest are held out for eval/ (OAI
     launch.py#L71, it had no held-out set)"""
-    num_samples: int = 4
-    """responses per label row; the label type is best-of-`num_samples` (OAI launch.py#L70: best_of_4)"""
 
 
 @dataclass
@@ -78,7 +86,11 @@ class Args:
     rollout_batch_size: int = 512
     """queries per normalization batch, summed over all processes (OAI launch.py#L74)"""
     normalize_samples: int = 256
-    """normalization draws ceil(normalize_samples / rollout_batch_size) whole rollout batches (OAI launch.py#L75)"""
+    """normalization draws ceil(normalize_samples / rollout_batch_size) whole rollout batches; 0 skips normalization
+    (OAI launch.py#L75, train_reward.py#L207-L209)"""
+    debug_normalize: int = 0
+    """after each normalization, score this many fresh samples and print their mean and std (should be the target);
+    0: no check (OAI train_reward.py#L48, #L216-L219)"""
     normalize_before: bool = True
     """set gain/bias so the untrained reward is N(0, 1) on samples of the pretrained policy (OAI launch.py#L76)"""
     normalize_after: bool = True
@@ -132,16 +144,14 @@ def oai_presets() -> dict[str, Args]:
 
 # ---------------------------------------------------------------- algorithm helpers
 @torch.no_grad()
-def normalize_rewards(args, accelerator, reward_model, ref_policy, query_stream, affixes, pad_id, generator) -> dict:
-    """Set gain/bias so rewards of the pretrained policy's samples have mean 0 and std 1 over all processes."""
-    # reset, sample ceil(normalize_samples/rollout_batch_size) global rollout batches from the pretrained policy at
-    # the task temperature (raw, untruncated), score raw query ⊕ response, population std of the global sample
-    # https://github.com/openai/lm-human-preferences/blob/cbfd210bb8b08f6bc5c26878c10984b90f516c66/lm_human_preferences/train_reward.py#L149-L219
-    reward_model.gain.fill_(1.0)
-    reward_model.bias.fill_(0.0)
+def reward_moments(args, accelerator, reward_model, ref_policy, query_stream, affixes, pad_id, generator, n) -> tuple:
+    """Mean and population std, over all processes, of the rewards of ceil(n / rollout_batch_size) global rollout
+    batches of the pretrained policy's samples; -> mean, std, number of samples."""
+    # sample at the task temperature (raw, untruncated), score raw query ⊕ response, all-reduce sums and squares
+    # https://github.com/openai/lm-human-preferences/blob/cbfd210bb8b08f6bc5c26878c10984b90f516c66/lm_human_preferences/train_reward.py#L162-L168
     local_rollout_batch_size = exact_div(args.rollout_batch_size, accelerator.num_processes, "rollout_batch_size")
     scores = []
-    for _ in range(ceil_div(args.normalize_samples, args.rollout_batch_size)):
+    for _ in range(ceil_div(n, args.rollout_batch_size)):
         queries = query_stream.next_batch(local_rollout_batch_size).to(accelerator.device)
         contexts = format_contexts(queries, *affixes)
         responses, _, _ = sample(
@@ -151,27 +161,63 @@ def normalize_rewards(args, accelerator, reward_model, ref_policy, query_stream,
     scores = torch.cat(scores)
     moments = accelerator.reduce(torch.stack([scores.mean(), scores.square().mean()]), reduction="mean")
     mean, std = moments[0], (moments[1] - moments[0].square()).clamp_min(0).sqrt()  # TF-PARITY: population std
-    # target N(0, 1) for best-of-N labels: gain = 1/std, bias = -gain*mean
-    # https://github.com/openai/lm-human-preferences/blob/cbfd210bb8b08f6bc5c26878c10984b90f516c66/lm_human_preferences/rewards.py#L73-L89
-    if not torch.isfinite(std) or std <= 0:
-        raise ValueError(
-            f"reward normalization failed: sample std is {std.item()} over "
-            f"{accelerator.num_processes * len(scores)} samples; check the reward model and --normalize_samples"
-        )
-    reward_model.gain.fill_(1.0 / std)
-    reward_model.bias.fill_(-mean / std)
-    return {
-        "mean": mean.item(),
-        "std": std.item(),
-        "gain": reward_model.gain.item(),
-        "bias": reward_model.bias.item(),
-        "samples": accelerator.num_processes * len(scores),
-    }
+    return mean, std, accelerator.num_processes * len(scores)
 
 
 @torch.no_grad()
-def evaluate_labels(accelerator, reward_model, labels: Labels, pad_id: int, micro_batch_size: int) -> dict:
-    """Loss and accuracy of the reward model on label rows (each process scores a rank-strided share)."""
+def normalize_rewards(
+    args, accelerator, reward_model, ref_policy, query_stream, affixes, pad_id, generator, target: tuple[float, float]
+) -> dict:
+    """Set gain/bias so rewards of the pretrained policy's samples have the target mean and std over all processes."""
+    # reset gain/bias, measure on ceil(normalize_samples/rollout_batch_size) global rollout batches, then
+    # gain = target_std / std, bias = target_mean - gain * mean
+    # https://github.com/openai/lm-human-preferences/blob/cbfd210bb8b08f6bc5c26878c10984b90f516c66/lm_human_preferences/train_reward.py#L149-L219
+    # https://github.com/openai/lm-human-preferences/blob/cbfd210bb8b08f6bc5c26878c10984b90f516c66/lm_human_preferences/rewards.py#L73-L89
+    reward_model.gain.fill_(1.0)
+    reward_model.bias.fill_(0.0)
+    sampling = (args, accelerator, reward_model, ref_policy, query_stream, affixes, pad_id, generator)
+    mean, std, count = reward_moments(*sampling, args.normalize_samples)
+    target_mean, target_std = target
+    if not torch.isfinite(std) or std <= 0:
+        raise ValueError(
+            f"reward normalization failed: sample std is {std.item()} over {count} samples; check the reward model "
+            "and --normalize_samples"
+        )
+    gain = target_std / std
+    reward_model.gain.fill_(gain)
+    reward_model.bias.fill_(target_mean - gain * mean)
+    result = {
+        "mean": mean.item(),
+        "std": std.item(),
+        "target_mean": target_mean,
+        "target_std": target_std,
+        "gain": reward_model.gain.item(),
+        "bias": reward_model.bias.item(),
+        "samples": count,
+    }
+    if args.debug_normalize:
+        # OAI's check: fresh samples under the new gain/bias should have the target mean and std
+        # https://github.com/openai/lm-human-preferences/blob/cbfd210bb8b08f6bc5c26878c10984b90f516c66/lm_human_preferences/train_reward.py#L216-L219
+        check_mean, check_std, _ = reward_moments(*sampling, args.debug_normalize)
+        result.update(debug_mean=check_mean.item(), debug_std=check_std.item())
+    return result
+
+
+def normalization_target(label_type: LabelType, train_labels: Labels) -> tuple[float, float]:
+    """Mean and population std of the label type's target scales over the training labels; (0, 1) when it has none."""
+    # https://github.com/openai/lm-human-preferences/blob/cbfd210bb8b08f6bc5c26878c10984b90f516c66/lm_human_preferences/train_reward.py#L149-L159
+    scales = target_scales(label_type, train_labels)
+    if scales is None:
+        return 0.0, 1.0
+    var, mean = torch.var_mean(scales.double(), correction=0)  # TF-PARITY: tf.nn.moments
+    return mean.item(), var.sqrt().item()
+
+
+@torch.no_grad()
+def evaluate_labels(
+    accelerator, reward_model, labels: Labels, label_type: LabelType, pad_id: int, micro_batch_size: int
+) -> dict:
+    """Mean loss (and best-of-N accuracy) of the reward model on label rows; each process scores a rank-strided part."""
     rows = torch.arange(accelerator.process_index, len(labels), accelerator.num_processes)
     totals = torch.zeros(3, device=accelerator.device)  # loss sum, correct, rows
     for chunk in rows.split(micro_batch_size):
@@ -181,20 +227,20 @@ def evaluate_labels(accelerator, reward_model, labels: Labels, pad_id: int, micr
             labels.samples[chunk].to(accelerator.device),
             pad_id,
         )
-        best = labels.best[chunk].to(accelerator.device)
+        label = labels.label[chunk].to(accelerator.device)
+        correct = (rewards.argmax(1) == label).sum().float() if label_type.label_field == "best" else 0.0
         totals += torch.stack(
             [
-                F.cross_entropy(rewards, best, reduction="sum"),
-                (rewards.argmax(1) == best).sum().float(),
+                label_row_errors(label_type, rewards, label).sum(),
+                torch.as_tensor(correct, device=totals.device),
                 torch.tensor(float(len(chunk)), device=totals.device),
             ]
         )
     totals = accelerator.reduce(totals, reduction="sum")
-    return {
-        "loss": (totals[0] / totals[2]).item(),
-        "accuracy": (totals[1] / totals[2]).item(),
-        "rows": int(totals[2].item()),
-    }
+    result = {"loss": (totals[0] / totals[2]).item(), "rows": int(totals[2].item())}
+    if label_type.label_field == "best":
+        result["accuracy"] = (totals[1] / totals[2]).item()
+    return result
 
 
 # ---------------------------------------------------------------- main
@@ -222,7 +268,10 @@ def main(args: Args) -> dict:
                 "labels per step": f"{args.batch_size} ({local_batch_size} per process)",
                 "micro-batch": f"{micro_batch_size} x {accum}",
                 "steps": f"{num_steps} (one epoch over {args.labels.num_train} labels)",
-                "normalization samples": f"{normalize_batches} x {args.rollout_batch_size}",
+                "label type": args.labels.type,
+                "normalization samples": f"{normalize_batches} x {args.rollout_batch_size}"
+                if args.normalize_samples
+                else "0 (normalization skipped)",
                 "label file": args.label_dataset,
                 "output dir": args.output_dir,
             },
@@ -235,6 +284,7 @@ def main(args: Args) -> dict:
     generator = torch.Generator(accelerator.device).manual_seed(args.seed + rank * 100003)
 
     # 1. tokenizer, labels (validated before any model is loaded), models, optimizer, query stream
+    label_type = get_label_type(args.labels.type)
     tokenizer = load_tokenizer(args.base_model)
     pad_id = tokenizer.pad_token_id
     labels = load_labels(
@@ -243,7 +293,7 @@ def main(args: Args) -> dict:
         args.task.response_length,
         pad_id,
         args.labels.num_train,
-        args.labels.num_samples,
+        label_type.name,
     )
     train_labels, heldout_labels = labels[: args.labels.num_train], labels[args.labels.num_train :]
     reward_model = RewardModel.from_base(args.base_model).to(accelerator.device)
@@ -266,28 +316,38 @@ def main(args: Args) -> dict:
         accelerator.is_main_process,
     )
 
-    def normalize(when: str, step: int) -> dict:
-        """Normalize the reward on fresh samples; log and print the statistics measured before the change."""
+    def normalize(when: str, step: int, target: tuple[float, float]) -> dict | None:
+        """Normalize the reward on fresh samples to `target` (mean, std); log and print what was measured."""
+        # OAI skips normalization altogether when normalize_samples is 0
+        # https://github.com/openai/lm-human-preferences/blob/cbfd210bb8b08f6bc5c26878c10984b90f516c66/lm_human_preferences/train_reward.py#L207-L209
+        if not args.normalize_samples:
+            accelerator.print(f"normalize {when}: skipped (--normalize_samples 0)")
+            return None
         result = normalize_rewards(
-            args, accelerator, reward_model, ref_policy, query_stream, affixes, pad_id, generator
+            args, accelerator, reward_model, ref_policy, query_stream, affixes, pad_id, generator, target
         )
         tracker.log({f"normalize_{when}/{k}": v for k, v in result.items()}, step)
-        accelerator.print(f"normalize {when}: mean {cli.number(result['mean'], 4)} +- {cli.number(result['std'], 4)}")
+        accelerator.print(
+            f"normalize {when}: mean {cli.number(result['mean'], 4)} +- {cli.number(result['std'], 4)}, target "
+            f"{cli.number(target[0], 4)} +- {cli.number(target[1], 4)}"
+        )
+        if args.debug_normalize:
+            check = f"{cli.number(result['debug_mean'], 4)} +- {cli.number(result['debug_std'], 4)}"
+            accelerator.print(f"normalize {when}: after normalize {check}")
         return result
 
     def log_eval(step: int) -> dict | None:
-        """Held-out loss and accuracy, logged under eval/ (None when every label row is trained on)."""
+        """Held-out loss (and accuracy), logged under eval/ (None when every label row is trained on)."""
         if len(heldout_labels) == 0:
             return None
-        rows = micro_batch_size * args.labels.num_samples
-        result = evaluate_labels(accelerator, reward_model, heldout_labels, pad_id, rows)
-        tracker.log({"eval/loss": result["loss"], "eval/accuracy": result["accuracy"]}, step)
+        result = evaluate_labels(accelerator, reward_model, heldout_labels, label_type, pad_id, micro_batch_size)
+        tracker.log({f"eval/{k}": v for k, v in result.items() if k != "rows"}, step)
         return result
 
     # 2. normalize before training
     norms = {}
     if args.normalize_before:
-        norms["before"] = normalize("before", 0)
+        norms["before"] = normalize("before", 0, normalization_target(label_type, train_labels))
     eval_before = log_eval(0)
 
     # 3. one epoch over the labels: rank 0's permutation, rank-strided slices, lr annealed linearly
@@ -311,44 +371,46 @@ def main(args: Args) -> dict:
                 group["lr"] = lr
             local_indices = permutation[start : start + args.batch_size][rank::world]
             seen.append(local_indices)
-            stats = torch.zeros(2, device=accelerator.device)  # loss, accuracy
-            for micro_indices in local_indices.split(micro_batch_size):
+            step_rewards = []
+            label = train_labels.label[local_indices].to(accelerator.device)  # (b,)
+            for micro_indices, micro_label in zip(local_indices.split(micro_batch_size), label.split(micro_batch_size)):
                 query = train_labels.query[micro_indices].to(accelerator.device)
                 samples = train_labels.samples[micro_indices].to(accelerator.device)
-                rewards = score_label_rows(reward_model, query, samples, pad_id)  # (b, N)
-                best = train_labels.best[micro_indices].to(accelerator.device)
-                loss = best_of_n_loss(rewards, best)
+                rewards = score_label_rows(reward_model, query, samples, pad_id)  # (b, S)
+                loss = label_loss(label_type, rewards, micro_label)["loss"]
                 (loss / accum).backward()
-                stats += torch.stack([loss.detach(), (rewards.argmax(1) == best).float().mean()]) / accum
+                step_rewards.append(rewards.detach())
             # gradients averaged over processes, then one Adam step (spec O4)
             allreduce_gradients(params, accelerator)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
-            loss_value, accuracy = accelerator.reduce(stats, reduction="mean").tolist()
+            # OAI's statistics of the label type on this process's labels (best-of-N: loss = error, the cross-entropy),
+            # averaged over processes, under train_reward/minibatch/
+            # https://github.com/openai/lm-human-preferences/blob/cbfd210bb8b08f6bc5c26878c10984b90f516c66/lm_human_preferences/train_reward.py#L124-L146
+            step_rewards = torch.cat(step_rewards)
+            oai_stats = label_loss(label_type, step_rewards, label)
+            local_stats = {f"train_reward/minibatch/{k}": v for k, v in oai_stats.items()}
+            if label_type.label_field == "best":
+                local_stats["debug/accuracy"] = (step_rewards.argmax(1) == label).float().mean()
+            values = accelerator.reduce(torch.stack(list(local_stats.values())), reduction="mean").tolist()
+            stats = dict(zip(local_stats, values))
+            loss_value = stats["train_reward/minibatch/loss"]
             if not math.isfinite(loss_value):
                 raise ValueError(f"reward training diverged: loss is {loss_value} at step {step}; try a smaller --lr")
-            # OAI's stats for best-of-N: loss and error are the same cross-entropy
-            # https://github.com/openai/lm-human-preferences/blob/cbfd210bb8b08f6bc5c26878c10984b90f516c66/lm_human_preferences/train_reward.py#L124-L146
-            tracker.log(
-                {
-                    "train_reward/minibatch/loss": loss_value,
-                    "train_reward/minibatch/error": loss_value,
-                    "debug/accuracy": accuracy,
-                    "debug/lr": lr,
-                },
-                step,
-            )
+            tracker.log({**stats, "debug/lr": lr}, step)
             if args.eval_interval and (step + 1) % args.eval_interval == 0:
                 log_eval(step + 1)
-            progress.update(bar, advance=1, stats=f"loss {cli.number(loss_value)} acc {accuracy:.2f}")
+            accuracy = f" acc {stats['debug/accuracy']:.2f}" if "debug/accuracy" in stats else ""
+            progress.update(bar, advance=1, stats=f"loss {cli.number(loss_value)}{accuracy}")
     eval_after = log_eval(num_steps)
 
     # 4. normalize after training
     if args.normalize_after:
-        norms["after"] = normalize("after", num_steps)
+        norms["after"] = normalize("after", num_steps, (0.0, 1.0))
 
     # 5. save
     if accelerator.is_main_process:
+        held_out = "accuracy" if label_type.label_field == "best" else "loss"
         metadata = {
             "base_model": args.base_model,
             "tokenizer": args.base_model,
@@ -356,6 +418,7 @@ def main(args: Args) -> dict:
             "pad_token_id": pad_id,
             "task": dataclasses.asdict(args.task),
             "label_dataset": args.label_dataset,
+            "label_type": label_type.name,
             "num_train": args.labels.num_train,
             "eval_before": eval_before,
             "eval_after": eval_after,
@@ -368,7 +431,7 @@ def main(args: Args) -> dict:
             "reward training done",
             {
                 "held-out rows": len(heldout_labels),
-                "held-out accuracy": f"{eval_before['accuracy']:.3f} -> {eval_after['accuracy']:.3f}"
+                f"held-out {held_out}": f"{cli.number(eval_before[held_out])} -> {cli.number(eval_after[held_out])}"
                 if eval_after
                 else "-",
                 "gain, bias": f"{cli.number(reward_model.gain.item(), 4)}, {cli.number(reward_model.bias.item(), 4)}",

@@ -7,6 +7,7 @@ https://github.com/openai/lm-human-preferences/blob/cbfd210bb8b08f6bc5c26878c109
 """
 
 import json
+import math
 import os
 import re
 from dataclasses import dataclass
@@ -33,6 +34,55 @@ OAI_LABELS_URL = "https://openaipublic.blob.core.windows.net/lm-human-preference
 
 
 # ---------------------------------------------------------------- label types
+# https://github.com/openai/lm-human-preferences/blob/cbfd210bb8b08f6bc5c26878c10984b90f516c66/lm_human_preferences/label_types.py#L33-L119
+
+
+@dataclass(frozen=True)
+class LabelType:
+    """One of OAI's label types: best_of_N (pick the best of N), scalar_rating (score one), scalar_compare (two)."""
+
+    name: str
+    """OAI's name: best_of_4, scalar_rating or scalar_compare (train_reward.py's --labels.type)"""
+    sample_fields: tuple[str, ...]
+    """the fields holding the responses of a row: sample0..sample{N-1}, sample, or sample0 and sample1"""
+    label_field: str
+    """the field holding the judgement: best (an index), score or difference (a number)"""
+
+    @property
+    def num_samples(self) -> int:
+        """Responses per label row."""
+        return len(self.sample_fields)
+
+    @property
+    def fields(self) -> list[str]:
+        """Every field of a row, in OAI's schema."""
+        return ["query", *self.sample_fields, self.label_field]
+
+
+def get_label_type(name: str, flag: str = "--labels.type") -> LabelType:
+    """The label type called `name` (OAI's label_types.get); ValueError naming the valid names otherwise."""
+    if name == "scalar_rating":
+        return LabelType(name, ("sample",), "score")
+    if name == "scalar_compare":
+        return LabelType(name, ("sample0", "sample1"), "difference")
+    n = name.removeprefix("best_of_")
+    if name.startswith("best_of_") and n.isdigit() and int(n) >= 2:
+        return LabelType(name, tuple(f"sample{i}" for i in range(int(n))), "best")
+    raise ValueError(
+        f"unknown {flag} '{name}'; choose best_of_N (N >= 2, e.g. best_of_4), scalar_rating or scalar_compare."
+    )
+
+
+def label_type_of_row(row: Any) -> LabelType | None:
+    """The label type whose fields a row (dict) has: by its `best`, `score` or `difference` field; None if none."""
+    if not isinstance(row, dict):
+        return None
+    if "score" in row:
+        return get_label_type("scalar_rating")
+    if "difference" in row:
+        return get_label_type("scalar_compare")
+    num_samples = sum(1 for key in row if re.fullmatch(r"sample[0-9]+", key))
+    return get_label_type(f"best_of_{num_samples}") if "best" in row and num_samples >= 2 else None
 
 
 def best_of_n_loss(rewards: torch.Tensor, best: torch.Tensor) -> torch.Tensor:
@@ -41,26 +91,69 @@ def best_of_n_loss(rewards: torch.Tensor, best: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(rewards, best)
 
 
+def pearson_r(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """Pearson correlation of two 1-D tensors from population moments (OAI's utils/core.py pearson_r)."""
+    # https://github.com/openai/lm-human-preferences/blob/cbfd210bb8b08f6bc5c26878c10984b90f516c66/lm_human_preferences/utils/core.py
+    x_var, x_mean = torch.var_mean(x, correction=0)
+    y_var, y_mean = torch.var_mean(y, correction=0)
+    return ((x - x_mean) * (y - y_mean)).mean() / torch.sqrt(x_var * y_var)
+
+
+def label_row_errors(label_type: LabelType, rewards: torch.Tensor, label: torch.Tensor) -> torch.Tensor:
+    """(B,) error of each row: cross-entropy (best_of_N), squared error of the reward (scalar_rating) or of r1 - r0
+    (scalar_compare), from the rewards (B, S) of each row's S responses."""
+    if label_type.label_field == "best":
+        return F.cross_entropy(rewards, label, reduction="none")
+    # scalar_rating: MSE between score and reward; scalar_compare: MSE between difference and r1 - r0
+    # https://github.com/openai/lm-human-preferences/blob/cbfd210bb8b08f6bc5c26878c10984b90f516c66/lm_human_preferences/label_types.py#L70-L77
+    # https://github.com/openai/lm-human-preferences/blob/cbfd210bb8b08f6bc5c26878c10984b90f516c66/lm_human_preferences/label_types.py#L95-L102
+    predicted = rewards[:, 0] if label_type.label_field == "score" else rewards[:, 1] - rewards[:, 0]
+    return (label - predicted) ** 2
+
+
+def label_loss(label_type: LabelType, rewards: torch.Tensor, label: torch.Tensor) -> dict[str, torch.Tensor]:
+    """OAI's loss and statistics of a label type: loss and error (equal); scalar_rating adds the labels' mean and
+    population variance and the Pearson correlation of score and reward."""
+    error = label_row_errors(label_type, rewards, label).mean()
+    stats = {"loss": error, "error": error}
+    if label_type.label_field == "score":
+        label_var, label_mean = torch.var_mean(label, correction=0)
+        stats.update(label_mean=label_mean, label_var=label_var, corr=pearson_r(label, rewards[:, 0]))
+    return stats
+
+
+def target_scales(label_type: LabelType, labels: "Labels") -> torch.Tensor | None:
+    """Values whose scale the reward should have before training: scores, differences / 2, or None (best_of_N)."""
+    # "Divide by two to get something with the same variance as the trained reward model output"
+    # https://github.com/openai/lm-human-preferences/blob/cbfd210bb8b08f6bc5c26878c10984b90f516c66/lm_human_preferences/label_types.py#L67-L68
+    # https://github.com/openai/lm-human-preferences/blob/cbfd210bb8b08f6bc5c26878c10984b90f516c66/lm_human_preferences/label_types.py#L91-L93
+    if label_type.label_field == "score":
+        return labels.label
+    if label_type.label_field == "difference":
+        return labels.label / 2
+    return None
+
+
 # ---------------------------------------------------------------- reading
 
 
 @dataclass
 class Labels:
-    """best-of-N label rows: queries, the N sampled responses and the index of the best one."""
+    """Label rows of one label type: queries, the sampled responses and the judgement of each row."""
 
     query: torch.Tensor
     """(N, query_length) long, right-padded with the tokenizer's PAD"""
     samples: torch.Tensor
     """(N, num_samples, response_length) long, PAD after a truncation point"""
-    best: torch.Tensor
-    """(N,) long, index of the preferred sample"""
+    label: torch.Tensor
+    """(N,): the index of the best sample (long, best_of_N), the score or the difference (float32, scalar types)"""
 
     def __len__(self) -> int:
         return self.query.shape[0]
 
     def __getitem__(self, rows: slice | torch.Tensor) -> "Labels":
         """The label rows selected by a slice or an index tensor."""
-        return Labels(self.query[rows], self.samples[rows], self.best[rows])
+        return Labels(self.query[rows], self.samples[rows], self.label[rows])
 
 
 def _resolve_label_source(source: str, flag: str = "--label_dataset") -> str:
@@ -111,17 +204,27 @@ def label_file_pad_id(path: str) -> int:
     return pad_id
 
 
-def _label_fields(num_samples: int) -> list[str]:
-    """OAI's best_of_N schema field names: query, sample0..sample{N-1}, best."""
-    # https://github.com/openai/lm-human-preferences/blob/cbfd210bb8b08f6bc5c26878c10984b90f516c66/lm_human_preferences/label_types.py#L33-L55
-    return ["query", *[f"sample{i}" for i in range(num_samples)], "best"]
+def _check_label_value(value: Any, label_type: LabelType, row: int, where: str) -> None:
+    """ValueError unless `value` is a valid judgement: an index below N (best), a finite number (score, difference)."""
+    field = label_type.label_field
+    if field == "best":
+        n = label_type.num_samples
+        if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < n:
+            raise ValueError(f"{where}: row {row} field 'best' = {value!r}, expected an int in [0, {n}).")
+    elif isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ValueError(f"{where}: row {row} field '{field}' = {value!r}, expected a finite number.")
 
 
-def _check_label_rows(rows: Any, lengths: dict[str, int], num_samples: int, where: str) -> None:
+def _first_row_lengths(first: dict, label_type: LabelType) -> dict[str, int]:
+    """Token-list lengths of the query and sample fields of a file's first row, which every row must share."""
+    return {key: len(first[key]) if isinstance(first.get(key), list) else -1 for key in label_type.fields[:-1]}
+
+
+def _check_label_rows(rows: Any, lengths: dict[str, int], label_type: LabelType, where: str) -> None:
     """ValueError naming the row index and field of the first malformed row (structure and lengths only)."""
     if not isinstance(rows, list):
         raise ValueError(f"{where}: expected a JSON list of label rows, got {type(rows).__name__}.")
-    fields = _label_fields(num_samples)
+    fields = label_type.fields
     for i, row in enumerate(rows):
         if not isinstance(row, dict):
             raise ValueError(f"{where}: row {i} is a {type(row).__name__}, expected an object with fields {fields}.")
@@ -129,10 +232,8 @@ def _check_label_rows(rows: Any, lengths: dict[str, int], num_samples: int, wher
             if field not in row:
                 raise ValueError(f"{where}: row {i} is missing field '{field}' (fields: {fields}).")
             value = row[field]
-            if field == "best":
-                if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < num_samples:
-                    expected = f"an int in [0, {num_samples})"
-                    raise ValueError(f"{where}: row {i} field 'best' = {value!r}, expected {expected}.")
+            if field == label_type.label_field:
+                _check_label_value(value, label_type, i, where)
             elif not isinstance(value, list) or len(value) != lengths[field]:
                 got = f"length {len(value)}" if isinstance(value, list) else type(value).__name__
                 expected = f"a list of {lengths[field]} token ids"
@@ -165,44 +266,60 @@ def _read_json_rows(path: str, where: str) -> Any:
             raise ValueError(f"{where}: invalid JSON ({e}).") from e
 
 
-def read_label_rows(source: str, flag: str = "--label_dataset") -> tuple[list[dict], int, int]:
-    """Rows of a best-of-N label file of any lengths, validated against its first row; -> rows, N, the file's PAD."""
+def read_label_rows(source: str, flag: str = "--label_dataset") -> tuple[list[dict], LabelType, int]:
+    """Rows of a label file of any type and lengths, validated against its first row; -> rows, type, the file's PAD."""
     path = _resolve_label_source(source, flag)
     where = f"label file '{source}'"
     rows = _read_json_rows(path, where)
     first = rows[0] if isinstance(rows, list) and rows and isinstance(rows[0], dict) else {}
-    num_samples = sum(1 for key in first if re.fullmatch(r"sample[0-9]+", key))
-    if not num_samples or not isinstance(first.get("query"), list):
+    label_type = label_type_of_row(first)
+    if label_type is None or not isinstance(first.get("query"), list):
         raise ValueError(
-            f"{where} is not in OAI's best-of-N schema: expected a non-empty JSON list of objects with fields query, "
-            f"sample0..sampleN-1 and best, got {type(rows).__name__} with first row keys {sorted(first)[:8]}."
+            f"{where} is not in one of OAI's label schemas: expected a non-empty JSON list of objects with fields "
+            "query, sample0..sampleN-1 and best (best_of_N), query, sample and score (scalar_rating), or query, "
+            f"sample0, sample1 and difference (scalar_compare); got {type(rows).__name__} with first row keys "
+            f"{sorted(first)[:8]}."
         )
-    lengths = {key: len(value) for key, value in first.items() if key in _label_fields(num_samples) and key != "best"}
-    _check_label_rows(rows, lengths, num_samples, where)
+    lengths = _first_row_lengths(first, label_type)
+    _check_label_rows(rows, lengths, label_type, where)
     for field in lengths:
         _token_array(rows, field, where)
-    return rows, num_samples, label_file_pad_id(path)
+    return rows, label_type, label_file_pad_id(path)
 
 
 def load_labels(
-    source: str, query_length: int, response_length: int, pad_id: int, num_train: int, num_samples: int = 4
+    source: str,
+    query_length: int,
+    response_length: int,
+    pad_id: int,
+    num_train: int,
+    label_type: str = "best_of_4",
+    flag: str = "--label_dataset",
 ) -> Labels:
-    """OAI best-of-N label file (local JSON or a file of the HF mirror), validated, the file's PAD mapped to pad_id.
+    """A label file of `label_type` (local JSON or a file of the HF mirror), validated, the file's PAD mapped to pad_id.
 
     The file's PAD is OAI's 50259, or the `pad_id` of a `<file>.meta.json` beside it (label_generation.py writes one).
     """
-    # OAI: a JSON list of {query, sample0..3, best} rows; at least num_train rows, the first num_train are trained on
+    # OAI: a JSON list of rows of the label type's schema; at least num_train rows, the first num_train are trained on
     # https://github.com/openai/lm-human-preferences/blob/cbfd210bb8b08f6bc5c26878c10984b90f516c66/lm_human_preferences/train_reward.py#L64-L96
-    path = _resolve_label_source(source)
+    kind = get_label_type(label_type)
+    path = _resolve_label_source(source, flag)
     where = f"label file '{source}'"
     rows = _read_json_rows(path, where)
-    lengths = {"query": query_length, **{f"sample{i}": response_length for i in range(num_samples)}}
-    _check_label_rows(rows, lengths, num_samples, where)
+    found = label_type_of_row(rows[0]) if isinstance(rows, list) and rows else None
+    if found is not None and found.name != kind.name:
+        raise ValueError(
+            f"{where} holds {found.name} labels (fields {found.fields}), not {kind.name}; pass --labels.type "
+            f"{found.name}."
+        )
+    lengths = {"query": query_length, **{field: response_length for field in kind.sample_fields}}
+    _check_label_rows(rows, lengths, kind, where)
     if len(rows) < num_train:
         raise ValueError(f"{where} has {len(rows)} rows but num_train is {num_train}; lower --labels.num_train.")
     query = _token_array(rows, "query", where)  # (N, Lq)
-    samples = np.stack([_token_array(rows, f"sample{i}", where) for i in range(num_samples)], axis=1)  # (N, S, L)
-    best = np.array([row["best"] for row in rows], dtype=np.int64)  # (N,)
+    samples = np.stack([_token_array(rows, field, where) for field in kind.sample_fields], axis=1)  # (N, S, L)
+    values = [row[kind.label_field] for row in rows]
+    label = np.array(values, dtype=np.int64 if kind.label_field == "best" else np.float32)  # (N,)
     # label files pad with OAI's 50259; map it to our PAD (REF-R#L605-L607). Generated files whose vocabulary has a
     # real token 50259 record their PAD in <file>.meta.json instead
     file_pad_id = label_file_pad_id(path)
@@ -213,11 +330,12 @@ def load_labels(
     if starts_with_pad.size:
         row = starts_with_pad[0]
         raise ValueError(f"{where}: row {row} field 'query' starts with PAD; a query must start with a real token.")
-    return Labels(query=torch.from_numpy(query), samples=torch.from_numpy(samples), best=torch.from_numpy(best))
+    return Labels(query=torch.from_numpy(query), samples=torch.from_numpy(samples), label=torch.from_numpy(label))
 
 
 def save_labels(path: str, labels_rows: list[dict], pad_id: int | None = None) -> None:
-    """Write label rows (lists or tensors) in OAI's JSON schema; tokens equal to pad_id are written as OAI's PAD."""
+    """Write label rows (lists or tensors) in OAI's JSON schema of their type; tokens equal to pad_id are written as
+    OAI's PAD."""
     if not labels_rows:
         raise ValueError(f"no label rows to write to '{path}'.")
     rows = [
@@ -226,11 +344,14 @@ def save_labels(path: str, labels_rows: list[dict], pad_id: int | None = None) -
         else row
         for row in labels_rows
     ]
-    first = rows[0] if isinstance(rows[0], dict) else {}
-    num_samples = sum(1 for key in first if re.fullmatch(r"sample[0-9]+", key))
-    lengths = {key: len(value) for key, value in first.items() if isinstance(value, list)}
     where = f"labels for '{path}'"
-    _check_label_rows(rows, lengths, num_samples, where)
+    label_type = label_type_of_row(rows[0])
+    if label_type is None:
+        raise ValueError(
+            f"{where}: row 0 is in none of OAI's label schemas (best_of_N, scalar_rating, scalar_compare)."
+        )
+    lengths = _first_row_lengths(rows[0], label_type)
+    _check_label_rows(rows, lengths, label_type, where)
     if pad_id is not None:
         # LG: write PAD as OAI's 50259 so the file reads like OAI's label files
         for field in lengths:

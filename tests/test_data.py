@@ -21,7 +21,7 @@ from lm_human_preference_details.data import (
     oai_shuffle_order,
 )
 from lm_human_preference_details.hub import HubUnavailableError
-from lm_human_preference_details.labels import OAI_PAD_TOKEN, load_labels, save_labels
+from lm_human_preference_details.labels import OAI_PAD_TOKEN, load_labels, read_label_rows, save_labels
 from lm_human_preference_details.tasks import (
     TASKS,
     TaskHParams,
@@ -387,11 +387,11 @@ def _write(path, rows) -> str:
 def test_load_labels_maps_oai_pad(tmp_path):
     labels = load_labels(_write(tmp_path / "l.json", _label_rows()), 4, 3, pad_id=PAD, num_train=2)
     assert len(labels) == 3
-    assert labels.query.shape == (3, 4) and labels.samples.shape == (3, 4, 3) and labels.best.shape == (3,)
-    assert labels.query.dtype == labels.samples.dtype == labels.best.dtype == torch.long
+    assert labels.query.shape == (3, 4) and labels.samples.shape == (3, 4, 3) and labels.label.shape == (3,)
+    assert labels.query.dtype == labels.samples.dtype == labels.label.dtype == torch.long
     assert labels.query[1].tolist() == [101, 201, PAD, PAD]
     assert labels.samples[2, 3].tolist() == [23, PAD, PAD]
-    assert labels.best.tolist() == [0, 1, 2]
+    assert labels.label.tolist() == [0, 1, 2]
     assert not (labels.query == OAI_PAD_TOKEN).any() and not (labels.samples == OAI_PAD_TOKEN).any()
 
 
@@ -426,6 +426,59 @@ def _break(field, value):
 def test_load_labels_malformed_rows_name_row_and_field(tmp_path, rows, pattern):
     with pytest.raises(ValueError, match=pattern):
         load_labels(_write(tmp_path / "l.json", rows), 4, 3, pad_id=PAD, num_train=1)
+
+
+def _scalar_rows(kind: str) -> list[dict]:
+    """Three rows of OAI's scalar_rating (query, sample, score) or scalar_compare (query, sample0/1, difference)."""
+    rows = []
+    for i, row in enumerate(_label_rows()):
+        if kind == "scalar_rating":
+            rows.append({"query": row["query"], "sample": row["sample1"], "score": [0.5, -2, 1.25][i]})
+        else:
+            rows.append({"query": row["query"], "sample0": row["sample0"], "sample1": row["sample2"]})
+            rows[-1]["difference"] = [1.5, 0, -3][i]
+    return rows
+
+
+@pytest.mark.parametrize("kind", ["scalar_rating", "scalar_compare"])
+def test_load_and_save_scalar_label_types(tmp_path, kind):
+    # OAI label_types.py#L58-L109: one sample and a float score, or two samples and a float difference
+    path = _write(tmp_path / "l.json", _scalar_rows(kind))
+    labels = load_labels(path, 4, 3, pad_id=PAD, num_train=3, label_type=kind)
+    num_samples = 1 if kind == "scalar_rating" else 2
+    assert labels.samples.shape == (3, num_samples, 3) and labels.label.dtype == torch.float32
+    expected = [0.5, -2.0, 1.25] if kind == "scalar_rating" else [1.5, 0.0, -3.0]
+    assert labels.label.tolist() == expected
+    assert labels.samples[0, -1].tolist() == [2 if kind == "scalar_compare" else 1, PAD, PAD]
+    rows, label_type, _ = read_label_rows(path)
+    assert label_type.name == kind and len(rows) == 3
+    copy = str(tmp_path / "copy.json")
+    save_labels(copy, rows)
+    assert json.loads(open(copy).read()) == _scalar_rows(kind)
+
+
+@pytest.mark.parametrize(
+    "kind, field, value, pattern",
+    [
+        ("scalar_rating", "score", "1.0", "row 1 field 'score'.*finite number"),
+        ("scalar_rating", "score", float("nan"), "row 1 field 'score'"),
+        ("scalar_compare", "difference", True, "row 1 field 'difference'"),
+        ("scalar_compare", "sample1", [1, 2], "row 1 field 'sample1' has length 2"),
+    ],
+)
+def test_load_scalar_labels_malformed_rows_name_row_and_field(tmp_path, kind, field, value, pattern):
+    rows = _scalar_rows(kind)
+    rows[1][field] = value
+    with pytest.raises(ValueError, match=pattern):
+        load_labels(_write(tmp_path / "l.json", rows), 4, 3, pad_id=PAD, num_train=1, label_type=kind)
+
+
+def test_load_labels_of_another_type_names_the_flag(tmp_path):
+    path = _write(tmp_path / "l.json", _scalar_rows("scalar_rating"))
+    with pytest.raises(ValueError, match="holds scalar_rating labels.*--labels.type scalar_rating"):
+        load_labels(path, 4, 3, pad_id=PAD, num_train=1)
+    with pytest.raises(ValueError, match="holds best_of_4 labels.*--labels.type best_of_4"):
+        load_labels(_write(tmp_path / "b.json", _label_rows()), 4, 3, PAD, 1, label_type="scalar_compare")
 
 
 def test_load_labels_needs_num_train_rows(tmp_path):
@@ -463,7 +516,7 @@ def test_save_labels_round_trip_writes_oai_pad(tmp_path):
     labels = load_labels(path, 4, 3, pad_id=PAD, num_train=2)
     assert labels.query.tolist() == [[5, 6, PAD, PAD], [7, 8, 9, PAD]]
     assert labels.samples[1, 2].tolist() == [6, 2, PAD]
-    assert labels.best.tolist() == [2, 0]
+    assert labels.label.tolist() == [2, 0]
 
 
 def test_save_labels_rejects_malformed_rows(tmp_path):

@@ -197,8 +197,8 @@ def test_generate_vader_rows_pass_filter_and_match_labeler(vader_labels, world, 
     labels = load_labels(str(output), QUERY_LENGTH, RESPONSE_LENGTH, tokenizer.pad_token_id, num_train=16)
     vader = VaderLabeler(tokenizer, tokenizer.pad_token_id)
     scores = vader.scores(labels.query, labels.samples)
-    assert (scores.gather(1, labels.best[:, None])[:, 0] == scores.max(1).values).all()
-    assert len(set(labels.best.tolist())) > 1
+    assert (scores.gather(1, labels.label[:, None])[:, 0] == scores.max(1).values).all()
+    assert len(set(labels.label.tolist())) > 1
 
 
 def test_generate_metadata_counts(vader_labels, tokenizer):
@@ -265,13 +265,41 @@ def test_generate_reward_model_best_is_its_argmax(world, tiny_model_dir, tokeniz
             "3",
         )
     )
-    labels = load_labels(str(output), QUERY_LENGTH, RESPONSE_LENGTH, tokenizer.pad_token_id, 6, num_samples=3)
+    labels = load_labels(str(output), QUERY_LENGTH, RESPONSE_LENGTH, tokenizer.pad_token_id, 6, "best_of_3")
     reward_model, _ = load_reward_model(rm_dir)
     with torch.no_grad():
         rewards = score_label_rows(reward_model, labels.query, labels.samples, tokenizer.pad_token_id)
-    assert labels.best.tolist() == rewards.argmax(1).tolist()
-    assert len(set(labels.best.tolist())) > 1
+    assert labels.label.tolist() == rewards.argmax(1).tolist()
+    assert len(set(labels.label.tolist())) > 1
     assert read_meta(output)["labeler"] == f"reward_model:{rm_dir}"
+
+
+@pytest.mark.parametrize("kind", ["scalar_rating", "scalar_compare"])
+def test_generate_scalar_label_types_write_the_labelers_scores(world, tokenizer, tmp_path, kind):
+    # OAI label_types.py#L58-L109: scalar_rating = query, sample, score; scalar_compare = query, sample0, sample1,
+    # difference = score(sample1) - score(sample0)
+    output = tmp_path / "labels.json"
+    flags = ["--label_type", kind, "--labeler", "vader", "--num_queries", "8", "--batch_size", "8"]
+    meta = run_label_generation(generate_flags(world, output, *flags))
+    sample_fields = ["sample"] if kind == "scalar_rating" else ["sample0", "sample1"]
+    label_field = "score" if kind == "scalar_rating" else "difference"
+    rows = read_rows(output)
+    assert len(rows) == 8 and sorted(rows[0]) == sorted(["query", *sample_fields, label_field])
+    assert all(passes_filter_and_is_truncated(row[field]) for row in rows for field in sample_fields)
+    assert meta["label_type"] == kind and meta["num_labels"] == len(sample_fields)
+    pad = tokenizer.pad_token_id
+    labels = load_labels(str(output), QUERY_LENGTH, RESPONSE_LENGTH, pad, 8, kind)
+    scores = VaderLabeler(tokenizer, pad).scores(labels.query, labels.samples)  # (8, S)
+    expected = scores[:, 0] if kind == "scalar_rating" else scores[:, 1] - scores[:, 0]
+    torch.testing.assert_close(labels.label, expected, rtol=0, atol=0)
+    assert len(set(labels.label.tolist())) > 1
+
+
+def test_generate_human_labeler_only_picks_the_best(world, tmp_path):
+    flags = ["--label_type", "scalar_rating", "--labeler", "human", "--num_queries", "2"]
+    with pytest.raises(ValueError, match="only picks the best response.*--label_type best_of_N"):
+        run_label_generation(generate_flags(world, tmp_path / "labels.json", *flags))
+    assert not (tmp_path / "labels.json").exists()
 
 
 def test_generate_skips_queries_without_enough_passing_responses(world, tmp_path):
@@ -485,7 +513,7 @@ def test_convert_records_pad_when_50259_is_a_real_token(source_labels, tmp_path)
     "content, problem",
     [
         ({"query": [1, 2]}, "JSON list"),
-        ([{"query": [1, 2], "sample": [3], "score": 0.5}], "sample0"),
+        ([{"query": [1, 2], "sample": [3], "rating": 0.5}], "scalar_rating"),
         (
             [{"query": [1], "sample0": [3], "sample1": [4], "best": 0}, {"query": [1], "sample0": [3], "sample1": [4]}],
             "row 1 is missing field 'best'",

@@ -13,7 +13,7 @@ import torch
 
 import train_reward
 from lm_human_preference_details.data import QueryStream, load_texts
-from lm_human_preference_details.labels import best_of_n_loss
+from lm_human_preference_details.labels import Labels, best_of_n_loss, get_label_type, label_loss
 from lm_human_preference_details.modeling import (
     PolicyWithValueHead,
     RewardModel,
@@ -77,6 +77,48 @@ def test_best_of_n_loss_is_softmax_cross_entropy():
     assert torch.allclose(best_of_n_loss(rewards, torch.tensor([2])), expected)
     # shift invariance: the bias parameter never gets a gradient from this loss (spec R3)
     assert torch.allclose(best_of_n_loss(rewards + 3.0, torch.tensor([2])), expected)
+
+
+def test_scalar_rating_loss_and_statistics_match_numpy():
+    # OAI label_types.py#L70-L77: MSE of reward vs score, the scores' population mean/var, Pearson r
+    generator = torch.Generator().manual_seed(0)
+    rewards, score = torch.randn(6, 1, generator=generator), torch.randn(6, generator=generator)
+    stats = label_loss(get_label_type("scalar_rating"), rewards, score)
+    r, y = rewards[:, 0].double().numpy(), score.double().numpy()
+    assert stats["loss"].item() == pytest.approx(np.mean((y - r) ** 2), rel=1e-5)
+    assert stats["error"].item() == stats["loss"].item()
+    assert stats["label_mean"].item() == pytest.approx(y.mean(), abs=1e-6)
+    assert stats["label_var"].item() == pytest.approx(y.var(), rel=1e-5)  # numpy var: population
+    assert stats["corr"].item() == pytest.approx(np.corrcoef(y, r)[0, 1], rel=1e-5)
+
+
+def test_scalar_compare_loss_is_mse_of_the_reward_difference():
+    # OAI label_types.py#L95-L102: predicted difference = r(sample1) - r(sample0)
+    rewards = torch.tensor([[0.5, 2.0], [1.0, -1.0], [0.0, 0.0]])
+    difference = torch.tensor([1.0, -1.0, 3.0])
+    stats = label_loss(get_label_type("scalar_compare"), rewards, difference)
+    assert stats.keys() == {"loss", "error"}
+    assert stats["loss"].item() == pytest.approx(((1.0 - 1.5) ** 2 + (-1.0 + 2.0) ** 2 + 3.0**2) / 3)
+
+
+def test_normalization_targets_follow_the_label_type():
+    # before training the reward is scaled to the labels: scores (rating), differences / 2 (compare), N(0, 1) (best)
+    values = torch.tensor([1.0, 2.0, 4.0, 5.0])
+    labels = Labels(torch.ones(4, 3, dtype=torch.long), torch.ones(4, 2, 2, dtype=torch.long), values)
+    assert train_reward.normalization_target(get_label_type("scalar_rating"), labels) == pytest.approx(
+        (3.0, 1.58113883)
+    )
+    assert train_reward.normalization_target(get_label_type("scalar_compare"), labels) == pytest.approx(
+        (1.5, 0.790569415)
+    )
+    best = Labels(labels.query, labels.samples, torch.tensor([0, 1, 0, 1]))
+    assert train_reward.normalization_target(get_label_type("best_of_2"), best) == (0.0, 1.0)
+
+
+@pytest.mark.parametrize("name", ["best_of_1", "best_of_x", "scalar", "pairwise"])
+def test_unknown_label_type_names_the_valid_ones(name):
+    with pytest.raises(ValueError, match="best_of_N .* scalar_rating or scalar_compare"):
+        get_label_type(name)
 
 
 def test_score_label_rows_matches_separate_forwards(tiny_model_dir, tokenizer):
@@ -177,6 +219,93 @@ def test_gradient_accumulation_gives_the_same_update(tmp_path, tiny_model_dir, w
     for name in one:
         assert torch.allclose(one[name], four[name], atol=1e-6), name
     assert not torch.allclose(one["head.weight"], RewardModel.from_base(tiny_model_dir).head.weight)
+
+
+def write_scalar_labels(world, path, kind: str, n: int) -> np.ndarray:
+    """The world's best-of-4 rows as scalar labels: the planted best sample scores high; returns the label values."""
+    rows, values = [], []
+    for k, row in enumerate(json.loads(world["labels"].read_text())[:n]):
+        best, other = row["best"], (row["best"] + 1 + k % 3) % 4
+        if kind == "scalar_rating":
+            index = best if k % 2 else other
+            value = (1.0 if index == best else -1.0) + 0.25 * (k % 3)
+            rows.append({"query": row["query"], "sample": row[f"sample{index}"], "score": value})
+        else:
+            first, second = (best, other) if k % 2 else (other, best)
+            value = (2.0 if second == best else -2.0) + 0.5 * (k % 3)  # score1 - score0
+            rows.append({"query": row["query"], "sample0": row[f"sample{first}"], "sample1": row[f"sample{second}"]})
+            rows[-1]["difference"] = value
+        values.append(value)
+    path.write_text(json.dumps(rows))
+    return np.array(values)
+
+
+def reward_args(tmp_path, model_dir, world, label_file, **overrides) -> train_reward.Args:
+    """A tiny in-process reward run: 16-token queries, 8-token responses."""
+    task = books_task(query_dataset=str(world["corpus"]), query_length=QUERY_LENGTH, response_length=RESPONSE_LENGTH)
+    settings = dict(batch_size=16, lr=1e-3, rollout_batch_size=16, normalize_samples=16, normalize_after=False)
+    settings.update(overrides)
+    return train_reward.Args(
+        base_model=model_dir, label_dataset=str(label_file), output_dir=str(tmp_path / "rm"), task=task, **settings
+    )
+
+
+@pytest.mark.parametrize("kind", ["scalar_rating", "scalar_compare"])
+def test_scalar_labels_train_with_oai_statistics_and_targets(tmp_path, tiny_model_dir, world, kind):
+    values = write_scalar_labels(world, tmp_path / "labels.json", kind, 48)
+    labels = train_reward.LabelHParams(type=kind, num_train=32)
+    result = train_reward.main(reward_args(tmp_path, tiny_model_dir, world, tmp_path / "labels.json", labels=labels))
+    # normalize_before targets the labels' scale: mean and population std of scores, or of differences / 2
+    scales = values[:32] / (2.0 if kind == "scalar_compare" else 1.0)
+    before = result["normalization"]["before"]
+    assert (before["target_mean"], before["target_std"]) == pytest.approx((scales.mean(), scales.std()), rel=1e-6)
+    assert before["gain"] == pytest.approx(scales.std() / before["std"], rel=1e-5)
+    assert result["eval_after"]["rows"] == 16 and "accuracy" not in result["eval_after"]
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(tmp_path / "rm" / "tb"))
+    events.Reload()
+    tags = set(events.Tags()["scalars"])
+    extra = {"label_mean", "label_var", "corr"} if kind == "scalar_rating" else set()
+    assert {t for t in tags if t.startswith("train_reward/")} == {
+        f"train_reward/minibatch/{k}" for k in {"loss", "error"} | extra
+    }
+    assert "eval/loss" in tags and "eval/accuracy" not in tags and "debug/accuracy" not in tags
+    if kind == "scalar_rating":  # step 0's labels: the first 16 of rank 0's permutation (seed 1)
+        first = values[np.random.RandomState(1).permutation(32)[:16]]
+        logged = events.Scalars("train_reward/minibatch/label_mean")[0].value
+        assert logged == pytest.approx(first.mean(), rel=1e-5)
+        assert events.Scalars("train_reward/minibatch/label_var")[0].value == pytest.approx(first.var(), rel=1e-4)
+    assert load_reward_model(str(tmp_path / "rm"))[1]["label_type"] == kind
+
+
+def test_label_type_other_than_the_file_names_the_right_flag(tmp_path, tiny_model_dir, world):
+    write_scalar_labels(world, tmp_path / "labels.json", "scalar_compare", 32)
+    args = reward_args(tmp_path, tiny_model_dir, world, tmp_path / "labels.json")
+    args.labels.num_train = 32
+    with pytest.raises(ValueError, match="holds scalar_compare labels .* --labels.type scalar_compare"):
+        train_reward.main(args)
+
+
+def test_normalize_samples_zero_skips_normalization(tmp_path, tiny_model_dir, world):
+    # OAI's normalize() returns at once when normalize_samples is 0: gain and bias are not even reset
+    args = reward_args(tmp_path, tiny_model_dir, world, world["labels"], normalize_samples=0, normalize_after=True)
+    args.labels.num_train = 32
+    result = train_reward.main(args)
+    assert result["normalization"] == {"before": None, "after": None}
+    # the best-of-N loss gives the bias no gradient (up to rounding): only a normalization moves it far from 0
+    assert abs(result["bias"]) < 1e-6 and result["gain"] != 1.0
+
+
+def test_debug_normalize_scores_fresh_samples_after_normalizing(tmp_path, tiny_model_dir, world, capsys):
+    overrides = dict(normalize_samples=128, rollout_batch_size=64, debug_normalize=128)
+    args = reward_args(tmp_path, tiny_model_dir, world, world["labels"], **overrides)
+    args.labels.num_train = 16
+    before = train_reward.main(args)["normalization"]["before"]
+    # 128 fresh samples under the new gain/bias: close to the N(0, 1) target, but not the normalized sample itself
+    assert abs(before["debug_mean"]) < 0.4 and abs(before["debug_std"] - 1) < 0.4, before
+    assert (before["debug_mean"], before["debug_std"]) != pytest.approx((0.0, 1.0), abs=1e-4)
+    assert "normalize before: after normalize" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("problem", ["missing_field", "best_out_of_range", "too_few_rows"])
