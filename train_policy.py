@@ -36,6 +36,7 @@ from lm_human_preference_details.tasks import (
     encode_context_affixes,
     format_contexts,
     passes_filter,
+    task_differences,
     truncate_response,
 )
 from lm_human_preference_details.tokenizer import check_same_tokenizer, load_tokenizer
@@ -67,6 +68,9 @@ class RewardHParams:
     gold_model: str | None = None
     """a held-out judge that scores every rollout but never trains the policy, logged as objective/gold_score to show
     reward over-optimisation: reward_model:DIR, classifier:NAME_OR_DIR[#LABEL] or vader (label_generation's syntax)"""
+    allow_task_mismatch: bool = False
+    """use a reward model trained with other task settings than the policy's (by default a mismatch stops the run,
+    as OAI asserts equal task hyperparameters, train_policy.py#L411); the differences are printed"""
 
 
 @dataclass
@@ -352,6 +356,26 @@ class PPOStats:
         }
 
 
+def check_reward_model_task(rm_metadata: dict, task: TaskHParams, rewards: RewardHParams) -> str | None:
+    """ValueError listing where the reward model's task settings differ from the policy's, unless
+    --rewards.allow_task_mismatch; -> the differences (None when equal)."""
+    # OAI asserts that the reward model's task hyperparameters equal the policy's, every field
+    # https://github.com/openai/lm-human-preferences/blob/cbfd210bb8b08f6bc5c26878c10984b90f516c66/lm_human_preferences/train_policy.py#L411
+    differences = task_differences(rm_metadata.get("task"), task)
+    if not differences:
+        return None
+    listed = "; ".join(
+        f"{name}: reward model {saved!r}, policy {ours!r}" for name, (saved, ours) in differences.items()
+    )
+    if not rewards.allow_task_mismatch:
+        raise ValueError(
+            f"the reward model '{rewards.trained_model}' was trained for other task settings than this run's: "
+            f"{listed}. Pass the reward model's --task.* values, train a reward model with this run's, or pass "
+            "--rewards.allow_task_mismatch to use it anyway."
+        )
+    return listed
+
+
 def reduce_stats(local: dict[str, torch.Tensor], accelerator: Accelerator) -> dict[str, float]:
     """All statistics in one gather and one device-to-host copy: mean over processes (min/max for the extremes)."""
     # OAI all-reduce-means every statistic over ranks (spec D5)
@@ -515,6 +539,8 @@ def main(args: Args) -> list[dict[str, float]]:
         f"the reward model '{args.rewards.trained_model}' (--rewards.trained_model)",
         f"the policy uses tokenizer '{args.base_model}'",
     )
+    if mismatch := check_reward_model_task(rm_metadata, task, args.rewards):
+        accelerator.print(f"warning: --rewards.allow_task_mismatch: the reward model's task differs: {mismatch}")
     # dropout is off everywhere: p=0 in the configs and eval mode (spec G7)
     policy = PolicyWithValueHead(load_causal_lm(args.base_model)).to(device).eval()
     # every process starts from rank 0's weights (spec D6); no DDP: gradients are all-reduced by hand (spec O4)

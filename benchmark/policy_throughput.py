@@ -134,7 +134,8 @@ def policy_args(args: Args, work_dir: str, policy_dir: str, reward_dir: str, cor
         nminibatches=args.nminibatches,
         gradient_accumulation_steps=args.accum,
     )
-    rewards = dataclasses.replace(base.rewards, trained_model=reward_dir)
+    # a random reward model trained for no task: skip the task check
+    rewards = dataclasses.replace(base.rewards, trained_model=reward_dir, allow_task_mismatch=True)
     return dataclasses.replace(
         base,
         base_model=policy_dir,

@@ -5,6 +5,7 @@ plus the per-text query construction of language/datasets.py.
 https://github.com/openai/lm-human-preferences/blob/cbfd210bb8b08f6bc5c26878c10984b90f516c66/lm_human_preferences/lm_tasks.py
 """
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -61,6 +62,19 @@ TASKS: dict[str, TaskHParams] = {
         temperature=0.5,
     ),
 }
+
+
+def task_differences(saved: dict | None, task: TaskHParams) -> dict[str, tuple]:
+    """Fields where a saved task (dataclasses.asdict of a TaskHParams, e.g. a reward model's) differs from `task`:
+    name -> (saved value, value of `task`); a field the saved task lacks counts as different."""
+    saved = saved if isinstance(saved, dict) else {}
+    missing = object()
+    current = dataclasses.asdict(task)
+    return {
+        name: (saved.get(name, "<not recorded>"), value)
+        for name, value in current.items()
+        if saved.get(name, missing) != value
+    }
 
 
 # ---------------------------------------------------------------- tokens

@@ -56,6 +56,8 @@ def trained_reward(tmp_path_factory, tokenizer, small_vocab_model_dir, small_voc
         "None",
         "--task.end_text",
         "None",
+        "--task.truncate_token",
+        "None",
         "--labels.num_train",
         "256",
         "--batch_size",

@@ -15,12 +15,14 @@ from transformers import AutoModelForCausalLM
 from lm_human_preference_details import core
 from lm_human_preference_details.cli import parse_args
 from lm_human_preference_details.modeling import RewardModel
-from lm_human_preference_details.tasks import passes_filter, truncate_response
+from lm_human_preference_details.tasks import TaskHParams, passes_filter, truncate_response
 from lm_human_preference_details.tokenizer import load_tokenizer, tokenizer_fingerprint
 from train_policy import (
     AdaptiveKLController,
     Args,
     FixedKLController,
+    RewardHParams,
+    check_reward_model_task,
     compute_advantages,
     compute_rewards,
     main,
@@ -279,15 +281,22 @@ def query_file(tmp_path_factory):
     return str(path)
 
 
-def save_reward_model(path, model_dir: str, **metadata_overrides) -> str:
-    """A random reward model on the tiny trunk, saved as train_reward.py would (tokenizer beside it)."""
+def tiny_task(query_file: str, preset: str = "sentiment") -> TaskHParams:
+    """A preset's task shrunk to 16-token queries and 8-token responses of the test corpus."""
+    task = oai_presets()[preset].task
+    shrunk = dict(query_length=16, response_length=8, start_text=None, end_text=None, truncate_after=2)
+    return dataclasses.replace(task, query_dataset=query_file, truncate_token=13, **shrunk)
+
+
+def save_reward_model(path, model_dir: str, task: TaskHParams, **metadata_overrides) -> str:
+    """A random reward model on the tiny trunk, trained (as saved by train_reward.py) for `task`."""
     tokenizer = load_tokenizer(model_dir)
     metadata = {
         "base_model": model_dir,
         "tokenizer": model_dir,
         "tokenizer_fingerprint": tokenizer_fingerprint(tokenizer),
         "pad_token_id": tokenizer.pad_token_id,
-        "task": dataclasses.asdict(oai_presets()["sentiment"].task),
+        "task": dataclasses.asdict(task),
         **metadata_overrides,
     }
     torch.manual_seed(0)
@@ -297,8 +306,8 @@ def save_reward_model(path, model_dir: str, **metadata_overrides) -> str:
 
 
 @pytest.fixture(scope="module")
-def reward_model_dir(tmp_path_factory, tiny_model_dir):
-    return save_reward_model(tmp_path_factory.mktemp("reward"), tiny_model_dir)
+def reward_model_dir(tmp_path_factory, tiny_model_dir, query_file):
+    return save_reward_model(tmp_path_factory.mktemp("reward"), tiny_model_dir, tiny_task(query_file))
 
 
 def tiny_args(output_dir, model_dir: str, rm_dir: str, query_file: str, preset: str = "sentiment", **ppo) -> Args:
@@ -306,16 +315,7 @@ def tiny_args(output_dir, model_dir: str, rm_dir: str, query_file: str, preset: 
     args = oai_presets()[preset]
     args.base_model, args.output_dir = model_dir, str(output_dir)
     args.log_interval, args.save_interval, args.print_samples = 1, 0, 2
-    args.task = dataclasses.replace(
-        args.task,
-        query_dataset=query_file,
-        query_length=16,
-        response_length=8,
-        start_text=None,
-        end_text=None,
-        truncate_token=13,
-        truncate_after=2,
-    )
+    args.task = tiny_task(query_file, preset)
     args.rewards.trained_model = rm_dir
     args.ppo = dataclasses.replace(args.ppo, **{"total_episodes": 16, "batch_size": 8, **ppo})
     return args
@@ -372,8 +372,9 @@ def test_main_saves_a_loadable_policy(sentiment_run, tiny_model_dir):
     assert os.path.isdir(os.path.join(output_dir, "tb"))
 
 
-def test_main_fixed_kl_preset_keeps_kl_coef(tmp_path, tiny_model_dir, reward_model_dir, query_file):
-    history = main(tiny_args(tmp_path, tiny_model_dir, reward_model_dir, query_file, preset="tldr"))
+def test_main_fixed_kl_preset_keeps_kl_coef(tmp_path, tiny_model_dir, query_file):
+    rm_dir = save_reward_model(tmp_path / "reward", tiny_model_dir, tiny_task(query_file, "tldr"))
+    history = main(tiny_args(tmp_path, tiny_model_dir, rm_dir, query_file, preset="tldr"))
     assert [stats["objective/kl_coef"] for stats in history] == [0.03, 0.03]
 
 
@@ -428,7 +429,11 @@ def test_main_whitening_group_below_eight_raises(tmp_path):
 
 def test_main_rejects_reward_model_of_another_tokenizer(tmp_path, tiny_model_dir, query_file):
     rm_dir = save_reward_model(
-        tmp_path / "reward", tiny_model_dir, tokenizer="EleutherAI/pythia-160m", tokenizer_fingerprint="0123abcd"
+        tmp_path / "reward",
+        tiny_model_dir,
+        tiny_task(query_file),
+        tokenizer="EleutherAI/pythia-160m",
+        tokenizer_fingerprint="0123abcd",
     )
     args = tiny_args(tmp_path / "policy", tiny_model_dir, rm_dir, query_file)
     with pytest.raises(ValueError, match="tokenizer mismatch") as error:
@@ -437,17 +442,50 @@ def test_main_rejects_reward_model_of_another_tokenizer(tmp_path, tiny_model_dir
 
 
 def test_main_rejects_reward_model_with_another_pad_id(tmp_path, tiny_model_dir, query_file):
-    rm_dir = save_reward_model(tmp_path / "reward", tiny_model_dir, pad_token_id=50259)
+    rm_dir = save_reward_model(tmp_path / "reward", tiny_model_dir, tiny_task(query_file), pad_token_id=50259)
     with pytest.raises(ValueError, match="pad id 50259"):
         main(tiny_args(tmp_path / "policy", tiny_model_dir, rm_dir, query_file))
 
 
+def test_main_rejects_reward_model_of_another_task_unless_allowed(tmp_path, tiny_model_dir, query_file):
+    # OAI asserts that the reward model's task hyperparameters equal the policy's (train_policy.py#L411)
+    other = dataclasses.replace(tiny_task(query_file), response_length=6, truncate_after=3, end_text=".")
+    rm_dir = save_reward_model(tmp_path / "reward", tiny_model_dir, other)
+    args = tiny_args(tmp_path / "policy", tiny_model_dir, rm_dir, query_file, total_episodes=8)
+    with pytest.raises(ValueError, match="--rewards.allow_task_mismatch") as error:
+        main(args)
+    message = str(error.value)
+    assert (
+        "response_length: reward model 6, policy 8" in message and "truncate_after: reward model 3, policy 2" in message
+    )
+    assert "end_text: reward model '.', policy None" in message and "query_length" not in message
+    assert not os.path.exists(tmp_path / "policy" / "args.json")  # stopped before training
+    args.rewards.allow_task_mismatch = True
+    assert len(main(args)) == 1
+
+
+def test_reward_model_without_recorded_task_is_a_mismatch(tmp_path, query_file):
+    rewards = RewardHParams(trained_model="rm")
+    with pytest.raises(ValueError, match="query_length: reward model '<not recorded>', policy 16"):
+        check_reward_model_task({}, tiny_task(query_file), rewards)
+    assert (
+        check_reward_model_task({"task": dataclasses.asdict(tiny_task(query_file))}, tiny_task(query_file), rewards)
+        is None
+    )
+    rewards.allow_task_mismatch = True
+    assert "temperature: reward model 1.0, policy 0.7" in check_reward_model_task(
+        {"task": {**dataclasses.asdict(tiny_task(query_file)), "temperature": 1.0}}, tiny_task(query_file), rewards
+    )
+
+
 def test_main_raises_on_non_finite_scores(tmp_path, tiny_model_dir, query_file):
-    rm_dir = save_reward_model(tmp_path / "reward", tiny_model_dir)
+    # every response passes the filter without a truncate token, so the NaN score is not replaced
+    task = dataclasses.replace(tiny_task(query_file), truncate_token=None)
+    rm_dir = save_reward_model(tmp_path / "reward", tiny_model_dir, task)
     head = load_file(os.path.join(rm_dir, "reward_head.safetensors"))
     head["gain"] = torch.tensor(float("nan"))
     save_file(head, os.path.join(rm_dir, "reward_head.safetensors"))
     args = tiny_args(tmp_path / "policy", tiny_model_dir, rm_dir, query_file, total_episodes=8)
-    args.task.truncate_token = None  # every response passes the filter, so the NaN score is not replaced
+    args.task = task
     with pytest.raises(ValueError, match="non-finite scores"):
         main(args)
