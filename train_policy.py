@@ -100,7 +100,8 @@ class PpoHParams:
     gradient_accumulation_steps: int = 1
     """micro-batches per process and minibatch (backward passes per optimizer step); the update does not depend on it"""
     whiten_group_size: int | None = None
-    """whiten rewards and advantages per this many episodes (64: OAI's 8-rank statistics on 1 GPU); None: per process"""
+    """episodes per virtual rank: a fixed share of the process's batch that permutes, cuts and whitens its own
+    minibatches like one of OAI's ranks (batch_size / 8, e.g. 64: OAI's 8 ranks on 1 GPU); None: the whole process"""
 
 
 @dataclass
@@ -276,8 +277,12 @@ class Sizes:
     """episodes per process and optimizer step"""
     micro: int
     """episodes per backward pass"""
+    group: int
+    """episodes per virtual rank and update (spec D4)"""
+    virtual_ranks: int
+    """virtual ranks per process"""
     whiten_group: int
-    """episodes per whitening group (a virtual rank, spec D4)"""
+    """episodes whitened together: a virtual rank's minibatch"""
     nupdates: int
     """PPO updates in the run"""
 
@@ -289,20 +294,133 @@ def derive_sizes(args: Args, world: int) -> Sizes:
     batch = core.exact_div(ppo.batch_size, world, "ppo.batch_size (episodes per update) / processes")
     minibatch = core.exact_div(batch, ppo.nminibatches, "episodes per process / nminibatches")
     micro = core.exact_div(minibatch, ppo.gradient_accumulation_steps, "minibatch / ppo.gradient_accumulation_steps")
-    whiten_group = ppo.whiten_group_size or minibatch
-    core.exact_div(minibatch, whiten_group, "per-process minibatch / ppo.whiten_group_size")
-    # whitening needs enough episodes per group (spec P17)
+    group = ppo.whiten_group_size or batch
+    virtual_ranks = core.exact_div(batch, group, "episodes per process / ppo.whiten_group_size")
+    whiten_group = core.exact_div(group, ppo.nminibatches, "episodes per virtual rank / nminibatches")
+    # whitening needs enough episodes per rank minibatch (spec P17)
     # https://github.com/openai/lm-human-preferences/blob/cbfd210bb8b08f6bc5c26878c10984b90f516c66/lm_human_preferences/train_policy.py#L69-L75
     if ppo.whiten_rewards and whiten_group < 8:
         raise ValueError(
-            f"ppo.whiten_rewards needs at least 8 episodes per whitening group, got {whiten_group} (per-process "
-            f"minibatch {minibatch}, ppo.whiten_group_size {ppo.whiten_group_size}); "
+            f"ppo.whiten_rewards needs at least 8 episodes per whitening group, got {whiten_group} (a rank's "
+            f"{group} episodes / nminibatches {ppo.nminibatches}, ppo.whiten_group_size {ppo.whiten_group_size}); "
             "raise ppo.batch_size or ppo.whiten_group_size, or pass --ppo.no_whiten_rewards"
         )
     # nupdates rounds up (spec P15): books ceil(1e6 / 512) = 1954
     # https://github.com/openai/lm-human-preferences/blob/cbfd210bb8b08f6bc5c26878c10984b90f516c66/lm_human_preferences/train_policy.py#L78-L79
     nupdates = core.ceil_div(ppo.total_episodes, ppo.batch_size)
-    return Sizes(world, batch, minibatch, micro, whiten_group, nupdates)
+    return Sizes(world, batch, minibatch, micro, group, virtual_ranks, whiten_group, nupdates)
+
+
+def virtual_rank_rngs(seed: int, rank: int, world: int, virtual_ranks: int) -> list[np.random.RandomState]:
+    """One NumPy RNG per virtual rank of this process, seeded like the OAI rank it stands for: virtual rank g of
+    process `rank` is rank `rank + world * g` of world * virtual_ranks ranks, seeded seed + that rank * 100003."""
+    # OAI seeds each rank's NumPy RNG with seed + rank * 100003 (spec D2)
+    # https://github.com/openai/lm-human-preferences/blob/cbfd210bb8b08f6bc5c26878c10984b90f516c66/lm_human_preferences/utils/core.py#L108-L113
+    return [np.random.RandomState(seed + (rank + world * g) * 100003) for g in range(virtual_ranks)]
+
+
+def minibatch_indices(
+    rngs: list[np.random.RandomState], group_size: int, nminibatches: int, noptepochs: int
+) -> np.ndarray:
+    """(noptepochs, nminibatches, minibatch) rows of the local batch for every PPO step of one update (spec P12, D4).
+
+    Virtual rank g owns rows [g * group_size, (g + 1) * group_size) for the whole update, as an OAI rank owns its
+    batch; each epoch it permutes them with its own RNG and cuts the permutation into nminibatches chunks. Minibatch
+    k is chunk k of every virtual rank, in virtual-rank order, so each virtual rank's rows are one contiguous block
+    of group_size / nminibatches rows: what `whiten(group_size=group_size // nminibatches)` whitens.
+    """
+    # each OAI rank draws np.random.permutation(per-rank batch) per epoch and cuts it into contiguous minibatches
+    # https://github.com/openai/lm-human-preferences/blob/cbfd210bb8b08f6bc5c26878c10984b90f516c66/lm_human_preferences/train_policy.py#L180-L196
+    groups = len(rngs)
+    orders = np.stack([[rng.permutation(group_size) for _ in range(noptepochs)] for rng in rngs], axis=1)  # (E, V, G)
+    orders += group_size * np.arange(groups)[None, :, None]
+    chunks = orders.reshape(noptepochs, groups, nminibatches, group_size // nminibatches)  # (E, V, M, G/M)
+    return chunks.transpose(0, 2, 1, 3).reshape(noptepochs, nminibatches, -1)  # (E, M, V*G/M)
+
+
+@dataclass
+class Rollout:
+    """One update's episodes as PPO trains on them: this process's batch, its rows grouped by virtual rank."""
+
+    query_responses: torch.Tensor
+    """(B, C + L) context (prefix + query + suffix) followed by the raw response"""
+    context_length: int
+    """C, the context tokens before each response"""
+    logprobs: torch.Tensor
+    """(B, L) tempered log-probs of the response tokens under the rollout policy"""
+    values: torch.Tensor
+    """(B, L) value predictions at the positions that predict each response token"""
+    rewards: torch.Tensor
+    """(B, L) per-token rewards: -kl_coef * kl, + score at the last token"""
+
+
+def minibatch_advantages(
+    rewards: torch.Tensor, values: torch.Tensor, ppo: PpoHParams, whiten_group: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(Whitened) rewards, whitened GAE advantages and returns of one minibatch, each virtual rank's rows apart."""
+    # reward whitening and GAE run per minibatch, inside OAI's loss (spec P5, P6), on each rank's own rows (D4)
+    # https://github.com/openai/lm-human-preferences/blob/cbfd210bb8b08f6bc5c26878c10984b90f516c66/lm_human_preferences/train_policy.py#L324-L339
+    if ppo.whiten_rewards:
+        rewards = core.whiten(rewards, shift_mean=False, group_size=whiten_group)
+    advantages, returns = compute_advantages(rewards, values, ppo.gamma, ppo.lam)
+    return rewards, core.whiten(advantages, group_size=whiten_group), returns
+
+
+def ppo_update(
+    policy: PolicyWithValueHead,
+    optimizer: torch.optim.Optimizer,
+    accelerator: Accelerator,
+    rollout: Rollout,
+    indices: torch.Tensor,
+    sizes: Sizes,
+    ppo: PpoHParams,
+    temperature: float,
+    pad_id: int,
+) -> "PPOStats":
+    """One optimizer step per minibatch of `indices` (noptepochs, nminibatches, minibatch), each over `accum`
+    micro-batches with gradients averaged over processes; -> the update's PPO statistics."""
+    params = list(policy.parameters())
+    responses = rollout.query_responses[:, rollout.context_length :]  # (B, L)
+    stats = PPOStats(rollout.values.device, ppo.noptepochs * ppo.nminibatches)
+    accum = ppo.gradient_accumulation_steps
+    for epoch, epoch_indices in enumerate(indices):
+        for k, mb_inds in enumerate(epoch_indices):
+            mb_values = rollout.values[mb_inds]
+            _, mb_advantages, mb_returns = minibatch_advantages(
+                rollout.rewards[mb_inds], mb_values, ppo, sizes.whiten_group
+            )
+            stats.add_minibatch(mb_returns, mb_values, mb_advantages, sizes.virtual_ranks)
+            for micro_start in range(0, sizes.minibatch, sizes.micro):
+                micro = slice(micro_start, micro_start + sizes.micro)
+                micro_inds = mb_inds[micro]
+                # forward on context + raw response: tempered logits and values at response positions (P7)
+                new_logits, vpred = policy(
+                    rollout.query_responses[micro_inds], rollout.context_length, pad_id, temperature
+                )  # (b, L, V), (b, L)
+                # the entropy statistic comes from the same pass over the (b, L, V) logits
+                new_logprobs, new_entropy = logprobs_and_entropy_from_logits(new_logits, responses[micro_inds])
+                del new_logits  # no reference left: the (b, L, V) logits go with the graph after backward
+                losses = ppo_losses(
+                    new_logprobs,
+                    vpred,
+                    rollout.logprobs[micro_inds],
+                    mb_values[micro],
+                    mb_advantages[micro],
+                    mb_returns[micro],
+                    ppo.cliprange,
+                    ppo.cliprange_value,
+                    ppo.vf_coef,
+                )
+                # each micro loss is a mean over its rows; dividing by `accum` makes the summed gradient that of the
+                # minibatch mean, so accumulation does not change the update
+                (losses["loss/total"] / accum).backward()
+                stats.add_micro(losses, new_entropy, 1 / accum, first=epoch == 0 and k == 0)
+            # average gradients over processes (OAI's MPI all-reduce, spec O4), then one Adam step
+            # https://github.com/openai/lm-human-preferences/blob/cbfd210bb8b08f6bc5c26878c10984b90f516c66/lm_human_preferences/utils/core.py#L485-L489
+            core.allreduce_gradients(params, accelerator)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+    return stats
 
 
 class PPOStats:
@@ -320,16 +438,19 @@ class PPOStats:
         for key, value in stats.items():
             self.sums[key] = self.sums.get(key, 0.0) + value.detach() * weight
 
-    def add_minibatch(self, returns: torch.Tensor, values: torch.Tensor, advantages: torch.Tensor) -> None:
-        """Moments of one minibatch's returns and rollout values; non-finite advantages counted."""
+    def add_minibatch(
+        self, returns: torch.Tensor, values: torch.Tensor, advantages: torch.Tensor, groups: int = 1
+    ) -> None:
+        """Moments of one minibatch's returns and rollout values, per virtual rank (`groups` equal blocks of rows)
+        and then averaged, as OAI averages its ranks' moments; non-finite advantages counted."""
         # TF-PARITY: population variances (tf.nn.moments)
-        var_returns, mean_returns = torch.var_mean(returns, correction=0)
-        var_values, mean_values = torch.var_mean(values, correction=0)
+        var_returns, mean_returns = torch.var_mean(returns.reshape(groups, -1), dim=1, correction=0)
+        var_values, mean_values = torch.var_mean(values.reshape(groups, -1), dim=1, correction=0)
         moments = {
-            "returns/mean": mean_returns,
-            "returns/var": var_returns,
-            "val/mean": mean_values,
-            "val/var": var_values,
+            "returns/mean": mean_returns.mean(),
+            "returns/var": var_returns.mean(),
+            "val/mean": mean_values.mean(),
+            "val/var": var_values.mean(),
         }
         self._accumulate(moments, self.weight)
         self.nonfinite_advantages += (~torch.isfinite(advantages)).sum()
@@ -511,7 +632,8 @@ def main(args: Args) -> list[dict[str, float]]:
                 "episodes per update": f"{ppo.batch_size} ({sizes.batch} per process)",
                 "minibatch per process": f"{sizes.minibatch} x {ppo.nminibatches} per epoch, {ppo.noptepochs} epochs",
                 "micro-batch": f"{sizes.micro} x {ppo.gradient_accumulation_steps}",
-                "whitening group": sizes.whiten_group,
+                "virtual ranks per process": f"{sizes.virtual_ranks} x {sizes.group} episodes, whitened in minibatches "
+                f"of {sizes.whiten_group}",
                 "updates": sizes.nupdates,
                 "optimizer steps": sizes.nupdates * ppo.noptepochs * ppo.nminibatches,
                 "reward model": args.rewards.trained_model,
@@ -528,6 +650,8 @@ def main(args: Args) -> list[dict[str, float]]:
     local_seed = args.seed + accelerator.process_index * 100003
     core.set_seed(local_seed)
     generator = torch.Generator(device=device).manual_seed(local_seed)
+    # the PPO epochs' permutations: one NumPy RNG per virtual rank, seeded like the OAI rank it stands for (spec D4)
+    order_rngs = virtual_rank_rngs(args.seed, accelerator.process_index, sizes.world, sizes.virtual_ranks)
 
     # 1. tokenizer, policy (+ value head on the shared trunk), frozen reference policy and reward model, optimizer, data
     tokenizer = load_tokenizer(args.base_model)
@@ -585,13 +709,14 @@ def main(args: Args) -> list[dict[str, float]]:
         for update in range(sizes.nupdates):
             timer = PhaseTimer(device)
             timer.mark()
-            # a fresh permutation of the local batch for each PPO epoch (spec P12), drawn now, while the GPU is idle,
-            # so that the host-to-device copy does not wait for queued kernels
-            epoch_orders = np.stack([np.random.permutation(sizes.batch) for _ in range(ppo.noptepochs)])
-            epoch_orders = torch.from_numpy(epoch_orders).to(device)  # (noptepochs, B)
+            # each virtual rank's fresh permutation for each PPO epoch (spec P12, D4), drawn now, while the GPU is
+            # idle, so that the host-to-device copy does not wait for queued kernels
+            indices = minibatch_indices(order_rngs, sizes.group, ppo.nminibatches, ppo.noptepochs)
+            indices = torch.from_numpy(indices).to(device)  # (noptepochs, nminibatches, minibatch)
             with torch.no_grad():
-                # 2. rollout: responses, with logprobs and values from the sampling pass itself (spec P13)
-                queries = query_stream.next_batch(sizes.batch).to(device)  # (B, Lq)
+                # 2. rollout: responses, with logprobs and values from the sampling pass itself (spec P13); rows
+                # grouped by virtual rank, each holding the queries of the OAI rank it stands for (spec D3, D4)
+                queries = query_stream.next_batch(sizes.batch, sizes.virtual_ranks).to(device)  # (B, Lq)
                 contexts = format_contexts(queries, prefix, suffix)  # (B, C): prefix + query + suffix (spec G4)
                 context_length = contexts.shape[1]
                 # QueryStream's queries start with a real token, so the sampler and the reward model skip that check
@@ -621,61 +746,16 @@ def main(args: Args) -> list[dict[str, float]]:
                 rewards, non_score_reward, kl = compute_rewards(scores, logprobs, ref_logprobs, kl_coef)  # (B, L)
             timer.mark()
 
-            # 5. PPO: noptepochs x nminibatches optimizer steps, each over `accum` micro-batches.
+            # 5. PPO: noptepochs x nminibatches optimizer steps, each over `accum` micro-batches;
             # lr annealed per update, constant within it (spec P16)
             # https://github.com/openai/lm-human-preferences/blob/cbfd210bb8b08f6bc5c26878c10984b90f516c66/lm_human_preferences/train_policy.py#L172-L173
             lr_now = ppo.lr * (1 - update / sizes.nupdates)
             for group in optimizer.param_groups:
                 group["lr"] = lr_now
-            ppo_stats = PPOStats(device, ppo.noptepochs * ppo.nminibatches)
-            accum = ppo.gradient_accumulation_steps
-            # each epoch cuts its permutation into contiguous minibatches; one optimizer step per minibatch
-            # https://github.com/openai/lm-human-preferences/blob/cbfd210bb8b08f6bc5c26878c10984b90f516c66/lm_human_preferences/train_policy.py#L180-L196
-            for epoch, order in enumerate(epoch_orders):
-                for mb_start in range(0, sizes.batch, sizes.minibatch):
-                    mb_inds = order[mb_start : mb_start + sizes.minibatch]
-                    mb_values = values[mb_inds]
-                    # reward whitening and GAE run per minibatch, inside OAI's loss (spec P5, P6)
-                    # https://github.com/openai/lm-human-preferences/blob/cbfd210bb8b08f6bc5c26878c10984b90f516c66/lm_human_preferences/train_policy.py#L324-L339
-                    mb_rewards = rewards[mb_inds]
-                    if ppo.whiten_rewards:
-                        mb_rewards = core.whiten(mb_rewards, shift_mean=False, group_size=sizes.whiten_group)
-                    mb_advantages, mb_returns = compute_advantages(mb_rewards, mb_values, ppo.gamma, ppo.lam)
-                    mb_advantages = core.whiten(mb_advantages, group_size=sizes.whiten_group)
-                    ppo_stats.add_minibatch(mb_returns, mb_values, mb_advantages)
-                    for micro_start in range(0, sizes.minibatch, sizes.micro):
-                        micro = slice(micro_start, micro_start + sizes.micro)
-                        micro_inds = mb_inds[micro]
-                        # forward on context + raw response: tempered logits and values at response positions (P7)
-                        new_logits, vpred = policy(
-                            query_responses[micro_inds], context_length, pad_id, task.temperature
-                        )  # (b, L, V), (b, L)
-                        # the entropy statistic comes from the same pass over the (b, L, V) logits
-                        new_logprobs, new_entropy = logprobs_and_entropy_from_logits(
-                            new_logits, responses[micro_inds]
-                        )  # (b, L) each
-                        losses = ppo_losses(
-                            new_logprobs,
-                            vpred,
-                            logprobs[micro_inds],
-                            mb_values[micro],
-                            mb_advantages[micro],
-                            mb_returns[micro],
-                            ppo.cliprange,
-                            ppo.cliprange_value,
-                            ppo.vf_coef,
-                        )
-                        # each micro loss is a mean over its rows; dividing by `accum` makes the summed gradient
-                        # that of the minibatch mean, so accumulation does not change the update
-                        (losses["loss/total"] / accum).backward()
-                        ppo_stats.add_micro(losses, new_entropy, 1 / accum, first=epoch == 0 and mb_start == 0)
-                    # average gradients over processes (OAI's MPI all-reduce, spec O4), then one Adam step
-                    # https://github.com/openai/lm-human-preferences/blob/cbfd210bb8b08f6bc5c26878c10984b90f516c66/lm_human_preferences/utils/core.py#L485-L489
-                    core.allreduce_gradients(params, accelerator)
-                    optimizer.step()
-                    optimizer.zero_grad(set_to_none=True)
-            # the only explicit release: the last micro-batch's (b, L, V) logits would stay alive into the next rollout
-            del new_logits
+            rollout = Rollout(query_responses, context_length, logprobs, values, rewards)
+            ppo_stats = ppo_update(
+                policy, optimizer, accelerator, rollout, indices, sizes, ppo, task.temperature, pad_id
+            )
             timer.mark()
 
             # 6. statistics under OAI's names (spec §4.1), all processes, one device-to-host copy

@@ -257,15 +257,22 @@ class QueryStream:
             self.query_length,
         )
 
-    def next_batch(self, batch_size: int) -> torch.Tensor:
-        """This rank's next `batch_size` queries, (batch_size, query_length), right-padded with PAD."""
-        if batch_size <= 0:
-            raise ValueError(f"batch_size must be positive, got {batch_size}.")
+    def next_batch(self, batch_size: int, virtual_ranks: int = 1) -> torch.Tensor:
+        """This rank's next `batch_size` queries, (batch_size, query_length), right-padded with PAD.
+
+        With `virtual_ranks` V (spec D4), the same queries come grouped: rows [g * G, (g + 1) * G), G = batch_size / V,
+        are those that rank `rank + world_size * g` of world_size * V ranks would get, in its order.
+        """
+        if batch_size <= 0 or virtual_ranks <= 0 or batch_size % virtual_ranks:
+            raise ValueError(f"batch_size {batch_size} must be a positive multiple of virtual_ranks {virtual_ranks}.")
         while len(self._buffer) < batch_size:
             self._fill()
         rows = [self._buffer.popleft() for _ in range(batch_size)]
         self._consumed = rows[-1][1:]
-        return torch.tensor([row[0] for row in rows], dtype=torch.long)  # (B, Lq)
+        queries = torch.tensor([row[0] for row in rows], dtype=torch.long)  # (B, Lq)
+        # this rank's i-th query is the stream's valid query rank + world_size * i; of world_size * V ranks, rank
+        # rank + world_size * g gets those with i = g (mod V), so column g of the (G, V) grid of rows
+        return queries.view(-1, virtual_ranks, self.query_length).transpose(0, 1).reshape(batch_size, -1)
 
     def state_dict(self) -> dict[str, int]:
         """Position in the stream just after the last query handed out (resume with load_state_dict)."""

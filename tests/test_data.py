@@ -295,6 +295,24 @@ def test_query_stream_ranks_disjoint_and_union_equals_single_rank(tokenizer, chu
     assert rank0.isdisjoint(rank1) and rank0 | rank1 <= first_pass
 
 
+@pytest.mark.parametrize("world_size, virtual_ranks", [(1, 2), (2, 2), (1, 4)])
+def test_query_stream_virtual_ranks_hold_the_queries_of_oai_ranks(tokenizer, world_size, virtual_ranks):
+    # spec D4: virtual rank g of process r stands for rank r + world_size * g of world_size * virtual_ranks ranks
+    texts = _numbered_texts(30, skip_every=4)
+    group = 3
+    ranks = world_size * virtual_ranks
+    oai = [QueryStream(texts, tokenizer, BOOKS, rank=r, world_size=ranks, chunk_size=5) for r in range(ranks)]
+    for r in range(world_size):
+        stream = QueryStream(texts, tokenizer, BOOKS, rank=r, world_size=world_size, chunk_size=7)
+        for _ in range(3):  # three updates: the grouping holds batch after batch
+            batch = stream.next_batch(group * virtual_ranks, virtual_ranks)
+            for g in range(virtual_ranks):
+                expected = oai[r + world_size * g].next_batch(group)
+                assert torch.equal(batch[g * group : (g + 1) * group], expected), (r, g)
+    with pytest.raises(ValueError, match="multiple of virtual_ranks 2"):
+        stream.next_batch(5, 2)
+
+
 def test_query_stream_repeats_forever_in_the_same_order(tokenizer):
     texts = _numbered_texts(4, skip_every=4)  # text 0 is skipped: 3 valid queries per pass
     expected = _expected_queries(texts, tokenizer, BOOKS)

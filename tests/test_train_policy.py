@@ -5,6 +5,8 @@ import dataclasses
 import json
 import math
 import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -17,17 +19,24 @@ from lm_human_preference_details.cli import parse_args
 from lm_human_preference_details.modeling import RewardModel
 from lm_human_preference_details.tasks import TaskHParams, passes_filter, truncate_response
 from lm_human_preference_details.tokenizer import load_tokenizer, tokenizer_fingerprint
+from tests.planted import REPO
+from tests.test_train_reward import free_port
 from train_policy import (
     AdaptiveKLController,
     Args,
     FixedKLController,
+    PpoHParams,
     RewardHParams,
     check_reward_model_task,
     compute_advantages,
     compute_rewards,
+    derive_sizes,
     main,
+    minibatch_advantages,
+    minibatch_indices,
     oai_presets,
     ppo_losses,
+    virtual_rank_rngs,
 )
 
 PAD = 50257
@@ -230,6 +239,154 @@ def test_ppo_losses_gradient_vanishes_when_ratio_clipped():
     assert new_logprobs.grad.abs().item() == 0.0
 
 
+# ---------------------------------------------------------------- virtual ranks (spec D4)
+
+
+def test_minibatch_indices_deal_each_virtual_rank_its_own_permutations():
+    # process 1 of 2 with 3 virtual ranks of 8 episodes stands for OAI ranks 1, 3, 5 of 6; 2 minibatches, 2 epochs
+    indices = minibatch_indices(virtual_rank_rngs(5, 1, 2, 3), group_size=8, nminibatches=2, noptepochs=2)
+    assert indices.shape == (2, 2, 12)
+    state = np.random.get_state()
+    for g, oai_rank in enumerate((1, 3, 5)):
+        # OAI rank r: NumPy seeded seed + r * 100003, one permutation of its own batch per epoch, cut in two
+        np.random.seed(5 + oai_rank * 100003)
+        for epoch in range(2):
+            permutation = np.random.permutation(8)
+            for k in range(2):
+                block = indices[epoch, k, 4 * g : 4 * (g + 1)]
+                assert block.tolist() == (8 * g + permutation[4 * k : 4 * (k + 1)]).tolist(), (g, epoch, k)
+    np.random.set_state(state)
+    for epoch in range(2):  # each epoch's minibatches use every row once
+        assert sorted(indices[epoch].ravel().tolist()) == list(range(24))
+
+
+def test_one_virtual_rank_draws_one_permutation_of_the_batch_per_epoch():
+    # the default (whiten_group_size None): as before and as OAI, np.random.permutation(batch) per epoch
+    indices = minibatch_indices(virtual_rank_rngs(1, 0, 1, 1), group_size=16, nminibatches=2, noptepochs=3)
+    rng = np.random.RandomState(1)
+    assert [epoch.ravel().tolist() for epoch in indices] == [rng.permutation(16).tolist() for _ in range(3)]
+
+
+def test_virtual_rank_whitens_the_same_episodes_every_epoch():
+    generator = torch.Generator().manual_seed(0)
+    # the episodes' reward levels differ, so which episodes share a whitening group changes the result
+    rewards = torch.randn(16, 5, generator=generator, dtype=torch.float64) + torch.arange(16.0)[:, None] / 4
+    values = torch.randn(16, 5, generator=generator, dtype=torch.float64)
+    ppo = PpoHParams()
+
+    def per_episode(orders):
+        """Whitened advantages of every episode in each epoch, with minibatch rows `orders[epoch]`."""
+        results = []
+        for order in orders:
+            order = torch.as_tensor(order)
+            _, advantages, _ = minibatch_advantages(rewards[order], values[order], ppo, whiten_group=8)
+            results.append(torch.empty_like(advantages).index_copy_(0, order, advantages))
+        return results
+
+    # 2 virtual ranks of 8 episodes, 1 minibatch, 4 epochs: each epoch whitens rows 0-7 and 8-15 apart
+    epochs = per_episode(minibatch_indices(virtual_rank_rngs(1, 0, 1, 2), 8, 1, 4)[:, 0])
+    for later in epochs[1:]:
+        torch.testing.assert_close(later, epochs[0])
+    # independently: OAI's whiten (population moments, reward mean kept) on each block, GAE, whiten advantages
+    for block in (slice(0, 8), slice(8, 16)):
+        r = rewards[block].numpy()
+        r = (r - r.mean()) / np.sqrt(r.var() + 1e-8) + r.mean()
+        a = compute_advantages(torch.from_numpy(r), values[block], 1.0, 0.95)[0].numpy()
+        np.testing.assert_allclose(epochs[0][block].numpy(), (a - a.mean()) / np.sqrt(a.var() + 1e-8), atol=1e-10)
+    # the old grouping, consecutive rows of a permutation of the whole batch, regroups episodes every epoch
+    rng = np.random.RandomState(1)
+    regrouped = per_episode([rng.permutation(16) for _ in range(2)])
+    assert not torch.allclose(regrouped[0], regrouped[1])
+
+
+def test_derive_sizes_virtual_ranks_reproduce_oai_rank_sizes():
+    args = Args()
+    args.ppo = dataclasses.replace(args.ppo, batch_size=512, nminibatches=2, whiten_group_size=64)
+    one_gpu = derive_sizes(args, world=1)
+    assert (one_gpu.batch, one_gpu.virtual_ranks, one_gpu.group, one_gpu.whiten_group) == (512, 8, 64, 32)
+    args.ppo.whiten_group_size = None
+    oai = derive_sizes(args, world=8)  # OAI: 8 ranks of 64 episodes, minibatches of 32
+    assert (oai.batch, oai.virtual_ranks, oai.group, oai.whiten_group) == (64, 1, 64, 32)
+
+
+_VIRTUAL_RANKS_LAUNCHER = """
+import json, sys
+import numpy as np, torch
+sys.path.insert(0, {repo!r})
+import train_policy as tp
+from lm_human_preference_details import core
+from lm_human_preference_details.modeling import PolicyWithValueHead
+from lm_human_preference_details.optim import make_optimizer
+from tests.conftest import tiny_gpt2
+
+torch.set_num_threads(1)
+out, group = sys.argv[1], 16
+accelerator = core.make_accelerator()
+rank, world = accelerator.process_index, accelerator.num_processes
+args = tp.Args()
+args.ppo.batch_size, args.ppo.nminibatches, args.ppo.noptepochs, args.ppo.gradient_accumulation_steps = 32, 2, 3, 2
+args.ppo.whiten_group_size = group if world == 1 else None  # 1 process: 2 virtual ranks; 2 processes: none
+sizes = tp.derive_sizes(args, world)
+# one global rollout batch; rows [r * 16, (r + 1) * 16) are the episodes of (virtual) rank r
+gen = torch.Generator().manual_seed(0)
+context_length, length = 5, 6
+query_responses = torch.randint(0, 50257, (32, context_length + length), generator=gen)
+logprobs = -3 * torch.rand(32, length, generator=gen)
+values = torch.randn(32, length, generator=gen)
+rewards = 0.1 * torch.randn(32, length, generator=gen) + torch.arange(32.0)[:, None] / 16
+local = torch.arange(rank * sizes.batch, (rank + 1) * sizes.batch)
+rollout = tp.Rollout(query_responses[local], context_length, logprobs[local], values[local], rewards[local])
+indices = tp.minibatch_indices(tp.virtual_rank_rngs(args.seed, rank, world, sizes.virtual_ranks), group, 2, 3)
+whitened = np.zeros((3, 2, 32, 2, length))  # epoch, minibatch, episode, (reward, advantage), token
+for epoch in range(3):
+    for k in range(2):
+        rows = torch.from_numpy(indices[epoch, k])
+        w_rewards, w_advantages, _ = tp.minibatch_advantages(rewards[local][rows], values[local][rows], args.ppo,
+                                                             sizes.whiten_group)
+        whitened[epoch, k, local[rows], 0], whitened[epoch, k, local[rows], 1] = w_rewards, w_advantages
+policy = PolicyWithValueHead(tiny_gpt2(seed=0))
+optimizer = make_optimizer(list(policy.parameters()), 1e-3, True)
+stats = tp.ppo_update(policy, optimizer, accelerator, rollout, torch.from_numpy(indices), sizes, args.ppo, 0.7, 50257)
+stats = tp.reduce_stats(stats.local(), accelerator)
+np.save(f"{{out}}/whitened{{rank}}.npy", whitened)
+json.dump(stats, open(f"{{out}}/stats{{rank}}.json", "w"))
+torch.save(policy.state_dict(), f"{{out}}/policy{{rank}}.pt")
+"""
+
+
+@pytest.mark.slow
+def test_one_process_with_two_virtual_ranks_reproduces_two_processes(tmp_path):
+    launcher = tmp_path / "launch.py"
+    launcher.write_text(_VIRTUAL_RANKS_LAUNCHER.format(repo=str(REPO)))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    env.pop("WORLD_SIZE", None)
+    results = {}
+    for name, prefix in (("one", [sys.executable]), ("two", [sys.executable, "-m", "torch.distributed.run"])):
+        out = tmp_path / name
+        out.mkdir()
+        if name == "two":
+            prefix = [*prefix, "--nproc_per_node", "2", "--master_port", str(free_port())]
+        run = subprocess.run([*prefix, str(launcher), str(out)], env=env, capture_output=True, text=True, timeout=600)
+        assert run.returncode == 0, run.stderr[-5000:]
+        ranks = 1 if name == "one" else 2
+        results[name] = {
+            "whitened": sum(np.load(out / f"whitened{r}.npy") for r in range(ranks)),
+            "stats": [json.loads((out / f"stats{r}.json").read_text()) for r in range(ranks)],
+            "policy": torch.load(out / "policy0.pt"),
+        }
+    one, two = results["one"], results["two"]
+    # the same episodes whitened together at every PPO step: rewards and advantages equal episode by episode
+    np.testing.assert_allclose(one["whitened"], two["whitened"], rtol=0, atol=1e-6)
+    in_minibatch = np.abs(one["whitened"][:, :, :, 1]).sum(-1) > 0  # (epoch, minibatch, episode)
+    assert (in_minibatch.sum(1) == 1).all()  # every epoch trains every episode in exactly one minibatch
+    # the update's statistics (losses, clip fractions, per-rank moments averaged) and the trained weights
+    assert two["stats"][0] == two["stats"][1]
+    for key, value in two["stats"][0].items():
+        assert one["stats"][0][key] == pytest.approx(value, rel=1e-5, abs=1e-6), key
+    for key, value in two["policy"].items():
+        torch.testing.assert_close(one["policy"][key], value, rtol=1e-5, atol=1e-6, msg=key)
+
+
 # ---------------------------------------------------------------- configuration and CLI
 
 
@@ -400,6 +557,15 @@ def test_main_gradient_accumulation_gives_the_same_update(tmp_path, tiny_model_d
     assert moved > 1e-4  # the update is not trivially zero
     for key, value in single_state.items():
         torch.testing.assert_close(accumulated_state[key], value, atol=1e-6, rtol=0, msg=key)
+
+
+def test_main_trains_with_virtual_ranks(tmp_path, tiny_model_dir, reward_model_dir, query_file, capsys):
+    args = tiny_args(tmp_path, tiny_model_dir, reward_model_dir, query_file, batch_size=16, total_episodes=16)
+    args.ppo.whiten_group_size = 8  # 2 virtual ranks of 8 episodes in the one process
+    history = main(args)
+    assert len(history) == 1 and all(math.isfinite(value) for value in history[0].values())
+    assert history[0]["debug/first_minibatch_ratio_max_abs_dev"] < 1e-5
+    assert "2 x 8 episodes" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize(
