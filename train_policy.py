@@ -453,8 +453,7 @@ def print_samples(console, tracker: core.Tracker, rows: list[list], update: int)
 
 def save_policy(policy: PolicyWithValueHead, tokenizer: PreTrainedTokenizerBase, args: Args, output_dir: str) -> None:
     """Write the policy (AutoModelForCausalLM-loadable + value_head.safetensors), tokenizer and args.json."""
-    policy.save(output_dir)
-    tokenizer.save_pretrained(output_dir)
+    policy.save(output_dir, tokenizer)
     core.save_args(args, output_dir)
 
 

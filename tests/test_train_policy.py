@@ -444,9 +444,9 @@ def test_main_rejects_reward_model_with_another_pad_id(tmp_path, tiny_model_dir,
 
 def test_main_raises_on_non_finite_scores(tmp_path, tiny_model_dir, query_file):
     rm_dir = save_reward_model(tmp_path / "reward", tiny_model_dir)
-    head = load_file(os.path.join(rm_dir, "reward_head.safetensors"))
-    head["gain"] = torch.tensor(float("nan"))
-    save_file(head, os.path.join(rm_dir, "reward_head.safetensors"))
+    weights = load_file(os.path.join(rm_dir, "model.safetensors"))
+    weights["score.weight"] = torch.full_like(weights["score.weight"], float("nan"))
+    save_file(weights, os.path.join(rm_dir, "model.safetensors"), metadata={"format": "pt"})
     args = tiny_args(tmp_path / "policy", tiny_model_dir, rm_dir, query_file, total_episodes=8)
     args.task.truncate_token = None  # every response passes the filter, so the NaN score is not replaced
     with pytest.raises(ValueError, match="non-finite scores"):
