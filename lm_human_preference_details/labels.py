@@ -97,9 +97,9 @@ def _resolve_label_source(source: str, flag: str = "--label_dataset") -> str:
             path = _hub_label_file(filename, flag)
         except HubUnavailableError as hub_error:
             raise SourceUnavailableError(
-                f"label file '{filename}': {oai_error}; and its hub mirror '{LABELS_REPO}' is unreachable and not "
-                f"cached (or run `hf download {LABELS_REPO} {filename} --repo-type dataset --local-dir DIR` and pass "
-                f"{flag} DIR/{filename})."
+                f"label file '{filename}': {str(oai_error).rstrip('.')}; and its hub mirror '{LABELS_REPO}' is "
+                f"unreachable (offline) and not in the HF cache. Or run `hf download {LABELS_REPO} {filename} "
+                f"--repo-type dataset --local-dir DIR` where there is network and pass {flag} DIR/{filename}."
             ) from hub_error
         announce_once(f"labels:{filename}", f"label file '{filename}': {oai_error}. Using hub dataset {LABELS_REPO}.")
         return path

@@ -7,6 +7,7 @@ stand-in reshaped into OAI-like text. Environment: LHPD_OAI_URL (base URL, e.g. 
 https://github.com/openai/lm-human-preferences/blob/cbfd210bb8b08f6bc5c26878c10984b90f516c66/lm_human_preferences/datasets/books.py#L7-L11
 """
 
+import http.client
 import json
 import logging
 import os
@@ -89,15 +90,19 @@ def download_cached(url: str, folder: str | None = None, timeout: float = DOWNLO
     try:
         with urllib.request.urlopen(url, timeout=timeout) as response, open(tmp, "wb") as f:
             shutil.copyfileobj(response, f, 1 << 20)
+            expected = response.headers.get("Content-Length")
+            if expected is not None and f.tell() != int(expected):  # the connection closed early
+                raise OSError(f"incomplete download: {f.tell()} of {expected} bytes")
         os.replace(tmp, path)
-    except (urllib.error.URLError, OSError, ValueError) as e:
-        if os.path.exists(tmp):
-            os.remove(tmp)
+    except (OSError, http.client.HTTPException, ValueError) as e:  # URLError and timeouts are OSErrors
         reason = f"HTTP {e.code} {e.reason}" if isinstance(e, urllib.error.HTTPError) else getattr(e, "reason", e)
         raise SourceUnavailableError(
-            f"could not download {url} ({reason}); download it where there is network and put it at {path} "
-            f"(or set {CACHE_ENV} to a folder laid out the same way)."
+            f"could not download {url} ({reason or type(e).__name__}); download it where there is network and put it "
+            f"at {path} (or set {CACHE_ENV} to a folder laid out the same way)."
         ) from e
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
     return path
 
 
@@ -340,9 +345,9 @@ def load_task_texts(name: str, split: str = "train") -> Sequence[str]:
         except HubUnavailableError as hub_error:
             repo_id = HUB_TEXT_SOURCES[name][0]
             raise SourceUnavailableError(
-                f"query dataset '{name}': {oai_error}; and its stand-in, hub dataset '{repo_id}', is unreachable and "
-                f"not cached ({hub_error.__class__.__name__}). Fetch either where there is network, or pass "
-                "--task.query_dataset a local .jsonl/.txt of texts."
+                f"query dataset '{name}': {str(oai_error).rstrip('.')}; and its stand-in, hub dataset '{repo_id}', is "
+                "unreachable (offline) and not in the HF cache. Run once with network, or pass --task.query_dataset a "
+                "local .jsonl/.txt of texts."
             ) from hub_error
         announce_once(f"texts:{name}", f"query dataset '{name}': {oai_error}. Using {_STAND_IN_NOTES[name]} instead.")
         return texts

@@ -198,15 +198,19 @@ class FakeStorage:
 
     def __init__(self, files: dict[str, bytes]):
         self.files = files
+        self.truncated: set[str] = set()
         self.requests: list[str] = []
         storage = self
 
         class Handler(http.server.BaseHTTPRequestHandler):
             def do_GET(self):
                 storage.requests.append(self.path)
-                body = storage.files.get(self.path.removeprefix("/lm-human-preferences/"))
+                name = self.path.removeprefix("/lm-human-preferences/")
+                body = storage.files.get(name)
                 self.send_response(200 if body is not None else 404)
-                self.send_header("Content-Length", str(len(body or b"")))
+                # a truncated file: the connection closes before the announced length has arrived
+                extra = 1000 if name in storage.truncated else 0
+                self.send_header("Content-Length", str(len(body or b"") + extra))
                 self.end_headers()
                 self.wfile.write(body or b"")
 
@@ -304,6 +308,14 @@ def test_download_cached_missing_file_is_one_line_error_and_caches_nothing(oai_s
     message = str(error.value)
     assert "\n" not in message and url in message and cached_path(url) in message
     assert not os.path.exists(cached_path(url)) and not os.path.exists(cached_path(url) + f".{os.getpid()}.tmp")
+
+
+def test_download_cached_truncated_download_leaves_no_file(oai_storage):
+    oai_storage.truncated.add("tldr/train-subset.json")
+    url = oai_storage.url + "tldr/train-subset.json"
+    with pytest.raises(SourceUnavailableError, match="incomplete download"):
+        download_cached(url)
+    assert os.listdir(os.path.dirname(cached_path(url))) == []
 
 
 def test_download_cached_unreachable_fails_fast(fresh_sources):
