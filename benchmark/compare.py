@@ -91,7 +91,7 @@ def main(args: Args) -> None:
     try:
         groups = load_groups(args)
     except (compare.WandbUnavailableError, FileNotFoundError, ValueError) as error:
-        raise SystemExit(f"error: {error}")
+        raise SystemExit(f"error: {error}") from None
     reference = args.reference or next(iter(groups))
     if reference not in groups:
         raise SystemExit(f"error: --reference '{reference}' is none of the groups {list(groups)}")

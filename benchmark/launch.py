@@ -183,7 +183,7 @@ def main(args: Args) -> int:
                 try:
                     result = subprocess.run(["sbatch", path], capture_output=True, text=True, check=False)
                 except FileNotFoundError:
-                    raise SystemExit("error: --submit needs Slurm's sbatch command, which is not on PATH")
+                    raise SystemExit("error: --submit needs Slurm's sbatch command, which is not on PATH") from None
                 if result.returncode != 0:
                     raise SystemExit(f"error: sbatch {path} failed: {result.stderr.strip()}")
                 status = result.stdout.strip()

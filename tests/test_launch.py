@@ -10,7 +10,6 @@ import pytest
 
 import train_policy
 import train_reward
-from lm_human_preference_details.cli import parse_args
 from tests.planted import REPO
 
 SHELL_FILES = ["oai_sentiment.sh", "oai_descriptiveness.sh", "oai_tldr.sh", "oai_cnndm.sh", "ablations.sh"]
@@ -177,9 +176,9 @@ def shell_stages(shell_file: str) -> list[tuple[dict, str, list[str]]]:
 def parse_stage(script: str, flags: list[str]):
     """The stage's flags through its script's own parser (OAI presets via --task, tyro for the rest)."""
     if script == "train_policy.py":
-        return parse_args(train_policy.Args, train_policy.oai_presets(), "sentiment", "", argv=flags)[1]
+        return train_policy.parse(flags)
     assert script == "train_reward.py"
-    return parse_args(train_reward.Args, train_reward.PRESETS, "sentiment", "", argv=flags)[1]
+    return train_reward.parse(flags)
 
 
 @pytest.mark.parametrize("shell_file", SHELL_FILES)
@@ -227,4 +226,4 @@ def test_sentiment_policy_command_passes_the_scripts_dry_run():
     result = subprocess.run([sys.executable, script, *flags, "--dry_run"], cwd=REPO, capture_output=True, text=True,
                             check=False, timeout=300)  # fmt: skip
     assert result.returncode == 0, result.stderr
-    assert "episodes per update 512" in result.stdout and "nupdates 1954" in result.stdout
+    assert "512 (512 per process)" in result.stdout and "1954" in result.stdout
