@@ -11,7 +11,7 @@
 # Extra arguments go to every benchmark/launch.py call.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-QUERY_FLAGS=${QUERY_FLAGS-"--task.start_text None --task.end_text None"}
+QUERY_FLAGS=${QUERY_FLAGS-""}  # as benchmark/oai_sentiment.sh: OAI's task settings unchanged
 BASELINE_DIR=${BASELINE_DIR:-models/oai_sentiment}
 REWARD="accelerate launch --num_processes 8 train_reward.py --task sentiment $QUERY_FLAGS"
 POLICY="accelerate launch --num_processes 8 train_policy.py --task sentiment $QUERY_FLAGS"

@@ -9,9 +9,9 @@
 # benchmark/launch.py.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-# HF abisee/cnn_dailymail joins an article's paragraphs with spaces, so OAI's end_text '\n' (cut the query after the
-# last whole paragraph) finds nothing; '.' cuts after the last whole sentence instead
-QUERY_FLAGS=${QUERY_FLAGS-"--task.end_text ."}
+# OAI's task settings apply unchanged: HF abisee/cnn_dailymail articles get their paragraph breaks back, so end_text
+# '\n' cuts the query after the last whole paragraph (README, "Query data and label files"); QUERY_FLAGS adds task flags
+QUERY_FLAGS=${QUERY_FLAGS-""}
 
 python3 benchmark/launch.py \
     --name oai_cnndm \

@@ -8,9 +8,10 @@
 # benchmark/launch.py.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-# HF bookcorpus (one sentence per row) stands in for OAI's unpublished book passages, so queries are not cut at '.';
-# with a local file of multi-sentence passages, QUERY_FLAGS="--task.query_dataset passages.jsonl" keeps OAI's cuts.
-QUERY_FLAGS=${QUERY_FLAGS-"--task.start_text None --task.end_text None"}
+# OAI's task settings apply unchanged: the texts are OAI's book passages or, where they cannot be fetched, bookcorpus
+# reshaped into passages (README, "Query data and label files"); QUERY_FLAGS adds task flags, e.g.
+# QUERY_FLAGS="--task.query_dataset passages.jsonl" for a local file of passages.
+QUERY_FLAGS=${QUERY_FLAGS-""}
 
 python3 benchmark/launch.py \
     --name oai_descriptiveness \

@@ -10,6 +10,7 @@ import pytest
 
 import train_policy
 import train_reward
+from lm_human_preference_details.tasks import TASKS
 from tests.planted import REPO
 
 SHELL_FILES = ["oai_sentiment.sh", "oai_descriptiveness.sh", "oai_tldr.sh", "oai_cnndm.sh", "ablations.sh"]
@@ -191,6 +192,7 @@ def test_shell_file_flags_are_accepted_by_the_scripts(shell_file):
         assert args.track and args.wandb_project_name == "lm_human_preference_details"
         assert env["WANDB_RUN_GROUP"] == args.exp_name and task in env["WANDB_TAGS"].split(",")
         assert args.output_dir.startswith(f"models/{args.exp_name}/seed{args.seed}/")
+        assert args.task == TASKS[task]  # OAI's task settings, unchanged
         if script == "train_policy.py":
             assert args.task_id == task
             assert args.rewards.trained_model.endswith(f"/seed{args.seed}/train_reward")
