@@ -101,7 +101,8 @@ def _resolve_label_source(source: str, flag: str = "--label_dataset") -> str:
                 f"unreachable (offline) and not in the HF cache. Or run `hf download {LABELS_REPO} {filename} "
                 f"--repo-type dataset --local-dir DIR` where there is network and pass {flag} DIR/{filename}."
             ) from hub_error
-        announce_once(f"labels:{filename}", f"label file '{filename}': {oai_error}. Using hub dataset {LABELS_REPO}.")
+        reason = str(oai_error).rstrip(".")
+        announce_once(f"labels:{filename}", f"label file '{filename}': {reason}. Using hub dataset {LABELS_REPO}.")
         return path
 
 

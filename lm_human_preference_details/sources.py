@@ -316,8 +316,8 @@ def _hub_texts(name: str, split: str) -> Sequence[str]:
     """The HF stand-in of a query dataset, reshaped into OAI-like texts."""
     repo_id, config, column = HUB_TEXT_SOURCES[name]
     if name == "books":
-        # DEVIATION: HF bookcorpus has one sentence per row; consecutive rows are joined into passages (most rows of
-        # OAI's passages hold several sentences, and start_text/end_text '.' need two sentence ends)
+        # DEVIATION: HF bookcorpus has one sentence per row; consecutive rows are joined into passages (OAI's are
+        # multi-sentence passages, spec G3, and start_text/end_text '.' need two sentence ends)
         dataset = load_hub_dataset(repo_id, config, split)
         return HubTexts(dataset, column, detokenize_bookcorpus, rows_per_text=BOOKS_ROWS_PER_PASSAGE)
     if name == "tldr":
@@ -349,5 +349,6 @@ def load_task_texts(name: str, split: str = "train") -> Sequence[str]:
                 "unreachable (offline) and not in the HF cache. Run once with network, or pass --task.query_dataset a "
                 "local .jsonl/.txt of texts."
             ) from hub_error
-        announce_once(f"texts:{name}", f"query dataset '{name}': {oai_error}. Using {_STAND_IN_NOTES[name]} instead.")
+        reason = str(oai_error).rstrip(".")
+        announce_once(f"texts:{name}", f"query dataset '{name}': {reason}. Using {_STAND_IN_NOTES[name]} instead.")
         return texts
