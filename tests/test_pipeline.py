@@ -164,8 +164,8 @@ def test_two_processes_share_kl_coef_and_draw_disjoint_queries(tmp_path, small_v
         from lm_human_preference_details.cli import parse_args
 
         drawn, next_batch = [], data.QueryStream.next_batch
-        def recording_next_batch(self, n):
-            queries = next_batch(self, n)
+        def recording_next_batch(self, *args):
+            queries = next_batch(self, *args)
             drawn.extend(queries.tolist())
             return queries
         data.QueryStream.next_batch = recording_next_batch
