@@ -23,6 +23,7 @@ import dataclasses
 import glob
 import json
 import os
+import re
 import sys
 from dataclasses import dataclass, field
 
@@ -142,11 +143,16 @@ def first_policy_dir(argv: list[str]) -> str | None:
     return None
 
 
+def natural_key(path: str) -> list:
+    """Sort key that orders numbers inside names by value: update8 before update16."""
+    return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", path)]
+
+
 def expand_checkpoints(patterns: tuple[str, ...]) -> list[str]:
-    """Directories named by --checkpoints, globs expanded (sorted); FileNotFoundError for a name matching nothing."""
+    """Directories named by --checkpoints, globs expanded in natural order; FileNotFoundError when one matches none."""
     dirs = []
     for pattern in patterns:
-        matches = sorted(os.path.normpath(p) for p in glob.glob(pattern) if os.path.isdir(p))
+        matches = sorted((os.path.normpath(p) for p in glob.glob(pattern) if os.path.isdir(p)), key=natural_key)
         if not matches:
             raise FileNotFoundError(f"--checkpoints '{pattern}' matches no directory; pass policy directories.")
         dirs += matches

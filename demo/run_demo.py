@@ -267,7 +267,8 @@ def print_report(results: dict) -> None:
     figures.add_row(
         "final KL(policy || base) per response",
         f"{policy['final_kl']:.2f} nats at the last update, {policy['kl_last5']:.2f} over the last 5 "
-        f"(target {policy['kl_target']:g}); kl_coef {policy['final_kl_coef']:.4f}",
+        f"(target {policy['kl_target']:g}), {results['eval_kl']['trained']:.2f} on the held-out samples; "
+        f"kl_coef {policy['final_kl_coef']:.4f}",
     )
     figures.add_row(
         f"response filter pass rate (a '.' at index >= {TRUNCATE_AFTER})",

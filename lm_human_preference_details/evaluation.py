@@ -41,7 +41,7 @@ JUDGES = (SCORE, GOLD)
 METRIC_TITLES = {
     SCORE: "reward-model score",
     GOLD: "gold score",
-    KL: "KL(policy || base), nats",
+    KL: "KL to the base model, nats",
     PASS: "filter pass rate",
 }
 
@@ -104,9 +104,10 @@ def sample_and_score(
         truncated = truncate_response(responses, task.truncate_token, task.truncate_after, pad_id)
         scores = reward_model(torch.cat([batch, truncated], 1), pad_id)
         passed = passes_filter(truncated, task.truncate_token, task.truncate_after)
-        metrics = {SCORE: torch.where(passed, scores, task.penalty_reward_value), KL: kl, PASS: passed.float()}
+        metrics = {SCORE: torch.where(passed, scores, task.penalty_reward_value)}
         for name, judge in judges.items():
             metrics[name] = judge.scores(batch, truncated[:, None])[:, 0].to(device)
+        metrics.update({KL: kl, PASS: passed.float()})
         parts.append((responses, truncated, metrics))
     return Episodes(
         responses=torch.cat([p[0] for p in parts]).cpu(),
@@ -170,8 +171,9 @@ def examples(
 
 
 def _fmt(stat: dict[str, float]) -> str:
-    """'mean ± stderr' with 3 decimals."""
-    return f"{stat['mean']:+.3f} ± {stat['stderr']:.3f}"
+    """'mean ± stderr' with 3 decimals (a mean that rounds to 0 is "+0.000", never "-0.000")."""
+    mean = stat["mean"] if abs(stat["mean"]) >= 5e-4 else 0.0
+    return f"{mean:+.3f} ± {stat['stderr']:.3f}"
 
 
 def _cell(text: str) -> str:
@@ -204,7 +206,7 @@ def markdown(report: dict) -> str:
     ]
     if report.get("metrics"):
         lines += ["", "| metric | base | trained | win rate (trained > base) |", "|---|---|---|---|"]
-        lines += [f"| {m} | {b} | {t} | {w} |" for m, b, t, w in metric_rows(report)]
+        lines += ["| " + " | ".join(_cell(c) for c in row) + " |" for row in metric_rows(report)]
     if report.get("curve"):
         lines += ["", "## Gold score vs KL", "", "| run | policy | sqrt(KL) | KL | score | gold score |"]
         lines += ["|---|---|---|---|---|---|"]
@@ -214,7 +216,8 @@ def markdown(report: dict) -> str:
             lines.append(f"| {p['run']} | {p['policy']} | {sqrt_kl:.3f} | {_fmt(p[KL])} | {_fmt(p[SCORE])} | {gold} |")
     if report.get("examples"):
         judged = [k for k in JUDGES if k in report["examples"][0]["base"]]
-        header = ["query", "base", *judged, "trained", *judged]
+        short = [{SCORE: "score", GOLD: "gold"}[k] for k in judged]
+        header = ["query", "base", *short, "trained", *short]
         lines += ["", "## Examples", "", "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
         for e in report["examples"]:
             cells = [_cell(e["query"])]

@@ -221,7 +221,7 @@ def test_summarize_reports_mean_stderr_and_win_rates():
 
 
 def test_report_is_written_as_json_and_markdown(tmp_path, tokenizer):
-    base = hand_made_episodes([0.0, 1.0, 2.0], [0.1, 0.2, 0.3], [0.0, 0.0, 0.0])
+    base = hand_made_episodes([0.0, 1.0, 2.0], [0.1, 0.2, 0.3], [0.0, -1e-6, 0.0])  # KL ~ -3e-7 reads +0.000
     trained = hand_made_episodes([1.0, 2.0, 3.0], [0.4, 0.5, 0.6], [1.0, 2.0, 3.0])
     queries = torch.tensor([[464, 3797, PAD], [32, 3290, 13], [40, PAD, PAD]])
     report = {
@@ -243,7 +243,7 @@ def test_report_is_written_as_json_and_markdown(tmp_path, tokenizer):
     text = markdown(report)
     assert "| metric | base | trained | win rate (trained > base) |" in text
     assert "| gold score (vader) | +0.200 ± 0.058 | +0.500 ± 0.058 | 1.000 |" in text
-    assert "| KL(policy || base), nats | +0.000 ± 0.000 | +2.000 ± 0.577 |  |" in text
+    assert "| KL to the base model, nats | +0.000 ± 0.000 | +2.000 ± 0.577 |  |" in text
     assert "| The cat |" in text
 
 
