@@ -191,10 +191,10 @@ def main(args: Args) -> dict:
             "output dir": output_dir,
         },
     )
+    for flag, directory in (("--policy", args.policy), ("--reward_model", args.reward_model)):
+        if directory is not None and not os.path.isdir(directory):
+            raise FileNotFoundError(f"{flag} directory '{directory}' does not exist; pass the --output_dir of a run")
     if args.dry_run:
-        for directory in [args.policy, *checkpoints, args.reward_model]:
-            if directory is not None and not os.path.isdir(directory):
-                raise FileNotFoundError(f"directory '{directory}' does not exist")
         return {}
 
     # 1. models and judges, all loaded before anything is written
@@ -217,9 +217,10 @@ def main(args: Args) -> dict:
     unseen = held_out(args, known_runs, skip, wrapped)
     if unseen is False:
         console.print(
-            f"[bold yellow]warning:[/] the training run also drew these queries ({args.task.query_dataset}: "
-            f"{len(texts)} texts, a stream that repeats them; data_seed {args.data_seed}, from query {skip}); pass "
-            "--skip_queries, another --task.query_dataset or --split for held-out queries"
+            f"[bold yellow]warning:[/] these queries are not held out: a training run drew them too "
+            f"({args.task.query_dataset}, {len(texts)} texts repeated in every pass of the stream, data_seed "
+            f"{args.data_seed}, from query {skip}). Pass --skip_queries beyond the run's queries, another "
+            "--task.query_dataset, or --split test."
         )
 
     def run(policy: PolicyWithValueHead):
@@ -269,7 +270,8 @@ def main(args: Args) -> dict:
     print_report(console, report)
     if checkpoints:
         plot_path = os.path.join(output_dir, "gold_vs_kl.png")
-        plot_gold_vs_kl(report["curve"], plot_path, f"{args.num_queries} queries, judge {args.gold or '-'}")
+        title = f"scores vs sqrt(KL to {policy_label(args.base_model)}), {args.num_queries} queries, gold: {args.gold}"
+        plot_gold_vs_kl(report["curve"], plot_path, title)
         written.append(plot_path)
     console.print("wrote " + ", ".join(written))
     return report

@@ -102,7 +102,7 @@ FULL = Settings(
     ppo_episodes=64 * 32,
     ppo_batch_size=64,
     ppo_lr=3e-4,
-    checkpoint_interval=8,
+    checkpoint_interval=4,
     eval_queries=256,
 )
 QUICK = Settings(

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from evaluate import consumed_queries, held_out, parse, query_offset
+from evaluate import consumed_queries, held_out, main, parse, query_offset
 from lm_human_preference_details import core
 from lm_human_preference_details.data import QueryStream
 from lm_human_preference_details.evaluation import (
@@ -319,6 +319,16 @@ def test_parse_takes_the_training_settings_from_args_json(tiny_run, tiny_model_d
     assert parse(["--policy", policy, "--task.response_length", "5"]).task.response_length == 5
     preset = parse(["--policy", policy, "--task", "tldr"])
     assert preset.task.query_length == 500 and preset.base_model == "gpt2"
+
+
+def test_bad_input_names_the_flag(tmp_path):
+    with pytest.raises(ValueError, match="nothing to evaluate"):
+        main(parse([]))
+    with pytest.raises(FileNotFoundError, match="--policy directory"):
+        main(parse(["--policy", str(tmp_path / "missing")]))
+    with pytest.raises(FileNotFoundError, match="--checkpoints"):
+        main(parse(["--checkpoints", str(tmp_path / "update*")]))
+    assert not any(tmp_path.iterdir())  # nothing written
 
 
 @pytest.mark.slow
