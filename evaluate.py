@@ -28,6 +28,7 @@ import sys
 from dataclasses import dataclass, field
 
 import torch
+import tyro
 
 from lm_human_preference_details import cli, core
 from lm_human_preference_details.data import HUB_TEXT_SOURCES, load_texts
@@ -88,7 +89,7 @@ class Args:
     """torch device; None: cuda when available, else cpu"""
     dry_run: bool = False
     """print the settings, check that every directory exists, and exit"""
-    task_id: str = "sentiment"
+    task_id: tyro.conf.Suppress[str] = "sentiment"
     """name of the --task preset these settings started from (recorded in results.json)"""
     task: TaskHParams = field(default_factory=lambda: dataclasses.replace(TASKS["sentiment"]))
     """query data, lengths, truncation, filter penalty and sampling temperature, as in training"""

@@ -258,7 +258,8 @@ def print_report(console: Console, report: dict) -> None:
 def plot_gold_vs_kl(points: list[dict], path: str, title: str) -> None:
     """Gold and reward-model score against sqrt(KL to the base model), one line per run (PNG via matplotlib Agg).
 
-    A point of run BASE_RUN (the base model, KL 0) starts every run's line.
+    A point of run BASE_RUN (the base model, KL 0) starts every run's line; a line joins its points in the order
+    given (training order for checkpoints named by update), so a KL that falls back shows as the line turning back.
     """
     try:
         import matplotlib
@@ -275,7 +276,7 @@ def plot_gold_vs_kl(points: list[dict], path: str, title: str) -> None:
     runs = list(dict.fromkeys(p["run"] for p in points if p["run"] != BASE_RUN))
     for ax, (key, label) in zip(axes[0], panels):
         for run in runs:
-            line = sorted(base + [p for p in points if p["run"] == run], key=lambda p: p[KL]["mean"])
+            line = base + [p for p in points if p["run"] == run]
             x = np.sqrt(np.maximum([p[KL]["mean"] for p in line], 0.0))
             y = [p[key]["mean"] for p in line]
             ax.errorbar(x, y, yerr=[p[key]["stderr"] for p in line], marker="o", capsize=3, label=run)
