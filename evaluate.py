@@ -31,7 +31,7 @@ import torch
 import tyro
 
 from lm_human_preference_details import cli, core
-from lm_human_preference_details.data import HUB_TEXT_SOURCES, load_texts
+from lm_human_preference_details.data import load_texts
 from lm_human_preference_details.evaluation import (
     BASE_RUN,
     GOLD,
@@ -47,6 +47,7 @@ from lm_human_preference_details.evaluation import (
 )
 from lm_human_preference_details.labelers import load_labeler
 from lm_human_preference_details.modeling import PolicyWithValueHead, load_causal_lm, load_reward_model
+from lm_human_preference_details.sources import OAI_TEXT_SOURCES
 from lm_human_preference_details.tasks import TASKS, TaskHParams
 from lm_human_preference_details.tokenizer import check_same_tokenizer, load_tokenizer
 
@@ -80,7 +81,7 @@ class Args:
     """start at this query of the stream; None: after the queries the training run consumed when the dataset and
     data_seed are the run's, else 0"""
     split: str = "train"
-    """split of a hub query dataset (books, tldr, cnndm); test/valid texts are held out from training"""
+    """split of a named query dataset (books, tldr, cnndm); its test texts are held out from training"""
     examples: int = 8
     """side-by-side example texts in results.json and results.md"""
     output_dir: str | None = None
@@ -280,7 +281,7 @@ def main(args: Args) -> dict:
 
 def stream_runs(args: Args, runs: list[dict]) -> list[dict]:
     """The training runs that drew queries from the texts evaluated here (same dataset; hub datasets: train split)."""
-    if args.task.query_dataset in HUB_TEXT_SOURCES and args.split != "train":
+    if args.task.query_dataset in OAI_TEXT_SOURCES and args.split != "train":
         return []
     return [r for r in runs if r["task"]["query_dataset"] == args.task.query_dataset]
 
