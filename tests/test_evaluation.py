@@ -362,9 +362,10 @@ def test_evaluate_command_writes_results_and_the_gold_vs_kl_plot(tiny_run, tiny_
         "held_out": True,
     }
     assert report["gold"] == "vader" and report["base_model"] == tiny_model_dir and len(report["examples"]) == 8
-    # the base model's point, the run's checkpoints (one line: their args.json names the run kl_run), the policy
+    # the base model's point, the run's checkpoints in natural order (one line: their args.json names the run
+    # kl_run), then the policy
     curve = report["curve"]
-    assert [p["policy"] for p in curve] == [os.path.basename(tiny_model_dir), "update16", "update8", "policy"]
+    assert [p["policy"] for p in curve] == [os.path.basename(tiny_model_dir), "update8", "update16", "policy"]
     assert [p["run"] for p in curve] == ["base", "kl_run", "kl_run", "policy"]
     assert all(p[KL]["mean"] > 0.01 for p in curve[1:]) and abs(curve[0][KL]["mean"]) < 1e-4
     assert curve[-1][GOLD] == report["metrics"][GOLD]["trained"] and curve[0][SCORE] == report["metrics"][SCORE]["base"]
