@@ -12,6 +12,7 @@ Run with the reward model that train_reward.py wrote to models/reward, on 8 GPUs
 
 import copy
 import dataclasses
+import os
 import time
 from dataclasses import dataclass, field
 
@@ -126,6 +127,9 @@ class Args:
     """print and log a table of samples every this many updates (OAI run.log_interval)"""
     save_interval: int = 50
     """save the policy every this many updates, and always at the end (OAI run.save_interval); 0 = only at the end"""
+    save_checkpoints: bool = False
+    """also keep each periodic save in OUTPUT_DIR/checkpoints/update{N} (N updates done), e.g. for evaluate.py's
+    gold-vs-KL curve; off: each save replaces the last"""
     print_samples: int = 3
     """rows of the sample table (OAI prints 3)"""
     use_tensorflow_adam: bool = True
@@ -805,6 +809,10 @@ def main(args: Args) -> list[dict[str, float]]:
                 is_last or (args.save_interval and (update + 1) % args.save_interval == 0)
             ):
                 save_policy(policy, tokenizer, args, args.output_dir)
+                if args.save_checkpoints and not is_last:
+                    save_policy(
+                        policy, tokenizer, args, os.path.join(args.output_dir, "checkpoints", f"update{update + 1}")
+                    )
 
     accelerator.wait_for_everyone()
     tracker.close()

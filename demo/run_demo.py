@@ -12,14 +12,15 @@ Each stage runs one of the project's scripts in a subprocess with the flags a us
  3. label_generation.py  best-of-4 labels on the pretrained model's samples; VADER picks the best
  4. train_reward.py      a reward model trained on those labels
  5. train_policy.py      PPO against the reward model; VADER, never seen by the policy, is the gold judge
- 6. evaluation           base and trained policy sample the same held-out queries; VADER scores both
-Results go to OUTPUT_DIR/seed{SEED}/ (quick-seed{SEED}/ with --quick): results.json, curves.png, the stage logs, the
-labels, the reward model and the policy.
+ 6. evaluate.py          base policy, trained policy and the policy's checkpoints sample the same held-out queries;
+                         the reward model and VADER score them; KL to the base model; gold score vs KL
+Results go to OUTPUT_DIR/seed{SEED}/ (quick-seed{SEED}/ with --quick): results.json, curves.png, evaluation/
+(results.md: the evaluation table; gold_vs_kl.png; results.json), the stage logs, the labels, the reward model and the
+policy with its checkpoints.
 """
 
 import dataclasses
 import json
-import math
 import os
 import shutil
 import subprocess
@@ -80,6 +81,8 @@ class Settings:
     """train_policy.py --ppo.batch_size (episodes per PPO update)"""
     ppo_lr: float
     """train_policy.py --ppo.lr"""
+    checkpoint_interval: int
+    """train_policy.py --save_interval with --save_checkpoints: the checkpoints of the gold-vs-KL curve"""
     eval_queries: int
     """held-out queries sampled by the base and the trained policy for the before/after figures"""
 
@@ -99,6 +102,7 @@ FULL = Settings(
     ppo_episodes=64 * 32,
     ppo_batch_size=64,
     ppo_lr=3e-4,
+    checkpoint_interval=4,
     eval_queries=256,
 )
 QUICK = Settings(
@@ -110,6 +114,7 @@ QUICK = Settings(
     ppo_episodes=64 * 12,
     ppo_batch_size=64,
     ppo_lr=3e-4,
+    checkpoint_interval=4,
     eval_queries=128,
 )
 
@@ -170,50 +175,6 @@ def read_scalars(tb_dir: Path) -> dict[str, list[tuple[int, float]]]:
     return {tag: [(s.step, s.value) for s in events.Scalars(tag)] for tag in events.Tags()["scalars"]}
 
 
-def evaluate(base_dir: Path, policy_dir: Path, reward_dir: Path, task, n: int, seed: int) -> dict:
-    """Base and trained policy sample the same held-out queries; VADER and the reward model score both."""
-    import torch
-
-    from lm_human_preference_details.data import QueryStream, load_texts
-    from lm_human_preference_details.labelers import decode_without_pad, load_labeler
-    from lm_human_preference_details.modeling import PolicyWithValueHead, load_causal_lm, sample
-    from lm_human_preference_details.tasks import passes_filter, truncate_response
-    from lm_human_preference_details.tokenizer import load_tokenizer
-
-    tokenizer = load_tokenizer(str(base_dir))
-    pad_id = tokenizer.pad_token_id
-    queries = QueryStream(load_texts(task.query_dataset), tokenizer, task, 0, 1, data_seed=0).next_batch(n)  # (n, Lq)
-    judges = {
-        "gold": load_labeler("vader", tokenizer, pad_id, "cpu"),
-        "reward": load_labeler(f"reward_model:{reward_dir}", tokenizer, pad_id, "cpu"),
-    }
-    out = {"queries": decode_without_pad(tokenizer, queries, pad_id)}
-    for name, model_dir in (("base", base_dir), ("trained", policy_dir)):
-        policy = PolicyWithValueHead(load_causal_lm(str(model_dir)))
-        generator = torch.Generator().manual_seed(seed)
-        responses = torch.cat(
-            [
-                sample(policy, chunk, task.response_length, task.temperature, pad_id, generator)[0]
-                for chunk in queries.split(64)
-            ]
-        )  # (n, L)
-        responses = truncate_response(responses, task.truncate_token, task.truncate_after, pad_id)
-        passed = passes_filter(responses, task.truncate_token, task.truncate_after)
-        out[name] = {
-            "responses": decode_without_pad(tokenizer, responses, pad_id),
-            "filter_pass_rate": passed.float().mean().item(),
-            **{judge: labeler.scores(queries, responses[:, None])[:, 0].tolist() for judge, labeler in judges.items()},
-        }
-    return out
-
-
-def mean_and_stderr(values: list[float]) -> tuple[float, float]:
-    """Sample mean and its standard error."""
-    mean = sum(values) / len(values)
-    var = sum((v - mean) ** 2 for v in values) / max(1, len(values) - 1)
-    return mean, math.sqrt(var / len(values))
-
-
 def plot_curves(policy_scalars: dict, reward_scalars: dict, path: Path, title: str) -> None:
     """curves.png: the policy's score, gold score, KL and kl_coef per update; the reward model's accuracy and loss."""
     import matplotlib
@@ -260,7 +221,7 @@ def plot_curves(policy_scalars: dict, reward_scalars: dict, path: Path, title: s
     plt.close(fig)
 
 
-def print_report(evaluation: dict, results: dict, rows: int) -> None:
+def print_report(results: dict) -> None:
     """The before/after table of samples and the headline figures."""
     from rich.console import Console
     from rich.table import Table
@@ -272,14 +233,13 @@ def print_report(evaluation: dict, results: dict, rows: int) -> None:
     )
     for column in ("query", "base policy", "VADER", "trained policy", "VADER"):
         table.add_column(column, overflow="fold")
-    base, trained = evaluation["base"], evaluation["trained"]
-    for i in range(min(rows, len(evaluation["queries"]))):
+    for sample in results["samples"]:
         table.add_row(
-            evaluation["queries"][i].strip(),
-            base["responses"][i].strip(),
-            f"{base['gold'][i]:+.2f}",
-            trained["responses"][i].strip(),
-            f"{trained['gold'][i]:+.2f}",
+            sample["query"],
+            sample["base"],
+            f"{sample['base_gold']:+.2f}",
+            sample["trained"],
+            f"{sample['trained_gold']:+.2f}",
         )
     console.print(table)
     gold, rm, policy = results["gold"], results["reward_model"], results["policy"]
@@ -291,10 +251,14 @@ def print_report(evaluation: dict, results: dict, rows: int) -> None:
         f"base {gold['base']:+.3f} ± {gold['base_stderr']:.3f}  ->  trained {gold['trained']:+.3f} ± "
         f"{gold['trained_stderr']:.3f}  (margin {gold['margin']:+.3f})",
     )
-    reward_score, pass_rate = results["reward_score"], results["filter_pass_rate"]
+    reward_score, pass_rate, wins = results["reward_score"], results["filter_pass_rate"], results["win_rate"]
     figures.add_row(
-        "reward-model score on the same samples (normalized)",
+        "reward-model score on the same samples (normalized, filter penalty)",
         f"base {reward_score['base']:+.3f}  ->  trained {reward_score['trained']:+.3f}",
+    )
+    figures.add_row(
+        "win rate of the trained policy over the base policy (same query)",
+        f"gold {wins['gold_score']:.3f}, reward model {wins['score']:.3f}",
     )
     figures.add_row(
         f"reward model held-out accuracy ({rm['heldout_rows']} best-of-4 labels, chance 0.25)",
@@ -303,7 +267,8 @@ def print_report(evaluation: dict, results: dict, rows: int) -> None:
     figures.add_row(
         "final KL(policy || base) per response",
         f"{policy['final_kl']:.2f} nats at the last update, {policy['kl_last5']:.2f} over the last 5 "
-        f"(target {policy['kl_target']:g}); kl_coef {policy['final_kl_coef']:.4f}",
+        f"(target {policy['kl_target']:g}), {results['eval_kl']['trained']:.2f} on the held-out samples; "
+        f"kl_coef {policy['final_kl_coef']:.4f}",
     )
     figures.add_row(
         f"response filter pass rate (a '.' at index >= {TRUNCATE_AFTER})",
@@ -341,8 +306,8 @@ def run_stages(args: Args, settings: Settings, root: Path, run_dir: Path) -> tup
     else:
         print(f"\n=== pretrain === skipped: {base_dir} holds a model pretrained with the same settings")
 
-    # 3-5 start from scratch in the seed's directory
-    for name in ("labels", "reward", "policy"):
+    # 3-6 start from scratch in the seed's directory
+    for name in ("labels", "reward", "policy", "evaluation"):
         shutil.rmtree(run_dir / name, ignore_errors=True)
     task_flags = {
         "--task.query_dataset": world_dir / "queries.txt",
@@ -405,45 +370,60 @@ def run_stages(args: Args, settings: Settings, root: Path, run_dir: Path) -> tup
                 "--ppo.batch_size": settings.ppo_batch_size,
                 "--ppo.lr": settings.ppo_lr,
                 "--log_interval": 8,
-                "--save_interval": 0,
+                "--save_interval": settings.checkpoint_interval,
                 "--seed": args.seed,
                 "--output_dir": run_dir / "policy",
                 **task_flags,
             }
-        ),
+        )
+        + ["--save_checkpoints"],
         logs,
     )
     return world_dir, base_dir, timings
 
 
+def run_evaluation(args: Args, settings: Settings, world_dir: Path, run_dir: Path) -> tuple[dict, float]:
+    """Stage 6, evaluate.py: base vs trained policy and the gold-vs-KL curve; its results.json and the seconds."""
+    # the task, the base model, the reward model and the gold judge (VADER) come from the policy's args.json; the
+    # queries come from texts the policy never saw
+    output_dir = run_dir / "evaluation"
+    flags = {
+        "--policy": run_dir / "policy",
+        "--checkpoints": run_dir / "policy" / "checkpoints" / "update*",
+        "--task.query_dataset": world_dir / "heldout.txt",
+        "--num_queries": settings.eval_queries,
+        "--seed": args.seed,
+        "--examples": args.samples_to_show,
+        "--output_dir": output_dir,
+    }
+    seconds = run_stage("evaluation", REPO / "evaluate.py", flag_list(flags), run_dir / "logs")
+    with open(output_dir / "results.json", encoding="utf-8") as f:
+        return json.load(f), seconds
+
+
 def summarize(
     args: Args, settings: Settings, evaluation: dict, policy_scalars: dict, reward_meta: dict, timings: dict[str, float]
 ) -> dict:
-    """The figures written to results.json."""
-    base_gold, base_se = mean_and_stderr(evaluation["base"]["gold"])
-    trained_gold, trained_se = mean_and_stderr(evaluation["trained"]["gold"])
+    """The figures written to results.json; `evaluation` is evaluate.py's results.json."""
+    metrics = evaluation["metrics"]
+    gold = metrics["gold_score"]
     kl = [value for _, value in policy_scalars["objective/kl"]]
-    samples = zip(
-        evaluation["queries"],
-        evaluation["base"]["responses"],
-        evaluation["base"]["gold"],
-        evaluation["trained"]["responses"],
-        evaluation["trained"]["gold"],
-    )
     return {
         "seed": args.seed,
         "mode": "quick" if args.quick else "full",
         "guaranteed_margin": QUICK_MIN_GOLD_MARGIN if args.quick else FULL_MIN_GOLD_MARGIN,
         "gold": {
-            "queries": settings.eval_queries,
-            "base": base_gold,
-            "base_stderr": base_se,
-            "trained": trained_gold,
-            "trained_stderr": trained_se,
-            "margin": trained_gold - base_gold,
+            "queries": evaluation["queries"]["num"],
+            "base": gold["base"]["mean"],
+            "base_stderr": gold["base"]["stderr"],
+            "trained": gold["trained"]["mean"],
+            "trained_stderr": gold["trained"]["stderr"],
+            "margin": gold["trained"]["mean"] - gold["base"]["mean"],
         },
-        "reward_score": {k: mean_and_stderr(evaluation[k]["reward"])[0] for k in ("base", "trained")},
-        "filter_pass_rate": {k: evaluation[k]["filter_pass_rate"] for k in ("base", "trained")},
+        "reward_score": {k: metrics["score"][k]["mean"] for k in ("base", "trained")},
+        "filter_pass_rate": {k: metrics["filter_pass_rate"][k]["mean"] for k in ("base", "trained")},
+        "eval_kl": {k: metrics["kl"][k]["mean"] for k in ("base", "trained")},
+        "win_rate": evaluation["win_rate"],
         "reward_model": {
             "heldout_rows": reward_meta["eval_after"]["rows"],
             "accuracy_before": reward_meta["eval_before"]["accuracy"],
@@ -469,38 +449,32 @@ def summarize(
             "kl_horizon": KL_HORIZON,
         },
         "samples": [
-            {"query": q.strip(), "base": b.strip(), "base_gold": bg, "trained": t.strip(), "trained_gold": tg}
-            for q, b, bg, t, tg in samples
-        ][: args.samples_to_show],
+            {
+                "query": e["query"].strip(),
+                "base": e["base"]["response"].strip(),
+                "base_gold": e["base"]["gold_score"],
+                "trained": e["trained"]["response"].strip(),
+                "trained_gold": e["trained"]["gold_score"],
+            }
+            for e in evaluation["examples"]
+        ],
     }
 
 
 def main(args: Args) -> dict:
     """Run every stage, evaluate, write results.json and curves.png; returns the results."""
-    from lm_human_preference_details.tasks import TASKS
-
     start = time.time()
     settings = QUICK if args.quick else FULL
     root = Path(args.output_dir).resolve()
     run_dir = root / (f"quick-seed{args.seed}" if args.quick else f"seed{args.seed}")
-    world_dir, base_dir, timings = run_stages(args, settings, root, run_dir)
+    world_dir, _, timings = run_stages(args, settings, root, run_dir)
 
-    # 6. evaluation on held-out queries, and the curves from the TensorBoard events of the two training runs
-    print("\n=== evaluation ===", flush=True)
-    eval_start = time.time()
-    task = dataclasses.replace(
-        TASKS["sentiment"],
-        query_dataset=str(world_dir / "heldout.txt"),
-        query_length=QUERY_LENGTH,
-        response_length=RESPONSE_LENGTH,
-        truncate_after=TRUNCATE_AFTER,
-    )
-    evaluation = evaluate(base_dir, run_dir / "policy", run_dir / "reward", task, settings.eval_queries, args.seed)
+    # 6. evaluation on held-out queries; the curves come from the TensorBoard events of the two training runs
+    evaluation, timings["evaluation"] = run_evaluation(args, settings, world_dir, run_dir)
     policy_scalars = read_scalars(run_dir / "policy" / "tb")
     reward_scalars = read_scalars(run_dir / "reward" / "tb")
     with open(run_dir / "reward" / "reward_model.json", encoding="utf-8") as f:
         reward_meta = json.load(f)
-    timings["evaluation"] = time.time() - eval_start
     timings["total"] = time.time() - start
 
     results = summarize(args, settings, evaluation, policy_scalars, reward_meta, timings)
@@ -513,8 +487,12 @@ def main(args: Args) -> dict:
         f"final KL {policy['final_kl']:.2f} (target {KL_TARGET:g})"
     )
     plot_curves(policy_scalars, reward_scalars, run_dir / "curves.png", title)
-    print_report(evaluation, results, args.samples_to_show)
-    print(f"wrote {run_dir / 'results.json'} and {run_dir / 'curves.png'}")
+    print_report(results)
+    evaluation_dir = run_dir / "evaluation"
+    print(
+        f"wrote {run_dir / 'results.json'}, {run_dir / 'curves.png'}, {evaluation_dir / 'results.md'} and "
+        f"{evaluation_dir / 'gold_vs_kl.png'}"
+    )
     return results
 
 

@@ -25,3 +25,10 @@ def test_run_demo_quick_raises_gold_score(tmp_path):
     accuracy = results["reward_model"]
     assert accuracy["accuracy_after"] > max(0.5, accuracy["accuracy_before"]), accuracy
     assert "trained policy" in run.stdout and "gold score" in run.stdout
+    # evaluate.py's table and the gold-vs-KL curve over the policy's checkpoints (every 4 of its 12 updates)
+    evaluation = seed_dir / "evaluation"
+    assert "| metric | base | trained | win rate (trained > base) |" in (evaluation / "results.md").read_text()
+    assert (evaluation / "gold_vs_kl.png").stat().st_size > 10_000
+    curve = json.loads((evaluation / "results.json").read_text())["curve"]
+    assert [point["policy"] for point in curve][1:] == ["update4", "update8", "policy"]
+    assert abs(curve[0]["kl"]["mean"]) < 1e-3 < 0.3 < curve[-1]["kl"]["mean"]

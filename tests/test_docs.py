@@ -10,7 +10,7 @@ OAI_COMMIT = "cbfd210bb8b08f6bc5c26878c10984b90f516c66"
 # the project's code: the package, the three scripts, the demo and the benchmarks (tests/ excluded)
 CODE_FILES = sorted(
     [*(REPO / "lm_human_preference_details").rglob("*.py")]
-    + [REPO / name for name in ("train_reward.py", "train_policy.py", "label_generation.py")]
+    + [REPO / name for name in ("train_reward.py", "train_policy.py", "label_generation.py", "evaluate.py")]
     + [*(REPO / "demo").rglob("*.py"), *(REPO / "benchmark").rglob("*.py")]
 )
 

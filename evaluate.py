@@ -1,0 +1,334 @@
+"""Evaluate a policy written by train_policy.py against its base model: held-out samples scored by the reward model and
+a gold judge, the KL to the base model, win rates, example texts; and gold score vs KL over saved checkpoints.
+
+Settings default to the policy's training run (its args.json: task, base model, reward model, gold judge, data_seed),
+so the policy samples exactly as it did in training; every flag overrides one of them.
+
+    python evaluate.py --policy models/policy --gold vader
+    python evaluate.py --policy models/policy --gold classifier:lvwerra/distilbert-imdb#POSITIVE --num_queries 1024
+    python evaluate.py --policy models/policy --checkpoints 'models/policy/checkpoints/*' models/policy_kl12 \\
+        --gold reward_model:models/gold_reward
+
+Held-out queries: a run with data_seed D drew the first nupdates * ppo.batch_size queries of the task's query stream
+(all processes together). By default (--skip_queries unset) the evaluation skips exactly those when it reads the same
+dataset with the same data_seed; --skip_queries N starts at query N instead, and --task.query_dataset FILE or
+--split test evaluates on other texts. results.json records whether the queries were held out (they are not when
+the stream wrapped around: a small dataset repeats).
+
+Writes OUTPUT_DIR/results.json and results.md (OUTPUT_DIR defaults to POLICY/eval) and, with --checkpoints,
+gold_vs_kl.png: the gold and reward-model scores of every checkpoint against sqrt(KL), one line per training run.
+"""
+
+import dataclasses
+import glob
+import json
+import os
+import re
+import sys
+from dataclasses import dataclass, field
+
+import torch
+import tyro
+
+from lm_human_preference_details import cli, core
+from lm_human_preference_details.data import load_texts
+from lm_human_preference_details.evaluation import (
+    BASE_RUN,
+    GOLD,
+    curve_point,
+    examples,
+    heldout_queries,
+    markdown,
+    plot_gold_vs_kl,
+    print_report,
+    sample_and_score,
+    summarize,
+    write_text_atomic,
+)
+from lm_human_preference_details.labelers import load_labeler
+from lm_human_preference_details.modeling import PolicyWithValueHead, load_causal_lm, load_reward_model
+from lm_human_preference_details.sources import OAI_TEXT_SOURCES
+from lm_human_preference_details.tasks import TASKS, TaskHParams
+from lm_human_preference_details.tokenizer import check_same_tokenizer, load_tokenizer
+
+RUN_PRESET = "policy"
+"""--task name of the settings read from the policy's args.json (the default when it has one)"""
+
+
+@dataclass
+class Args:
+    policy: str | None = None
+    """trained policy directory (train_policy.py --output_dir) compared with its base model"""
+    checkpoints: tuple[str, ...] = ()
+    """policy directories (or quoted globs) for the gold-vs-KL plot, all evaluated on the same queries; points are
+    grouped into one line per training run (the output_dir in their args.json) and labelled by directory name"""
+    base_model: str = "gpt2"
+    """the base (reference) model the policy started from: hub id or local directory"""
+    reward_model: str = "models/reward"
+    """reward-model directory (train_reward.py --output_dir): the proxy score, with the task's filter penalty"""
+    gold: str | None = None
+    """gold judge, never trained on: reward_model:DIR | classifier:NAME_OR_DIR[#LABEL] | vader (label_generation's
+    syntax); None: no gold score"""
+    num_queries: int = 256
+    """evaluation queries; each policy samples one response per query"""
+    batch_size: int = 64
+    """queries per sampling batch"""
+    seed: int = 1
+    """sampler seed; every policy samples with a fresh generator seeded with it (paired, common random numbers)"""
+    data_seed: int = 0
+    """seed of the query order (the training run's, so that --skip_queries counts the queries it consumed)"""
+    skip_queries: int | None = None
+    """start at this query of the stream; None: after the queries the training run consumed when the dataset and
+    data_seed are the run's, else 0"""
+    split: str = "train"
+    """split of a named query dataset (books, tldr, cnndm); its test texts are held out from training"""
+    examples: int = 8
+    """side-by-side example texts in results.json and results.md"""
+    output_dir: str | None = None
+    """directory for results.json, results.md and gold_vs_kl.png; None: POLICY/eval (or eval/ without --policy)"""
+    device: str | None = None
+    """torch device; None: cuda when available, else cpu"""
+    dry_run: bool = False
+    """print the settings, check that every directory exists, and exit"""
+    task_id: tyro.conf.Suppress[str] = "sentiment"
+    """name of the --task preset these settings started from (recorded in results.json)"""
+    task: TaskHParams = field(default_factory=lambda: dataclasses.replace(TASKS["sentiment"]))
+    """query data, lengths, truncation, filter penalty and sampling temperature, as in training"""
+
+
+def oai_presets() -> dict[str, Args]:
+    """One `Args` per OAI task (launch.py's task settings), for policies without an args.json."""
+    # https://github.com/openai/lm-human-preferences/blob/cbfd210bb8b08f6bc5c26878c10984b90f516c66/launch.py#L8-L47
+    return {name: Args(task_id=name, task=dataclasses.replace(task)) for name, task in TASKS.items()}
+
+
+# ---------------------------------------------------------------- the training run's settings
+
+
+def read_run_args(policy_dir: str | None) -> dict | None:
+    """The args.json that train_policy.py saved beside a policy, or None."""
+    path = os.path.join(policy_dir, "args.json") if policy_dir else ""
+    if not os.path.isfile(path):
+        return None
+    with open(path, encoding="utf-8") as f:
+        return json.load(f)
+
+
+def defaults_from_run(run: dict) -> Args:
+    """Args whose task, models, gold judge and data_seed are those of a training run's args.json."""
+    task_fields = {f.name for f in dataclasses.fields(TaskHParams)}
+    return Args(
+        base_model=run["base_model"],
+        reward_model=run["rewards"]["trained_model"],
+        gold=run["rewards"].get("gold_model"),
+        data_seed=run["data_seed"],
+        task_id=run.get("task_id", "sentiment"),
+        task=TaskHParams(**{k: v for k, v in run["task"].items() if k in task_fields}),
+    )
+
+
+def consumed_queries(run: dict) -> int:
+    """Queries a training run drew from its stream: nupdates * ppo.batch_size (spec P15)."""
+    batch = run["ppo"]["batch_size"]
+    return core.ceil_div(run["ppo"]["total_episodes"], batch) * batch
+
+
+def first_policy_dir(argv: list[str]) -> str | None:
+    """The value of --policy, else the first directory given to --checkpoints (globs expanded), in raw argv."""
+    for flag in ("--policy", "--checkpoints"):
+        for i, arg in enumerate(argv):
+            value = arg.split("=", 1)[1] if arg.startswith(f"{flag}=") else None
+            if arg == flag and i + 1 < len(argv):
+                value = argv[i + 1]
+            if value:
+                return (sorted(glob.glob(value)) or [value])[0]
+    return None
+
+
+def natural_key(path: str) -> list:
+    """Sort key that orders numbers inside names by value: update8 before update16."""
+    return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", path)]
+
+
+def expand_checkpoints(patterns: tuple[str, ...]) -> list[str]:
+    """Directories named by --checkpoints, globs expanded in natural order; FileNotFoundError when one matches none."""
+    dirs = []
+    for pattern in patterns:
+        matches = sorted((os.path.normpath(p) for p in glob.glob(pattern) if os.path.isdir(p)), key=natural_key)
+        if not matches:
+            raise FileNotFoundError(f"--checkpoints '{pattern}' matches no directory; pass policy directories.")
+        dirs += matches
+    return list(dict.fromkeys(dirs))
+
+
+# ---------------------------------------------------------------- main
+
+
+def main(args: Args) -> dict:
+    """Evaluate; returns the report written to results.json."""
+    cli.quiet_transformers()
+    console = cli.make_console()
+    checkpoints = expand_checkpoints(args.checkpoints)
+    if args.policy is not None:  # one spelling per directory: a checkpoint may name the policy too
+        args = dataclasses.replace(args, policy=os.path.normpath(args.policy))
+    if args.policy is None and not checkpoints:
+        raise ValueError("nothing to evaluate: pass --policy DIR (base vs trained) and/or --checkpoints DIR...")
+    if args.num_queries < 2 or args.batch_size < 1:
+        raise ValueError(f"--num_queries must be >= 2 and --batch_size >= 1, got {args.num_queries}, {args.batch_size}")
+    output_dir = args.output_dir or (os.path.join(args.policy, "eval") if args.policy else "eval")
+    runs = {d: read_run_args(d) for d in [args.policy, *checkpoints] if d is not None}
+    known_runs = [r for r in runs.values() if r is not None]
+    skip = query_offset(args, known_runs)
+    cli.print_table(
+        console,
+        "evaluation (evaluate.py)",
+        {
+            "task": args.task_id,
+            "policy": args.policy or "-",
+            "checkpoints": ", ".join(checkpoints) or "-",
+            "base model": args.base_model,
+            "reward model": args.reward_model,
+            "gold judge": args.gold or "-",
+            "queries": f"{args.num_queries} of {args.task.query_dataset} ({args.split}), from query {skip}",
+            "output dir": output_dir,
+        },
+    )
+    for flag, directory in (("--policy", args.policy), ("--reward_model", args.reward_model)):
+        if directory is not None and not os.path.isdir(directory):
+            raise FileNotFoundError(f"{flag} directory '{directory}' does not exist; pass the --output_dir of a run")
+    if args.dry_run:
+        return {}
+
+    # 1. models and judges, all loaded before anything is written
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    tokenizer = load_tokenizer(args.base_model)
+    pad_id = tokenizer.pad_token_id
+    reward_model, rm_metadata = load_reward_model(args.reward_model, flag="--reward_model")
+    check_same_tokenizer(
+        rm_metadata, tokenizer, f"the reward model '{args.reward_model}'", f"the base model uses '{args.base_model}'"
+    )
+    reward_model = reward_model.to(device).eval().requires_grad_(False)
+    judges = {GOLD: load_labeler(args.gold, tokenizer, pad_id, device, flag="--gold")} if args.gold else {}
+    if any(judge.interactive for judge in judges.values()):
+        raise ValueError("--gold human is interactive; pass reward_model:DIR, classifier:NAME_OR_DIR[#LABEL] or vader")
+    base = PolicyWithValueHead(load_causal_lm(args.base_model)).to(device).eval().requires_grad_(False)
+
+    # 2. the held-out queries, the same for every policy
+    texts = load_texts(args.task.query_dataset, args.split)
+    queries, wrapped = heldout_queries(texts, tokenizer, args.task, args.data_seed, skip, args.num_queries)
+    unseen = held_out(args, known_runs, skip, wrapped)
+    if unseen is False:
+        console.print(
+            f"[bold yellow]warning:[/] these queries are not held out: a training run drew them too "
+            f"({args.task.query_dataset}, {len(texts)} texts repeated in every pass of the stream, data_seed "
+            f"{args.data_seed}, from query {skip}). Pass --skip_queries beyond the run's queries, another "
+            "--task.query_dataset, or --split test."
+        )
+
+    def run(policy: PolicyWithValueHead):
+        """Episodes of one policy on the queries, from a fresh generator with the evaluation seed."""
+        generator = torch.Generator(device=device).manual_seed(args.seed)
+        return sample_and_score(
+            policy, base, queries, args.task, tokenizer, reward_model, judges, generator, args.batch_size
+        )
+
+    # 3. base vs trained; every checkpoint for the curve
+    base_episodes = run(base)
+    report = {
+        "policy": args.policy,
+        "base_model": args.base_model,
+        "reward_model": args.reward_model,
+        "gold": args.gold,
+        "seed": args.seed,
+        "task_id": args.task_id,
+        "task": dataclasses.asdict(args.task),
+        "queries": {
+            "dataset": args.task.query_dataset,
+            "split": args.split,
+            "data_seed": args.data_seed,
+            "skip": skip,
+            "num": args.num_queries,
+            "held_out": unseen,
+        },
+    }
+    episodes = {}
+    if args.policy is not None:
+        episodes[args.policy] = run(load_policy(args.policy, "--policy", device))
+        report.update(summarize(base_episodes, episodes[args.policy]))
+        report["examples"] = examples(tokenizer, queries, base_episodes, episodes[args.policy], args.examples)
+    if checkpoints:
+        # the curve: the base model (KL 0), every checkpoint, and the policy itself (evaluated once)
+        report["curve"] = [curve_point(BASE_RUN, policy_label(args.base_model), base_episodes)]
+        for directory in dict.fromkeys([*checkpoints, *([args.policy] if args.policy else [])]):
+            if directory not in episodes:
+                episodes[directory] = run(load_policy(directory, "--checkpoints", device))
+            label = run_label(directory, runs[directory])
+            report["curve"].append(curve_point(label, policy_label(directory), episodes[directory]))
+
+    # 4. results.json, results.md, gold_vs_kl.png
+    core.write_json_atomic(os.path.join(output_dir, "results.json"), report)
+    write_text_atomic(os.path.join(output_dir, "results.md"), markdown(report))
+    written = [os.path.join(output_dir, name) for name in ("results.json", "results.md")]
+    print_report(console, report)
+    if checkpoints:
+        plot_path = os.path.join(output_dir, "gold_vs_kl.png")
+        title = f"scores vs sqrt(KL to {policy_label(args.base_model)}), {args.num_queries} queries, gold: {args.gold}"
+        plot_gold_vs_kl(report["curve"], plot_path, title)
+        written.append(plot_path)
+    console.print("wrote " + ", ".join(written))
+    return report
+
+
+def stream_runs(args: Args, runs: list[dict]) -> list[dict]:
+    """The training runs that drew queries from the texts evaluated here (same dataset; hub datasets: train split)."""
+    if args.task.query_dataset in OAI_TEXT_SOURCES and args.split != "train":
+        return []
+    return [r for r in runs if r["task"]["query_dataset"] == args.task.query_dataset]
+
+
+def query_offset(args: Args, runs: list[dict]) -> int:
+    """--skip_queries, or by default the most queries any of the runs drew from this very stream (dataset and seed)."""
+    if args.skip_queries is not None:
+        return args.skip_queries
+    same = [consumed_queries(r) for r in stream_runs(args, runs) if r["data_seed"] == args.data_seed]
+    return max(same, default=0)
+
+
+def held_out(args: Args, runs: list[dict], skip: int, wrapped: bool) -> bool | None:
+    """Whether no run trained on these queries; None when no args.json tells what the runs trained on."""
+    if not runs:
+        return None
+    for run in stream_runs(args, runs):
+        # another data_seed is another order of the same texts; a wrapped stream repeats the training queries
+        if run["data_seed"] != args.data_seed or skip < consumed_queries(run) or wrapped:
+            return False
+    return True
+
+
+def load_policy(directory: str, flag: str, device: torch.device) -> PolicyWithValueHead:
+    """A policy saved by train_policy.py, on `device`, frozen."""
+    return PolicyWithValueHead.load(directory, flag).to(device).eval().requires_grad_(False)
+
+
+def run_label(directory: str, run: dict | None) -> str:
+    """Name of the training run a checkpoint belongs to: its args.json output_dir, else its parent directory."""
+    return os.path.basename(os.path.normpath(run["output_dir"] if run else os.path.dirname(directory)))
+
+
+def policy_label(directory: str) -> str:
+    """Label of one checkpoint: its directory name."""
+    return os.path.basename(os.path.normpath(directory))
+
+
+def parse(argv: list[str] | None = None) -> Args:
+    """Args from the command line, starting from the policy's training settings (or the `--task` preset)."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    presets, default = oai_presets(), "sentiment"
+    run = read_run_args(first_policy_dir(argv))
+    if run is not None:
+        presets[RUN_PRESET], default = defaults_from_run(run), RUN_PRESET
+    return cli.parse_args(Args, presets, default, __doc__, argv)[1]
+
+
+if __name__ == "__main__":
+    cli.run(main, parse)

@@ -1,0 +1,396 @@
+"""lm_human_preference_details/evaluation.py and evaluate.py: episodes, KL, scores and statistics checked against direct
+computations on tiny offline models; the command run as a user would."""
+
+import dataclasses
+import json
+import math
+import os
+
+import numpy as np
+import pytest
+import torch
+
+from evaluate import consumed_queries, held_out, main, parse, query_offset
+from lm_human_preference_details import core
+from lm_human_preference_details.data import QueryStream
+from lm_human_preference_details.evaluation import (
+    GOLD,
+    KL,
+    PASS,
+    SCORE,
+    Episodes,
+    examples,
+    heldout_queries,
+    markdown,
+    mean_and_stderr,
+    sample_and_score,
+    summarize,
+    win_rate,
+)
+from lm_human_preference_details.labelers import Labeler
+from lm_human_preference_details.modeling import PolicyWithValueHead, RewardModel
+from lm_human_preference_details.tasks import TaskHParams
+from lm_human_preference_details.tokenizer import tokenizer_fingerprint
+from tests.conftest import small_vocab_gpt2, tiny_gpt2
+from tests.planted import run_script, write_query_file
+from train_policy import Args as PolicyArgs
+from train_policy import main as policy_main
+
+PAD = 50257
+TEMPERATURE = 0.7
+
+
+@pytest.fixture(autouse=True, scope="module")
+def single_thread():
+    """The tiny models' ops are far too small to gain from intra-op threads."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+class TruncatedLength(Labeler):
+    """A judge scoring each response by its number of real (non-PAD) tokens: shows what the judges are given."""
+
+    name = "length"
+
+    def scores(self, queries: torch.Tensor, responses: torch.Tensor) -> torch.Tensor:
+        return (responses != PAD).sum(-1).float()
+
+
+def task(**fields) -> TaskHParams:
+    """Short queries and responses; a prefix and a suffix so that contexts differ from queries."""
+    defaults = dict(query_length=6, query_dataset="unused", response_length=8, truncate_after=4, temperature=TEMPERATURE)
+    return TaskHParams(**{**defaults, "query_prefix": "Story:", "query_suffix": " Next:", **fields})
+
+
+def context_rows(tokenizer, queries: torch.Tensor, settings: TaskHParams) -> list[list[int]]:
+    """prefix + real query tokens + suffix of every row, PADs dropped (what a pads-invisible model attends to)."""
+    prefix = tokenizer.encode(settings.query_prefix)
+    suffix = tokenizer.encode(settings.query_suffix)
+    return [prefix + [t for t in row if t != PAD] + suffix for row in queries.tolist()]
+
+
+def direct_logprobs(lm, context: list[int], response: list[int], temperature: float) -> torch.Tensor:
+    """log_softmax(logits / T) of the response tokens from one plain HF forward of the unpadded sequence."""
+    with torch.no_grad():
+        logits = lm(torch.tensor([context + response])).logits[0, len(context) - 1 : -1].double() / temperature
+    return torch.log_softmax(logits, -1).gather(-1, torch.tensor(response)[:, None])[:, 0]
+
+
+def random_queries(generator_seed: int, n: int, length: int, pad_tail: bool) -> torch.Tensor:
+    """(n, length) ordinary word tokens; with pad_tail, rows end with 0..2 PADs (right padding)."""
+    generator = torch.Generator().manual_seed(generator_seed)
+    queries = torch.randint(300, 20000, (n, length), generator=generator)
+    if pad_tail:
+        for row in range(n):
+            pads = row % 3
+            if pads:
+                queries[row, -pads:] = PAD
+    return queries
+
+
+# ---------------------------------------------------------------- KL
+
+
+def test_kl_of_a_policy_against_itself_is_zero(tokenizer):
+    policy = PolicyWithValueHead(tiny_gpt2(0))
+    reward_model = RewardModel(tiny_gpt2(2).transformer)
+    queries = random_queries(0, 6, 6, pad_tail=True)
+    episodes = sample_and_score(
+        policy, policy, queries, task(), tokenizer, reward_model, {}, torch.Generator().manual_seed(1), batch_size=4
+    )
+    assert episodes.responses.shape == (6, 8)
+    # sampling-pass log-probs (KV cache) and the forward's agree to float rounding
+    torch.testing.assert_close(episodes.metrics[KL], torch.zeros(6), atol=1e-4, rtol=0)
+
+
+def test_kl_matches_a_direct_recomputation(tokenizer):
+    lm, ref_lm = tiny_gpt2(0), tiny_gpt2(1)
+    settings = task()
+    queries = random_queries(3, 5, 6, pad_tail=True)
+    episodes = sample_and_score(
+        PolicyWithValueHead(lm),
+        PolicyWithValueHead(ref_lm),
+        queries,
+        settings,
+        tokenizer,
+        RewardModel(tiny_gpt2(2).transformer),
+        {},
+        torch.Generator().manual_seed(0),
+        batch_size=2,
+    )
+    expected = []
+    for context, response in zip(context_rows(tokenizer, queries, settings), episodes.responses.tolist()):
+        policy_lp = direct_logprobs(lm, context, response, TEMPERATURE)
+        ref_lp = direct_logprobs(ref_lm, context, response, TEMPERATURE)
+        expected.append((policy_lp - ref_lp).sum().item())
+    expected = torch.tensor(expected, dtype=torch.float32)
+    assert expected.abs().min() > 1e-2  # two different models: the check is not trivially 0 = 0
+    torch.testing.assert_close(episodes.metrics[KL], expected, atol=2e-4, rtol=1e-4)
+
+
+def test_sampling_is_paired_by_seed(tokenizer):
+    policy = PolicyWithValueHead(tiny_gpt2(0))
+    reward_model = RewardModel(tiny_gpt2(2).transformer)
+    queries = random_queries(0, 4, 6, pad_tail=False)
+    runs = [
+        sample_and_score(
+            policy, policy, queries, task(), tokenizer, reward_model, {}, torch.Generator().manual_seed(seed), 4
+        )
+        for seed in (5, 5, 6)
+    ]
+    assert torch.equal(runs[0].responses, runs[1].responses)
+    assert not torch.equal(runs[0].responses, runs[2].responses)
+
+
+# ---------------------------------------------------------------- scores, filter penalty, judges
+
+
+def test_scores_are_the_reward_model_on_truncated_responses_with_the_filter_penalty(tokenizer, small_vocab_words):
+    truncate_token, truncate_after, penalty = small_vocab_words["the"], 4, -1.5
+    settings = task(truncate_token=truncate_token, truncate_after=truncate_after, penalty_reward_value=penalty)
+    policy = PolicyWithValueHead(small_vocab_gpt2(list(small_vocab_words.values())))
+    reward_model = RewardModel(tiny_gpt2(2).transformer)
+    with torch.no_grad():
+        reward_model.gain.fill_(1.7)
+        reward_model.bias.fill_(-0.3)
+    queries = random_queries(1, 24, 6, pad_tail=True)
+    judges = {GOLD: TruncatedLength()}
+    episodes = sample_and_score(
+        policy, policy, queries, settings, tokenizer, reward_model, judges, torch.Generator().manual_seed(0), 8
+    )
+    expected_score, expected_pass, expected_length = [], [], []
+    for query, response in zip(queries.tolist(), episodes.responses.tolist()):
+        # first truncate_token at index >= truncate_after ends the response; without one the filter fails
+        cut = next((i for i in range(truncate_after, len(response)) if response[i] == truncate_token), None)
+        kept = response if cut is None else response[: cut + 1]
+        tokens = [t for t in query if t != PAD] + kept  # raw query (no prefix/suffix) ⊕ truncated response
+        with torch.no_grad():
+            hidden = reward_model.trunk(torch.tensor([tokens])).last_hidden_state[0, -1]
+            reward = (1.7 * reward_model.head(hidden) - 0.3).item()
+        expected_pass.append(cut is not None)
+        expected_score.append(reward if cut is not None else penalty)
+        expected_length.append(len(kept))
+    assert 0 < sum(expected_pass) < len(expected_pass)  # both cases occur
+    assert episodes.metrics[PASS].tolist() == [float(p) for p in expected_pass]
+    torch.testing.assert_close(episodes.metrics[SCORE], torch.tensor(expected_score), atol=1e-4, rtol=1e-4)
+    assert episodes.metrics[GOLD].tolist() == [float(n) for n in expected_length]
+    assert (episodes.truncated != PAD).sum(1).tolist() == expected_length
+
+
+# ---------------------------------------------------------------- statistics
+
+
+def test_mean_and_stderr_equal_numpy():
+    values = np.random.default_rng(0).normal(size=37)
+    stats = mean_and_stderr(torch.tensor(values, dtype=torch.float32))
+    assert stats["mean"] == pytest.approx(values.mean(), abs=1e-6)
+    assert stats["stderr"] == pytest.approx(values.std(ddof=1) / math.sqrt(37), rel=1e-5)
+    with pytest.raises(ValueError, match="at least 2"):
+        mean_and_stderr(torch.tensor([1.0]))
+
+
+def test_win_rate_counts_ties_as_half():
+    candidate = torch.tensor([1.0, 2.0, 3.0, 4.0, 0.5])
+    baseline = torch.tensor([0.0, 2.0, 5.0, 4.0, -1.0])
+    # win, tie, loss, tie, win
+    assert win_rate(candidate, baseline) == pytest.approx((1 + 0.5 + 0 + 0.5 + 1) / 5)
+    assert win_rate(baseline, candidate) == pytest.approx((0 + 0.5 + 1 + 0.5 + 0) / 5)
+    with pytest.raises(ValueError, match="paired"):
+        win_rate(candidate, baseline[:3])
+
+
+def hand_made_episodes(scores: list[float], gold: list[float], kl: list[float]) -> Episodes:
+    """Episodes of 3 tokens per response with the given per-episode metrics."""
+    n = len(scores)
+    responses = torch.arange(n * 3).view(n, 3) + 400
+    metrics = {SCORE: torch.tensor(scores), GOLD: torch.tensor(gold), KL: torch.tensor(kl), PASS: torch.ones(n)}
+    return Episodes(responses=responses, truncated=responses, metrics=metrics)
+
+
+def test_summarize_reports_mean_stderr_and_win_rates():
+    base = hand_made_episodes([0.0, 1.0, 2.0, 1.0], [0.1, 0.2, 0.3, 0.4], [0.0, 0.0, 0.0, 0.0])
+    trained = hand_made_episodes([1.0, 1.0, 3.0, 0.0], [0.5, 0.1, 0.9, 0.4], [2.0, 4.0, 3.0, 1.0])
+    summary = summarize(base, trained)
+    assert set(summary["metrics"]) == {SCORE, GOLD, KL, PASS}
+    kl = summary["metrics"][KL]["trained"]
+    assert kl["mean"] == pytest.approx(2.5)
+    assert kl["stderr"] == pytest.approx(np.std([2, 4, 3, 1], ddof=1) / 2)
+    assert summary["win_rate"] == pytest.approx({SCORE: (1 + 0.5 + 1 + 0) / 4, GOLD: (1 + 0 + 1 + 0.5) / 4})
+
+
+def test_report_is_written_as_json_and_markdown(tmp_path, tokenizer):
+    base = hand_made_episodes([0.0, 1.0, 2.0], [0.1, 0.2, 0.3], [0.0, -1e-6, 0.0])  # KL ~ -3e-7 reads +0.000
+    trained = hand_made_episodes([1.0, 2.0, 3.0], [0.4, 0.5, 0.6], [1.0, 2.0, 3.0])
+    queries = torch.tensor([[464, 3797, PAD], [32, 3290, 13], [40, PAD, PAD]])
+    report = {
+        "policy": "models/policy",
+        "base_model": "gpt2",
+        "gold": "vader",
+        "seed": 1,
+        "task": dataclasses.asdict(task()),
+        "queries": {"dataset": "q.txt", "split": "train", "data_seed": 0, "skip": 16, "num": 3, "held_out": True},
+        **summarize(base, trained),
+        "examples": examples(tokenizer, queries, base, trained, 2),
+    }
+    core.write_json_atomic(str(tmp_path / "results.json"), report)
+    saved = json.loads((tmp_path / "results.json").read_text())
+    assert saved["win_rate"] == {SCORE: 1.0, GOLD: 1.0}
+    assert saved["metrics"][GOLD]["trained"]["mean"] == pytest.approx(0.5)
+    assert saved["examples"][0]["query"] == "The cat"
+    assert saved["examples"][1]["trained"][SCORE] == 2.0 and len(saved["examples"]) == 2
+    text = markdown(report)
+    assert "| metric | base | trained | win rate (trained > base) |" in text
+    assert "| gold score (vader) | +0.200 ± 0.058 | +0.500 ± 0.058 | 1.000 |" in text
+    assert "| KL to the base model, nats | +0.000 ± 0.000 | +2.000 ± 0.577 |  |" in text
+    assert "| The cat |" in text
+
+
+# ---------------------------------------------------------------- held-out queries
+
+
+def test_heldout_queries_continue_the_training_stream(tmp_path, tokenizer):
+    texts = (write_query_file(tmp_path / "q.txt", n=40).read_text()).splitlines()
+    settings = TaskHParams(query_length=16, query_dataset="q.txt", response_length=4, start_text=None)
+    stream = QueryStream(texts, tokenizer, settings, 0, 1, data_seed=3)
+    expected = stream.next_batch(30)[25:]
+    queries, wrapped = heldout_queries(texts, tokenizer, settings, data_seed=3, skip=25, n=5)
+    assert torch.equal(queries, expected) and not wrapped
+    _, wrapped = heldout_queries(texts, tokenizer, settings, data_seed=3, skip=25, n=20)
+    assert wrapped  # 45 queries of 40 texts
+
+
+def test_query_offset_skips_what_the_run_consumed():
+    run = {"task": {"query_dataset": "q.txt"}, "data_seed": 0, "ppo": {"total_episodes": 100, "batch_size": 32}}
+    assert consumed_queries(run) == 128  # ceil(100 / 32) updates of 32
+    args = parse(["--task.query_dataset", "q.txt", "--policy", "p"])
+    assert query_offset(args, [run]) == 128
+    assert held_out(args, [run], 128, wrapped=False) is True
+    assert held_out(args, [run], 128, wrapped=True) is False
+    assert held_out(args, [run], 0, wrapped=False) is False
+    assert held_out(args, [], 0, wrapped=False) is None
+    other = parse(["--task.query_dataset", "other.txt", "--policy", "p"])
+    assert query_offset(other, [run]) == 0 and held_out(other, [run], 0, wrapped=False) is True
+    reseeded = parse(["--task.query_dataset", "q.txt", "--data_seed", "1", "--policy", "p"])
+    assert query_offset(reseeded, [run]) == 0 and held_out(reseeded, [run], 500, wrapped=False) is False
+
+
+# ---------------------------------------------------------------- the command
+
+
+def save_tiny_run(
+    path, model_dir: str, tokenizer, query_file: str, reward_dir: str, seed: int, episodes: int, run_dir=None
+) -> str:
+    """A policy directory as train_policy.py writes it: LM + value head, tokenizer, args.json (of run_dir's run)."""
+    PolicyWithValueHead(tiny_gpt2(seed)).save(str(path))
+    tokenizer.save_pretrained(str(path))
+    args = PolicyArgs(base_model=model_dir, output_dir=str(run_dir or path), data_seed=0)
+    args.task = dataclasses.replace(
+        args.task, query_dataset=query_file, query_length=16, response_length=8, truncate_after=2
+    )
+    args.rewards.trained_model, args.rewards.gold_model = reward_dir, "vader"
+    args.ppo.total_episodes, args.ppo.batch_size = episodes, 8
+    core.save_args(args, str(path))
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory, tiny_model_dir, tokenizer):
+    root = tmp_path_factory.mktemp("eval-run")
+    query_file = str(write_query_file(root / "queries.txt", n=60))
+    reward_dir = root / "reward"
+    metadata = {
+        "tokenizer": tiny_model_dir,
+        "tokenizer_fingerprint": tokenizer_fingerprint(tokenizer),
+        "pad_token_id": tokenizer.pad_token_id,
+    }
+    torch.manual_seed(0)
+    RewardModel.from_base(tiny_model_dir).save(str(reward_dir), metadata)
+    policy = save_tiny_run(root / "policy", tiny_model_dir, tokenizer, query_file, str(reward_dir), 1, 20)
+    return root, policy, query_file, str(reward_dir)
+
+
+def test_parse_takes_the_training_settings_from_args_json(tiny_run, tiny_model_dir):
+    _, policy, query_file, reward_dir = tiny_run
+    args = parse(["--policy", policy, "--num_queries", "4"])
+    assert (args.base_model, args.reward_model, args.gold) == (tiny_model_dir, reward_dir, "vader")
+    assert (args.task.query_dataset, args.task.query_length, args.task.truncate_after) == (query_file, 16, 2)
+    assert parse(["--policy", policy, "--task.response_length", "5"]).task.response_length == 5
+    preset = parse(["--policy", policy, "--task", "tldr"])
+    assert preset.task.query_length == 500 and preset.base_model == "gpt2"
+
+
+def test_bad_input_names_the_flag(tmp_path):
+    with pytest.raises(ValueError, match="nothing to evaluate"):
+        main(parse([]))
+    with pytest.raises(FileNotFoundError, match="--policy directory"):
+        main(parse(["--policy", str(tmp_path / "missing")]))
+    with pytest.raises(FileNotFoundError, match="--checkpoints"):
+        main(parse(["--checkpoints", str(tmp_path / "update*")]))
+    assert not any(tmp_path.iterdir())  # nothing written
+
+
+@pytest.mark.slow
+def test_evaluate_command_writes_results_and_the_gold_vs_kl_plot(tiny_run, tiny_model_dir, tokenizer):
+    root, policy, query_file, reward_dir = tiny_run
+    checkpoint_root = root / "kl_run"
+    for seed, name in ((2, "update8"), (3, "update16")):
+        path = checkpoint_root / "checkpoints" / name
+        save_tiny_run(path, tiny_model_dir, tokenizer, query_file, reward_dir, seed, 16, run_dir=checkpoint_root)
+    out = root / "eval"
+    flags = [
+        "--policy",
+        policy,
+        "--checkpoints",
+        str(checkpoint_root / "checkpoints" / "update*"),
+        "--num_queries",
+        "12",
+    ]
+    result = run_script("evaluate.py", *flags, "--batch_size", "8", "--output_dir", str(out))
+    report = json.loads((out / "results.json").read_text())
+    assert set(report["metrics"]) == {SCORE, GOLD, KL, PASS}
+    assert abs(report["metrics"][KL]["base"]["mean"]) < 1e-4 and report["metrics"][KL]["trained"]["mean"] > 0.01
+    assert set(report["win_rate"]) == {SCORE, GOLD}
+    # the policy's run consumed ceil(20 / 8) * 8 = 24 queries of the same stream: they are skipped
+    assert report["queries"] == {
+        "dataset": query_file,
+        "split": "train",
+        "data_seed": 0,
+        "skip": 24,
+        "num": 12,
+        "held_out": True,
+    }
+    assert report["gold"] == "vader" and report["base_model"] == tiny_model_dir and len(report["examples"]) == 8
+    # the base model's point, the run's checkpoints in natural order (one line: their args.json names the run
+    # kl_run), then the policy
+    curve = report["curve"]
+    assert [p["policy"] for p in curve] == [os.path.basename(tiny_model_dir), "update8", "update16", "policy"]
+    assert [p["run"] for p in curve] == ["base", "kl_run", "kl_run", "policy"]
+    assert all(p[KL]["mean"] > 0.01 for p in curve[1:]) and abs(curve[0][KL]["mean"]) < 1e-4
+    assert curve[-1][GOLD] == report["metrics"][GOLD]["trained"] and curve[0][SCORE] == report["metrics"][SCORE]["base"]
+    assert (out / "gold_vs_kl.png").stat().st_size > 10_000
+    text = (out / "results.md").read_text()
+    assert "win rate (trained > base)" in text and "## Gold score vs KL" in text
+    assert "reward-model score" in result.stdout and "gold score vs KL" in result.stdout
+
+
+def test_train_policy_save_checkpoints_keeps_every_periodic_save(tmp_path, tiny_run, tiny_model_dir):
+    _, _, query_file, reward_dir = tiny_run
+    args = PolicyArgs(base_model=tiny_model_dir, output_dir=str(tmp_path / "run"), save_interval=1, print_samples=1)
+    args.save_checkpoints, args.log_interval = True, 10
+    args.task = dataclasses.replace(
+        args.task, query_dataset=query_file, query_length=16, response_length=4, start_text=None, end_text=None
+    )
+    args.rewards.trained_model = reward_dir
+    args.ppo = dataclasses.replace(args.ppo, total_episodes=24, batch_size=8, noptepochs=1, lr=1e-3)
+    policy_main(args)
+    # 3 updates saved after each: the first two kept as checkpoints, the last is the policy itself
+    assert sorted(os.listdir(tmp_path / "run" / "checkpoints")) == ["update1", "update2"]
+    weights = []
+    for directory in (tmp_path / "run" / "checkpoints" / "update1", tmp_path / "run" / "checkpoints" / "update2"):
+        policy = PolicyWithValueHead.load(str(directory))
+        assert json.loads((directory / "args.json").read_text())["output_dir"] == str(tmp_path / "run")
+        weights.append(policy.lm.transformer.h[0].attn.c_attn.weight)
+    final = PolicyWithValueHead.load(str(tmp_path / "run")).lm.transformer.h[0].attn.c_attn.weight
+    assert not torch.equal(weights[0], weights[1]) and not torch.equal(weights[1], final)
