@@ -60,7 +60,9 @@ class TruncatedLength(Labeler):
 
 def task(**fields) -> TaskHParams:
     """Short queries and responses; a prefix and a suffix so that contexts differ from queries."""
-    defaults = dict(query_length=6, query_dataset="unused", response_length=8, truncate_after=4, temperature=TEMPERATURE)
+    defaults = dict(
+        query_length=6, query_dataset="unused", response_length=8, truncate_after=4, temperature=TEMPERATURE
+    )
     return TaskHParams(**{**defaults, "query_prefix": "Story:", "query_suffix": " Next:", **fields})
 
 
@@ -383,6 +385,7 @@ def test_train_policy_save_checkpoints_keeps_every_periodic_save(tmp_path, tiny_
         args.task, query_dataset=query_file, query_length=16, response_length=4, start_text=None, end_text=None
     )
     args.rewards.trained_model = reward_dir
+    args.rewards.allow_task_mismatch = True  # the fixture's random reward model records no task
     args.ppo = dataclasses.replace(args.ppo, total_episodes=24, batch_size=8, noptepochs=1, lr=1e-3)
     policy_main(args)
     # 3 updates saved after each: the first two kept as checkpoints, the last is the policy itself
