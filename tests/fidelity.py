@@ -152,6 +152,37 @@ def state_copy(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {k: v.detach().cpu().clone() for k, v in copy.copy(module.state_dict()).items()}
 
 
+# ---------------------------------------------------------------- a small world
+
+
+WORDS = [" the", " a", " and", " of", " to", " in", " was", " he", " she", " it", " on", " with", " happy", " sad"]
+VOCAB_SIZE = 16_000
+"""the first GPT-2 ids: they cover WORDS, the corpus below and the task affixes, and sampling over them is fast"""
+
+
+def write_corpus(path) -> str:
+    """80 distinct passages of 4 to 13 tokens: 12-token queries are truncated or right-padded."""
+    path.write_text("\n".join(f"Story {i}:" + " the cat walked" * (i % 4) + " home." for i in range(80)) + "\n")
+    return str(path)
+
+
+def word_sampler_dir(path, tokenizer) -> str:
+    """A tiny GPT-2 over the first VOCAB_SIZE ids that samples (about uniformly) only WORDS; with the tokenizer."""
+    from tests.conftest import tiny_gpt2
+
+    model = tiny_gpt2(0, vocab_size=VOCAB_SIZE)
+    words = [tokenizer.encode(word)[0] for word in WORDS]
+    with torch.no_grad():
+        # hidden dim 0 is a constant 10 after ln_f; the tied embedding's dim 0 is +1 for WORDS, -1 otherwise
+        model.transformer.ln_f.weight[0] = 0.0
+        model.transformer.ln_f.bias[0] = 10.0
+        model.transformer.wte.weight[:, 0] = -1.0
+        model.transformer.wte.weight[words, 0] = 1.0
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return str(path)
+
+
 # ---------------------------------------------------------------- independent re-derivations
 
 

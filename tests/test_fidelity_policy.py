@@ -26,6 +26,8 @@ from tests.fidelity import (
     reduced_mean,
     shift_nonzero,
     state_copy,
+    word_sampler_dir,
+    write_corpus,
 )
 from tests.test_train_policy import save_reward_model
 
@@ -78,19 +80,18 @@ class Run:
 
 
 @pytest.fixture(scope="module")
-def run(tmp_path_factory, small_vocab_model_dir, small_vocab_words, tokenizer) -> Run:
+def run(tmp_path_factory, tokenizer) -> Run:
     root = tmp_path_factory.mktemp("fidelity-policy")
-    corpus = root / "queries.txt"
-    # distinct passages of 4 to 13 tokens: queries (12 tokens) are truncated or right-padded
-    corpus.write_text("\n".join(f"Story {i}:" + " the cat walked" * (i % 4) + " home." for i in range(80)) + "\n")
-    rm_dir = save_reward_model(root / "reward", small_vocab_model_dir)
-    the = small_vocab_words["the"]  # sampled often: ~1 in 3 responses passes the filter
+    corpus = write_corpus(root / "queries.txt")
+    model_dir = word_sampler_dir(root / "model", tokenizer)
+    rm_dir = save_reward_model(root / "reward", model_dir)
+    the = tokenizer.encode(" the")[0]  # sampled often: about 1 in 3 responses passes the filter
     args = train_policy.oai_presets()["sentiment"]
-    args.base_model, args.output_dir = small_vocab_model_dir, str(root / "policy")
+    args.base_model, args.output_dir = model_dir, str(root / "policy")
     args.log_interval, args.save_interval, args.print_samples = 1, 0, 3
     args.task = dataclasses.replace(
         args.task,
-        query_dataset=str(corpus),
+        query_dataset=corpus,
         query_length=QUERY_LENGTH,
         response_length=RESPONSE_LENGTH,
         query_prefix=PREFIX,
@@ -121,14 +122,11 @@ def run(tmp_path_factory, small_vocab_model_dir, small_vocab_words, tokenizer) -
             patch_everywhere(mp, name, lambda fn, n=name: events.wrap(n, fn, record.get(n)), [train_policy])
 
         def forward_output(result, a):
-            logits, values = result
-            tokens = a["query_responses"][:, a["context_length"] :]
-            logp = torch.log_softmax(logits.detach().double(), -1)
-            return dict(
-                logprobs=logp.gather(-1, tokens[..., None])[..., 0].cpu(),
-                entropy=-(logp.exp() * logp).sum(-1).cpu(),
-                values=values.detach().cpu().clone(),
-            )
+            """The entropy of the loss forward's tempered logits (the ppo/policy/entropy statistic)."""
+            if not torch.is_grad_enabled():
+                return None
+            logp = torch.log_softmax(result[0].detach(), -1)
+            return dict(entropy=-(logp.exp() * logp).sum(-1).double())
 
         grad = lambda a: {"grad": torch.is_grad_enabled()}  # noqa: E731
         mp.setattr(
@@ -149,7 +147,7 @@ def run(tmp_path_factory, small_vocab_model_dir, small_vocab_words, tokenizer) -
         history = train_policy.main(args)
     torch.set_num_threads(threads)
     prefix, suffix = (tokenizer.encode(text) for text in (PREFIX, SUFFIX))
-    return Run(history, events, args, small_vocab_model_dir, tokenizer.pad_token_id, the, prefix, suffix)
+    return Run(history, events, args, model_dir, tokenizer.pad_token_id, the, prefix, suffix)
 
 
 def initial_lm(run: Run) -> GPT2LMHeadModel:

@@ -16,7 +16,17 @@ import train_reward
 from lm_human_preference_details import core, modeling, optim
 from lm_human_preference_details.labels import OAI_PAD_TOKEN
 from lm_human_preference_details.tasks import TaskHParams
-from tests.fidelity import Recorder, fake_world, np_truncate, patch_collectives, patch_everywhere, state_copy
+from tests.fidelity import (
+    WORDS,
+    Recorder,
+    fake_world,
+    np_truncate,
+    patch_collectives,
+    patch_everywhere,
+    state_copy,
+    word_sampler_dir,
+    write_corpus,
+)
 
 PREFIX, SUFFIX = "Article:\n\n", "\n\nTL;DR:"
 QUERY_LENGTH, RESPONSE_LENGTH, TRUNCATE_AFTER = 12, 8, 2
@@ -78,18 +88,18 @@ def write_labels(path, rng: np.random.RandomState, tokens: list[int], the: int) 
 
 
 @pytest.fixture(scope="module")
-def run(tmp_path_factory, small_vocab_model_dir, small_vocab_words, tokenizer) -> Run:
+def run(tmp_path_factory, tokenizer) -> Run:
     root = tmp_path_factory.mktemp("fidelity-reward")
-    corpus = root / "queries.txt"
-    corpus.write_text("\n".join(f"Story {i}:" + " the cat walked" * (i % 4) + " home." for i in range(80)) + "\n")
-    the = small_vocab_words["the"]
-    rows = write_labels(root / "labels.json", np.random.RandomState(0), list(small_vocab_words.values()), the)
+    corpus = write_corpus(root / "queries.txt")
+    model_dir = word_sampler_dir(root / "model", tokenizer)
+    the, words = tokenizer.encode(" the")[0], [tokenizer.encode(word)[0] for word in WORDS]
+    rows = write_labels(root / "labels.json", np.random.RandomState(0), words, the)
     args = train_reward.Args(
         seed=SEED,
-        base_model=small_vocab_model_dir,
+        base_model=model_dir,
         label_dataset=str(root / "labels.json"),
         task=TaskHParams(
-            query_dataset=str(corpus),
+            query_dataset=corpus,
             query_length=QUERY_LENGTH,
             response_length=RESPONSE_LENGTH,
             query_prefix=PREFIX,
@@ -139,9 +149,7 @@ def run(tmp_path_factory, small_vocab_model_dir, small_vocab_words, tokenizer) -
         result = train_reward.main(args)
     torch.set_num_threads(threads)
     prefix, suffix = (tokenizer.encode(text) for text in (PREFIX, SUFFIX))
-    return Run(
-        result, events, args, rows, small_vocab_model_dir, tokenizer.pad_token_id, prefix, suffix, local_permutation
-    )
+    return Run(result, events, args, rows, model_dir, tokenizer.pad_token_id, prefix, suffix, local_permutation)
 
 
 def label_tokens(rows: list[dict], index: int, pad: int) -> torch.Tensor:
