@@ -187,6 +187,18 @@ def test_run_policy_sees_prefix_query_suffix_and_reward_model_the_raw_query(run)
         assert len(run.minibatch_rows(update)) == NOPTEPOCHS * NMINIBATCHES  # each loss forward: context + raw response
 
 
+def test_run_draws_queries_in_the_data_seed_order_rank_strided(run, tokenizer):
+    # spec D3, G3: the texts in one permutation of data_seed 0 (not the run seed), the same on every process; rank r
+    # of R takes valid queries r, r + R, ...; each query is its first 12 tokens, right-padded
+    texts = open(run.args.task.query_dataset, encoding="utf-8").read().splitlines()
+    order = np.random.RandomState(run.args.data_seed).permutation(len(texts))
+    stream = [tokenizer.encode(texts[i])[:QUERY_LENGTH] for i in np.concatenate([order, order])]
+    mine = [query + [run.pad] * (QUERY_LENGTH - len(query)) for query in stream[0::WORLD]]
+    p = len(run.prefix)
+    drawn = torch.cat([run.rollout(u)["contexts"][:, p : p + QUERY_LENGTH] for u in range(2)])
+    assert drawn.tolist() == mine[: len(drawn)]
+
+
 def test_run_reference_logprobs_are_the_initial_policy_at_the_task_temperature(run):
     # spec G6, P1: rho is the frozen initial policy; its log-probs use the task temperature (0.7), like the policy's
     lm = initial_lm(run)
