@@ -42,7 +42,7 @@ from lm_human_preference_details.tokenizer import check_same_tokenizer, load_tok
 
 # ---------------------------------------------------------------------------------------------------- hyperparameters
 # Group and field names follow OAI's HParams, so `--ppo.lr` is OAI's `bind('ppo.lr', ...)`. Defaults are launch.py's
-# sentiment experiment; `--task` picks another experiment (OAI_PRESETS below).
+# sentiment experiment; `--task` picks another experiment (oai_presets below).
 # https://github.com/openai/lm-human-preferences/blob/cbfd210bb8b08f6bc5c26878c10984b90f516c66/lm_human_preferences/train_policy.py#L25-L58
 
 
@@ -453,8 +453,7 @@ def print_samples(console, tracker: core.Tracker, rows: list[list], update: int)
 
 def save_policy(policy: PolicyWithValueHead, tokenizer: PreTrainedTokenizerBase, args: Args, output_dir: str) -> None:
     """Write the policy (AutoModelForCausalLM-loadable + value_head.safetensors), tokenizer and args.json."""
-    policy.save(output_dir)
-    tokenizer.save_pretrained(output_dir)
+    policy.save(output_dir, tokenizer)
     core.save_args(args, output_dir)
 
 

@@ -15,10 +15,19 @@ from rich.console import Console
 from rich.table import Table
 
 from lm_human_preference_details.hub import HubUnavailableError
+from lm_human_preference_details.sources import SourceUnavailableError
 
 T = TypeVar("T")
 
-USER_ERRORS = (ValueError, FileNotFoundError, NotADirectoryError, IsADirectoryError, HubUnavailableError, ImportError)
+USER_ERRORS = (
+    ValueError,
+    FileNotFoundError,
+    NotADirectoryError,
+    IsADirectoryError,
+    HubUnavailableError,
+    SourceUnavailableError,
+    ImportError,
+)
 """Exceptions that mean bad input (a flag, a file, the network): reported as one line, not a traceback."""
 DEBUG_ENV = "LHPD_DEBUG"
 """Set to 1 to see tracebacks, like --debug."""

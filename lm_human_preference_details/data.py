@@ -1,33 +1,23 @@
 """OAI's query texts and the sharded query stream.
 
-Mirrors language/datasets.py (data order, sharding) and datasets/{books,tldr,cnndm}.py (text sources); the per-text
-query construction and the task settings live in tasks.py.
+Mirrors language/datasets.py (data order, sharding); the text sources (datasets/{books,tldr,cnndm}.py) live in
+sources.py, the per-text query construction and the task settings in tasks.py.
 https://github.com/openai/lm-human-preferences/blob/cbfd210bb8b08f6bc5c26878c10984b90f516c66/lm_human_preferences/language/datasets.py
 """
 
-import json
 import logging
 import os
-import re
 from collections import deque
-from collections.abc import Callable, Sequence
-from typing import Any
+from collections.abc import Sequence
 
 import numpy as np
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from lm_human_preference_details.hub import check_available
+from lm_human_preference_details.sources import OAI_TEXT_SOURCES, HubTexts, load_task_texts, read_jsonl_texts
 from lm_human_preference_details.tasks import TaskHParams, build_query, encode_texts, text_to_token
 
 logger = logging.getLogger(__name__)
-
-HUB_TEXT_SOURCES = {
-    "books": ("bookcorpus/bookcorpus", None, "text"),
-    "tldr": ("CarperAI/openai_summarize_tldr", None, "prompt"),
-    "cnndm": ("abisee/cnn_dailymail", "3.0.0", "article"),
-}
-"""query_dataset name -> (HF hub dataset id, config name, text column)."""
 
 _LOCAL_SUFFIXES = (".txt", ".jsonl")
 _MAX_SCAN_WITHOUT_QUERY = 10_000
@@ -36,82 +26,16 @@ _MAX_SCAN_WITHOUT_QUERY = 10_000
 # ---------------------------------------------------------------- text sources
 
 
-def clean_tldr_post(text: str) -> str:
-    """A reddit post from the HF TL;DR prompts: drop its trailing 'TL;DR:', collapse 3+ newlines, strip."""
-    # OAI: ftfy, newlines {3,} -> 2, strip; its posts carry no "TL;DR:" (the task suffix adds it)
-    # https://github.com/openai/lm-human-preferences/blob/cbfd210bb8b08f6bc5c26878c10984b90f516c66/lm_human_preferences/datasets/tldr.py#L24-L29
-    text = re.sub(r"\s*TL;DR:\s*$", "", text)
-    return re.sub(r"\n{3,}", "\n\n", text).strip()
-
-
-def clean_cnndm_article(text: str) -> str:
-    """OAI's clean_up_start for an HF CNN/DM article: drop byline, '(CNN) --' dateline, 'UPDATED:' header, quotes."""
-    # OAI drops a leading "By ..." byline, everything before "(CNN) --" / an early "(CNN)", everything up to an
-    # "UPDATED: hh:mm ... <year>" header, straightens quotes, then collapses newlines and cuts at @highlight.
-    # HF's articles are one line with " . " where the story files had line breaks, so the byline and header
-    # patterns match up to " . " instead of a line end.
-    # https://github.com/openai/lm-human-preferences/blob/cbfd210bb8b08f6bc5c26878c10984b90f516c66/lm_human_preferences/datasets/cnndm.py#L70-L103
-    text = re.sub(r"^By\s+(?:\.\s+)?.{0,80}?\s\.\s+", "", text)
-    text = re.split(r"\(CNN\) +--", text)[-1]
-    text = re.split(r"\(CNN\)", text[:100])[-1] + text[100:]
-    text = re.sub(r"^.{0,200}?UPDATED:\s+(?:\.\s+)?[0-9]{2}:[0-9]{2}.{0,40}?\b(?:19|20)[0-9]{2}\b\s*\.?\s*", "", text)
-    # DEVIATION: OAI also runs ftfy.fix_text (not a dependency here); straightening double quotes too mirrors
-    # ftfy's default uncurl_quotes
-    text = text.replace("\u2019", "'").replace("\u2018", "'").replace("\u201c", '"').replace("\u201d", '"')
-    text = re.sub(r"\n{3,}", "\n\n", text.strip())
-    return text.split("@highlight")[0].strip()
-
-
-class HubTexts(Sequence):
-    """Lazy text column of an HF dataset: rows are read (and cleaned) only when indexed, never all at once."""
-
-    def __init__(self, dataset: Any, column: str, clean: Callable[[str], str] | None = None):
-        self.dataset = dataset.select_columns([column])
-        self.column = column
-        self.clean = clean
-
-    def __len__(self) -> int:
-        return len(self.dataset)
-
-    def __getitem__(self, index):
-        if isinstance(index, slice):
-            return self.take(range(*index.indices(len(self))))
-        return self.take([index])[0]
-
-    def take(self, indices: Sequence[int]) -> list[str]:
-        """The (cleaned) texts at `indices`, read in one batched lookup."""
-        texts = self.dataset[[int(i) for i in indices]][self.column]
-        return [self.clean(t) for t in texts] if self.clean is not None else texts
-
-
 def _read_local_texts(path: str) -> list[str]:
     """Non-blank lines of a .txt file, or the `text` field (or bare string) of every row of a .jsonl file."""
+    if path.lower().endswith(".jsonl"):
+        return read_jsonl_texts(path)
     with open(path, encoding="utf-8") as f:
-        lines = f.read().splitlines()
-    if path.lower().endswith(".txt"):
-        return [line for line in lines if line.strip()]
-    texts = []
-    for lineno, line in enumerate(lines, start=1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise ValueError(
-                f"{path} line {lineno}: invalid JSON ({e}); write one {{'text': ...}} object per line."
-            ) from e
-        # OAI's book_passages/*.jsonl rows are bare JSON strings (books.py#L8-L11); other rows need a "text" field
-        text = row.get("text") if isinstance(row, dict) else row
-        if not isinstance(text, str):
-            raise ValueError(
-                f"{path} line {lineno}: expected a JSON string or an object with a 'text' string, got {line[:80]!r}."
-            )
-        texts.append(text)
-    return texts
+        return [line for line in f.read().splitlines() if line.strip()]
 
 
 def load_texts(query_dataset: str, split: str = "train") -> Sequence[str]:
-    """The raw texts of a query dataset: books/tldr/cnndm from the HF hub, or a local .txt/.jsonl file."""
+    """The raw texts of a query dataset: books/tldr/cnndm (OAI's files, else HF stand-ins) or a local .txt/.jsonl."""
     if query_dataset.lower().endswith(_LOCAL_SUFFIXES) or os.path.isfile(query_dataset):
         if not os.path.isfile(query_dataset):
             raise FileNotFoundError(f"query dataset file '{query_dataset}' does not exist; fix --task.query_dataset.")
@@ -121,40 +45,12 @@ def load_texts(query_dataset: str, split: str = "train") -> Sequence[str]:
         if not texts:
             raise ValueError(f"query dataset file '{query_dataset}' holds no texts.")
         return texts
-    if query_dataset not in HUB_TEXT_SOURCES:
+    if query_dataset not in OAI_TEXT_SOURCES:
         raise ValueError(
-            f"unknown --task.query_dataset '{query_dataset}'; choose one of {sorted(HUB_TEXT_SOURCES)} "
+            f"unknown --task.query_dataset '{query_dataset}'; choose one of {sorted(OAI_TEXT_SOURCES)} "
             "or a path to a .txt (one passage per line) or .jsonl ('text' field) file."
         )
-    repo_id, config, column = HUB_TEXT_SOURCES[query_dataset]
-    check_available(repo_id, "--task.query_dataset", kind="dataset", filename="README.md")
-    import datasets
-
-    clean = None
-    if query_dataset == "books":
-        # DEVIATION: OAI's book_passages/*.jsonl (multi-sentence passages) is no longer public; HF bookcorpus has one
-        # lower-cased sentence per row ending in " ." (token 764, not '.' = 13), so the books preset's
-        # start_text/end_text '.' reject most rows
-        # https://github.com/openai/lm-human-preferences/blob/cbfd210bb8b08f6bc5c26878c10984b90f516c66/lm_human_preferences/datasets/books.py#L7-L17
-        logger.warning(
-            "query_dataset 'books' reads HF bookcorpus: single sentences ending in ' .', on which start_text/end_text "
-            "'.' skip most rows. Pass --task.start_text None --task.end_text None (as the HF blog does), or a local "
-            ".jsonl of multi-sentence passages."
-        )
-    elif query_dataset == "tldr":
-        # DEVIATION: OAI's tldr/{train,valid}-subset.json is not public; CarperAI's prompts are reddit posts
-        # (subreddit, title, post) ending in "TL;DR:", which is stripped because the task suffix adds it
-        # https://github.com/openai/lm-human-preferences/blob/cbfd210bb8b08f6bc5c26878c10984b90f516c66/lm_human_preferences/datasets/tldr.py#L10-L29
-        clean = clean_tldr_post
-    else:
-        split = "validation" if split == "valid" else split
-        clean = clean_cnndm_article
-        logger.warning(
-            "query_dataset 'cnndm' reads HF abisee/cnn_dailymail, whose articles join paragraphs with spaces: "
-            "end_text '\\n' (the cnndm preset) finds no paragraph end; consider --task.end_text . or None."
-        )
-    dataset = datasets.load_dataset(repo_id, config, split=split)
-    return HubTexts(dataset, column, clean)
+    return load_task_texts(query_dataset, split)
 
 
 # ---------------------------------------------------------------- query stream

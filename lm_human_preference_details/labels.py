@@ -19,6 +19,7 @@ from transformers import PreTrainedTokenizerBase
 
 from lm_human_preference_details.core import write_json_atomic
 from lm_human_preference_details.hub import HubUnavailableError, check_available
+from lm_human_preference_details.sources import OAI_URL, SourceUnavailableError, announce_once, download_cached, oai_url
 
 # OAI's padding token: len(encoder) + 2, outside GPT-2's 50257-token vocabulary; label files use it
 # https://github.com/openai/lm-human-preferences/blob/cbfd210bb8b08f6bc5c26878c10984b90f516c66/lm_human_preferences/language/encodings.py#L56
@@ -28,8 +29,8 @@ LABELS_REPO = "vwxyzjn/lm-human-preferences"
 """HF hub dataset mirroring OAI's label files (e.g. sentiment/offline_5k.json)."""
 LABELS_META_SUFFIX = ".meta.json"
 """Suffix of the metadata file written beside a generated label file; its `pad_id` overrides OAI_PAD_TOKEN."""
-OAI_LABELS_URL = "https://openaipublic.blob.core.windows.net/lm-human-preferences/labels/"
-"""Prefix of the label sources in OAI's launch.py; stripped to get the file name inside LABELS_REPO."""
+OAI_LABELS_URL = f"{OAI_URL}labels/"
+"""Prefix of the label sources in OAI's launch.py; stripped to get the file name (the same inside LABELS_REPO)."""
 
 
 # ---------------------------------------------------------------- label types
@@ -63,21 +64,9 @@ class Labels:
         return Labels(self.query[rows], self.samples[rows], self.best[rows])
 
 
-def _resolve_label_source(source: str, flag: str = "--label_dataset") -> str:
-    """A local path for `source`: the file itself, or a file of the HF mirror of OAI's labels downloaded."""
-    if os.path.isfile(source):
-        return source
-    if source.startswith(("/", ".", "~")) or os.path.isdir(source):
-        raise FileNotFoundError(f"label file '{source}' does not exist; fix {flag}.")
-    filename = source.removeprefix(OAI_LABELS_URL)
-    try:
-        check_available(LABELS_REPO, flag, kind="dataset", filename=filename)
-    except HubUnavailableError as e:
-        raise HubUnavailableError(
-            f"could not fetch label file '{filename}' of hub dataset '{LABELS_REPO}' (offline, not cached). On a "
-            f"machine with internet run `hf download {LABELS_REPO} {filename} --repo-type dataset --local-dir DIR`, "
-            f"copy DIR here and pass {flag} DIR/{filename}."
-        ) from e
+def _hub_label_file(filename: str, flag: str) -> str:
+    """`filename` of the HF mirror of OAI's labels, downloaded (HF cache); HubUnavailableError when offline."""
+    check_available(LABELS_REPO, flag, kind="dataset", filename=filename)
     from huggingface_hub import hf_hub_download
     from huggingface_hub.errors import EntryNotFoundError
 
@@ -88,6 +77,33 @@ def _resolve_label_source(source: str, flag: str = "--label_dataset") -> str:
             f"hub dataset '{LABELS_REPO}' has no file '{filename}'; pass e.g. sentiment/offline_5k.json, "
             f"descriptiveness/offline_5k.json or a local JSON path as {flag}."
         ) from e
+
+
+def _resolve_label_source(source: str, flag: str = "--label_dataset") -> str:
+    """A local path for `source`: the file itself, else OAI's label file (downloaded once), else the HF mirror's."""
+    if os.path.isfile(source):
+        return source
+    if source.startswith(("/", ".", "~")) or os.path.isdir(source):
+        raise FileNotFoundError(f"label file '{source}' does not exist; fix {flag}.")
+    if source.startswith(("http://", "https://")) and not source.startswith(OAI_LABELS_URL):
+        return download_cached(source)
+    # OAI's labels.source is a URL of its public storage; a bare name such as sentiment/offline_5k.json means that file
+    # https://github.com/openai/lm-human-preferences/blob/cbfd210bb8b08f6bc5c26878c10984b90f516c66/launch.py#L69
+    filename = source.removeprefix(OAI_LABELS_URL)
+    try:
+        return download_cached(oai_url(f"labels/{filename}"))
+    except SourceUnavailableError as oai_error:
+        try:
+            path = _hub_label_file(filename, flag)
+        except HubUnavailableError as hub_error:
+            raise SourceUnavailableError(
+                f"label file '{filename}': {str(oai_error).rstrip('.')}; and its hub mirror '{LABELS_REPO}' is "
+                f"unreachable (offline) and not in the HF cache. Or run `hf download {LABELS_REPO} {filename} "
+                f"--repo-type dataset --local-dir DIR` where there is network and pass {flag} DIR/{filename}."
+            ) from hub_error
+        reason = str(oai_error).rstrip(".")
+        announce_once(f"labels:{filename}", f"label file '{filename}': {reason}. Using hub dataset {LABELS_REPO}.")
+        return path
 
 
 def labels_meta_path(path: str) -> str:

@@ -3,6 +3,7 @@
 https://github.com/openai/lm-human-preferences/blob/cbfd210bb8b08f6bc5c26878c10984b90f516c66/lm_human_preferences/language/model.py
 """
 
+import copy
 import json
 import math
 import os
@@ -10,15 +11,28 @@ import os
 import torch
 import torch.nn as nn
 from safetensors.torch import load_file, save_file
-from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, PreTrainedModel, StaticCache
+from transformers import (
+    AutoConfig,
+    AutoModel,
+    AutoModelForCausalLM,
+    AutoModelForSequenceClassification,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+    StaticCache,
+)
 
 from lm_human_preference_details.hub import check_available
 from lm_human_preference_details.kernels import sample_categorical, use_fused_gelu
+from lm_human_preference_details.tokenizer import check_same_tokenizer, generation_tokenizer, load_tokenizer
 
 VALUE_HEAD_FILE = "value_head.safetensors"
 REWARD_HEAD_FILE = "reward_head.safetensors"
 REWARD_CONFIG_FILE = "reward_model.json"
+REWARD_TRUNK_DIR = "trunk"
 REWARD_MODEL_FLAG = "--rewards.trained_model"
+# trunks whose reward model is saved as a standard `*ForSequenceClassification` checkpoint (a bias-free `score`
+# layer): model type -> the final LayerNorm, whose bias absorbs the reward's constant term
+CLASSIFIER_EXPORT = {"gpt2": "ln_f"}
 
 
 # ---------------------------------------------------------------- loading
@@ -42,8 +56,11 @@ def _config_without_dropout(name_or_dir: str):
     return config
 
 
-def _load_pretrained(auto_cls, name_or_dir: str, flag: str, kind: str) -> PreTrainedModel:
-    """`auto_cls.from_pretrained` in float32 with dropout off and in eval mode; clear errors when missing."""
+def _load_pretrained(auto_cls, name_or_dir: str, flag: str, kind: str, strict: bool = False) -> PreTrainedModel:
+    """`auto_cls.from_pretrained` in float32 with dropout off and in eval mode; clear errors when missing.
+
+    `strict`: ValueError when the checkpoint lacks weights of the model (transformers would initialise them randomly).
+    """
     if _looks_like_path(name_or_dir) and not os.path.isdir(os.path.expanduser(name_or_dir)):
         raise FileNotFoundError(
             f"{kind} directory '{name_or_dir}' does not exist; pass {flag} DIR with a directory written by "
@@ -53,7 +70,12 @@ def _load_pretrained(auto_cls, name_or_dir: str, flag: str, kind: str) -> PreTra
     check_available(name_or_dir, flag, kind=kind)
     config = _config_without_dropout(name_or_dir)
     use_fused_gelu(config)  # same formula as GPT-2's gelu_new, one fused kernel
-    model = auto_cls.from_pretrained(name_or_dir, config=config, dtype=torch.float32)
+    model, info = auto_cls.from_pretrained(name_or_dir, config=config, dtype=torch.float32, output_loading_info=True)
+    if strict and info["missing_keys"]:
+        raise ValueError(
+            f"{kind} '{name_or_dir}' lacks the weights {sorted(info['missing_keys'])[:4]}; pass {flag} DIR with a "
+            f"directory written by this project's save functions."
+        )
     return model.eval()
 
 
@@ -187,11 +209,21 @@ class PolicyWithValueHead(nn.Module):
         values = self.value_head(hidden).squeeze(-1)  # (B, L)
         return logits, values
 
-    def save(self, output_dir: str) -> None:
-        """`lm.save_pretrained(output_dir)` plus the value head in `value_head.safetensors` beside it."""
+    def save(self, output_dir: str, tokenizer: PreTrainedTokenizerBase | None = None) -> None:
+        """`lm.save_pretrained(output_dir)`, the value head in `value_head.safetensors` beside it, and the tokenizer.
+
+        The directory works with plain transformers: AutoTokenizer and AutoModelForCausalLM generate padded batches out
+        of the box (the tokenizer is saved by `generation_tokenizer`: left padding with EOS, and generation_config
+        names that PAD); `load_tokenizer` on it gives back the project's tokenizer with its own PAD.
+        """
+        if tokenizer is not None:
+            tokenizer = generation_tokenizer(tokenizer, self.lm.get_input_embeddings().num_embeddings)
+            self.lm.generation_config.pad_token_id = tokenizer.pad_token_id
         self.lm.save_pretrained(output_dir)
         state = {k: v.detach().cpu().contiguous() for k, v in self.value_head.state_dict().items()}
         save_file(state, os.path.join(output_dir, VALUE_HEAD_FILE))
+        if tokenizer is not None:
+            tokenizer.save_pretrained(output_dir)
 
     @classmethod
     def load(cls, output_dir: str, flag: str = "--base_model") -> "PolicyWithValueHead":
@@ -318,20 +350,32 @@ class RewardModel(nn.Module):
         return cls(_load_pretrained(AutoModel, name_or_dir, flag, kind="model"))
 
     def save(self, output_dir: str, metadata: dict) -> None:
-        """Trunk via save_pretrained, head/gain/bias in `reward_head.safetensors`, `reward_model.json` beside it."""
+        """The reward model and `reward_model.json` (metadata, gain, bias); `metadata["pad_token_id"]` is the PAD id.
+
+        GPT-2 trunks are saved as a standard `GPT2ForSequenceClassification` checkpoint that computes this reward
+        exactly (see `classifier_checkpoint`); other trunks as `trunk/` (save_pretrained) plus head, gain and bias in
+        `reward_head.safetensors`, with no config.json at the top, so that standard classification loaders fail.
+        """
         # OAI checkpoints trunk, head, gain and bias together
         # https://github.com/openai/lm-human-preferences/blob/cbfd210bb8b08f6bc5c26878c10984b90f516c66/lm_human_preferences/rewards.py#L161-L167
-        self.trunk.save_pretrained(output_dir)
-        tensors = {
-            "head.weight": self.head.weight,
-            "head.bias": self.head.bias,
-            "gain": self.gain,
-            "bias": self.bias,
-        }
-        tensors = {k: v.detach().cpu().contiguous() for k, v in tensors.items()}
-        save_file(tensors, os.path.join(output_dir, REWARD_HEAD_FILE))
+        if "pad_token_id" not in metadata:
+            raise ValueError("RewardModel.save needs metadata['pad_token_id'], the tokenizer's PAD id.")
+        classifier = classifier_checkpoint(self, metadata["pad_token_id"])
+        if classifier is not None:
+            classifier.save_pretrained(output_dir)
+        else:
+            self.trunk.save_pretrained(os.path.join(output_dir, REWARD_TRUNK_DIR))
+            tensors = {
+                "head.weight": self.head.weight,
+                "head.bias": self.head.bias,
+                "gain": self.gain,
+                "bias": self.bias,
+            }
+            tensors = {k: v.detach().cpu().contiguous() for k, v in tensors.items()}
+            save_file(tensors, os.path.join(output_dir, REWARD_HEAD_FILE))
         info = {
             **metadata,
+            "checkpoint": "classifier" if classifier is not None else "trunk",
             "gain": self.gain.item(),
             "bias": self.bias.item(),
             "hidden_size": self.trunk.config.hidden_size,
@@ -339,6 +383,42 @@ class RewardModel(nn.Module):
         }
         with open(os.path.join(output_dir, REWARD_CONFIG_FILE), "w", encoding="utf-8") as f:
             json.dump(info, f, indent=2)
+
+
+@torch.no_grad()
+def classifier_checkpoint(model: RewardModel, pad_id: int) -> PreTrainedModel | None:
+    """The reward model as a standard `*ForSequenceClassification` model with the same reward; None when impossible.
+
+    gain * (w.h + b) + bias = w'.(h + d) with w' = gain * w and d = (gain * b + bias) w' / |w'|^2: the gain goes into
+    the bias-free score layer and the constant into the final LayerNorm's bias (d is parallel to w', so only the score
+    sees it). The classifier reads the score at the last token that is not `pad_id` (config.pad_token_id), so the
+    embedding gets a zero row for a PAD outside it; right-padded text then gives the project's reward.
+    """
+    trunk = model.trunk
+    norm_name = CLASSIFIER_EXPORT.get(trunk.config.model_type)
+    weight = model.gain * model.head.weight  # (1, D)
+    constant = model.gain * model.head.bias + model.bias  # (1,)
+    squared_norm = weight.square().sum()
+    if norm_name is None or not (squared_norm > 0 and torch.isfinite(squared_norm) and torch.isfinite(constant).all()):
+        return None
+    config = copy.deepcopy(trunk.config)
+    config.num_labels, config.id2label, config.label2id = 1, {0: "reward"}, {"reward": 0}
+    config.pad_token_id = pad_id
+    embeddings = trunk.get_input_embeddings().weight  # (V, D)
+    config.vocab_size = max(embeddings.shape[0], pad_id + 1)
+    with torch.device("meta"):
+        classifier = AutoModelForSequenceClassification.from_config(config)
+    prefix = classifier.base_model_prefix
+    state = {f"{prefix}.{k}": v.detach() for k, v in trunk.state_dict().items()}
+    embedding_name = next(name for name, module in trunk.named_modules() if module is trunk.get_input_embeddings())
+    state[f"{prefix}.{embedding_name}.weight"] = torch.cat(
+        [embeddings.detach(), embeddings.new_zeros(config.vocab_size - embeddings.shape[0], embeddings.shape[1])]
+    )
+    norm_bias = f"{prefix}.{norm_name}.bias"
+    state[norm_bias] = state[norm_bias] + constant * weight[0] / squared_norm
+    state["score.weight"] = weight.detach().clone()
+    classifier.load_state_dict(state, strict=True, assign=True)
+    return classifier.eval()
 
 
 def score_label_rows(
@@ -351,16 +431,36 @@ def score_label_rows(
 
 
 def load_reward_model(output_dir: str, flag: str = REWARD_MODEL_FLAG) -> tuple[RewardModel, dict]:
-    """Inverse of `RewardModel.save`: the model (dropout off, eval mode) and the saved metadata."""
-    for name in ("", REWARD_HEAD_FILE, REWARD_CONFIG_FILE):
-        path = os.path.join(output_dir, name)
-        if not os.path.exists(path):
-            raise FileNotFoundError(
-                f"reward model '{output_dir}' not found ('{path}' is missing); pass {flag} DIR with a directory "
-                f"written by train_reward.py."
-            )
-    trunk = _load_pretrained(AutoModel, output_dir, flag, kind="reward model")
-    tensors = load_file(os.path.join(output_dir, REWARD_HEAD_FILE))
+    """Inverse of `RewardModel.save`: the model (dropout off, eval mode) and the saved metadata.
+
+    A classifier checkpoint loads with gain 1 and bias 0 (they are folded into its weights, see
+    `classifier_checkpoint`); the metadata keeps the trained gain and bias.
+    """
+    config_path = os.path.join(output_dir, REWARD_CONFIG_FILE)
+    if not os.path.isfile(config_path):
+        raise FileNotFoundError(
+            f"reward model '{output_dir}' not found ('{config_path}' is missing); pass {flag} DIR with a directory "
+            f"written by train_reward.py."
+        )
+    with open(config_path, encoding="utf-8") as f:
+        metadata = json.load(f)
+    if metadata.get("checkpoint") == "trunk":
+        return _load_trunk_checkpoint(output_dir, flag), metadata
+    classifier = _load_pretrained(AutoModelForSequenceClassification, output_dir, flag, "reward model", strict=True)
+    model = RewardModel(classifier.base_model)
+    with torch.no_grad():
+        model.head.weight.copy_(classifier.score.weight)
+        model.head.bias.zero_()
+    return model, metadata
+
+
+def _load_trunk_checkpoint(output_dir: str, flag: str) -> RewardModel:
+    """A reward model saved as `trunk/` plus `reward_head.safetensors`."""
+    path = os.path.join(output_dir, REWARD_HEAD_FILE)
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"'{path}' is missing; pass {flag} DIR with a directory written by train_reward.py.")
+    trunk = _load_pretrained(AutoModel, os.path.join(output_dir, REWARD_TRUNK_DIR), flag, kind="reward model")
+    tensors = load_file(path)
     head_size, trunk_size = tensors["head.weight"].shape[-1], trunk.config.hidden_size
     if head_size != trunk_size:
         raise ValueError(
@@ -373,6 +473,50 @@ def load_reward_model(output_dir: str, flag: str = REWARD_MODEL_FLAG) -> tuple[R
         model.head.bias.copy_(tensors["head.bias"])
         model.gain.copy_(tensors["gain"])
         model.bias.copy_(tensors["bias"])
-    with open(os.path.join(output_dir, REWARD_CONFIG_FILE), encoding="utf-8") as f:
-        metadata = json.load(f)
-    return model, metadata
+    return model
+
+
+class RewardScorer:
+    """Rewards of raw text: `RewardScorer.from_pretrained(DIR)(queries, responses)` -> (B,) float tensor.
+
+    Queries and responses are tokenized separately with the reward model's tokenizer and cut to the task's
+    query_length / response_length (what the model was trained on), as the scripts feed it: query ⊕ response.
+    """
+
+    def __init__(self, model: RewardModel, tokenizer: PreTrainedTokenizerBase, task: dict):
+        self.model, self.tokenizer = model.eval().requires_grad_(False), tokenizer
+        self.query_length, self.response_length = task.get("query_length"), task.get("response_length")
+
+    @classmethod
+    def from_pretrained(cls, output_dir: str, device: str | torch.device = "cpu") -> "RewardScorer":
+        """The reward model and tokenizer that train_reward.py wrote to `output_dir`."""
+        model, metadata = load_reward_model(output_dir, flag="reward model directory")
+        tokenizer = load_tokenizer(output_dir, flag="reward model directory")
+        if "tokenizer_fingerprint" in metadata:
+            check_same_tokenizer(metadata, tokenizer, f"the reward model '{output_dir}'", "its saved tokenizer differs")
+        return cls(model.to(device), tokenizer, metadata.get("task") or {})
+
+    def _encode(self, texts: list[str], length: int | None) -> torch.Tensor:
+        """(B, length) right-padded tokens, cut to `length` (padded to the longest text when None)."""
+        padding = "max_length" if length else "longest"
+        return self.tokenizer(
+            texts,
+            add_special_tokens=False,
+            padding=padding,
+            truncation=bool(length),
+            max_length=length,
+            return_tensors="pt",
+        )["input_ids"]
+
+    @torch.no_grad()
+    def __call__(self, queries: list[str], responses: list[str]) -> torch.Tensor:
+        """Rewards (B,) of each query followed by its response."""
+        if len(queries) != len(responses):
+            raise ValueError(f"got {len(queries)} queries but {len(responses)} responses; pass one response per query.")
+        query_tokens = self._encode(queries, self.query_length)  # (B, Lq)
+        empty = torch.nonzero(query_tokens[:, 0] == self.tokenizer.pad_token_id).flatten().tolist()
+        if empty:
+            raise ValueError(f"queries {empty[:8]} are empty; the reward model needs a real first token.")
+        tokens = torch.cat([query_tokens, self._encode(responses, self.response_length)], 1)
+        device = next(self.model.parameters()).device
+        return self.model(tokens.to(device), self.tokenizer.pad_token_id).float().cpu()

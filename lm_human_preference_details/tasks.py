@@ -18,7 +18,7 @@ class TaskHParams:
     query_length: int = 64
     """query tokens, right-padded with PAD (OAI launch.py#L9)"""
     query_dataset: str = "books"
-    """books | tldr | cnndm (HF hub) or a local .txt (one passage per line) / .jsonl ("text" field) (launch.py#L10)"""
+    """books | tldr | cnndm (OAI's files, else HF stand-ins) or a local .txt (line per text) / .jsonl (launch.py#L10)"""
     query_prefix: str = ""
     """text put before the query for the policy only, never the reward model (launch.py#L22; lm_tasks.py#L68-L80)"""
     query_suffix: str = ""

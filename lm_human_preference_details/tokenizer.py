@@ -1,10 +1,12 @@
 """GPT-2's tokenizer with a PAD distinct from EOS, from the hub, a local directory, or built offline."""
 
+import copy
 import hashlib
 import importlib.util
 import json
 import os
 
+from tokenizers import Tokenizer
 from transformers import AutoTokenizer, GPT2TokenizerFast, PreTrainedTokenizerBase
 
 from lm_human_preference_details.hub import check_available
@@ -56,3 +58,23 @@ def check_same_tokenizer(metadata: dict, tokenizer: PreTrainedTokenizerBase, mod
             f"{metadata.get('tokenizer_fingerprint')}, pad id {metadata.get('pad_token_id')}), but {tokens_desc} "
             f"(fingerprint {fingerprint}, pad id {pad_id}). Use models trained from the same --base_model."
         )
+
+
+def generation_tokenizer(tokenizer: PreTrainedTokenizerBase, num_embeddings: int) -> PreTrainedTokenizerBase:
+    """A copy for plain `transformers` use (batched `generate`): left padding, and PAD = EOS when PAD has no embedding.
+
+    The project's PAD ("[PAD]", 50257 for GPT-2) lies outside the 50257-row embedding; the project never embeds it
+    (spec G2), but plain `transformers` would. The copy drops it from the vocabulary (when it is the last token, so
+    `load_tokenizer` re-adds it with the same id) and pads with EOS on the left, the usual setting for batched
+    generation; `load_tokenizer` on a directory written with this copy gives back the project's tokenizer.
+    """
+    pad_id = tokenizer.pad_token_id
+    kwargs = {**tokenizer.init_kwargs, "pad_token": tokenizer.pad_token, "padding_side": "left"}
+    kwargs["model_max_length"] = tokenizer.model_max_length
+    if pad_id is None or pad_id < num_embeddings:
+        return type(tokenizer)(tokenizer_object=copy.deepcopy(tokenizer.backend_tokenizer), **kwargs)
+    state = json.loads(tokenizer.backend_tokenizer.to_str())
+    if pad_id == len(tokenizer) - 1:
+        state["added_tokens"] = [token for token in state["added_tokens"] if token["id"] != pad_id]
+    kwargs["pad_token"] = tokenizer.eos_token
+    return type(tokenizer)(tokenizer_object=Tokenizer.from_str(json.dumps(state)), **kwargs)

@@ -5,15 +5,14 @@ import json
 import time
 
 import datasets
-import huggingface_hub.constants
 import numpy as np
 import pytest
 import torch
 import tyro
 
-from lm_human_preference_details.data import HubTexts, QueryStream, clean_cnndm_article, clean_tldr_post, load_texts
-from lm_human_preference_details.hub import HubUnavailableError
+from lm_human_preference_details.data import QueryStream, load_texts
 from lm_human_preference_details.labels import OAI_PAD_TOKEN, load_labels, save_labels
+from lm_human_preference_details.sources import HubTexts
 from lm_human_preference_details.tasks import (
     TASKS,
     TaskHParams,
@@ -138,22 +137,6 @@ def test_format_contexts_rejects_1d():
 # ---------------------------------------------------------------- text sources
 
 
-def test_clean_cnndm_article_drops_headers_and_curly_quotes():
-    daily_mail = (
-        "By . Daily Mail Reporter . PUBLISHED: . 14:11 EST, 25 October 2013 . | . UPDATED: . 15:36 EST, "
-        "25 October 2013 . The bishop said \u201cno\u201d and it\u2019s over."
-    )
-    assert clean_cnndm_article(daily_mail) == 'The bishop said "no" and it\'s over.'
-    assert clean_cnndm_article("LONDON, England (CNN) -- Rain fell.") == "Rain fell."
-    assert clean_cnndm_article("(CNN)Rain fell. @highlight summary") == "Rain fell."
-    assert clean_cnndm_article("Byron stayed home.\n\n\n\nIt rained.") == "Byron stayed home.\n\nIt rained."
-
-
-def test_clean_tldr_post_strips_prompt_tldr():
-    post = "SUBREDDIT: r/test\nTITLE: t\nPOST: a\n\n\n\nb\nTL;DR:"
-    assert clean_tldr_post(post) == "SUBREDDIT: r/test\nTITLE: t\nPOST: a\n\nb"
-
-
 def test_load_texts_txt_skips_blank_lines(tmp_path):
     path = tmp_path / "q.txt"
     path.write_text("first passage.\n\n   \nsecond passage.\n", encoding="utf-8")
@@ -183,21 +166,6 @@ def test_load_texts_missing_local_file(tmp_path):
 def test_load_texts_unknown_name_lists_choices():
     with pytest.raises(ValueError, match="books.*cnndm.*tldr"):
         load_texts("wikipedia")
-
-
-@pytest.fixture
-def offline_hub(monkeypatch, tmp_path):
-    """Offline mode with an empty hub cache, so hub sources must fail fast."""
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub-cache"))
-
-
-@pytest.mark.parametrize("name", ["books", "tldr", "cnndm"])
-def test_load_texts_offline_hub_fails_fast(offline_hub, name):
-    start = time.perf_counter()
-    with pytest.raises(HubUnavailableError, match="--task.query_dataset"):
-        load_texts(name)
-    assert time.perf_counter() - start < 5
 
 
 # ---------------------------------------------------------------- query stream
@@ -389,13 +357,6 @@ def test_load_labels_needs_num_train_rows(tmp_path):
 def test_load_labels_missing_local_file(tmp_path):
     with pytest.raises(FileNotFoundError, match="missing.json"):
         load_labels(str(tmp_path / "missing.json"), 4, 3, pad_id=PAD, num_train=1)
-
-
-def test_load_labels_offline_hub_fails_fast(offline_hub):
-    start = time.perf_counter()
-    with pytest.raises(HubUnavailableError, match="sentiment/offline_5k.json.*--label_dataset"):
-        load_labels("sentiment/offline_5k.json", 64, 24, pad_id=PAD, num_train=4992)
-    assert time.perf_counter() - start < 5
 
 
 def test_save_labels_round_trip_writes_oai_pad(tmp_path):

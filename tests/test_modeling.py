@@ -274,14 +274,15 @@ def test_reward_model_save_load_roundtrip(tiny_lm, tmp_path):
     with torch.no_grad():
         reward_model.gain.fill_(1.7)
         reward_model.bias.fill_(0.25)
-    reward_model.save(str(tmp_path), {"pad_id": PAD, "base_model": "tiny"})
+    reward_model.save(str(tmp_path), {"pad_token_id": PAD, "base_model": "tiny"})
     loaded, metadata = load_reward_model(str(tmp_path))
-    assert metadata["pad_id"] == PAD and metadata["base_model"] == "tiny"
+    assert metadata["pad_token_id"] == PAD and metadata["base_model"] == "tiny"
     assert metadata["gain"] == pytest.approx(1.7) and metadata["hidden_size"] == 32 and metadata["vocab_size"] == 50257
     assert all(not module.training for module in loaded.modules())
     tokens = torch.tensor([[23073, 11, 339, PAD], [7091, 1807, 546, 340]])
     with torch.no_grad():
-        assert torch.equal(loaded(tokens, PAD), reward_model(tokens, PAD))
+        # gain and bias are folded into the saved weights: equal up to float rounding
+        torch.testing.assert_close(loaded(tokens, PAD), reward_model(tokens, PAD), atol=1e-5, rtol=0)
 
 
 def test_load_reward_model_missing_dir_raises(tmp_path):
@@ -291,8 +292,16 @@ def test_load_reward_model_missing_dir_raises(tmp_path):
     assert missing in str(info.value)
 
 
+def test_reward_model_save_needs_the_pad_id(tiny_lm, tmp_path):
+    with pytest.raises(ValueError, match="pad_token_id"):
+        RewardModel(tiny_lm.transformer).save(str(tmp_path), {})
+
+
 def test_load_reward_model_head_size_mismatch_raises(tiny_lm, tmp_path):
-    RewardModel(tiny_lm.transformer).save(str(tmp_path), {})
+    reward_model = RewardModel(tiny_lm.transformer)
+    with torch.no_grad():
+        reward_model.head.weight.zero_()  # a zero head cannot be folded into a classifier: saved as trunk + head
+    reward_model.save(str(tmp_path), {"pad_token_id": PAD})
     path = os.path.join(tmp_path, REWARD_HEAD_FILE)
     tensors = load_file(path)
     tensors["head.weight"] = torch.zeros(1, 48)

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from lm_human_preference_details import core
 from lm_human_preference_details.cli import parse_args
@@ -366,6 +366,7 @@ def test_main_saves_a_loadable_policy(sentiment_run, tiny_model_dir):
     assert not torch.equal(trained.transformer.h[0].attn.c_attn.weight, initial.transformer.h[0].attn.c_attn.weight)
     assert set(load_file(os.path.join(output_dir, "value_head.safetensors"))) == {"weight", "bias"}
     assert load_tokenizer(str(output_dir)).pad_token_id == PAD
+    assert AutoTokenizer.from_pretrained(output_dir).pad_token_id == 50256  # saved for batched generation
     with open(os.path.join(output_dir, "args.json"), encoding="utf-8") as f:
         saved = json.load(f)
     assert saved["ppo"]["batch_size"] == 8 and saved["task_id"] == "sentiment"
@@ -444,9 +445,9 @@ def test_main_rejects_reward_model_with_another_pad_id(tmp_path, tiny_model_dir,
 
 def test_main_raises_on_non_finite_scores(tmp_path, tiny_model_dir, query_file):
     rm_dir = save_reward_model(tmp_path / "reward", tiny_model_dir)
-    head = load_file(os.path.join(rm_dir, "reward_head.safetensors"))
-    head["gain"] = torch.tensor(float("nan"))
-    save_file(head, os.path.join(rm_dir, "reward_head.safetensors"))
+    weights = load_file(os.path.join(rm_dir, "model.safetensors"))
+    weights["score.weight"] = torch.full_like(weights["score.weight"], float("nan"))
+    save_file(weights, os.path.join(rm_dir, "model.safetensors"), metadata={"format": "pt"})
     args = tiny_args(tmp_path / "policy", tiny_model_dir, rm_dir, query_file, total_episodes=8)
     args.task.truncate_token = None  # every response passes the filter, so the NaN score is not replaced
     with pytest.raises(ValueError, match="non-finite scores"):

@@ -1,0 +1,182 @@
+"""Saved policies and reward models load with plain transformers and give the project's numbers."""
+
+import json
+import os
+
+import pytest
+import torch
+from transformers import (
+    AutoModelForCausalLM,
+    AutoModelForSequenceClassification,
+    AutoTokenizer,
+    GPTNeoXConfig,
+    GPTNeoXModel,
+)
+
+from lm_human_preference_details.kernels import logprobs_from_logits
+from lm_human_preference_details.modeling import (
+    PolicyWithValueHead,
+    RewardModel,
+    RewardScorer,
+    load_causal_lm,
+    load_reward_model,
+)
+from lm_human_preference_details.tokenizer import load_tokenizer, tokenizer_fingerprint
+
+PAD, EOS = 50257, 50256
+PROMPTS = ["Hello", "The old man walked slowly down the road", "She opened the window and"]
+
+
+@pytest.fixture(scope="module")
+def policy_dir(tmp_path_factory, tiny_model_dir, tokenizer):
+    """A policy saved as train_policy.py saves it (project loader, random value head)."""
+    policy = PolicyWithValueHead(load_causal_lm(tiny_model_dir))
+    torch.manual_seed(3)
+    with torch.no_grad():
+        policy.value_head.weight.normal_()
+        policy.value_head.bias.fill_(0.2)
+    path = tmp_path_factory.mktemp("policy")
+    policy.save(str(path), tokenizer)
+    return str(path)
+
+
+def test_saved_policy_generates_padded_batches_with_plain_transformers(policy_dir):
+    tok = AutoTokenizer.from_pretrained(policy_dir)
+    model = AutoModelForCausalLM.from_pretrained(policy_dir).eval()
+    assert len(tok) == model.get_input_embeddings().num_embeddings == 50257  # every token id has an embedding row
+    inputs = tok(PROMPTS, padding=True, return_tensors="pt")
+    assert int((inputs["attention_mask"] == 0).sum()) > 0  # the batch is padded
+    kwargs = dict(max_new_tokens=5, do_sample=False, output_scores=True, return_dict_in_generate=True)
+    batched = model.generate(**inputs, **kwargs)
+    # each row continues exactly as its prompt alone would: same tokens and same next-token logits
+    for row, prompt in enumerate(PROMPTS):
+        alone = model.generate(**tok([prompt], return_tensors="pt"), **kwargs)
+        assert batched.sequences[row, -5:].tolist() == alone.sequences[0, -5:].tolist()
+        for step_batched, step_alone in zip(batched.scores, alone.scores):
+            torch.testing.assert_close(step_batched[row], step_alone[0], atol=1e-4, rtol=0)
+
+
+def test_saved_policy_logprobs_match_project_forward(policy_dir, tokenizer):
+    model = AutoModelForCausalLM.from_pretrained(policy_dir).eval()
+    policy = PolicyWithValueHead.load(policy_dir)
+    tokens = tokenizer(["The old man walked slowly down the road", "Rain hammered on the roof all night long"])
+    length = min(len(ids) for ids in tokens["input_ids"])
+    tokens = torch.tensor([ids[:length] for ids in tokens["input_ids"]])  # (2, T), no PAD
+    context_length, temperature = 3, 0.7
+    with torch.no_grad():
+        logits = model(tokens).logits[:, context_length - 1 : -1] / temperature
+        project_logits, values = policy(tokens, context_length, PAD, temperature)
+    # log-softmax over 50257 logits in float64 on both sides: float32 sums round differently with the thread count
+    expected = torch.log_softmax(logits.double(), -1).gather(-1, tokens[:, context_length:, None])[..., 0]
+    logprobs = logprobs_from_logits(project_logits.double(), tokens[:, context_length:])
+    torch.testing.assert_close(logprobs, expected, atol=1e-5, rtol=0)
+    assert policy.value_head.bias.item() == pytest.approx(0.2) and values.abs().sum() > 0
+
+
+def test_saved_policy_tokenizer_gives_back_the_project_tokenizer(policy_dir, tokenizer):
+    reloaded = load_tokenizer(policy_dir)
+    assert (reloaded.pad_token_id, reloaded.padding_side) == (PAD, "right")
+    # reward models record the base tokenizer's fingerprint: a policy directory matches it
+    assert tokenizer_fingerprint(reloaded) == tokenizer_fingerprint(tokenizer)
+    tok = AutoTokenizer.from_pretrained(policy_dir)
+    assert (tok.pad_token_id, tok.padding_side) == (EOS, "left")
+    with open(os.path.join(policy_dir, "generation_config.json"), encoding="utf-8") as f:
+        assert json.load(f)["pad_token_id"] == EOS
+
+
+# ---------------------------------------------------------------- reward model
+
+
+def trained_looking_reward_model(model_dir: str) -> RewardModel:
+    """A reward model with a non-trivial gain, bias and head bias, as after training and normalization."""
+    torch.manual_seed(0)
+    model = RewardModel.from_base(model_dir)
+    with torch.no_grad():
+        model.gain.fill_(1.7)
+        model.bias.fill_(-0.6)
+        model.head.bias.fill_(0.3)
+    return model
+
+
+@pytest.fixture(scope="module")
+def reward_dir(tmp_path_factory, tiny_model_dir, tokenizer):
+    """A reward model saved as train_reward.py saves it (tokenizer beside it), and the model itself."""
+    model = trained_looking_reward_model(tiny_model_dir)
+    path = str(tmp_path_factory.mktemp("reward"))
+    metadata = {
+        "tokenizer_fingerprint": tokenizer_fingerprint(tokenizer),
+        "pad_token_id": PAD,
+        "task": {"query_length": 6, "response_length": 4},
+    }
+    model.save(path, metadata)
+    tokenizer.save_pretrained(path)
+    return path, model
+
+
+def unpadded_rewards(model: RewardModel, rows: list[list[int]]) -> torch.Tensor:
+    """The reward of each token row on its own (no padding anywhere)."""
+    with torch.no_grad():
+        return torch.cat([model(torch.tensor([row]), PAD) for row in rows])
+
+
+def test_reward_model_loads_with_standard_classifier_and_gives_project_scores(reward_dir):
+    path, model = reward_dir
+    classifier, info = AutoModelForSequenceClassification.from_pretrained(path, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"]  # no random head
+    tok = AutoTokenizer.from_pretrained(path)
+    texts = ["Hello world", "The quick brown fox jumps over the dog<|endoftext|>", "One"]  # EOS is a real token
+    inputs = tok(texts, padding=True, return_tensors="pt")
+    assert int((inputs["input_ids"] == PAD).sum()) > 0
+    with torch.no_grad():
+        scores = classifier.eval()(**inputs).logits[:, 0]
+    expected = unpadded_rewards(model, tok(texts)["input_ids"])
+    torch.testing.assert_close(scores, expected, atol=1e-5, rtol=0)
+    loaded, metadata = load_reward_model(path)
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(inputs["input_ids"], PAD), expected, atol=1e-5, rtol=0)
+    assert metadata["checkpoint"] == "classifier"
+    assert (metadata["gain"], metadata["bias"]) == (pytest.approx(1.7), pytest.approx(-0.6))
+
+
+def test_reward_scorer_scores_raw_text_with_the_task_lengths(reward_dir, tokenizer):
+    path, model = reward_dir
+    queries = ["Hello", "The quick brown fox jumps over the lazy dog", "Rain"]
+    responses = [" world", " and runs away", " fell on the roof all night long"]
+    scores = RewardScorer.from_pretrained(path)(queries, responses)
+    # query cut to query_length 6, response to response_length 4, each tokenized on its own
+    rows = [tokenizer.encode(q)[:6] + tokenizer.encode(r)[:4] for q, r in zip(queries, responses)]
+    torch.testing.assert_close(scores, unpadded_rewards(model, rows), atol=1e-5, rtol=0)
+    with pytest.raises(ValueError, match="empty"):
+        RewardScorer.from_pretrained(path)([""], ["text"])
+
+
+def tiny_gpt_neox_trunk() -> GPTNeoXModel:
+    """A 2-layer GPT-NeoX trunk (an architecture without a classifier export)."""
+    torch.manual_seed(0)
+    config = GPTNeoXConfig(
+        vocab_size=50304,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        intermediate_size=64,
+        max_position_embeddings=64,
+    )
+    return GPTNeoXModel(config).eval()
+
+
+@pytest.mark.parametrize("case", ["other_architecture", "zero_head"])
+def test_reward_model_without_classifier_export_fails_standard_loader_loudly(tmp_path, tiny_lm, case):
+    model = RewardModel(tiny_gpt_neox_trunk() if case == "other_architecture" else tiny_lm.transformer)
+    with torch.no_grad():
+        model.gain.fill_(1.3)
+        model.bias.fill_(0.4)
+        if case == "zero_head":  # the constant cannot be folded along a zero score direction
+            model.head.weight.zero_()
+    model.save(str(tmp_path), {"pad_token_id": PAD})
+    with pytest.raises((OSError, ValueError)):
+        AutoModelForSequenceClassification.from_pretrained(str(tmp_path))
+    loaded, metadata = load_reward_model(str(tmp_path))
+    assert metadata["checkpoint"] == "trunk"
+    tokens = torch.tensor([[23073, 11, 339, PAD], [7091, 1807, 546, 340]])
+    with torch.no_grad():
+        assert torch.equal(loaded(tokens, PAD), model(tokens, PAD))

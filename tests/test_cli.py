@@ -1,0 +1,118 @@
+"""The scripts' shared command line and console: presets, --dry_run, one-line errors, --debug, tables, numbers."""
+
+import io
+import os
+import subprocess
+import sys
+
+import pytest
+from rich.console import Console
+
+import label_generation
+import train_policy
+import train_reward
+from lm_human_preference_details import cli
+from tests.planted import REPO
+
+SCRIPTS = ("train_reward.py", "train_policy.py", "label_generation.py")
+
+
+def run(script: str, *flags: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    """A script as a user runs it, offline, without raising on failure."""
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "WANDB_MODE": "offline", **(env or {})}
+    return subprocess.run(
+        [sys.executable, str(REPO / script), *flags], env=env, capture_output=True, text=True, timeout=120
+    )
+
+
+def test_number_never_prints_negative_zero():
+    assert cli.number(-0.0001) == "0.000"
+    assert cli.number(-0.0) == "0.000"
+    assert cli.number(-0.0006) == "-0.001"
+    assert cli.number(1.23456, 2) == "1.23"
+
+
+def test_print_table_folds_long_values_instead_of_cutting_them():
+    buffer = io.StringIO()
+    path = "/a/very/long/output/directory/" + "x" * 150
+    cli.print_table(Console(file=buffer, width=80), "t", {"output dir": path})
+    assert "…" not in buffer.getvalue()
+    assert "".join(buffer.getvalue().split()).count("x" * 40) >= 1
+    assert sum(line.count("x") for line in buffer.getvalue().splitlines()) == 150
+
+
+def test_piped_console_is_wide():
+    assert cli.make_console().width >= 160  # pytest captures stdout: not a terminal
+
+
+def test_every_script_uses_the_same_task_presets():
+    for presets in (train_policy.oai_presets(), train_reward.oai_presets()):
+        assert list(presets) == ["sentiment", "descriptiveness", "tldr", "cnndm"]
+        assert all(args.task_id == name for name, args in presets.items())
+    assert list(label_generation.oai_presets()) == ["sentiment", "descriptiveness", "tldr", "cnndm"]
+    assert train_policy.parse(["--task", "cnndm"]).task.temperature == 0.5
+    assert train_reward.parse(["--task", "cnndm"]).task.temperature == 0.5
+    assert label_generation.parse(["generate", "--task", "cnndm"]).task.temperature == 0.5
+    assert train_reward.parse(["--task=tldr"]).batch_size == 16 and train_policy.parse(["--task=tldr"]).ppo.lr == 2e-6
+
+
+def test_unknown_task_is_one_line():
+    result = run("train_policy.py", "--task", "nope")
+    assert result.returncode != 0 and "--task must be one of sentiment, descriptiveness, tldr, cnndm" in result.stderr
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_help_shows_a_usage_example_the_task_flag_and_dry_run(script):
+    result = run(script, "--help")
+    assert result.returncode == 0
+    text = " ".join(result.stdout.split())
+    assert "--task {sentiment,descriptiveness,tldr,cnndm}" in text
+    assert f"{script} {'generate ' if script == 'label_generation.py' else ''}--task" in text  # a usage example
+    if script == "label_generation.py":
+        text = " ".join(run(script, "generate", "--help").stdout.split())
+    assert "--dry_run" in text
+
+
+def test_dry_run_prints_the_sizes_and_touches_nothing(tmp_path):
+    out = tmp_path / "out"
+    policy = run("train_policy.py", "--dry_run", "--output_dir", str(out))
+    assert policy.returncode == 0, policy.stderr
+    assert "1954" in policy.stdout and "7816" in policy.stdout  # nupdates and optimizer steps of the sentiment preset
+    reward = run("train_reward.py", "--dry_run", "--output_dir", str(out))
+    assert reward.returncode == 0, reward.stderr
+    assert "156 (one epoch over 4992 labels)" in reward.stdout and "1 x 512" in reward.stdout
+    assert not out.exists()
+
+
+def test_label_generation_dry_run_writes_nothing(tmp_path, tiny_model_dir):
+    output = tmp_path / "labels.json"
+    result = run(
+        "label_generation.py", "generate", "--base_model", tiny_model_dir, "--output", str(output), "--dry_run"
+    )
+    assert result.returncode == 0, result.stderr
+    assert "vader" in result.stdout and str(output) in "".join(result.stdout.split())
+    assert not output.exists()
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_bad_input_is_one_line_and_debug_shows_the_traceback(script, tmp_path, tiny_model_dir):
+    flags = {
+        "train_reward.py": ("--base_model", str(tmp_path / "missing")),
+        "train_policy.py": ("--rewards.trained_model", str(tmp_path / "missing"), "--base_model", tiny_model_dir),
+        "label_generation.py": ("generate", "--labeler", "gpt4", "--base_model", str(tmp_path / "missing")),
+    }[script]
+    result = run(script, *flags)
+    assert result.returncode == 2
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert lines[0].startswith("error: ") and "missing" in lines[0] and "Traceback" not in result.stderr
+    assert lines[-1] == "(run with --debug for the traceback)"
+    debug = run(script, *flags, "--debug")
+    assert debug.returncode not in (0, 2) and "Traceback" in debug.stderr
+    env_debug = run(script, *flags, env={cli.DEBUG_ENV: "1"})
+    assert "Traceback" in env_debug.stderr
+
+
+def test_hub_name_offline_is_one_line():
+    result = run("train_reward.py", "--base_model", "gpt2")
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert "hub is unreachable" in result.stderr and "--base_model DIR" in result.stderr

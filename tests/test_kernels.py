@@ -1,0 +1,67 @@
+"""kernels.py: every speed trick equals the plain formula its docstring gives, in values and in gradients."""
+
+import torch
+from transformers import GPT2Config, GPT2LMHeadModel
+
+from lm_human_preference_details.kernels import (
+    logprobs_and_entropy_from_logits,
+    logprobs_from_logits,
+    sample_categorical,
+    use_fused_gelu,
+)
+from tests.conftest import tiny_gpt2, tiny_gpt2_config
+
+
+def plain_logprobs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """log_softmax(logits).gather(tokens): what logprobs_from_logits must equal."""
+    return torch.log_softmax(logits, -1).gather(-1, tokens[..., None])[..., 0]
+
+
+def plain_entropy(logits: torch.Tensor) -> torch.Tensor:
+    """logsumexp(z) - sum(softmax(z) * z): OAI's entropy formula."""
+    return torch.logsumexp(logits, -1) - (torch.softmax(logits, -1) * logits).sum(-1)
+
+
+def test_fused_logprobs_and_entropy_equal_the_plain_formulas_in_values_and_gradients():
+    generator = torch.Generator().manual_seed(0)
+    logits = torch.randn(3, 5, 64, generator=generator, dtype=torch.float64, requires_grad=True)
+    tokens = torch.randint(0, 64, (3, 5), generator=generator)
+    weights = torch.randn(3, 5, generator=generator, dtype=torch.float64)
+    fused, entropy = logprobs_and_entropy_from_logits(logits, tokens)
+    plain = plain_logprobs(logits, tokens)
+    torch.testing.assert_close(fused, plain, rtol=0, atol=1e-12)
+    torch.testing.assert_close(entropy, plain_entropy(logits).detach(), rtol=0, atol=1e-12)
+    (grad_fused,) = torch.autograd.grad((fused * weights).sum(), logits)
+    (grad_plain,) = torch.autograd.grad((plain * weights).sum(), logits)
+    torch.testing.assert_close(grad_fused, grad_plain, rtol=0, atol=1e-12)
+    torch.testing.assert_close(logprobs_from_logits(logits, tokens), plain, rtol=0, atol=1e-12)
+
+
+def test_inverse_cdf_sampler_draws_like_multinomial_and_returns_plain_logprobs():
+    logits = torch.tensor([[0.3, -1.0, 2.0, 0.0, 1.5]]).expand(20000, -1)
+    tokens, logprobs = sample_categorical(logits, torch.Generator().manual_seed(1))
+    reference = torch.multinomial(torch.softmax(logits, -1), 1, generator=torch.Generator().manual_seed(1))[:, 0]
+    ours, theirs = torch.bincount(tokens, minlength=5).double(), torch.bincount(reference, minlength=5).double()
+    probs = torch.softmax(logits[0], -1).double()
+    sigma = (20000 * probs * (1 - probs)).sqrt()
+    assert bool(((ours - theirs).abs() <= 5 * 2**0.5 * sigma).all()), (ours, theirs)
+    torch.testing.assert_close(logprobs, plain_logprobs(logits, tokens), rtol=0, atol=1e-6)
+
+
+def test_fused_gelu_equals_gpt2_gelu_in_values_and_gradients():
+    reference = tiny_gpt2(seed=0).double()
+    config = tiny_gpt2_config()
+    use_fused_gelu(config)
+    assert config.activation_function == "gelu_pytorch_tanh"
+    torch.manual_seed(0)  # tiny_gpt2's weights, built with the fused activation
+    fused = GPT2LMHeadModel(config).eval().double()
+    tokens = torch.tensor([[23073, 11, 339, 561], [7091, 1807, 546, 340]])
+    out_ref, out_fused = reference(tokens).logits, fused(tokens).logits
+    torch.testing.assert_close(out_fused, out_ref, rtol=0, atol=1e-9)
+    out_ref.square().sum().backward()
+    out_fused.square().sum().backward()
+    for (name, a), b in zip(reference.named_parameters(), fused.parameters()):
+        torch.testing.assert_close(b.grad, a.grad, rtol=1e-6, atol=1e-9, msg=name)
+    untouched = GPT2Config(activation_function="relu")
+    use_fused_gelu(untouched)
+    assert untouched.activation_function == "relu"

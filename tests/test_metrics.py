@@ -1,0 +1,95 @@
+"""The metrics glossary: the README shows it as rendered, and it names exactly what tiny runs of the scripts log."""
+
+import dataclasses
+
+import numpy as np
+import pytest
+import torch
+
+import train_policy
+import train_reward
+from lm_human_preference_details import core
+from lm_human_preference_details.labels import save_labels
+from lm_human_preference_details.metrics import GLOSSARY, glossary_names, readme_block, render_glossary
+from lm_human_preference_details.tasks import TaskHParams
+from tests.planted import REPO
+from tests.test_train_policy import query_file, save_reward_model, tiny_args  # noqa: F401 (query_file: a fixture)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def single_thread():
+    """The tiny models' ops are far too small to gain from intra-op threads."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture
+def logged_names(monkeypatch) -> set[str]:
+    """Every scalar and table name the Tracker is asked to log while the test runs."""
+    names: set[str] = set()
+    log, log_table = core.Tracker.log, core.Tracker.log_table
+
+    def record(self, metrics, step):
+        names.update(metrics)
+        return log(self, metrics, step)
+
+    def record_table(self, key, columns, rows, step):
+        names.add(key)
+        return log_table(self, key, columns, rows, step)
+
+    monkeypatch.setattr(core.Tracker, "log", record)
+    monkeypatch.setattr(core.Tracker, "log_table", record_table)
+    return names
+
+
+def test_readme_glossary_is_the_rendered_glossary():
+    readme = (REPO / "README.md").read_text(encoding="utf-8")
+    assert readme_block(readme) == render_glossary(), (
+        "run: python -m lm_human_preference_details.metrics --readme README.md"
+    )
+
+
+def test_glossary_rows_are_complete_and_names_unique():
+    names = [name for metric in GLOSSARY for name in metric.names]
+    assert len(names) == len(set(names))
+    for metric in GLOSSARY:
+        assert metric.script in ("policy", "reward", "both") and metric.formula and metric.healthy, metric
+
+
+def test_train_policy_logs_exactly_the_glossary_names(tmp_path, tiny_model_dir, query_file, logged_names):  # noqa: F811
+    rm_dir = save_reward_model(tmp_path / "reward", tiny_model_dir)
+    args = tiny_args(tmp_path / "policy", tiny_model_dir, rm_dir, query_file, total_episodes=8)
+    args.rewards.gold_model = "vader"  # the optional objective/gold_score
+    train_policy.main(args)
+    assert logged_names == glossary_names("policy")
+
+
+def test_train_reward_logs_exactly_the_glossary_names(tmp_path, tiny_model_dir, tokenizer, logged_names):
+    rng = np.random.default_rng(0)
+    rows = [
+        {
+            "query": rng.integers(100, 5000, 6).tolist(),
+            **{f"sample{i}": rng.integers(100, 5000, 4).tolist() for i in range(4)},
+            "best": int(rng.integers(4)),
+        }
+        for _ in range(24)
+    ]
+    save_labels(str(tmp_path / "labels.json"), rows)
+    (tmp_path / "queries.txt").write_text("The old man walked down the road.\nShe opened the window.\n" * 8)
+    args = train_reward.Args(
+        base_model=tiny_model_dir,
+        label_dataset=str(tmp_path / "labels.json"),
+        output_dir=str(tmp_path / "rm"),
+        task=TaskHParams(query_dataset=str(tmp_path / "queries.txt"), query_length=6, response_length=4),
+        labels=train_reward.LabelHParams(num_train=16),  # 8 rows held out: eval/*
+        batch_size=8,
+        rollout_batch_size=8,
+        normalize_samples=8,
+    )
+    train_reward.main(args)
+    assert logged_names == glossary_names("reward")
+    logged_names.clear()
+    train_reward.main(dataclasses.replace(args, normalize_before=False, normalize_after=False))
+    assert logged_names == {name for name in glossary_names("reward") if not name.startswith("normalize_")}
