@@ -117,37 +117,45 @@ def run(tmp_path_factory, tokenizer) -> Run:
     with pytest.MonkeyPatch.context() as mp:
         fake_world(mp, [train_policy], rank=0, other=shift_nonzero)
         patch_collectives(mp, events, [core, train_policy])
-        record = {"sample": lambda a: {"state": state_copy(a["policy"])}}
-        for name in ("sample", "compute_rewards", "compute_advantages", "ppo_losses", "sample_table_rows"):
-            patch_everywhere(mp, name, lambda fn, n=name: events.wrap(n, fn, record.get(n)), [train_policy])
-
-        def forward_output(result, a):
-            """The entropy of the loss forward's tempered logits (the ppo/policy/entropy statistic)."""
-            if not torch.is_grad_enabled():
-                return None
-            logp = torch.log_softmax(result[0].detach(), -1)
-            return dict(entropy=-(logp.exp() * logp).sum(-1).double())
-
-        grad = lambda a: {"grad": torch.is_grad_enabled()}  # noqa: E731
-        mp.setattr(
-            modeling.PolicyWithValueHead,
-            "forward",
-            events.wrap("forward", modeling.PolicyWithValueHead.forward, grad, forward_output),
-        )
-        gain = lambda a: {"gain": a["self"].gain.item(), "bias": a["self"].bias.item()}  # noqa: E731
-        mp.setattr(modeling.RewardModel, "forward", events.wrap("reward", modeling.RewardModel.forward, gain))
-        value = lambda a: {"value": a["self"].value}  # noqa: E731
-        mp.setattr(
-            train_policy.AdaptiveKLController,
-            "update",
-            events.wrap("kl_update", train_policy.AdaptiveKLController.update, value),
-        )
-        lrs = lambda a: {"lrs": [g["lr"] for g in a["self"].param_groups]}  # noqa: E731
-        mp.setattr(optim.AdamTensorFlowStyle, "step", events.wrap("step", optim.AdamTensorFlowStyle.step, lrs))
+        record_policy_calls(mp, events)
         history = train_policy.main(args)
     torch.set_num_threads(threads)
     prefix, suffix = (tokenizer.encode(text) for text in (PREFIX, SUFFIX))
     return Run(history, events, args, model_dir, tokenizer.pad_token_id, the, prefix, suffix)
+
+
+def record_policy_calls(mp: pytest.MonkeyPatch, events: Recorder) -> None:
+    """Record rollouts (with the sampling policy's weights), rewards, advantages, losses, loss forwards (with the
+    entropy of their logits), reward-model calls, KL-controller updates and optimizer steps."""
+
+    def sampling_weights(a):
+        return {"state": state_copy(a["policy"])}
+
+    def grad_mode(a):
+        return {"grad": torch.is_grad_enabled()}
+
+    def loss_forward_entropy(result, a):
+        """The entropy of the loss forward's tempered logits (the ppo/policy/entropy statistic)."""
+        if not torch.is_grad_enabled():
+            return None
+        logp = torch.log_softmax(result[0].detach(), -1)
+        return dict(entropy=-(logp.exp() * logp).sum(-1).double())
+
+    def kl_coef_before(a):
+        return {"value": a["self"].value}
+
+    def learning_rates(a):
+        return {"lrs": [g["lr"] for g in a["self"].param_groups]}
+
+    extra = {"sample": sampling_weights}
+    for name in ("sample", "compute_rewards", "compute_advantages", "ppo_losses", "sample_table_rows"):
+        patch_everywhere(mp, name, lambda fn, n=name: events.wrap(n, fn, extra.get(n)), [train_policy])
+    forward = events.wrap("forward", modeling.PolicyWithValueHead.forward, grad_mode, loss_forward_entropy)
+    mp.setattr(modeling.PolicyWithValueHead, "forward", forward)
+    mp.setattr(modeling.RewardModel, "forward", events.wrap("reward", modeling.RewardModel.forward))
+    update = events.wrap("kl_update", train_policy.AdaptiveKLController.update, kl_coef_before)
+    mp.setattr(train_policy.AdaptiveKLController, "update", update)
+    mp.setattr(optim.AdamTensorFlowStyle, "step", events.wrap("step", optim.AdamTensorFlowStyle.step, learning_rates))
 
 
 def initial_lm(run: Run) -> GPT2LMHeadModel:
@@ -346,6 +354,7 @@ def test_run_kl_controller_gets_the_global_kl_and_the_global_batch(run):
         steps = run.per_update("step")[update]
         assert run.events.index(event) > run.events.index(steps[-1])
         assert event.inputs["n_steps"] == GLOBAL_BATCH
+        assert event.inputs["value"] == run.events.of("compute_rewards")[update].inputs["kl_coef"]
         assert event.inputs["current"] == pytest.approx(run.history[update]["objective/kl"], rel=1e-9)
         local_kl = run.per_update("compute_rewards")[update][0].output[2].sum(1).mean().item()
         assert event.inputs["current"] == pytest.approx(reduced_mean(local_kl), abs=1e-5)

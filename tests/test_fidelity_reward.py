@@ -131,25 +131,32 @@ def run(tmp_path_factory, tokenizer) -> Run:
         fake_world(mp, [train_reward], rank=RANK)
         patch_collectives(mp, events, [core, train_reward])
         patch_everywhere(mp, "broadcast", lambda fn: rank_zero_broadcast, [train_reward])
-        sampled = lambda a: {"state": state_copy(a["policy"]), "seed": a["generator"].initial_seed()}  # noqa: E731
-        patch_everywhere(mp, "sample", lambda fn: events.wrap("sample", fn, sampled), [train_reward])
-        observed = lambda a: {  # noqa: E731
-            "gain": a["self"].gain.item(),
-            "bias": a["self"].bias.item(),
-            "grad": torch.is_grad_enabled(),
-            "model": a["self"],
-        }
-        mp.setattr(modeling.RewardModel, "forward", events.wrap("reward", modeling.RewardModel.forward, observed))
-        stepped = lambda a: {  # noqa: E731
-            "lrs": [g["lr"] for g in a["self"].param_groups],
-            "params": [p for g in a["self"].param_groups for p in g["params"]],
-        }
-        mp.setattr(optim.AdamTensorFlowStyle, "step", events.wrap("step", optim.AdamTensorFlowStyle.step, stepped))
-        mp.setattr(core.Tracker, "log", events.wrap("log", core.Tracker.log))
+        record_reward_calls(mp, events)
         result = train_reward.main(args)
     torch.set_num_threads(threads)
     prefix, suffix = (tokenizer.encode(text) for text in (PREFIX, SUFFIX))
     return Run(result, events, args, rows, model_dir, tokenizer.pad_token_id, prefix, suffix, local_permutation)
+
+
+def record_reward_calls(mp: pytest.MonkeyPatch, events: Recorder) -> None:
+    """Record sampling calls (the sampling policy's weights and generator seed), reward-model calls (gain, bias and
+    grad mode at the time), optimizer steps (learning rates, parameters) and logged metrics."""
+
+    def sampling(a):
+        return {"state": state_copy(a["policy"]), "seed": a["generator"].initial_seed()}
+
+    def reward_model(a):
+        model = a["self"]
+        return {"gain": model.gain.item(), "bias": model.bias.item(), "grad": torch.is_grad_enabled(), "model": model}
+
+    def optimizer(a):
+        groups = a["self"].param_groups
+        return {"lrs": [g["lr"] for g in groups], "params": [p for g in groups for p in g["params"]]}
+
+    patch_everywhere(mp, "sample", lambda fn: events.wrap("sample", fn, sampling), [train_reward])
+    mp.setattr(modeling.RewardModel, "forward", events.wrap("reward", modeling.RewardModel.forward, reward_model))
+    mp.setattr(optim.AdamTensorFlowStyle, "step", events.wrap("step", optim.AdamTensorFlowStyle.step, optimizer))
+    mp.setattr(core.Tracker, "log", events.wrap("log", core.Tracker.log))
 
 
 def label_tokens(rows: list[dict], index: int, pad: int) -> torch.Tensor:
