@@ -1,0 +1,122 @@
+"""README.md's implementation-details table, the docs' "Guarded by" lines and the mutation check's breakage list agree
+with each other and with the code: named tests exist, links resolve, every detail has tests and a breakage."""
+
+import ast
+import importlib.util
+import re
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+README = REPO / "README.md"
+DOC = REPO / "docs" / "implementation-details.md"
+
+_ROW_RE = re.compile(r"^\| \[([^\]]+)\]\(docs/implementation-details\.md#([\w.-]+)\)(.*)\|\s*$", re.MULTILINE)
+_GUARDED_RE = re.compile(r"^Guarded by: <!-- tests:(\S+) -->(.*)$", re.MULTILINE)
+_TEST_NAME_RE = re.compile(r"`(test_\w+)`")
+_LINK_RE = re.compile(r"\]\(([^)\s]+)\)")
+_ANCHOR_RE = re.compile(r'<a id="([^"]+)"></a>')
+
+
+def defined_tests() -> set[str]:
+    """Every test function defined in tests/ (top level or in a class)."""
+    names = set()
+    for path in (REPO / "tests").glob("test_*.py"):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name.startswith("test_"):
+                names.add(node.name)
+    return names
+
+
+def readme_rows() -> dict[str, dict]:
+    """The implementation-details table of README.md: tag -> anchor and the tests named in the last column."""
+    rows = {}
+    for tag, anchor, rest in _ROW_RE.findall(README.read_text(encoding="utf-8")):
+        assert tag not in rows, f"README.md has two rows for {tag}"
+        rows[tag] = {"anchor": anchor, "tests": _TEST_NAME_RE.findall(rest.split("|")[-1])}
+    return rows
+
+
+def guarded_by() -> dict[str, list[str]]:
+    """The docs' `Guarded by: <!-- tests:TAG -->` lines: tag -> test names."""
+    lines = _GUARDED_RE.findall(DOC.read_text(encoding="utf-8"))
+    tags = [tag for tag, _ in lines]
+    assert len(tags) == len(set(tags)), f"a tag has two Guarded-by lines: {tags}"
+    return {tag: _TEST_NAME_RE.findall(rest) for tag, rest in lines}
+
+
+def mutation_check():
+    """tools/mutation_check.py as a module."""
+    spec = importlib.util.spec_from_file_location("mutation_check", REPO / "tools" / "mutation_check.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_readme_table_rows_name_existing_tests():
+    rows, tests = readme_rows(), defined_tests()
+    assert len(rows) >= 50, f"the implementation-details table has only {len(rows)} rows"
+    for tag, row in rows.items():
+        assert row["tests"], f"README row {tag} names no test"
+        missing = [name for name in row["tests"] if name not in tests]
+        assert not missing, f"README row {tag} names tests that do not exist in tests/: {missing}"
+
+
+def test_docs_guarded_by_lines_name_existing_tests():
+    tests = defined_tests()
+    for tag, names in guarded_by().items():
+        assert names, f"docs/implementation-details.md: the Guarded-by line of {tag} names no test"
+        missing = [name for name in names if name not in tests]
+        assert not missing, f"the Guarded-by line of {tag} names tests that do not exist in tests/: {missing}"
+
+
+def test_readme_table_covers_every_guarded_detail_with_the_same_tests():
+    rows, guarded = readme_rows(), guarded_by()
+    anchors = set(_ANCHOR_RE.findall(DOC.read_text(encoding="utf-8")))
+    details = {tag for tag in guarded if not tag.startswith("TV")}  # test vectors are listed in the docs only
+    assert details - set(rows) == set(), f"details with a Guarded-by line but no README row: {details - set(rows)}"
+    assert set(rows) - details == set(), f"README rows without a Guarded-by line in the docs: {set(rows) - details}"
+    for family, count in (("G", 10), ("R", 8), ("P", 20), ("O", 5), ("D", 7)):
+        expected = {f"{family}{i}" for i in range(1, count + 1)}
+        assert expected <= set(rows), f"README table lacks {sorted(expected - set(rows))}"
+    assert {"§4.1", "§4.2"} <= set(rows)
+    for tag, row in rows.items():
+        assert row["anchor"] in anchors, f"README row {tag} links to #{row['anchor']}, not an anchor of the docs"
+        assert row["tests"] == guarded[tag], f"{tag}: README names {row['tests']}, the docs {guarded[tag]}"
+
+
+def test_relative_links_resolve():
+    problems = []
+    for page in (README, DOC):
+        for target in _LINK_RE.findall(page.read_text(encoding="utf-8")):
+            if re.match(r"[a-z]+:", target) or target.startswith("#"):
+                continue  # web links; in-page anchors are checked by test_docs
+            path_part, _, fragment = target.partition("#")
+            path = (page.parent / path_part).resolve()
+            where = f"{page.relative_to(REPO)} -> {target}"
+            if not path.exists():
+                problems.append(f"{where}: no such file")
+                continue
+            lines = re.fullmatch(r"L(\d+)(?:-L(\d+))?", fragment)
+            if lines:
+                count = len(path.read_text(encoding="utf-8").splitlines())
+                last = int(lines[2] or lines[1])
+                if not 1 <= int(lines[1]) <= last <= count:
+                    problems.append(f"{where}: {path.name} has {count} lines")
+            elif fragment and path.suffix == ".md" and fragment not in _ANCHOR_RE.findall(path.read_text("utf-8")):
+                problems.append(f"{where}: no anchor #{fragment} in {path.name}")
+    assert not problems, "broken links:\n" + "\n".join(problems)
+
+
+def test_mutation_check_list_matches_the_code_and_covers_every_row():
+    module = mutation_check()
+    problems = module.list_problems(module.BREAKAGES, REPO)
+    assert not problems, "tools/mutation_check.py's breakages do not match the code:\n" + "\n".join(problems)
+    rows, guarded = readme_rows(), guarded_by()
+    unknown = sorted({b.detail for b in module.BREAKAGES} - set(guarded))
+    assert not unknown, f"breakages name detail tags the docs do not have: {unknown}"
+    uncovered = sorted(set(rows) - {b.detail for b in module.BREAKAGES})
+    assert not uncovered, f"README rows without a breakage in tools/mutation_check.py: {uncovered}"
+    assert len(module.BREAKAGES) >= 40
+    for b in module.BREAKAGES:
+        named = {node.split("::")[-1].split("[")[0] for node in b.tests}
+        assert named & set(rows[b.detail]["tests"]), f"{b.id}: none of its tests is listed in README row {b.detail}"

@@ -1,0 +1,1111 @@
+#!/usr/bin/env python3
+"""Mutation check: every OAI detail of docs/implementation-details.md is guarded by tests that fail when it breaks.
+
+Each breakage in BREAKAGES changes one snippet of the current source (it must occur there exactly once), in a copy of
+the project, and runs only the tests that guard that detail. The check passes when every breakage makes its tests fail
+("caught"); a breakage whose tests still pass ("SURVIVED"), a snippet that no longer occurs ("stale": update the
+breakage to the current code) or a test that does not exist fails it. `make mutation` runs it; CI runs that.
+
+    python3 tools/mutation_check.py                      # every breakage, 2 at a time
+    python3 tools/mutation_check.py --only P15-floor-nupdates G4-reward-sees-context --jobs 1
+    python3 tools/mutation_check.py --list               # the breakages, without running them
+
+Each run imports torch and transformers once, then forks one child per breakage (POSIX), so a breakage costs only its
+tests; `--subprocess` starts a fresh `python -m pytest` per breakage instead.
+"""
+
+import argparse
+import ast
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+PYTEST_FLAGS = [
+    "-x",
+    "-q",
+    "-p",
+    "no:cacheprovider",
+    "-p",
+    "no:unraisableexception",
+    "-W",
+    "ignore::pytest.PytestAssertRewriteWarning",
+]
+"""stop at the first failure; skip pytest's end-of-session garbage collection (seconds per run with torch loaded)"""
+PRELOAD = (
+    "numpy",
+    "torch",
+    "transformers",
+    "transformers.models.gpt2.modeling_gpt2",
+    "accelerate",
+    "datasets",
+    "tyro",
+    "rich",
+    "safetensors.torch",
+    "torch.utils.tensorboard",
+    "wandb",
+    "pytest",
+)
+"""third-party modules imported once before forking (the project's own modules are imported in each copy)"""
+ENV = {
+    "OMP_NUM_THREADS": "1",
+    "TOKENIZERS_PARALLELISM": "false",
+    "HF_HUB_OFFLINE": "1",
+    "WANDB_MODE": "offline",
+    "PYTHONDONTWRITEBYTECODE": "1",
+}
+
+
+@dataclass
+class Breakage:
+    id: str
+    """unique name (the detail tag, then a few words)"""
+    detail: str
+    """the tag of the detail it breaks (an anchor of docs/implementation-details.md)"""
+    what: str
+    """the breakage in words"""
+    file: str
+    """the file it changes, relative to the repository root"""
+    original: str
+    """a snippet that occurs exactly once in that file"""
+    replacement: str
+    """what the snippet becomes"""
+    tests: list[str]
+    """pytest node ids that must fail"""
+
+
+POLICY_RUN = "tests/test_fidelity_policy.py::"
+REWARD_RUN = "tests/test_fidelity_reward.py::"
+UNITS = "tests/test_fidelity_units.py::"
+ROLLOUT = POLICY_RUN + "test_run_policy_sees_prefix_query_suffix_and_reward_model_the_raw_query"
+REFERENCE = POLICY_RUN + "test_run_reference_logprobs_are_the_initial_policy_at_the_task_temperature"
+WHITENING = POLICY_RUN + "test_run_whitens_rewards_and_advantages_per_minibatch"
+RATIO = POLICY_RUN + "test_run_ppo_ratio_is_taken_against_the_rollout_logprobs"
+KL_CONTROL = POLICY_RUN + "test_run_kl_controller_gets_the_global_kl_and_the_global_batch"
+METRICS = POLICY_RUN + "test_run_logs_oai_metric_semantics"
+SCHEDULE = POLICY_RUN + "test_run_nupdates_round_up_and_lr_anneals_per_update"
+SYNC = POLICY_RUN + "test_run_syncs_weights_first_then_averages_gradients_before_every_step"
+NORMALIZATION = REWARD_RUN + "test_reward_run_normalizes_on_raw_samples_of_the_pretrained_policy"
+LABEL_LOOP = REWARD_RUN + "test_reward_run_trains_one_epoch_in_rank_zero_order_with_rank_strided_slices"
+REWARD_LOGS = REWARD_RUN + "test_reward_run_logs_the_best_of_n_cross_entropy"
+PPO_LOSSES = UNITS + "test_ppo_losses_match_numpy_rederivation"
+TP, TR, MOD = "train_policy.py", "train_reward.py", "lm_human_preference_details/modeling.py"
+
+BREAKAGES = [
+    # ---------------------------------------------------------------- G: tokens, padding, sampling, heads
+    Breakage(
+        "G1-oai-pad-not-mapped",
+        "G1",
+        "label files keep OAI's PAD 50259 instead of the tokenizer's PAD",
+        "lm_human_preference_details/labels.py",
+        "query[query == file_pad_id] = pad_id",
+        "query[query == file_pad_id] = file_pad_id",
+        ["tests/test_data.py::test_load_labels_maps_oai_pad"],
+    ),
+    Breakage(
+        "G2-inclusive-positions",
+        "G2",
+        "position ids = cumsum(mask) - 1 (Hugging Face generate's rule) instead of the exclusive cumsum",
+        MOD,
+        "return torch.cumsum(mask, dim=1) - mask",
+        "return torch.cumsum(mask, dim=1) - 1",
+        ["tests/test_modeling.py::test_position_ids_from_mask_oai_exclusive_cumsum"],
+    ),
+    Breakage(
+        "G2-pads-attended",
+        "G2",
+        "PAD keys are not masked out of attention",
+        MOD,
+        "attention_mask=mask.long(),",
+        "attention_mask=torch.ones_like(mask).long(),",
+        ["tests/test_modeling.py::test_pad_invisible_hidden_real_positions_match_unpadded"],
+    ),
+    Breakage(
+        "G3-first-end-token",
+        "G3",
+        "queries end at the first end_text token instead of the last",
+        "lm_human_preference_details/tasks.py",
+        "tokens = tokens[: len(tokens) - tokens[::-1].index(end_token)]",
+        "tokens = tokens[: tokens.index(end_token) + 1]",
+        ["tests/test_data.py::test_build_query_oai_steps"],
+    ),
+    Breakage(
+        "G4-reward-sees-context",
+        "G4",
+        "the reward model scores prefix + query + suffix (the policy's context) instead of the raw query",
+        TP,
+        "scores = reward_model(torch.cat([queries, postprocessed_responses], 1)",
+        "scores = reward_model(torch.cat([contexts, postprocessed_responses], 1)",
+        [ROLLOUT],
+    ),
+    Breakage(
+        "G4-normalization-sees-context",
+        "G4",
+        "reward normalization scores the policy's context instead of the raw query",
+        TR,
+        "scores.append(reward_model(torch.cat([queries, responses], dim=1), pad_id))",
+        "scores.append(reward_model(torch.cat([contexts, responses], dim=1), pad_id))",
+        [NORMALIZATION],
+    ),
+    Breakage(
+        "G5-first-token-from-pad",
+        "G5",
+        "the first response token is sampled from the context's last position even when it is a PAD",
+        MOD,
+        "hidden = _gather_positions(output.last_hidden_state, _last_real_index(mask)[:, -1:])  # (B, 1, D)",
+        "hidden = output.last_hidden_state[:, -1:]  # (B, 1, D)",
+        ["tests/test_modeling.py::test_sample_matches_full_forward"],
+    ),
+    Breakage(
+        "G6-reference-at-temperature-1",
+        "G6",
+        "the reference policy's log-probs use temperature 1 instead of the task temperature",
+        TP,
+        "ref_policy(query_responses, context_length, pad_id, task.temperature)[0]",
+        "ref_policy(query_responses, context_length, pad_id, 1.0)[0]",
+        [REFERENCE],
+    ),
+    Breakage(
+        "G6-logits-untempered",
+        "G6",
+        "the policy's logits are not divided by the temperature",
+        MOD,
+        "logits = lm.get_output_embeddings()(hidden / temperature)",
+        "logits = lm.get_output_embeddings()(hidden)",
+        ["tests/test_modeling.py::test_sample_temperature_applied"],
+    ),
+    Breakage(
+        "G7-dropout-kept",
+        "G7",
+        "the loaded config keeps its dropout probabilities",
+        MOD,
+        "setattr(config, key, 0.0)",
+        "setattr(config, key, value)",
+        ["tests/test_modeling.py::test_load_causal_lm_disables_dropout"],
+    ),
+    Breakage(
+        "G8-value-head-random",
+        "G8",
+        "the value head starts from random weights instead of zeros",
+        MOD,
+        "nn.init.zeros_(self.value_head.weight)",
+        "nn.init.normal_(self.value_head.weight, std=0.02)",
+        ["tests/test_modeling.py::test_policy_value_head_zero_at_init"],
+    ),
+    Breakage(
+        "G8-reward-head-std",
+        "G8",
+        "reward head std 1/sqrt(n_embd) instead of 1/sqrt(n_embd + 1)",
+        MOD,
+        "return 1.0 / math.sqrt(hidden_size + 1)",
+        "return 1.0 / math.sqrt(hidden_size)",
+        ["tests/test_modeling.py::test_reward_head_init_matches_oai"],
+    ),
+    Breakage(
+        "G9-embeddings-frozen",
+        "G9",
+        "the token embeddings (tied to the LM head) are left out of the policy's optimizer",
+        TP,
+        "params = list(policy.parameters())",
+        'params = [p for n, p in policy.named_parameters() if "wte" not in n]',
+        [POLICY_RUN + "test_run_trains_the_embeddings_and_the_tied_lm_head"],
+    ),
+    Breakage(
+        "G10-pad-samplable",
+        "G10",
+        "a PAD inside the model's vocabulary keeps its logit, so it can be sampled",
+        MOD,
+        "logits[..., pad_id] = torch.finfo(logits.dtype).min",
+        "logits[..., pad_id] = logits[..., pad_id] * 1.0",
+        ["tests/test_modeling.py::test_sample_never_samples_pad_inside_vocab"],
+    ),
+    # ---------------------------------------------------------------- R: reward model
+    Breakage(
+        "R1-no-gain",
+        "R1",
+        "the reward ignores the gain: head + bias",
+        MOD,
+        "return self.gain * self.head(last).squeeze(-1) + self.bias",
+        "return self.head(last).squeeze(-1) + self.bias",
+        ["tests/test_modeling.py::test_reward_model_batched_forward_matches_rows"],
+    ),
+    Breakage(
+        "R2-reward-at-last-position",
+        "R2",
+        "the reward is read at the last position (a PAD after truncation) instead of the last real token",
+        MOD,
+        "last = _gather_positions(hidden, _last_real_index(mask)[:, -1:])[:, 0]  # (B, D)",
+        "last = hidden[:, -1]  # (B, D)",
+        ["tests/test_modeling.py::test_reward_model_reads_last_real_token"],
+    ),
+    Breakage(
+        "R3-gain-bias-frozen",
+        "R3",
+        "gain and bias are left out of the reward model's optimizer",
+        TR,
+        "params = list(reward_model.parameters())",
+        "params = [p for p in reward_model.parameters() if p.dim() > 0]",
+        [REWARD_RUN + "test_reward_run_trains_gain_and_bias_with_the_trunk"],
+    ),
+    Breakage(
+        "R4-unbiased-std",
+        "R4",
+        "reward normalization uses this process's unbiased std instead of the global population std",
+        TR,
+        "mean, std = moments[0], (moments[1] - moments[0].square()).clamp_min(0).sqrt()",
+        "mean, std = moments[0], scores.std()",
+        [NORMALIZATION],
+    ),
+    Breakage(
+        "R4-floor-batches",
+        "R4",
+        "normalization draws floor(normalize_samples / rollout_batch_size) batches (at least one) instead of ceil",
+        TR,
+        "for _ in range(ceil_div(args.normalize_samples, args.rollout_batch_size)):",
+        "for _ in range(max(1, args.normalize_samples // args.rollout_batch_size)):",
+        [NORMALIZATION],
+    ),
+    Breakage(
+        "R4-no-reset",
+        "R4",
+        "normalization does not reset the gain to 1 before sampling",
+        TR,
+        "reward_model.gain.fill_(1.0)\n",
+        "reward_model.gain.mul_(1.0)\n",
+        [NORMALIZATION],
+    ),
+    Breakage(
+        "R4-bias-formula",
+        "R4",
+        "normalization bias = -mean instead of -gain * mean",
+        TR,
+        "reward_model.bias.fill_(-mean / std)",
+        "reward_model.bias.fill_(-mean)",
+        [NORMALIZATION],
+    ),
+    Breakage(
+        "R5-hinge-loss",
+        "R5",
+        "best-of-N loss is a multi-class hinge loss instead of softmax cross-entropy",
+        "lm_human_preference_details/labels.py",
+        "return F.cross_entropy(rewards, best)",
+        "return F.multi_margin_loss(rewards, best)",
+        ["tests/test_train_reward.py::test_best_of_n_loss_is_softmax_cross_entropy"],
+    ),
+    Breakage(
+        "R5-samples-misaligned",
+        "R5",
+        "the batched scoring of label rows pairs queries with other rows' samples",
+        MOD,
+        "query.repeat_interleave(n, dim=0)",
+        "query.repeat(n, 1)",
+        ["tests/test_train_reward.py::test_score_label_rows_matches_separate_forwards"],
+    ),
+    Breakage(
+        "R6-contiguous-slices",
+        "R6",
+        "each process takes a contiguous block of the step's labels instead of a rank-strided slice",
+        TR,
+        "local_indices = permutation[start : start + args.batch_size][rank::world]",
+        "local_indices = permutation[start + rank * local_batch_size : start + (rank + 1) * local_batch_size]",
+        [LABEL_LOOP],
+    ),
+    Breakage(
+        "R6-order-not-broadcast",
+        "R6",
+        "each process uses its own label permutation instead of rank 0's",
+        TR,
+        "permutation = broadcast(permutation, from_process=0).cpu()",
+        "permutation = permutation.cpu()",
+        [LABEL_LOOP],
+    ),
+    Breakage(
+        "R7-last-rows",
+        "R7",
+        "training uses the last num_train rows of the label file instead of the first",
+        TR,
+        "labels[: args.labels.num_train], labels[args.labels.num_train :]",
+        "labels[-args.labels.num_train :], labels[: -args.labels.num_train]",
+        [LABEL_LOOP],
+    ),
+    Breakage(
+        "R8-gain-not-loaded",
+        "R8",
+        "a saved reward model is loaded without its gain",
+        MOD,
+        'model.gain.copy_(tensors["gain"])',
+        "model.gain.copy_(model.gain)",
+        ["tests/test_modeling.py::test_reward_model_save_load_roundtrip"],
+    ),
+    # ---------------------------------------------------------------- P: policy training
+    Breakage(
+        "P1-reference-is-current-policy",
+        "P1",
+        "the KL reference is the current policy instead of the frozen initial one",
+        TP,
+        "ref_policy(query_responses, context_length, pad_id, task.temperature)[0]",
+        "policy(query_responses, context_length, pad_id, task.temperature)[0]",
+        [REFERENCE],
+    ),
+    Breakage(
+        "P2-reward-sees-raw-response",
+        "P2",
+        "the reward model scores the untruncated response",
+        TP,
+        "scores = reward_model(torch.cat([queries, postprocessed_responses], 1)",
+        "scores = reward_model(torch.cat([queries, responses], 1)",
+        [ROLLOUT],
+    ),
+    Breakage(
+        "P2-truncation-token-dropped",
+        "P2",
+        "truncation also pads the truncating token itself",
+        "lm_human_preference_details/tasks.py",
+        "after_first_match = (matches.cumsum(1) - matches.long()) > 0",
+        "after_first_match = matches.cumsum(1) > 0",
+        ["tests/test_train_policy.py::test_truncate_response_pads_after_first_qualifying_token"],
+    ),
+    Breakage(
+        "P3-no-penalty",
+        "P3",
+        "responses that fail the filter keep the reward model's score instead of -1",
+        TP,
+        "scores = torch.where(passed, scores, task.penalty_reward_value)",
+        "scores = torch.where(passed, scores, scores)",
+        [POLICY_RUN + "test_run_failing_responses_score_the_penalty"],
+    ),
+    Breakage(
+        "P3-filter-off-by-one",
+        "P3",
+        "the filter looks for the truncate token only after index truncate_after",
+        "lm_human_preference_details/tasks.py",
+        "return (responses[:, truncate_after:] == truncate_token).any(1)",
+        "return (responses[:, truncate_after + 1 :] == truncate_token).any(1)",
+        ["tests/test_train_policy.py::test_passes_filter_needs_truncate_token_at_or_after_truncate_after"],
+    ),
+    Breakage(
+        "P4-kl-sign",
+        "P4",
+        "the KL penalty has the wrong sign (+beta * kl)",
+        TP,
+        "non_score_reward = -kl_coef * kl",
+        "non_score_reward = kl_coef * kl",
+        ["tests/test_train_policy.py::test_compute_rewards_matches_tv5"],
+    ),
+    Breakage(
+        "P5-reward-mean-removed",
+        "P5",
+        "reward whitening removes the mean (shift_mean=True)",
+        TP,
+        "core.whiten(mb_rewards, shift_mean=False, group_size=sizes.whiten_group)",
+        "core.whiten(mb_rewards, shift_mean=True, group_size=sizes.whiten_group)",
+        [WHITENING],
+    ),
+    Breakage(
+        "P5-unbiased-variance",
+        "P5",
+        "whitening uses the unbiased variance",
+        "lm_human_preference_details/core.py",
+        "var, mean = torch.var_mean(groups, dim=dims, correction=0, keepdim=True)",
+        "var, mean = torch.var_mean(groups, dim=dims, correction=1, keepdim=True)",
+        ["tests/test_core.py::test_whiten_uses_population_not_unbiased_variance"],
+    ),
+    Breakage(
+        "P6-advantages-not-whitened",
+        "P6",
+        "advantages are not whitened",
+        TP,
+        "mb_advantages = core.whiten(mb_advantages, group_size=sizes.whiten_group)",
+        "mb_advantages = mb_advantages.clone()",
+        [WHITENING],
+    ),
+    Breakage(
+        "P6-returns-without-values",
+        "P6",
+        "returns = advantages instead of advantages + values",
+        TP,
+        "return advantages, advantages + values",
+        "return advantages, advantages",
+        ["tests/test_train_policy.py::test_compute_advantages_matches_tv9"],
+    ),
+    Breakage(
+        "P7-loss-forward-untempered",
+        "P7",
+        "the loss forward evaluates the responses at temperature 1",
+        TP,
+        "query_responses[micro_inds], context_length, pad_id, task.temperature",
+        "query_responses[micro_inds], context_length, pad_id, 1.0",
+        [RATIO],
+    ),
+    Breakage(
+        "P8-value-loss-min",
+        "P8",
+        "the clipped value loss takes the min of the two terms",
+        TP,
+        "vf_loss = 0.5 * torch.max(vf_losses1, vf_losses2).mean()",
+        "vf_loss = 0.5 * torch.min(vf_losses1, vf_losses2).mean()",
+        [PPO_LOSSES],
+    ),
+    Breakage(
+        "P9-ratio-against-reference",
+        "P9",
+        "the PPO ratio is taken against the reference policy's log-probs",
+        TP,
+        "                            logprobs[micro_inds],",
+        "                            ref_logprobs[micro_inds],",
+        [RATIO],
+    ),
+    Breakage(
+        "P9-policy-loss-min",
+        "P9",
+        "the clipped policy loss takes the min (optimistic) term",
+        TP,
+        "pg_loss = torch.max(pg_losses, pg_losses2).mean()",
+        "pg_loss = torch.min(pg_losses, pg_losses2).mean()",
+        [PPO_LOSSES],
+    ),
+    Breakage(
+        "P10-vf-coef-ignored",
+        "P10",
+        "the total loss adds the value loss without vf_coef",
+        TP,
+        '"loss/total": pg_loss + vf_coef * vf_loss,',
+        '"loss/total": pg_loss + vf_loss,',
+        [PPO_LOSSES],
+    ),
+    Breakage(
+        "P11-approxkl-factor",
+        "P11",
+        "approxkl = mean(dlogp^2) without the factor 0.5",
+        TP,
+        '"policy/approxkl": 0.5 * (logprob_diff**2).mean(),',
+        '"policy/approxkl": (logprob_diff**2).mean(),',
+        [PPO_LOSSES],
+    ),
+    Breakage(
+        "P11-entropy-formula",
+        "P11",
+        "the entropy drops the logsumexp's max term",
+        "lm_human_preference_details/kernels.py",
+        "return maxes + total.log() - expected_logit",
+        "return total.log() - expected_logit",
+        ["tests/test_core.py::test_logprobs_and_entropy_from_logits_match_separate_functions"],
+    ),
+    Breakage(
+        "P12-one-permutation",
+        "P12",
+        "one permutation is reused for every PPO epoch",
+        TP,
+        "np.stack([np.random.permutation(sizes.batch) for _ in range(ppo.noptepochs)])",
+        "np.stack([np.random.permutation(sizes.batch)] * ppo.noptepochs)",
+        [POLICY_RUN + "test_run_each_epoch_draws_a_fresh_permutation"],
+    ),
+    Breakage(
+        "P13-values-not-from-sampling",
+        "P13",
+        "the sampler's values are not the value head of the sampling pass",
+        MOD,
+        "values[:, t] = policy.value_head(hidden[:, 0]).squeeze(-1).float()",
+        "values[:, t] = policy.value_head(hidden[:, 0]).squeeze(-1).float() * 0",
+        ["tests/test_modeling.py::test_sample_matches_full_forward"],
+    ),
+    Breakage(
+        "P14-local-batch-n-steps",
+        "P14",
+        "the KL controller's n_steps is the per-process batch instead of the global batch",
+        TP,
+        'kl_ctl.update(stats["objective/kl"], ppo.batch_size)',
+        'kl_ctl.update(stats["objective/kl"], sizes.batch)',
+        [KL_CONTROL],
+    ),
+    Breakage(
+        "P14-rank-local-kl",
+        "P14",
+        "the KL controller is updated with this process's KL instead of the KL of all processes",
+        TP,
+        'kl_ctl.update(stats["objective/kl"], ppo.batch_size)',
+        "kl_ctl.update(kl.sum(1).mean().item(), ppo.batch_size)",
+        [KL_CONTROL],
+    ),
+    Breakage(
+        "P14-clip-range",
+        "P14",
+        "the controller clips the proportional error to +-0.1 instead of +-0.2",
+        TP,
+        "np.clip(current / self.target - 1, -0.2, 0.2)",
+        "np.clip(current / self.target - 1, -0.1, 0.1)",
+        ["tests/test_train_policy.py::test_adaptive_kl_controller_matches_tv7"],
+    ),
+    Breakage(
+        "P15-floor-nupdates",
+        "P15",
+        "nupdates = total_episodes // batch_size instead of ceil",
+        TP,
+        "nupdates = core.ceil_div(ppo.total_episodes, ppo.batch_size)",
+        "nupdates = ppo.total_episodes // ppo.batch_size",
+        [SCHEDULE],
+    ),
+    Breakage(
+        "P16-lr-one-update-ahead",
+        "P16",
+        "the learning rate of update u is lr * (1 - (u + 1) / nupdates)",
+        TP,
+        "lr_now = ppo.lr * (1 - update / sizes.nupdates)",
+        "lr_now = ppo.lr * (1 - (update + 1) / sizes.nupdates)",
+        [SCHEDULE],
+    ),
+    Breakage(
+        "P17-whitening-minimum",
+        "P17",
+        "reward whitening accepts groups of fewer than 8 episodes",
+        TP,
+        "if ppo.whiten_rewards and whiten_group < 8:",
+        "if ppo.whiten_rewards and whiten_group < 4:",
+        ["tests/test_train_policy.py::test_main_whitening_group_below_eight_raises"],
+    ),
+    Breakage(
+        "P18-metric-renamed",
+        "P18",
+        "objective/score is logged as objective/scores",
+        TP,
+        '"objective/score": scores.mean(),',
+        '"objective/scores": scores.mean(),',
+        ["tests/test_train_policy.py::test_main_logs_exactly_oai_metric_names"],
+    ),
+    Breakage(
+        "P19-current-kl-coef-in-table",
+        "P19",
+        "the sample table's total uses the current kl_coef instead of the initial one",
+        TP,
+        "args.rewards.kl_coef,\n                    args.print_samples,",
+        "kl_ctl.value,\n                    args.print_samples,",
+        [POLICY_RUN + "test_run_sample_table_totals_use_the_initial_kl_coef"],
+    ),
+    Breakage(
+        "P20-no-final-save",
+        "P20",
+        "the policy is not saved at the end of training",
+        TP,
+        "is_last or (args.save_interval and (update + 1) % args.save_interval == 0)",
+        "(args.save_interval and (update + 1) % args.save_interval == 0)",
+        ["tests/test_train_policy.py::test_main_saves_a_loadable_policy"],
+    ),
+    # ---------------------------------------------------------------- O: optimizer
+    Breakage(
+        "O1-eps",
+        "O1",
+        "Adam's epsilon is 1e-8 instead of OAI's 1e-5",
+        "lm_human_preference_details/optim.py",
+        "return optimizer_class(params, lr=lr, eps=1e-5)",
+        "return optimizer_class(params, lr=lr, eps=1e-8)",
+        [UNITS + "test_make_optimizer_is_tf1_adam_with_oai_eps"],
+    ),
+    Breakage(
+        "O2-pytorch-adam",
+        "O2",
+        "the scripts get torch.optim.Adam instead of TF1-style Adam",
+        "lm_human_preference_details/optim.py",
+        "optimizer_class = AdamTensorFlowStyle if use_tensorflow_adam else torch.optim.Adam",
+        "optimizer_class = torch.optim.Adam",
+        [UNITS + "test_make_optimizer_is_tf1_adam_with_oai_eps"],
+    ),
+    Breakage(
+        "O3-bias-correction",
+        "O3",
+        "TF-style Adam drops the second-moment bias correction from the step size",
+        "lm_human_preference_details/optim.py",
+        'step_sizes.append(-group["lr"] * math.sqrt(1.0 - beta2**t) / (1.0 - beta1**t))',
+        'step_sizes.append(-group["lr"] / (1.0 - beta1**t))',
+        ["tests/test_optim.py::test_adam_tf_style_matches_closed_form_float64"],
+    ),
+    Breakage(
+        "O4-gradients-summed",
+        "O4",
+        "gradients are summed over processes instead of averaged",
+        "lm_human_preference_details/core.py",
+        "flat.div_(world_size)",
+        "flat.div_(1)",
+        ["tests/test_core.py::test_allreduce_and_broadcast_two_processes"],
+    ),
+    Breakage(
+        "O4-no-allreduce",
+        "O4",
+        "the policy's gradients are not all-reduced before the optimizer step",
+        TP,
+        "core.allreduce_gradients(params, accelerator)",
+        "core.allreduce_gradients([], accelerator)",
+        [SYNC],
+    ),
+    Breakage(
+        "O5-reward-lr-schedule",
+        "O5",
+        "the reward model's learning rate is annealed one step ahead (0 at the last step)",
+        TR,
+        "lr = args.lr * (1 - start / args.labels.num_train)",
+        "lr = args.lr * (1 - (start + args.batch_size) / args.labels.num_train)",
+        [LABEL_LOOP],
+    ),
+    # ---------------------------------------------------------------- D: processes, seeds, data order
+    Breakage(
+        "D1-per-process-batch",
+        "D1",
+        "ppo.batch_size is taken per process instead of global",
+        TP,
+        'batch = core.exact_div(ppo.batch_size, world, "ppo.batch_size (episodes per update) / processes")',
+        'batch = core.exact_div(ppo.batch_size, 1, "ppo.batch_size (episodes per update) / processes")',
+        [ROLLOUT],
+    ),
+    Breakage(
+        "D2-no-rank-seed",
+        "D2",
+        "every process seeds NumPy and torch with the run seed (no rank offset)",
+        TR,
+        "set_seed(args.seed + rank * 100003)",
+        "set_seed(args.seed)",
+        [LABEL_LOOP],
+    ),
+    Breakage(
+        "D3-rank-seeded-order",
+        "D3",
+        "each process shuffles the texts with its own seed",
+        "lm_human_preference_details/data.py",
+        "order = np.random.RandomState(data_seed).permutation(len(texts))",
+        "order = np.random.RandomState(data_seed + rank).permutation(len(texts))",
+        ["tests/test_data.py::test_query_stream_ranks_disjoint_and_union_equals_single_rank"],
+    ),
+    Breakage(
+        "D3-run-seed-order",
+        "D3",
+        "the policy's query order follows the run seed instead of the data seed",
+        TP,
+        "QueryStream(texts, tokenizer, task, accelerator.process_index, sizes.world, args.data_seed)",
+        "QueryStream(texts, tokenizer, task, accelerator.process_index, sizes.world, args.seed)",
+        [POLICY_RUN + "test_run_draws_queries_in_the_data_seed_order_rank_strided"],
+    ),
+    Breakage(
+        "D4-groups-ignored",
+        "D4",
+        "whitening ignores the group size (one group over all rows)",
+        "lm_human_preference_details/core.py",
+        "groups = values.reshape(-1, group_size or values.shape[0], *values.shape[1:])",
+        "groups = values.reshape(1, -1, *values.shape[1:])",
+        ["tests/test_train_policy.py::test_whiten_groups_use_population_moments_per_group"],
+    ),
+    Breakage(
+        "D5-rank-zero-stats",
+        "D5",
+        "statistics are rank 0's instead of the mean over processes",
+        TP,
+        "reduced[key] = column.mean().item()",
+        "reduced[key] = column[0].item()",
+        [METRICS],
+    ),
+    Breakage(
+        "D5-last-minibatch-stats",
+        "D5",
+        "PPO statistics are the last minibatch's instead of the mean over all minibatch steps",
+        TP,
+        "self.sums[key] = self.sums.get(key, 0.0) + value.detach() * weight",
+        "self.sums[key] = value.detach()",
+        [METRICS],
+    ),
+    Breakage(
+        "D6-no-initial-broadcast",
+        "D6",
+        "rank 0's policy weights are not broadcast before training",
+        TP,
+        "core.broadcast_parameters(policy, accelerator)",
+        "core.broadcast_parameters(torch.nn.Module(), accelerator)",
+        [SYNC],
+    ),
+    Breakage(
+        "D7-global-label-batch-per-process",
+        "D7",
+        "each process takes the whole global label batch size",
+        TR,
+        'local_batch_size = exact_div(args.batch_size, world, "batch_size (labels per step) over processes")',
+        'local_batch_size = exact_div(args.batch_size, 1, "batch_size (labels per step) over processes")',
+        [LABEL_LOOP],
+    ),
+    # ---------------------------------------------------------------- H: hyperparameter plumbing, LG
+    Breakage(
+        "H1-horizon",
+        "H1",
+        "the adaptive KL horizon defaults to 1000 instead of 10000",
+        TP,
+        "horizon: int = 10000",
+        "horizon: int = 1000",
+        [UNITS + "test_adaptive_kl_defaults_are_oai_on_settings"],
+    ),
+    Breakage(
+        "H2-tldr-whitens-rewards",
+        "H2",
+        "the tldr/cnndm presets keep reward whitening on",
+        TP,
+        "ppo=PpoHParams(batch_size=32, lr=2e-6, whiten_rewards=False)",
+        "ppo=PpoHParams(batch_size=32, lr=2e-6, whiten_rewards=True)",
+        ["tests/test_train_policy.py::test_oai_presets_match_launch_settings"],
+    ),
+    Breakage(
+        "H3-summarization-reward-lr",
+        "H3",
+        "the tldr/cnndm reward presets use the class default lr 5e-5 instead of launch.py's 2.5e-5",
+        TR,
+        "lr=2.5e-5,",
+        "lr=5e-5,",
+        ["tests/test_train_reward.py::test_presets_follow_oai_launch"],
+    ),
+    Breakage(
+        "LG-untruncated-labels",
+        "LG",
+        "generated label rows hold the untruncated responses",
+        "label_generation.py",
+        "collected[active[rows], slot[rows, cols]] = postprocessed[rows, cols]",
+        "collected[active[rows], slot[rows, cols]] = raw.view(-1, per_query, length)[rows, cols]",
+        ["tests/test_label_generation.py::test_sample_passing_responses_drops_failing_and_truncates"],
+    ),
+    # ---------------------------------------------------------------- §4: metric semantics
+    Breakage(
+        "metrics-kl-per-token",
+        "§4.1",
+        "objective/kl is the mean per-token KL instead of the per-episode sum, averaged",
+        TP,
+        '"objective/kl": kl.sum(1).mean(),',
+        '"objective/kl": kl.mean(),',
+        [METRICS],
+    ),
+    Breakage(
+        "metrics-entropy-per-token",
+        "§4.1",
+        "objective/entropy is a per-token mean instead of the per-episode sum, averaged",
+        TP,
+        '"objective/entropy": (-logprobs).sum(1).mean(),',
+        '"objective/entropy": (-logprobs).mean(),',
+        [METRICS],
+    ),
+    Breakage(
+        "metrics-score-total",
+        "§4.1",
+        "objective/score_total leaves out the KL penalty",
+        TP,
+        '"objective/score_total": scores.mean() + non_score_reward.sum(1).mean(),',
+        '"objective/score_total": scores.mean(),',
+        [METRICS],
+    ),
+    Breakage(
+        "metrics-unbiased-returns-var",
+        "§4.1",
+        "ppo/returns/var is the unbiased variance",
+        TP,
+        "var_returns, mean_returns = torch.var_mean(returns, correction=0)",
+        "var_returns, mean_returns = torch.var_mean(returns, correction=1)",
+        [METRICS],
+    ),
+    Breakage(
+        "metrics-var-explained",
+        "§4.1",
+        "var_explained divides by the second moment of the returns instead of their variance",
+        TP,
+        '1 - stats["ppo/val/error"] / stats["ppo/returns/var"]',
+        '1 - stats["ppo/val/error"] / (stats["ppo/returns/var"] + stats["ppo/returns/mean"] ** 2)',
+        [METRICS],
+    ),
+    Breakage(
+        "metrics-elapsed-serial-steps",
+        "§4.1",
+        "elapsed/steps/serial counts all episodes' tokens",
+        TP,
+        'stats["elapsed/steps/serial"] = steps * length',
+        'stats["elapsed/steps/serial"] = steps * batch * length',
+        [METRICS],
+    ),
+    Breakage(
+        "reward-metrics-error-is-accuracy",
+        "§4.2",
+        "train_reward/minibatch/error logs 1 - accuracy instead of the loss",
+        TR,
+        '"train_reward/minibatch/error": loss_value,',
+        '"train_reward/minibatch/error": 1 - accuracy,',
+        [REWARD_LOGS],
+    ),
+    Breakage(
+        "reward-metrics-micro-batch-sum",
+        "§4.2",
+        "the logged loss sums the micro-batches instead of averaging them",
+        TR,
+        "(rewards.argmax(1) == best).float().mean()]) / accum",
+        "(rewards.argmax(1) == best).float().mean()])",
+        [REWARD_LOGS],
+    ),
+]
+
+
+# ---------------------------------------------------------------- checking the list against the code
+
+
+def defined_tests(path: Path) -> set[str]:
+    """Names of the test functions defined at the top level of a test file."""
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    return {node.name for node in tree.body if isinstance(node, ast.FunctionDef) and node.name.startswith("test_")}
+
+
+def list_problems(breakages: list[Breakage], root: Path) -> list[str]:
+    """Why breakages cannot run: duplicate ids, stale snippets, replacements that do not compile, unknown tests."""
+    problems = []
+    ids = [b.id for b in breakages]
+    problems += [f"{i}: duplicate id" for i in sorted({i for i in ids if ids.count(i) > 1})]
+    for b in breakages:
+        path = root / b.file
+        if not path.is_file():
+            problems.append(f"{b.id}: {b.file} does not exist; update this breakage in tools/mutation_check.py")
+            continue
+        source = path.read_text(encoding="utf-8")
+        count = source.count(b.original)
+        if count != 1:
+            problems.append(
+                f"{b.id}: stale: the snippet {b.original!r} occurs {count} times in {b.file} (must be once); "
+                "update this breakage in tools/mutation_check.py to the current code"
+            )
+        elif b.original == b.replacement:
+            problems.append(f"{b.id}: the replacement equals the original")
+        else:
+            try:
+                compile(source.replace(b.original, b.replacement), b.file, "exec")
+            except SyntaxError as e:
+                problems.append(f"{b.id}: the broken {b.file} does not compile ({e.msg}, line {e.lineno})")
+        if not b.tests:
+            problems.append(f"{b.id}: names no test")
+        for node in b.tests:
+            file, _, name = node.partition("::")
+            if not (root / file).is_file() or name.split("[")[0] not in defined_tests(root / file):
+                problems.append(f"{b.id}: test {node} does not exist")
+    return problems
+
+
+# ---------------------------------------------------------------- running
+
+
+def project_files(root: Path) -> list[str]:
+    """Files of the project: tracked and untracked-but-not-ignored (git), else everything outside generated dirs."""
+    try:
+        out = subprocess.run(
+            ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+            cwd=root,
+            capture_output=True,
+            check=True,
+        ).stdout
+        return [name for name in out.decode().split("\0") if name and (root / name).is_file()]
+    except (OSError, subprocess.CalledProcessError):
+        skip = {".git", "runs", "models", "wandb", "__pycache__", "build"}
+        return [
+            str(p.relative_to(root))
+            for p in root.rglob("*")
+            if p.is_file() and not skip & set(p.relative_to(root).parts) and ".egg-info" not in str(p)
+        ]
+
+
+def make_copy(files: list[str], root: Path, dest: Path, breakage: Breakage | None) -> None:
+    """A copy of `files` under `dest`, with `breakage` applied."""
+    for name in files:
+        target = dest / name
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(root / name, target)
+    if breakage is not None:
+        path = dest / breakage.file
+        path.write_text(path.read_text(encoding="utf-8").replace(breakage.original, breakage.replacement))
+
+
+def preload() -> None:
+    """Import the heavy third-party modules once, before forking."""
+    import importlib
+
+    for name in PRELOAD:
+        try:
+            importlib.import_module(name)
+        except Exception:  # noqa: BLE001 - an optional module; the tests import what they need
+            pass
+
+
+def start_fork(workdir: Path, tests: list[str], log: Path) -> int:
+    """Fork a child that runs pytest on `tests` inside `workdir`, output to `log`; -> its pid (= process group)."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    pid = os.fork()
+    if pid:
+        return pid
+    try:
+        os.setpgid(0, 0)
+        fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        os.dup2(fd, 1)
+        os.dup2(fd, 2)
+        os.chdir(workdir)
+        drop = {str(REPO), str(REPO / "tools"), "", "."}
+        sys.path[:] = [str(workdir)] + [p for p in sys.path if p not in drop and Path(p or ".").resolve() != REPO]
+        import pytest
+
+        code = pytest.main([*PYTEST_FLAGS, *tests])
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(int(code))
+    except BaseException:  # noqa: BLE001 - the child must never return into the parent's loop
+        import traceback
+
+        traceback.print_exc()
+        os._exit(3)
+
+
+def start_subprocess(workdir: Path, tests: list[str], log: Path) -> subprocess.Popen:
+    """`python -m pytest tests` inside `workdir`, output to `log`, in its own process group."""
+    with open(log, "w") as out:
+        return subprocess.Popen(
+            [sys.executable, "-m", "pytest", *PYTEST_FLAGS, *tests],
+            cwd=workdir,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+
+
+def verdict(code: int | None) -> str:
+    """The outcome of a breakage's pytest exit code (None: killed at the time limit)."""
+    if code is None:
+        return "caught (time limit)"
+    if code in (1, 2):  # tests failed, or the test module failed to import
+        return "caught"
+    if code < 0:  # killed by a signal (e.g. a crash the breakage caused)
+        return "caught (crash)"
+    if code == 0:
+        return "SURVIVED"
+    return f"error (pytest exit {code})"
+
+
+def run_jobs(jobs: list[tuple[str, Path, list[str], float]], workers: int, use_fork: bool, logs: Path):
+    """Run (name, workdir, tests, time limit) jobs, `workers` at a time; -> {name: (exit code or None, seconds)}."""
+    pending, running, results = list(jobs), {}, {}
+    while pending or running:
+        while pending and len(running) < workers:
+            name, workdir, tests, limit = pending.pop(0)
+            log = logs / f"{name}.log"
+            handle = start_fork(workdir, tests, log) if use_fork else start_subprocess(workdir, tests, log)
+            running[name] = (handle, time.monotonic(), limit)
+        time.sleep(0.2)
+        for name, (handle, started, limit) in list(running.items()):
+            elapsed = time.monotonic() - started
+            if use_fork:
+                pid, status = os.waitpid(handle, os.WNOHANG)
+                code = os.waitstatus_to_exitcode(status) if pid else None
+            else:
+                code = handle.poll()
+            if code is None and elapsed > limit:
+                pgid = handle if use_fork else handle.pid
+                os.killpg(pgid, signal.SIGKILL)
+                os.waitpid(pgid, 0) if use_fork else handle.wait()
+                results[name] = (None, elapsed)
+                del running[name]
+            elif code is not None:
+                results[name] = (code, elapsed)
+                del running[name]
+    return results
+
+
+def print_report(breakages: list[Breakage], results: dict, seconds: float) -> tuple[int, int]:
+    """The table of breakages and outcomes; -> (caught, total)."""
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title="mutation check: each breakage must make its tests fail", show_lines=False)
+    for column in ("id", "detail", "breakage", "guarded by", "result", "s"):
+        table.add_column(column, overflow="fold")
+    caught = 0
+    for b in breakages:
+        code, elapsed = results[b.id]
+        outcome = verdict(code)
+        caught += outcome.startswith("caught")
+        style = "green" if outcome.startswith("caught") else "bold red"
+        tests = ", ".join(t.split("::")[-1] for t in b.tests)
+        table.add_row(b.id, b.detail, b.what, tests, f"[{style}]{outcome}[/]", f"{elapsed:.0f}")
+    console = Console(width=max(160, Console().width))
+    console.print(table)
+    console.print(f"caught {caught} of {len(breakages)} breakages in {seconds:.0f} s")
+    return caught, len(breakages)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--jobs", type=int, default=2, help="breakages run at the same time (default 2)")
+    parser.add_argument("--only", nargs="+", metavar="ID", help="run only these breakages")
+    parser.add_argument("--timeout", type=float, default=300, help="seconds per breakage before it is killed")
+    parser.add_argument("--list", action="store_true", help="print the breakages and exit")
+    parser.add_argument("--no-baseline", action="store_true", help="skip running the guarding tests unbroken first")
+    parser.add_argument("--subprocess", action="store_true", help="a fresh python per breakage instead of a fork")
+    parser.add_argument("--json", metavar="PATH", help="also write the outcomes as JSON")
+    parser.add_argument("--keep", action="store_true", help="keep the copies and logs (their folder is printed)")
+    args = parser.parse_args(argv)
+
+    breakages = BREAKAGES
+    if args.only:
+        unknown = sorted(set(args.only) - {b.id for b in BREAKAGES})
+        if unknown:
+            print(f"unknown breakage ids {unknown}; --list shows them", file=sys.stderr)
+            return 2
+        breakages = [b for b in BREAKAGES if b.id in args.only]
+    if args.list:
+        for b in breakages:
+            print(f"{b.id:36} {b.detail:5} {b.file}: {b.what}")
+        return 0
+    problems = list_problems(breakages, REPO)
+    if problems:
+        print("the breakage list does not match the code:\n  " + "\n  ".join(problems), file=sys.stderr)
+        return 1
+
+    os.environ.update(ENV)
+    use_fork = hasattr(os, "fork") and not args.subprocess
+    if use_fork:
+        preload()
+    started = time.monotonic()
+    scratch = Path(tempfile.mkdtemp(prefix="mutation-check-"))
+    try:
+        files = project_files(REPO)
+        jobs = []
+        if not args.no_baseline:
+            make_copy(files, REPO, scratch / "baseline", None)
+            baseline_tests = list(dict.fromkeys(t for b in breakages for t in b.tests))
+            files_with_tests = len({t.split("::")[0] for t in baseline_tests})
+            jobs.append(("baseline", scratch / "baseline", baseline_tests, args.timeout * files_with_tests))
+        for index, b in enumerate(breakages):
+            workdir = scratch / f"m{index:03d}"
+            make_copy(files, REPO, workdir, b)
+            jobs.append((b.id, workdir, b.tests, args.timeout))
+        results = run_jobs(jobs, args.jobs, use_fork, scratch)
+        seconds = time.monotonic() - started
+        caught, total = print_report(breakages, results, seconds)
+        if args.json:
+            outcome = {b.id: {**asdict(b), "result": verdict(results[b.id][0])} for b in breakages}
+            Path(args.json).write_text(json.dumps({"caught": caught, "total": total, "breakages": outcome}, indent=1))
+        for b in breakages:
+            if not verdict(results[b.id][0]).startswith("caught"):
+                log = (scratch / f"{b.id}.log").read_text(errors="replace")[-1500:]
+                print(f"\n--- {b.id} ({verdict(results[b.id][0])}): tail of its pytest output\n{log}")
+        if not args.no_baseline and results["baseline"][0] != 0:
+            log = (scratch / "baseline.log").read_text(errors="replace")[-4000:]
+            print(
+                f"\nthe guarding tests fail without any breakage, so the check means nothing:\n{log}", file=sys.stderr
+            )
+            return 1
+        return 0 if caught == total else 1
+    finally:
+        if args.keep:
+            print(f"copies and logs kept in {scratch}")
+        else:
+            shutil.rmtree(scratch, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
