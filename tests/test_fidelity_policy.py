@@ -84,7 +84,6 @@ def run(tmp_path_factory, tokenizer) -> Run:
     root = tmp_path_factory.mktemp("fidelity-policy")
     corpus = write_corpus(root / "queries.txt")
     model_dir = word_sampler_dir(root / "model", tokenizer)
-    rm_dir = save_reward_model(root / "reward", model_dir)
     the = tokenizer.encode(" the")[0]  # sampled often: about 1 in 3 responses passes the filter
     args = train_policy.oai_presets()["sentiment"]
     args.base_model, args.output_dir = model_dir, str(root / "policy")
@@ -101,6 +100,7 @@ def run(tmp_path_factory, tokenizer) -> Run:
         truncate_token=the,
         truncate_after=TRUNCATE_AFTER,
     )
+    rm_dir = save_reward_model(root / "reward", model_dir, args.task)
     args.rewards.trained_model, args.rewards.kl_coef = rm_dir, KL_COEF
     args.rewards.adaptive_kl = dataclasses.replace(args.rewards.adaptive_kl, target=KL_TARGET, horizon=KL_HORIZON)
     args.ppo = dataclasses.replace(
