@@ -5,6 +5,7 @@ statistics are this rank's + 1 (non-zero entries), so a statistic taken from thi
 """
 
 import dataclasses
+import random
 
 import numpy as np
 import pytest
@@ -196,11 +197,14 @@ def test_run_policy_sees_prefix_query_suffix_and_reward_model_the_raw_query(run)
 
 
 def test_run_draws_queries_in_the_data_seed_order_rank_strided(run, tokenizer):
-    # spec D3, G3: the texts in one permutation of data_seed 0 (not the run seed), the same on every process; rank r
-    # of R takes valid queries r, r + R, ...; each query is its first 12 tokens, right-padded
+    # spec D3, G3: the texts in OAI's order, Python's random.seed(data_seed); random.shuffle(texts) (data_seed 0, not
+    # the run seed), the same on every process; rank r of R takes valid queries r, r + R, ...; each query is its first
+    # 12 tokens, right-padded
     texts = open(run.args.task.query_dataset, encoding="utf-8").read().splitlines()
-    order = np.random.RandomState(run.args.data_seed).permutation(len(texts))
-    stream = [tokenizer.encode(texts[i])[:QUERY_LENGTH] for i in np.concatenate([order, order])]
+    shuffled = list(texts)
+    random.seed(run.args.data_seed)
+    random.shuffle(shuffled)
+    stream = [tokenizer.encode(text)[:QUERY_LENGTH] for text in shuffled + shuffled]
     mine = [query + [run.pad] * (QUERY_LENGTH - len(query)) for query in stream[0::WORLD]]
     p = len(run.prefix)
     drawn = torch.cat([run.rollout(u)["contexts"][:, p : p + QUERY_LENGTH] for u in range(2)])
