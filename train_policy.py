@@ -123,6 +123,10 @@ class Args:
     """Weights & Biases project"""
     wandb_entity: str | None = None
     """Weights & Biases entity (team); None = your default entity"""
+    dist_timeout: float = 1800.0
+    """seconds a process waits in an all-reduce or broadcast for the others before it stops with an error: bounds a
+    hang when a process or node stalls without exiting (one that exits stops the others at once); must exceed the
+    longest time one process works alone (rank 0 saving a checkpoint)"""
     log_interval: int = 10
     """print and log a table of samples every this many updates (OAI run.log_interval)"""
     save_interval: int = 50
@@ -621,7 +625,7 @@ def main(args: Args) -> list[dict[str, float]]:
     """Train the policy; returns the logged statistics of every update."""
     # 0. sizes: global as in OAI, split over the processes (spec D1); printed, then checked by --dry_run
     cli.quiet_transformers()
-    accelerator = core.make_accelerator()
+    accelerator = core.make_accelerator(args.dist_timeout)
     device, ppo, task = accelerator.device, args.ppo, args.task
     sizes = derive_sizes(args, accelerator.num_processes)
     console = cli.make_console()

@@ -107,6 +107,10 @@ class Args:
     """wandb project"""
     wandb_entity: str | None = None
     """wandb entity (team or user)"""
+    dist_timeout: float = 1800.0
+    """seconds a process waits in an all-reduce or broadcast for the others before it stops with an error: bounds a
+    hang when a process or node stalls without exiting (one that exits stops the others at once); must exceed the
+    longest time one process works alone (rank 0 saving a checkpoint)"""
     dry_run: bool = False
     """print the derived per-process sizes and exit"""
     task_id: tyro.conf.Suppress[str] = "sentiment"
@@ -248,7 +252,7 @@ def main(args: Args) -> dict:
     """Train and save a reward model; returns the final figures, this process's label indices and the model."""
     # 0. processes, derived sizes (spec D1), seeding, tracking
     cli.quiet_transformers()
-    accelerator = make_accelerator()
+    accelerator = make_accelerator(args.dist_timeout)
     world, rank = accelerator.num_processes, accelerator.process_index
     local_batch_size = exact_div(args.batch_size, world, "batch_size (labels per step) over processes")
     accum = args.gradient_accumulation_steps

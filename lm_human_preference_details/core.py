@@ -2,10 +2,13 @@
 
 import dataclasses
 import json
+import math
 import os
 import random
+import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from datetime import timedelta
 from typing import Any
 
 import numpy as np
@@ -13,14 +16,48 @@ import torch
 import torch.distributed as dist
 import wandb
 from accelerate import Accelerator
-from accelerate.utils import broadcast_object_list
+from accelerate.utils import InitProcessGroupKwargs, broadcast_object_list
 from torch.utils.tensorboard import SummaryWriter
 
+DIST_TIMEOUT = 1800.0
+"""Seconds a process waits in a collective for the others before it stops with an error (torch's gloo default)."""
+WORLD_SIZE_VARS = ("WORLD_SIZE", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "MV2_COMM_WORLD_SIZE")
+"""Where torchrun and MPI launchers put the number of processes (accelerate reads the same variables)."""
 
-def make_accelerator() -> Accelerator:
-    """An Accelerator that also runs several CPU processes (gloo) when torchrun/accelerate start them without GPUs."""
+
+def check_launch(environ: Mapping[str, str], script: str) -> None:
+    """ValueError when `accelerate launch` was asked for several processes but started one (its CPU launcher does).
+
+    accelerate's one-process launcher (taken with --cpu, or without --multi_gpu and GPUs) marks the process with
+    ACCELERATE_USE_CPU and sets MASTER_PORT only when --num_processes or --num_machines is above 1; torchrun and MPI
+    set a world size instead.
+    """
+    if "ACCELERATE_USE_CPU" not in environ or "MASTER_PORT" not in environ:
+        return
+    if any(int(environ.get(name) or 1) > 1 for name in WORLD_SIZE_VARS):
+        return
+    raise ValueError(
+        "accelerate launch started 1 process, not the --num_processes asked for (it does so with --cpu, or without "
+        f"--multi_gpu): on CPU run `torchrun --nproc_per_node N {script} ...` instead, on GPUs `accelerate launch "
+        f"--multi_gpu --num_processes N {script} ...` (a one-process run needs MASTER_PORT unset)"
+    )
+
+
+def make_accelerator(timeout: float = DIST_TIMEOUT) -> Accelerator:
+    """An Accelerator that also runs several CPU processes (gloo) when torchrun/accelerate start them without GPUs.
+
+    A collective (all-reduce, broadcast, barrier) that waits more than `timeout` seconds for another process raises
+    instead of hanging: this bounds the wait when a process or node stalls without exiting (one that exits is
+    noticed at once: torchrun stops the others, gloo reports the closed connection).
+    """
+    check_launch(os.environ, os.path.basename(sys.argv[0]))
+    if not (timeout > 0 and math.isfinite(timeout)):
+        raise ValueError(f"--dist_timeout must be a positive number of seconds (got {timeout})")
     multi_process = int(os.environ.get("WORLD_SIZE", "1")) > 1
-    return Accelerator(cpu=multi_process and not torch.cuda.is_available())
+    handler = InitProcessGroupKwargs(timeout=timedelta(seconds=timeout))
+    # accelerate passes on only the fields that differ from its defaults (600 s): pass the timeout whatever its value
+    handler.to_kwargs = lambda: {"timeout": handler.timeout}
+    return Accelerator(cpu=multi_process and not torch.cuda.is_available(), kwargs_handlers=[handler])
 
 
 def exact_div(a: int, b: int, what: str) -> int:

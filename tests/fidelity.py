@@ -144,7 +144,7 @@ def patch_collectives(monkeypatch, recorder: Recorder, modules) -> None:
 
 def fake_world(monkeypatch, modules, rank: int, other=None) -> None:
     """Scripts in `modules` get a FakeWorld accelerator."""
-    patch_everywhere(monkeypatch, "make_accelerator", lambda fn: lambda: FakeWorld(rank, 2, other), [core, *modules])
+    patch_everywhere(monkeypatch, "make_accelerator", lambda fn: lambda *_: FakeWorld(rank, 2, other), [core, *modules])
 
 
 def state_copy(module: torch.nn.Module) -> dict[str, torch.Tensor]:
