@@ -384,7 +384,7 @@ def test_readme_bad_input_table_names_existing_tests():
     from tests.test_readme import defined_tests
 
     text = (REPO / "README.md").read_text(encoding="utf-8")
-    section = text.split("### Bad input and numerical faults", 1)[1].split("\n## ", 1)[0]
+    section = text.split("\n## Bad input and numerical faults\n", 1)[1].split("\n## ", 1)[0]
     rows = [line for line in section.splitlines() if line.startswith("| ") and not line.startswith("| input")]
     rows = [row for row in rows if not set(row) <= set("|- ")]
     assert len(rows) >= 25
