@@ -422,7 +422,7 @@ def ppo_update(
             # average gradients over processes (OAI's MPI all-reduce, spec O4), then one Adam step
             # https://github.com/openai/lm-human-preferences/blob/cbfd210bb8b08f6bc5c26878c10984b90f516c66/lm_human_preferences/utils/core.py#L485-L489
             core.allreduce_gradients(params, accelerator)
-            stats.nonfinite_gradients += validation.nonfinite_count(p.grad for p in params if p.grad is not None)
+            stats.nonfinite_gradients += validation.nonfinite_tensors(p.grad for p in params if p.grad is not None)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
     return stats
@@ -787,7 +787,7 @@ def main(args: Args) -> list[dict[str, float]]:
                 "nonfinite/values": validation.nonfinite_count([values]),
                 "nonfinite/scores": validation.nonfinite_count([scores]),
                 "nonfinite/rewards": validation.nonfinite_count([rewards]),
-                "nonfinite/weights": validation.nonfinite_count(params),
+                "nonfinite/weights": validation.nonfinite_tensors(params),
             }
             stats = reduce_stats(local_stats, accelerator)
             check_finite(stats, update)

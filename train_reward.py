@@ -255,7 +255,7 @@ def nonfinite_stats(
         "nonfinite/rewards": validation.nonfinite_count([rewards]),
         "nonfinite/loss": validation.nonfinite_count([loss]),
         "nonfinite/gradients": gradients,
-        "nonfinite/weights": validation.nonfinite_count(params),
+        "nonfinite/weights": validation.nonfinite_tensors(params),
     }
 
 
@@ -408,7 +408,7 @@ def main(args: Args) -> dict:
                 step_rewards.append(rewards.detach())
             # gradients averaged over processes, then one Adam step (spec O4)
             allreduce_gradients(params, accelerator)
-            nonfinite_gradients = validation.nonfinite_count(p.grad for p in params if p.grad is not None)
+            nonfinite_gradients = validation.nonfinite_tensors(p.grad for p in params if p.grad is not None)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             # OAI's statistics of the label type on this process's labels (best-of-N: loss = error, the cross-entropy),
