@@ -11,6 +11,7 @@ import shutil
 import pytest
 import torch
 
+import evaluate
 import label_generation
 import train_policy
 import train_reward
@@ -163,6 +164,8 @@ def test_non_writable_output_dir_is_one_line(tmp_path):
         validation.check_writable_dir(str(tmp_path / "file" / "run"), "--output_dir")
     validation.check_writable_dir(str(tmp_path / "new" / "run"), "--output_dir")
     assert sorted(os.listdir(tmp_path)) == ["file"]  # the check leaves nothing behind
+    with pytest.raises(validation.OutputError, match="--output_dir '/proc/lhpd-eval' is not writable"):
+        evaluate.main(evaluate.parse(["--policy", str(tmp_path / "new"), "--output_dir", "/proc/lhpd-eval"]))
 
 
 def test_generate_overwrite_keeps_the_old_labels_when_another_input_is_bad(tmp_path, tiny_model_dir, tokenizer):
