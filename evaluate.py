@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 import torch
 import tyro
 
-from lm_human_preference_details import cli, core
+from lm_human_preference_details import cli, core, validation
 from lm_human_preference_details.data import load_texts
 from lm_human_preference_details.evaluation import (
     BASE_RUN,
@@ -176,6 +176,7 @@ def main(args: Args) -> dict:
     if args.num_queries < 2 or args.batch_size < 1:
         raise ValueError(f"--num_queries must be >= 2 and --batch_size >= 1, got {args.num_queries}, {args.batch_size}")
     output_dir = args.output_dir or (os.path.join(args.policy, "eval") if args.policy else "eval")
+    validation.check_writable_dir(output_dir, "--output_dir")  # before the evaluation, not after it
     runs = {d: read_run_args(d) for d in [args.policy, *checkpoints] if d is not None}
     known_runs = [r for r in runs.values() if r is not None]
     skip = query_offset(args, known_runs)

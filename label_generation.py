@@ -30,7 +30,7 @@ import tyro
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from transformers import PreTrainedTokenizerBase
 
-from lm_human_preference_details import cli
+from lm_human_preference_details import cli, validation
 from lm_human_preference_details.data import QueryStream, load_texts
 from lm_human_preference_details.hub import HubUnavailableError
 from lm_human_preference_details.labelers import LabelingStopped, load_labeler
@@ -239,11 +239,9 @@ def _resume(args: Generate, meta: dict, pad_id: int) -> tuple[list[dict], dict, 
     """Rows, resume state and saved metadata of an output written with the same settings (empty when fresh)."""
     fresh = {"batches_done": 0, "rows_in_done_batches": 0, "completed_counts": {}, "stream_state": None}
     meta_path = labels_meta_path(args.output)
-    if args.overwrite:
-        for path in (args.output, meta_path):
-            if os.path.exists(path):
-                os.remove(path)
-    if not os.path.exists(args.output):
+    # --overwrite deletes nothing: the first save replaces the file and its metadata (atomically), so a run that
+    # stops before it (a bad flag, a crash) leaves the old labels as they were
+    if args.overwrite or not os.path.exists(args.output):
         return [], fresh, {}
     if not os.path.isfile(meta_path):
         raise ValueError(
@@ -280,11 +278,7 @@ def generate(args: Generate) -> dict:
         if getattr(args, name) < (2 if name == "num_labels" else 1):
             raise ValueError(f"--{name} must be >= {2 if name == 'num_labels' else 1}, got {getattr(args, name)}.")
     label_type = generated_label_type(args)
-    if task.truncate_token is not None and task.truncate_after >= task.response_length:
-        raise ValueError(
-            f"no response can pass the filter: --task.truncate_after {task.truncate_after} >= --task.response_length "
-            f"{task.response_length}; lower truncate_after or pass --task.truncate_token None."
-        )
+    validation.check_generate_args(args)
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     console = cli.make_console()
 
@@ -491,6 +485,7 @@ def convert(args: Convert) -> dict:
     lengths = args.task
     if lengths.query_length < 1 or lengths.response_length < 1:
         raise ValueError("--task.query_length and --task.response_length must be >= 1.")
+    validation.check_convert_args(args)
     try:
         rows, label_type, source_pad_id = read_label_rows(args.input, flag="--input")
     except ValueError as e:

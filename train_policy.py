@@ -24,7 +24,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 from transformers import PreTrainedTokenizerBase
 
-from lm_human_preference_details import cli, core
+from lm_human_preference_details import cli, core, validation
 from lm_human_preference_details.data import QueryStream, load_texts
 from lm_human_preference_details.hub import HubUnavailableError, hub_reachable
 from lm_human_preference_details.kernels import logprobs_and_entropy_from_logits, logprobs_from_logits
@@ -426,6 +426,7 @@ def ppo_update(
             # average gradients over processes (OAI's MPI all-reduce, spec O4), then one Adam step
             # https://github.com/openai/lm-human-preferences/blob/cbfd210bb8b08f6bc5c26878c10984b90f516c66/lm_human_preferences/utils/core.py#L485-L489
             core.allreduce_gradients(params, accelerator)
+            stats.nonfinite_gradients += validation.nonfinite_tensors(p.grad for p in params if p.grad is not None)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
     return stats
@@ -441,6 +442,8 @@ class PPOStats:
         self.ratio_max = torch.full((), -float("inf"), device=device)
         self.first_ratio_dev = torch.zeros((), device=device)
         self.nonfinite_advantages = torch.zeros((), device=device)
+        self.nonfinite_loss = torch.zeros((), device=device)
+        self.nonfinite_gradients = torch.zeros((), device=device)
 
     def _accumulate(self, stats: dict[str, torch.Tensor], weight: float) -> None:
         for key, value in stats.items():
@@ -466,6 +469,7 @@ class PPOStats:
     def add_micro(self, losses: dict[str, torch.Tensor], entropy: torch.Tensor, share: float, first: bool) -> None:
         """One micro-batch's losses and statistics, weighted by its share of the minibatch; ratio extremes."""
         ratio = losses.pop("ratio").detach()
+        self.nonfinite_loss += validation.nonfinite_count([losses["loss/total"]])
         self._accumulate({**losses, "policy/entropy": entropy.mean(), "ratio_mean": ratio.mean()}, self.weight * share)
         self.ratio_min = torch.minimum(self.ratio_min, ratio.min())
         self.ratio_max = torch.maximum(self.ratio_max, ratio.max())
@@ -482,6 +486,8 @@ class PPOStats:
             "debug/ratio_max": self.ratio_max,
             "debug/first_minibatch_ratio_max_abs_dev": self.first_ratio_dev,
             "nonfinite/advantages": self.nonfinite_advantages,
+            "nonfinite/loss": self.nonfinite_loss,
+            "nonfinite/gradients": self.nonfinite_gradients,
         }
 
 
@@ -536,10 +542,9 @@ def add_elapsed_stats(stats: dict[str, float], update: int, args: Args, start_ti
 
 
 def check_finite(stats: dict[str, float], update: int) -> None:
-    """ValueError naming the update and the tensor when any score, reward or advantage was NaN or infinite."""
-    for name in ("scores", "rewards", "advantages"):
-        if stats.pop(f"nonfinite/{name}") > 0:
-            raise ValueError(f"non-finite {name} at update {update}; lower --ppo.lr or check the reward model")
+    """ValueError naming the update and every tensor (log-probs, values, scores, rewards, advantages, loss, gradients,
+    weights) that held NaN or infinite entries; runs before the update's save."""
+    validation.check_finite_stats(stats, f"update {update}", "Lower --ppo.lr or check the reward model.")
 
 
 class PhaseTimer:
@@ -605,9 +610,14 @@ def print_samples(console, tracker: core.Tracker, rows: list[list], update: int)
 
 
 def save_policy(policy: PolicyWithValueHead, tokenizer: PreTrainedTokenizerBase, args: Args, output_dir: str) -> None:
-    """Write the policy (AutoModelForCausalLM-loadable + value_head.safetensors), tokenizer and args.json."""
-    policy.save(output_dir, tokenizer)
-    core.save_args(args, output_dir)
+    """Write the policy (AutoModelForCausalLM-loadable + value_head.safetensors), tokenizer and args.json; a failed
+    save (e.g. disk full) leaves `output_dir` as it was."""
+
+    def write(path: str) -> None:
+        policy.save(path, tokenizer)
+        core.save_args(args, path)
+
+    validation.save_atomically(output_dir, write)
 
 
 def push_to_hub(args: Args) -> str:
@@ -624,6 +634,7 @@ def push_to_hub(args: Args) -> str:
 def main(args: Args) -> list[dict[str, float]]:
     """Train the policy; returns the logged statistics of every update."""
     # 0. sizes: global as in OAI, split over the processes (spec D1); printed, then checked by --dry_run
+    validation.check_policy_args(args)
     cli.quiet_transformers()
     accelerator = core.make_accelerator(args.dist_timeout)
     device, ppo, task = accelerator.device, args.ppo, args.task
@@ -776,8 +787,11 @@ def main(args: Args) -> list[dict[str, float]]:
                 **ppo_stats.local(),
                 "debug/num_eos": (responses == tokenizer.eos_token_id).sum(1).float().mean(),
                 "debug/filter_pass_rate": passed.float().mean(),
-                "nonfinite/scores": (~torch.isfinite(scores)).sum(),
-                "nonfinite/rewards": (~torch.isfinite(rewards)).sum(),
+                "nonfinite/logprobs": validation.nonfinite_count([logprobs, ref_logprobs]),
+                "nonfinite/values": validation.nonfinite_count([values]),
+                "nonfinite/scores": validation.nonfinite_count([scores]),
+                "nonfinite/rewards": validation.nonfinite_count([rewards]),
+                "nonfinite/weights": validation.nonfinite_tensors(params),
             }
             stats = reduce_stats(local_stats, accelerator)
             check_finite(stats, update)

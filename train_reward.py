@@ -8,7 +8,7 @@ Batch sizes are global (summed over processes), as in OAI.
 """
 
 import dataclasses
-import math
+import functools
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -17,7 +17,7 @@ import tyro
 from accelerate.utils import broadcast
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
-from lm_human_preference_details import cli
+from lm_human_preference_details import cli, validation
 from lm_human_preference_details.core import (
     Tracker,
     allreduce_gradients,
@@ -33,6 +33,8 @@ from lm_human_preference_details.data import QueryStream, load_texts
 from lm_human_preference_details.labels import (
     Labels,
     LabelType,
+    check_label_tokenizer,
+    check_label_tokens,
     get_label_type,
     label_loss,
     label_row_errors,
@@ -42,7 +44,9 @@ from lm_human_preference_details.labels import (
 from lm_human_preference_details.modeling import (
     PolicyWithValueHead,
     RewardModel,
+    check_finite_weights,
     load_causal_lm,
+    model_vocab_size,
     sample,
     score_label_rows,
 )
@@ -247,10 +251,30 @@ def evaluate_labels(
     return result
 
 
+def nonfinite_stats(
+    rewards: torch.Tensor, loss: torch.Tensor, gradients: torch.Tensor, params: list[torch.Tensor]
+) -> dict[str, torch.Tensor]:
+    """Device-side counts of one step's NaN/infinite rewards, loss, gradients (counted before the step) and weights."""
+    return {
+        "nonfinite/rewards": validation.nonfinite_count([rewards]),
+        "nonfinite/loss": validation.nonfinite_count([loss]),
+        "nonfinite/gradients": gradients,
+        "nonfinite/weights": validation.nonfinite_tensors(params),
+    }
+
+
+def save_reward_model(reward_model: RewardModel, tokenizer, args: Args, metadata: dict, output_dir: str) -> None:
+    """The reward model with its metadata, its tokenizer and args.json in `output_dir`."""
+    reward_model.save(output_dir, metadata)
+    tokenizer.save_pretrained(output_dir)
+    save_args(args, output_dir)
+
+
 # ---------------------------------------------------------------- main
 def main(args: Args) -> dict:
     """Train and save a reward model; returns the final figures, this process's label indices and the model."""
     # 0. processes, derived sizes (spec D1), seeding, tracking
+    validation.check_reward_args(args)
     cli.quiet_transformers()
     accelerator = make_accelerator(args.dist_timeout)
     world, rank = accelerator.num_processes, accelerator.process_index
@@ -291,6 +315,7 @@ def main(args: Args) -> dict:
     label_type = get_label_type(args.labels.type)
     tokenizer = load_tokenizer(args.base_model)
     pad_id = tokenizer.pad_token_id
+    check_label_tokenizer(args.label_dataset, tokenizer_fingerprint(tokenizer), args.base_model)
     labels = load_labels(
         args.label_dataset,
         args.task.query_length,
@@ -299,6 +324,7 @@ def main(args: Args) -> dict:
         args.labels.num_train,
         label_type.name,
     )
+    check_label_tokens(labels, model_vocab_size(args.base_model), pad_id, args.label_dataset)
     train_labels, heldout_labels = labels[: args.labels.num_train], labels[args.labels.num_train :]
     reward_model = RewardModel.from_base(args.base_model).to(accelerator.device)
     broadcast_parameters(reward_model, accelerator)  # rank 0's random head everywhere (OAI train_reward.py#L316-L318)
@@ -386,6 +412,7 @@ def main(args: Args) -> dict:
                 step_rewards.append(rewards.detach())
             # gradients averaged over processes, then one Adam step (spec O4)
             allreduce_gradients(params, accelerator)
+            nonfinite_gradients = validation.nonfinite_tensors(p.grad for p in params if p.grad is not None)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             # OAI's statistics of the label type on this process's labels (best-of-N: loss = error, the cross-entropy),
@@ -396,11 +423,11 @@ def main(args: Args) -> dict:
             local_stats = {f"train_reward/minibatch/{k}": v for k, v in oai_stats.items()}
             if label_type.label_field == "best":
                 local_stats["debug/accuracy"] = (step_rewards.argmax(1) == label).float().mean()
+            local_stats.update(nonfinite_stats(step_rewards, oai_stats["loss"], nonfinite_gradients, params))
             values = accelerator.reduce(torch.stack(list(local_stats.values())), reduction="mean").tolist()
             stats = dict(zip(local_stats, values))
+            validation.check_finite_stats(stats, f"reward training step {step}", "Try a smaller --lr.")
             loss_value = stats["train_reward/minibatch/loss"]
-            if not math.isfinite(loss_value):
-                raise ValueError(f"reward training diverged: loss is {loss_value} at step {step}; try a smaller --lr")
             tracker.log({**stats, "debug/lr": lr}, step)
             if args.eval_interval and (step + 1) % args.eval_interval == 0:
                 log_eval(step + 1)
@@ -413,6 +440,7 @@ def main(args: Args) -> dict:
         norms["after"] = normalize("after", num_steps, (0.0, 1.0))
 
     # 5. save
+    check_finite_weights(reward_model, "the trained reward model", "not saved; try a smaller --lr.")
     if accelerator.is_main_process:
         held_out = "accuracy" if label_type.label_field == "best" else "loss"
         metadata = {
@@ -427,9 +455,8 @@ def main(args: Args) -> dict:
             "eval_before": eval_before,
             "eval_after": eval_after,
         }
-        reward_model.save(args.output_dir, metadata)
-        tokenizer.save_pretrained(args.output_dir)
-        save_args(args, args.output_dir)
+        write = functools.partial(save_reward_model, reward_model, tokenizer, args, metadata)
+        validation.save_atomically(args.output_dir, write)
         cli.print_table(
             console,
             "reward training done",

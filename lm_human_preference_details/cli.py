@@ -14,6 +14,7 @@ import tyro
 from rich.console import Console
 from rich.table import Table
 
+from lm_human_preference_details.core import OutputError
 from lm_human_preference_details.hub import HubUnavailableError
 from lm_human_preference_details.sources import SourceUnavailableError
 
@@ -27,6 +28,7 @@ USER_ERRORS = (
     HubUnavailableError,
     SourceUnavailableError,
     ImportError,
+    OutputError,
 )
 """Exceptions that mean bad input (a flag, a file, the network): reported as one line, not a traceback."""
 DEBUG_ENV = "LHPD_DEBUG"

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from transformers import PreTrainedTokenizerBase
 
-from lm_human_preference_details.core import write_json_atomic
+from lm_human_preference_details.core import write_atomic, write_json_atomic
 from lm_human_preference_details.hub import HubUnavailableError, check_available
 from lm_human_preference_details.sources import OAI_URL, SourceUnavailableError, announce_once, download_cached, oai_url
 
@@ -349,6 +349,42 @@ def load_labels(
     return Labels(query=torch.from_numpy(query), samples=torch.from_numpy(samples), label=torch.from_numpy(label))
 
 
+def check_label_tokenizer(source: str, fingerprint: str, tokenizer_name: str, flag: str = "--label_dataset") -> None:
+    """ValueError when the `<file>.meta.json` of a local label file records another tokenizer than `fingerprint`."""
+    meta_path = labels_meta_path(source)
+    if not (os.path.isfile(source) and os.path.isfile(meta_path)):
+        return
+    with open(meta_path, encoding="utf-8") as f:
+        try:
+            meta = json.load(f)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"label metadata '{meta_path}': invalid JSON ({e}); fix or delete it.") from e
+    saved = meta.get("tokenizer_fingerprint") if isinstance(meta, dict) else None
+    if saved is not None and saved != fingerprint:
+        raise ValueError(
+            f"{flag} '{source}' was tokenized for '{meta.get('base_model')}' (tokenizer fingerprint {saved}), not for "
+            f"--base_model '{tokenizer_name}' (fingerprint {fingerprint}); pass the --base_model the labels were made "
+            f"with, or re-tokenize them: label_generation.py convert --input {source} --base_model {tokenizer_name}."
+        )
+
+
+def check_label_tokens(
+    labels: Labels, vocab_size: int, pad_id: int, source: str, flag: str = "--label_dataset"
+) -> None:
+    """ValueError naming the first row and field with a token id the model cannot embed (>= vocab_size, not PAD)."""
+    fields = {"query": labels.query[:, None, :], "sample": labels.samples}
+    for name, tokens in fields.items():
+        bad = (tokens >= vocab_size) & (tokens != pad_id)  # (N, S, L)
+        if bool(bad.any()):
+            row, sample, col = (int(i) for i in torch.nonzero(bad)[0])
+            field = name if name == "query" else f"sample{sample}" if labels.samples.shape[1] > 1 else "sample"
+            raise ValueError(
+                f"{flag} '{source}': row {row} field '{field}' has token {int(tokens[row, sample, col])}, outside the "
+                f"{vocab_size}-token vocabulary of --base_model; the labels were made with another tokenizer: "
+                "re-tokenize them with label_generation.py convert."
+            )
+
+
 def save_labels(path: str, labels_rows: list[dict], pad_id: int | None = None) -> None:
     """Write label rows (lists or tensors) in OAI's JSON schema of their type; tokens equal to pad_id are written as
     OAI's PAD."""
@@ -375,11 +411,7 @@ def save_labels(path: str, labels_rows: list[dict], pad_id: int | None = None) -
             tokens[tokens == pad_id] = OAI_PAD_TOKEN
             for row, values in zip(rows, tokens.tolist()):
                 row[field] = values
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    tmp = f"{path}.tmp"
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(rows, f)
-    os.replace(tmp, path)
+    write_atomic(path, lambda f: json.dump(rows, f), "label file")
 
 
 def oai_pad_compatible(tokenizer: PreTrainedTokenizerBase) -> bool:

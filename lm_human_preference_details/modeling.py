@@ -23,7 +23,12 @@ from transformers import (
 
 from lm_human_preference_details.hub import check_available
 from lm_human_preference_details.kernels import sample_categorical, use_fused_gelu
-from lm_human_preference_details.tokenizer import check_same_tokenizer, generation_tokenizer, load_tokenizer
+from lm_human_preference_details.tokenizer import (
+    TOKENIZER_FILES,
+    check_same_tokenizer,
+    generation_tokenizer,
+    load_tokenizer,
+)
 
 VALUE_HEAD_FILE = "value_head.safetensors"
 REWARD_HEAD_FILE = "reward_head.safetensors"
@@ -56,6 +61,61 @@ def _config_without_dropout(name_or_dir: str):
     return config
 
 
+WEIGHT_FILES = (
+    "model.safetensors",
+    "model.safetensors.index.json",
+    "pytorch_model.bin",
+    "pytorch_model.bin.index.json",
+)
+"""A save_pretrained directory holds one of these."""
+
+
+def _check_safetensors_complete(path: str) -> None:
+    """ValueError when a .safetensors file is shorter or longer than its header says (truncated, e.g. a killed copy)."""
+    size = os.path.getsize(path)
+    with open(path, "rb") as f:
+        head = f.read(8)
+        header_size = int.from_bytes(head, "little") if len(head) == 8 else -1
+        header = f.read(header_size) if 0 < header_size <= size - 8 else b""
+    try:
+        entries = json.loads(header)
+        end = max((v["data_offsets"][1] for k, v in entries.items() if k != "__metadata__"), default=0)
+    except (ValueError, KeyError, TypeError, IndexError):
+        end = None
+    if end is None or size != 8 + header_size + end:
+        raise ValueError(
+            f"'{path}' is truncated or not a safetensors file ({size} bytes on disk); copy or save the model again."
+        )
+
+
+def check_model_dir(name_or_dir: str, flag: str, kind: str = "model", tokenizer: bool = False) -> None:
+    """ValueError when a local `name_or_dir` is not a save_pretrained directory: a file, no config.json, no or
+    truncated weights, or (`tokenizer`) no tokenizer files. Hub ids (no such local path) pass."""
+    path = os.path.expanduser(name_or_dir)
+    if not os.path.exists(path):
+        return
+    fix = f"pass {flag} DIR with a directory written by save_pretrained (model and tokenizer), or a hub id"
+    if not os.path.isdir(path):
+        raise ValueError(f"{kind} '{name_or_dir}' is a file, not a model directory; {fix}.")
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        raise ValueError(f"{kind} directory '{name_or_dir}' has no config.json, so it is not a model; {fix}.")
+    if not any(os.path.isfile(os.path.join(path, name)) for name in WEIGHT_FILES):
+        raise ValueError(f"{kind} directory '{name_or_dir}' has no weights ({WEIGHT_FILES[0]}); {fix}.")
+    for name in sorted(os.listdir(path)):
+        if name.endswith(".safetensors"):
+            _check_safetensors_complete(os.path.join(path, name))
+    if tokenizer and not any(os.path.isfile(os.path.join(path, name)) for name in TOKENIZER_FILES):
+        raise ValueError(
+            f"{kind} directory '{name_or_dir}' has no tokenizer files (tokenizer.json or tokenizer_config.json); "
+            f"save the tokenizer there too (tokenizer.save_pretrained(DIR)) or {fix}."
+        )
+
+
+def model_vocab_size(name_or_dir: str) -> int:
+    """Rows of the model's input embedding (config.vocab_size): token ids it can embed."""
+    return AutoConfig.from_pretrained(os.path.expanduser(name_or_dir)).vocab_size
+
+
 def _load_pretrained(auto_cls, name_or_dir: str, flag: str, kind: str, strict: bool = False) -> PreTrainedModel:
     """`auto_cls.from_pretrained` in float32 with dropout off and in eval mode; clear errors when missing.
 
@@ -67,6 +127,7 @@ def _load_pretrained(auto_cls, name_or_dir: str, flag: str, kind: str, strict: b
             f"save_pretrained, or a Hugging Face hub id such as gpt2."
         )
     name_or_dir = os.path.expanduser(name_or_dir)
+    check_model_dir(name_or_dir, flag, kind)
     check_available(name_or_dir, flag, kind=kind)
     config = _config_without_dropout(name_or_dir)
     use_fused_gelu(config)  # same formula as GPT-2's gelu_new, one fused kernel
@@ -76,7 +137,19 @@ def _load_pretrained(auto_cls, name_or_dir: str, flag: str, kind: str, strict: b
             f"{kind} '{name_or_dir}' lacks the weights {sorted(info['missing_keys'])[:4]}; pass {flag} DIR with a "
             f"directory written by this project's save functions."
         )
+    check_finite_weights(model, f"{kind} '{name_or_dir}' ({flag})")
     return model.eval()
+
+
+def check_finite_weights(
+    model: nn.Module, what: str, fix: str = "it diverged or was saved broken: pass a checkpoint saved before that."
+) -> None:
+    """ValueError naming the first parameters of `model` that hold NaN or infinite values (one host sync)."""
+    named = list(model.named_parameters())
+    counts = torch.stack([(~torch.isfinite(p.detach())).sum() for _, p in named]).tolist() if named else []
+    bad = [name for (name, _), count in zip(named, counts) if count]
+    if bad:
+        raise ValueError(f"{what} has non-finite (NaN or infinite) weights in {bad[:3]}; {fix}")
 
 
 def load_causal_lm(name_or_dir: str, flag: str = "--base_model") -> PreTrainedModel:
@@ -473,6 +546,7 @@ def _load_trunk_checkpoint(output_dir: str, flag: str) -> RewardModel:
         model.head.bias.copy_(tensors["head.bias"])
         model.gain.copy_(tensors["gain"])
         model.bias.copy_(tensors["bias"])
+    check_finite_weights(model, f"reward model '{output_dir}' ({flag})")
     return model
 
 

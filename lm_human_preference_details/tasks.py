@@ -64,6 +64,26 @@ TASKS: dict[str, TaskHParams] = {
 }
 
 
+def check_task(task: TaskHParams, response_filter: bool = True) -> None:
+    """ValueError naming the --task.* flag whose value makes every query or response invalid or the run meaningless;
+    `response_filter`: the run scores responses through the truncation filter (reward training does not)."""
+    for name in ("query_length", "response_length"):
+        value = getattr(task, name)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"--task.{name} must be an integer >= 1, got {value!r}; OAI's books tasks use 64 and 24.")
+    if not (isinstance(task.temperature, (int, float)) and 0 < task.temperature < float("inf")):
+        raise ValueError(f"--task.temperature must be a finite number > 0, got {task.temperature!r}; OAI uses 0.7.")
+    if response_filter and task.truncate_token is not None:
+        if task.truncate_token < 0:
+            raise ValueError(f"--task.truncate_token must be a token id >= 0 or None, got {task.truncate_token}.")
+        if not 0 <= task.truncate_after < task.response_length:
+            raise ValueError(
+                f"no response can pass the filter: --task.truncate_after {task.truncate_after} is not in [0, "
+                f"--task.response_length {task.response_length}), so every score would be the penalty; lower "
+                "truncate_after or pass --task.truncate_token None."
+            )
+
+
 def task_differences(saved: dict | None, task: TaskHParams) -> dict[str, tuple]:
     """Fields where a saved task (dataclasses.asdict of a TaskHParams, e.g. a reward model's) differs from `task`:
     name -> (saved value, value of `task`); a field the saved task lacks counts as different."""

@@ -12,6 +12,8 @@ from transformers import AutoTokenizer, GPT2TokenizerFast, PreTrainedTokenizerBa
 from lm_human_preference_details.hub import check_available
 
 PAD_TEXT = "[PAD]"
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")
+"""A directory holding a tokenizer has one of these."""
 
 
 def _with_distinct_pad(tokenizer: PreTrainedTokenizerBase) -> PreTrainedTokenizerBase:
@@ -40,6 +42,12 @@ def gpt2_tokenizer_offline() -> GPT2TokenizerFast:
 def load_tokenizer(name_or_dir: str, flag: str = "--base_model") -> PreTrainedTokenizerBase:
     """AutoTokenizer from a local directory or hub id, with a distinct right-side PAD token."""
     check_available(name_or_dir, flag, kind="tokenizer", filename="tokenizer_config.json")
+    if os.path.exists(name_or_dir) and not any(os.path.isfile(os.path.join(name_or_dir, f)) for f in TOKENIZER_FILES):
+        # transformers would build a 2-token tokenizer from a model directory without tokenizer files
+        raise ValueError(
+            f"'{name_or_dir}' has no tokenizer files ({', '.join(TOKENIZER_FILES[:2])}); save the tokenizer there "
+            f"(tokenizer.save_pretrained(DIR)) or pass {flag} a directory or hub id that has one."
+        )
     return _with_distinct_pad(AutoTokenizer.from_pretrained(name_or_dir))
 
 

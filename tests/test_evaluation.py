@@ -382,7 +382,13 @@ def test_train_policy_save_checkpoints_keeps_every_periodic_save(tmp_path, tiny_
     args = PolicyArgs(base_model=tiny_model_dir, output_dir=str(tmp_path / "run"), save_interval=1, print_samples=1)
     args.save_checkpoints, args.log_interval = True, 10
     args.task = dataclasses.replace(
-        args.task, query_dataset=query_file, query_length=16, response_length=4, start_text=None, end_text=None
+        args.task,
+        query_dataset=query_file,
+        query_length=16,
+        response_length=4,
+        start_text=None,
+        end_text=None,
+        truncate_after=2,  # the preset's 16 would fail every 4-token response: refused as a meaningless run
     )
     args.rewards.trained_model = reward_dir
     args.rewards.allow_task_mismatch = True  # the fixture's random reward model records no task

@@ -532,7 +532,7 @@ def test_main_saves_a_loadable_policy(sentiment_run, tiny_model_dir):
 
 def test_main_fixed_kl_preset_keeps_kl_coef(tmp_path, tiny_model_dir, query_file):
     rm_dir = save_reward_model(tmp_path / "reward", tiny_model_dir, tiny_task(query_file, "tldr"))
-    history = main(tiny_args(tmp_path, tiny_model_dir, rm_dir, query_file, preset="tldr"))
+    history = main(tiny_args(tmp_path / "policy", tiny_model_dir, rm_dir, query_file, preset="tldr"))
     assert [stats["objective/kl_coef"] for stats in history] == [0.03, 0.03]
 
 
@@ -561,7 +561,9 @@ def test_main_gradient_accumulation_gives_the_same_update(tmp_path, tiny_model_d
 
 
 def test_main_trains_with_virtual_ranks(tmp_path, tiny_model_dir, reward_model_dir, query_file, capsys):
-    args = tiny_args(tmp_path, tiny_model_dir, reward_model_dir, query_file, batch_size=16, total_episodes=16)
+    args = tiny_args(
+        tmp_path / "policy", tiny_model_dir, reward_model_dir, query_file, batch_size=16, total_episodes=16
+    )
     args.ppo.whiten_group_size = 8  # 2 virtual ranks of 8 episodes in the one process
     history = main(args)
     assert len(history) == 1 and all(math.isfinite(value) for value in history[0].values())
@@ -650,9 +652,11 @@ def test_main_raises_on_non_finite_scores(tmp_path, tiny_model_dir, query_file):
     task = dataclasses.replace(tiny_task(query_file), truncate_token=None)
     rm_dir = save_reward_model(tmp_path / "reward", tiny_model_dir, task)
     weights = load_file(os.path.join(rm_dir, "model.safetensors"))
-    weights["score.weight"] = torch.full_like(weights["score.weight"], float("nan"))
+    # finite weights (NaN weights are refused at load) whose output overflows: every score is infinite or NaN
+    weights["score.weight"] = torch.full_like(weights["score.weight"], 3e38)
     save_file(weights, os.path.join(rm_dir, "model.safetensors"), metadata={"format": "pt"})
     args = tiny_args(tmp_path / "policy", tiny_model_dir, rm_dir, query_file, total_episodes=8)
-    args.task = task
-    with pytest.raises(ValueError, match="non-finite scores"):
+    args.task, args.save_interval = task, 1
+    with pytest.raises(ValueError, match=r"non-finite scores \(8 entries\), rewards .* at update 0; stopped before"):
         main(args)
+    assert not os.path.exists(tmp_path / "policy" / "model.safetensors")  # nothing saved

@@ -1,0 +1,273 @@
+"""Checks that run before a script deletes, overwrites, downloads or trains anything, and the non-finite guards.
+
+Every check raises ValueError (or OutputError for a directory that cannot be written) with one line naming the
+problem, the flag and the fix; `cli.run` prints it as one `error:` line. The scripts call `check_*_args` first thing
+in `main`; the training loops count non-finite entries on the device into the statistics they already reduce once
+per step, and `check_finite_stats` names the tensor that went bad.
+"""
+
+import errno
+import math
+import os
+import shutil
+import tempfile
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+
+from lm_human_preference_details.core import OutputError
+from lm_human_preference_details.modeling import check_model_dir
+from lm_human_preference_details.tasks import check_task
+
+NONFINITE_ORDER = ("logprobs", "values", "scores", "rewards", "advantages", "loss", "gradients", "weights")
+"""Order in which a training step computes the tensors whose non-finite entries are counted (the first is the cause)."""
+
+
+# ---------------------------------------------------------------- numbers
+
+
+def check_at_least(value: int, minimum: int, flag: str, fix: str = "") -> None:
+    """ValueError unless the integer `value` of `flag` is >= `minimum`."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{flag} must be an integer >= {minimum}, got {value!r}; {fix or f'pass {flag} {minimum}'}.")
+
+
+def check_positive(value: float, flag: str, fix: str = "") -> None:
+    """ValueError unless `value` of `flag` is a finite number > 0."""
+    if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
+        raise ValueError(f"{flag} must be a finite number > 0, got {value!r}; {fix or 'pass a positive value'}.")
+
+
+def check_non_negative(value: float, flag: str, fix: str = "") -> None:
+    """ValueError unless `value` of `flag` is a finite number >= 0."""
+    if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
+        raise ValueError(f"{flag} must be a finite number >= 0, got {value!r}; {fix or 'pass 0 or more'}.")
+
+
+def check_unit_interval(value: float, flag: str) -> None:
+    """ValueError unless 0 <= `value` <= 1."""
+    if not (isinstance(value, (int, float)) and 0 <= value <= 1):
+        raise ValueError(f"{flag} must be in [0, 1], got {value!r}; OAI uses 1 (gamma) and 0.95 (lam).")
+
+
+# ---------------------------------------------------------------- paths
+
+
+def local_path(name_or_path: str | None) -> str | None:
+    """The real path of `name_or_path` when it exists on this machine (a hub id that does not: None)."""
+    if not name_or_path:
+        return None
+    path = os.path.expanduser(name_or_path)
+    return os.path.realpath(path) if os.path.exists(path) else None
+
+
+def labeler_path(spec: str | None) -> str | None:
+    """The local model directory of a labeler spec (reward_model:DIR, classifier:DIR[#LABEL]); None otherwise."""
+    if not spec or ":" not in spec:
+        return None
+    kind, _, target = spec.partition(":")
+    if kind == "classifier" and "#" in target:
+        target = target.rpartition("#")[0]
+    return local_path(target) if kind in ("reward_model", "classifier") else None
+
+
+def _inside(path: str, directory: str) -> bool:
+    """True when `path` is `directory` or lies below it (both real paths)."""
+    return path == directory or path.startswith(directory.rstrip(os.sep) + os.sep)
+
+
+def check_output_dir(output_dir: str, inputs: dict[str, str | None], flag: str = "--output_dir") -> None:
+    """ValueError when `output_dir` equals, contains or lies inside a local input (flag -> path); OutputError when it
+    cannot be written."""
+    out = os.path.realpath(os.path.expanduser(output_dir))
+    for input_flag, name in inputs.items():
+        path = local_path(name)
+        if path is None:
+            continue
+        if _inside(path, out) or _inside(out, path):
+            relation = "is" if path == out else "contains" if _inside(path, out) else "lies inside"
+            raise ValueError(
+                f"{flag} '{output_dir}' {relation} the input {input_flag} '{name}', which the run would overwrite or "
+                f"mix with its outputs; choose an {flag} outside every input (e.g. a new directory)."
+            )
+    check_writable_dir(output_dir, flag)
+
+
+def check_output_file(output: str, inputs: dict[str, str | None], flag: str = "--output") -> None:
+    """ValueError when the output file (or its `.meta.json`) is a local input file or lies inside an input directory;
+    OutputError when its directory cannot be written."""
+    for path_out in (output, f"{output}.meta.json"):
+        out = os.path.realpath(os.path.expanduser(path_out))
+        for input_flag, name in inputs.items():
+            path = local_path(name)
+            if path is not None and _inside(out, path):
+                relation = "is" if out == path else "lies inside"
+                raise ValueError(
+                    f"{flag} '{path_out}' {relation} the input {input_flag} '{name}', which it would overwrite or "
+                    f"change; choose an {flag} outside every input."
+                )
+    check_writable_dir(os.path.dirname(os.path.abspath(os.path.expanduser(output))), flag)
+
+
+def check_writable_dir(directory: str, flag: str) -> None:
+    """OutputError unless `directory` (or, when it does not exist yet, its nearest existing parent) is a directory in
+    which a file can be created; creates nothing that stays."""
+    path = os.path.abspath(os.path.expanduser(directory))
+    existing = path
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        raise OutputError(f"{flag} '{directory}': '{existing}' is a file, not a directory; choose another {flag}.")
+    try:
+        fd, probe = tempfile.mkstemp(prefix=".write-probe-", dir=existing)
+        os.close(fd)
+        os.remove(probe)
+    except OSError as e:
+        raise OutputError(
+            f"{flag} '{directory}' is not writable ('{existing}': {e.strerror or e}); choose a directory you can "
+            "write to."
+        ) from e
+
+
+def save_atomically(output_dir: str, write: Callable[[str], Any], flag: str = "--output_dir") -> None:
+    """Run `write(tmp)` into a fresh directory beside the outputs, then move its files into `output_dir`: a failure
+    (e.g. disk full) leaves `output_dir` as it was, with no partial file, and raises OutputError naming `flag`."""
+    os.makedirs(output_dir, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=".saving-", dir=output_dir)
+    try:
+        write(tmp)
+        for root, _, files in os.walk(tmp):
+            target = os.path.join(output_dir, os.path.relpath(root, tmp))
+            os.makedirs(target, exist_ok=True)
+            for name in files:
+                os.replace(os.path.join(root, name), os.path.join(target, name))
+    except OSError as e:
+        full = e.errno == errno.ENOSPC
+        raise OutputError(
+            f"could not save to {flag} '{output_dir}': {'disk full' if full else e.strerror or e}; the previous "
+            f"files there are unchanged. {'Free space' if full else 'Fix the directory'} or choose another {flag}."
+        ) from e
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+# ---------------------------------------------------------------- the scripts' arguments
+
+
+def check_policy_args(args: Any) -> None:
+    """Every train_policy.py flag whose value makes the run fail late or mean nothing, and its output directory."""
+    ppo, rewards = args.ppo, args.rewards
+    check_task(args.task)
+    check_model_dir(args.base_model, "--base_model", tokenizer=True)
+    check_at_least(ppo.total_episodes, 1, "--ppo.total_episodes", "OAI's books runs use 1000000")
+    check_at_least(ppo.batch_size, 1, "--ppo.batch_size", "OAI uses 512 (books) or 32 (tldr, cnndm)")
+    check_at_least(ppo.nminibatches, 1, "--ppo.nminibatches", "OAI uses 1")
+    check_at_least(ppo.noptepochs, 1, "--ppo.noptepochs", "OAI uses 4")
+    check_at_least(ppo.gradient_accumulation_steps, 1, "--ppo.gradient_accumulation_steps")
+    if ppo.whiten_group_size is not None:
+        check_at_least(ppo.whiten_group_size, 1, "--ppo.whiten_group_size", "e.g. ppo.batch_size / 8")
+    check_positive(ppo.lr, "--ppo.lr", "OAI uses 1e-5 (books) or 2e-6 (tldr, cnndm)")
+    check_non_negative(ppo.cliprange, "--ppo.cliprange", "OAI uses 0.2")
+    check_non_negative(ppo.cliprange_value, "--ppo.cliprange_value", "OAI uses 0.2")
+    check_non_negative(ppo.vf_coef, "--ppo.vf_coef", "OAI uses 0.1")
+    check_unit_interval(ppo.gamma, "--ppo.gamma")
+    check_unit_interval(ppo.lam, "--ppo.lam")
+    check_non_negative(
+        rewards.kl_coef,
+        "--rewards.kl_coef",
+        "a negative coefficient rewards moving away from the "
+        "reference policy; OAI uses 0.15 (books), 0.03 (tldr), 0.01 (cnndm)",
+    )
+    if rewards.adaptive_kl.enabled:
+        check_positive(rewards.adaptive_kl.target, "--rewards.adaptive_kl.target", "OAI uses 6.0 (nats)")
+        check_at_least(rewards.adaptive_kl.horizon, 1, "--rewards.adaptive_kl.horizon", "OAI uses 10000")
+    check_at_least(args.log_interval, 1, "--log_interval", "e.g. 10")
+    check_at_least(args.save_interval, 0, "--save_interval", "0 saves only at the end")
+    check_at_least(args.print_samples, 0, "--print_samples")
+    inputs = {
+        "--base_model": args.base_model,
+        "--rewards.trained_model": rewards.trained_model,
+        "--rewards.gold_model": labeler_path(rewards.gold_model),
+        "--task.query_dataset": args.task.query_dataset,
+    }
+    check_output_dir(args.output_dir, inputs)
+
+
+def check_reward_args(args: Any) -> None:
+    """Every train_reward.py flag whose value makes the run fail late or mean nothing, and its output directory."""
+    check_task(args.task, response_filter=False)
+    check_model_dir(args.base_model, "--base_model", tokenizer=True)
+    check_at_least(args.batch_size, 1, "--batch_size", "OAI uses 32 (books) or 16 (tldr, cnndm)")
+    check_at_least(
+        args.labels.num_train,
+        args.batch_size,
+        "--labels.num_train",
+        "train on at least one batch of labels (OAI: 4992 books, 46000 tldr/cnndm)",
+    )
+    check_at_least(args.gradient_accumulation_steps, 1, "--gradient_accumulation_steps")
+    check_positive(args.lr, "--lr", "OAI uses 5e-5 (books) or 2.5e-5 (tldr, cnndm)")
+    check_at_least(args.rollout_batch_size, 1, "--rollout_batch_size", "OAI uses 512 (books) or 128 (tldr, cnndm)")
+    check_at_least(args.normalize_samples, 0, "--normalize_samples", "0 skips normalization")
+    check_at_least(args.debug_normalize, 0, "--debug_normalize")
+    check_at_least(args.eval_interval, 0, "--eval_interval", "0 evaluates only before and after training")
+    inputs = {
+        "--base_model": args.base_model,
+        "--label_dataset": args.label_dataset,
+        "--task.query_dataset": args.task.query_dataset,
+    }
+    check_output_dir(args.output_dir, inputs)
+
+
+def check_generate_args(args: Any) -> None:
+    """label_generation.py generate: the task, and an --output that overwrites no input."""
+    check_task(args.task)
+    check_model_dir(args.base_model, "--base_model", tokenizer=True)
+    inputs = {
+        "--base_model": args.base_model,
+        "--labeler": labeler_path(args.labeler),
+        "--task.query_dataset": args.task.query_dataset,
+    }
+    check_output_file(args.output, inputs)
+
+
+def check_convert_args(args: Any) -> None:
+    """label_generation.py convert: an --output that overwrites no input."""
+    inputs = {"--input": args.input, "--base_model": args.base_model, "--source_tokenizer": args.source_tokenizer}
+    check_output_file(args.output, inputs)
+
+
+# ---------------------------------------------------------------- non-finite values
+
+
+def nonfinite_count(tensors: Iterable[torch.Tensor]) -> torch.Tensor:
+    """Number of NaN or infinite entries over `tensors`, as a device tensor (no host sync)."""
+    counts = [(~torch.isfinite(t.detach())).sum() for t in tensors]
+    return torch.stack(counts).sum() if counts else torch.zeros(())
+
+
+def nonfinite_tensors(tensors: Iterable[torch.Tensor]) -> torch.Tensor:
+    """Number of `tensors` (weights, gradients) holding a NaN or infinite entry, as a device tensor (no host sync).
+
+    One sum per tensor: a NaN or infinity makes it non-finite (so does a float32 overflow, |entries| ~ 1e38 / numel,
+    which only a diverged model reaches); 20x cheaper than counting entries, 0.2 s per GPT-2-124M pass on one CPU core.
+    """
+    sums = [t.detach().sum() for t in tensors]
+    return (~torch.isfinite(torch.stack(sums))).sum() if sums else torch.zeros((), dtype=torch.long)
+
+
+def check_finite_stats(stats: dict[str, float], where: str, fix: str) -> None:
+    """Pop the `nonfinite/<tensor>` counts from reduced statistics; ValueError naming `where` (e.g. "update 3") and
+    every tensor with NaN or infinite entries, in the order the step computes them."""
+    keys = [key for key in stats if key.startswith("nonfinite/")]
+    counts = {key.removeprefix("nonfinite/"): stats.pop(key) for key in keys}
+    counts = dict(
+        sorted(counts.items(), key=lambda item: NONFINITE_ORDER.index(item[0]) if item[0] in NONFINITE_ORDER else 99)
+    )
+    unit = {name: "tensors" if name in ("gradients", "weights") else "entries" for name in counts}
+    bad = [f"{name} ({count:.12g} {unit[name]})" for name, count in counts.items() if not count <= 0]
+    if bad:
+        raise ValueError(
+            f"non-finite {', '.join(bad)} at {where}; stopped before saving, so the last checkpoint on disk is the "
+            f"last good state. {fix}"
+        )
