@@ -33,6 +33,7 @@ from lm_human_preference_details.modeling import PolicyWithValueHead, load_causa
 from lm_human_preference_details.optim import make_optimizer
 from lm_human_preference_details.tasks import (
     TASKS,
+    PassRateAlarm,
     TaskHParams,
     encode_context_affixes,
     format_contexts,
@@ -125,6 +126,9 @@ class Args:
     """Weights & Biases entity (team); None = your default entity"""
     log_interval: int = 10
     """print and log a table of samples every this many updates (OAI run.log_interval)"""
+    filter_warning_rate: float = 0.1
+    """warn on the console, every log_interval updates, while debug/filter_pass_rate (responses passing the task's
+    truncation filter; the others score the penalty) stays below this; 0: never warn"""
     save_interval: int = 50
     """save the policy every this many updates, and always at the end (OAI run.save_interval); 0 = only at the end"""
     save_checkpoints: bool = False
@@ -705,6 +709,7 @@ def main(args: Args) -> list[dict[str, float]]:
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn())
     progress = Progress(*columns, console=console, disable=not accelerator.is_main_process)
     bar = progress.add_task("PPO updates", total=sizes.nupdates)
+    pass_rate_alarm = PassRateAlarm(args.filter_warning_rate, args.log_interval)
     history: list[dict[str, float]] = []
     start_time = last_time = time.time()
     with progress:
@@ -800,6 +805,9 @@ def main(args: Args) -> list[dict[str, float]]:
                     args.print_samples,
                 )
                 print_samples(console, tracker, rows, update)
+            warning = pass_rate_alarm.update(stats["debug/filter_pass_rate"], update, task)
+            if warning and accelerator.is_main_process:
+                console.print(warning, style="bold red", markup=False)
             description = f"score {cli.number(stats['objective/score'])} kl {cli.number(stats['objective/kl'])}"
             if gold_labeler is not None:
                 description += f" gold {cli.number(stats['objective/gold_score'])}"

@@ -17,7 +17,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from lm_human_preference_details import core
 from lm_human_preference_details.cli import parse_args
 from lm_human_preference_details.modeling import RewardModel
-from lm_human_preference_details.tasks import TaskHParams, passes_filter, truncate_response
+from lm_human_preference_details.tasks import PassRateAlarm, TaskHParams, passes_filter, truncate_response
 from lm_human_preference_details.tokenizer import load_tokenizer, tokenizer_fingerprint
 from tests.planted import REPO
 from tests.test_train_reward import free_port
@@ -175,6 +175,20 @@ def test_passes_filter_needs_truncate_token_at_or_after_truncate_after():
     )
     assert passes_filter(responses, 13, 2).tolist() == [True, True, False, True]
     assert passes_filter(responses, None, 2).tolist() == [True] * 4
+
+
+def test_pass_rate_alarm_fires_every_interval_while_the_rate_stays_low():
+    task = TaskHParams(query_length=4, query_dataset="books", response_length=24, truncate_token=13, truncate_after=16)
+    alarm = PassRateAlarm(threshold=0.1, interval=3)
+    rates = [0.0, 0.05, 0.0, 0.02, 0.5, 0.0, 0.0, 0.0, 0.09, 0.0]
+    fired = {update: alarm.update(rate, update, task) for update, rate in enumerate(rates)}
+    # checks at updates 0, 3, 6, 9: fires when every rate since the last check was low (update 4 passed 50%)
+    assert [update for update, warning in fired.items() if warning] == [0, 3, 9]
+    assert "updates 1-3, highest 0.050" in fired[3] and "updates 7-9, highest 0.090" in fired[9]
+    for flag in ("--task.truncate_token 13", "--task.truncate_after 16", "--task.response_length 24"):
+        assert flag in fired[0]
+    assert "--task.penalty_reward_value -1.0" in fired[0]
+    assert not any(PassRateAlarm(0.0, 1).update(0.0, update, task) for update in range(3))  # 0: never
 
 
 def test_whiten_groups_use_population_moments_per_group():
@@ -643,6 +657,20 @@ def test_reward_model_without_recorded_task_is_a_mismatch(tmp_path, query_file):
     assert "temperature: reward model 1.0, policy 0.7" in check_reward_model_task(
         {"task": {**dataclasses.asdict(tiny_task(query_file)), "temperature": 1.0}}, tiny_task(query_file), rewards
     )
+
+
+def test_main_warns_when_no_response_passes_the_filter(
+    tmp_path, small_vocab_model_dir, reward_model_dir, query_file, capsys
+):
+    # the policy samples only words, never the truncate token '.': every score is the penalty
+    args = tiny_args(tmp_path, small_vocab_model_dir, reward_model_dir, query_file)
+    history = main(args)
+    assert [stats["debug/filter_pass_rate"] for stats in history] == [0.0, 0.0]
+    assert [stats["objective/score"] for stats in history] == [-1.0, -1.0]
+    out = " ".join(capsys.readouterr().out.split())  # rich wraps long lines
+    assert out.count("warning: the filter pass rate stayed below 0.1") == 2  # every log_interval (1) updates
+    for flag in ("--task.truncate_token 13", "--task.truncate_after 2", "--task.response_length 8"):
+        assert flag in out
 
 
 def test_main_raises_on_non_finite_scores(tmp_path, tiny_model_dir, query_file):
