@@ -29,7 +29,13 @@ from lm_human_preference_details.data import QueryStream, load_texts
 from lm_human_preference_details.hub import HubUnavailableError, hub_reachable
 from lm_human_preference_details.kernels import logprobs_and_entropy_from_logits, logprobs_from_logits
 from lm_human_preference_details.labelers import load_labeler
-from lm_human_preference_details.modeling import PolicyWithValueHead, load_causal_lm, load_reward_model, sample
+from lm_human_preference_details.modeling import (
+    PolicyWithValueHead,
+    load_causal_lm,
+    load_reward_model,
+    reduce_training_memory,
+    sample,
+)
 from lm_human_preference_details.optim import make_optimizer
 from lm_human_preference_details.tasks import (
     TASKS,
@@ -138,6 +144,12 @@ class Args:
     """rows of the sample table (OAI prints 3)"""
     use_tensorflow_adam: bool = True
     """TF1 Adam as OAI (epsilon added after bias correction); off: torch.optim.Adam with the same eps 1e-5"""
+    gradient_checkpointing: bool = False
+    """recompute each transformer block's activations in the backward instead of storing them: much less activation
+    memory (e.g. for gpt2-large/xl) for ~30% more compute, same updates; off: every activation is stored, as OAI"""
+    bf16: bool = False
+    """run the transformer of the training forward passes under bfloat16 autocast (weights, optimizer, heads, logits,
+    sampling and scoring stay float32): less memory, faster on GPUs with bf16; off: float32 throughout, as OAI"""
     push_to_hub: bool = False
     """upload output_dir (policy, value head, tokenizer, args) to the Hugging Face hub at the end"""
     hf_repo_id: str | None = None
@@ -678,6 +690,7 @@ def main(args: Args) -> list[dict[str, float]]:
     # https://github.com/openai/lm-human-preferences/blob/cbfd210bb8b08f6bc5c26878c10984b90f516c66/lm_human_preferences/train_policy.py#L482-L485
     core.broadcast_parameters(policy, accelerator)
     ref_policy = copy.deepcopy(policy).requires_grad_(False)
+    reduce_training_memory(policy, args.gradient_checkpointing, args.bf16)  # the PPO forward only
     reward_model = reward_model.to(device).eval().requires_grad_(False)
     gold_labeler = None
     if args.rewards.gold_model:
