@@ -466,7 +466,11 @@ def reduce_training_memory(model: PolicyWithValueHead | RewardModel, gradient_ch
     """
     trunk = model.lm if isinstance(model, PolicyWithValueHead) else model.trunk
     if gradient_checkpointing:
-        trunk.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        kwargs = {"use_reentrant": False}
+        if hasattr(trunk, "activation_checkpointing_enable"):
+            trunk.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+        else:  # transformers releases before the rename
+            trunk.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
         trunk.disable_input_require_grads()  # only reentrant checkpointing needs embeddings that require grad
     model.bf16_autocast = bf16
 
