@@ -49,6 +49,7 @@ from lm_human_preference_details.tasks import (
     TASKS,
     TaskHParams,
     encode_context_affixes,
+    filter_flags,
     format_contexts,
     passes_filter,
     truncate_response,
@@ -96,6 +97,10 @@ class Generate:
     """sampling rounds per batch; queries without num_labels passing responses after them are skipped (counted)"""
     max_oversample: int = 8
     """at most this many candidates per missing response and round (bounds memory when few responses pass)"""
+    min_pass_rate: float = 0.02
+    """stop with an error (rows so far kept) when the filter pass rate of the sampled responses is below this after a
+    batch: below ~2% most queries exhaust max_rounds x max_oversample candidates and sampling runs on nearly for
+    nothing; 0: never stop"""
     seed: int = 1
     """seed of the response sampling (each batch draws from its own generator seeded by (seed, batch index))"""
     data_seed: int = 0
@@ -214,6 +219,23 @@ def add_counts(a: dict[str, int], b: dict[str, int]) -> dict[str, int]:
     return {k: a.get(k, 0) + b.get(k, 0) for k in set(a) | set(b)}
 
 
+def check_pass_rate(counts: dict[str, int], args: Generate, rows_saved: int) -> None:
+    """ValueError naming the filter flags when the filter pass rate so far is below --min_pass_rate."""
+    sampled = counts.get("candidates_sampled", 0)
+    rate = counts.get("candidates_passed", 0) / sampled if sampled else 1.0
+    if rate >= args.min_pass_rate:
+        return
+    saved = "no rows were written"
+    if rows_saved:
+        saved = f"{rows_saved} rows are saved in '{args.output}' (a re-run with the same settings continues)"
+    raise ValueError(
+        f"only {rate:.1%} of {sampled} sampled responses pass the task's filter, below --min_pass_rate "
+        f"{args.min_pass_rate}: {filter_flags(args.task)}. Raise --task.response_length, lower --task.truncate_after, "
+        f"change --task.truncate_token (None: no filter) or --base_model, or lower --min_pass_rate (0: never stop); "
+        f"{saved}."
+    )
+
+
 def generated_label_type(args: Generate) -> LabelType:
     """The label type written: best_of_{num_labels}, scalar_rating or scalar_compare."""
     return get_label_type(f"best_of_{args.num_labels}" if args.label_type == "best_of_N" else args.label_type)
@@ -277,6 +299,8 @@ def generate(args: Generate) -> dict:
     for name in ("num_queries", "num_labels", "batch_size", "max_rounds", "max_oversample"):
         if getattr(args, name) < (2 if name == "num_labels" else 1):
             raise ValueError(f"--{name} must be >= {2 if name == 'num_labels' else 1}, got {getattr(args, name)}.")
+    if not 0 <= args.min_pass_rate <= 1:
+        raise ValueError(f"--min_pass_rate must be in [0, 1], got {args.min_pass_rate}.")
     label_type = generated_label_type(args)
     validation.check_generate_args(args)
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -306,6 +330,7 @@ def generate(args: Generate) -> dict:
         "batch_size": args.batch_size,
         "max_rounds": args.max_rounds,
         "max_oversample": args.max_oversample,
+        "min_pass_rate": args.min_pass_rate,
     }
     if args.dry_run:
         cli.print_table(
@@ -420,6 +445,8 @@ def generate(args: Generate) -> dict:
             rate = result["counts"]["filter_pass_rate"]
             stats = f"pass rate {rate:.2f} skipped {counts['skipped_queries']}" if rate is not None else ""
             progress.update(bar, completed=len(rows), stats=stats)
+            if len(rows) < args.num_queries and not stopped:
+                check_pass_rate(counts, args, len(rows))
     if stopped:
         console.print(
             f"stopped: {len(rows)} of {args.num_queries} rows saved to {args.output}; run the same command "

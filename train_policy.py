@@ -29,10 +29,17 @@ from lm_human_preference_details.data import QueryStream, load_texts
 from lm_human_preference_details.hub import HubUnavailableError, hub_reachable
 from lm_human_preference_details.kernels import logprobs_and_entropy_from_logits, logprobs_from_logits
 from lm_human_preference_details.labelers import load_labeler
-from lm_human_preference_details.modeling import PolicyWithValueHead, load_causal_lm, load_reward_model, sample
+from lm_human_preference_details.modeling import (
+    PolicyWithValueHead,
+    load_causal_lm,
+    load_reward_model,
+    reduce_training_memory,
+    sample,
+)
 from lm_human_preference_details.optim import make_optimizer
 from lm_human_preference_details.tasks import (
     TASKS,
+    PassRateAlarm,
     TaskHParams,
     encode_context_affixes,
     format_contexts,
@@ -129,6 +136,9 @@ class Args:
     longest time one process works alone (rank 0 saving a checkpoint)"""
     log_interval: int = 10
     """print and log a table of samples every this many updates (OAI run.log_interval)"""
+    filter_warning_rate: float = 0.1
+    """warn on the console, every log_interval updates, while debug/filter_pass_rate (responses passing the task's
+    truncation filter; the others score the penalty) stays below this; 0: never warn"""
     save_interval: int = 50
     """save the policy every this many updates, and always at the end (OAI run.save_interval); 0 = only at the end"""
     save_checkpoints: bool = False
@@ -138,6 +148,12 @@ class Args:
     """rows of the sample table (OAI prints 3)"""
     use_tensorflow_adam: bool = True
     """TF1 Adam as OAI (epsilon added after bias correction); off: torch.optim.Adam with the same eps 1e-5"""
+    gradient_checkpointing: bool = False
+    """recompute each transformer block's activations in the backward instead of storing them: much less activation
+    memory (e.g. for gpt2-large/xl) for ~30% more compute, same updates; off: every activation is stored, as OAI"""
+    bf16: bool = False
+    """run the transformer of the training forward passes under bfloat16 autocast (weights, optimizer, heads, logits,
+    sampling and scoring stay float32): less memory, faster on GPUs with bf16; off: float32 throughout, as OAI"""
     push_to_hub: bool = False
     """upload output_dir (policy, value head, tokenizer, args) to the Hugging Face hub at the end"""
     hf_repo_id: str | None = None
@@ -689,6 +705,7 @@ def main(args: Args) -> list[dict[str, float]]:
     # https://github.com/openai/lm-human-preferences/blob/cbfd210bb8b08f6bc5c26878c10984b90f516c66/lm_human_preferences/train_policy.py#L482-L485
     core.broadcast_parameters(policy, accelerator)
     ref_policy = copy.deepcopy(policy).requires_grad_(False)
+    reduce_training_memory(policy, args.gradient_checkpointing, args.bf16)  # the PPO forward only
     reward_model = reward_model.to(device).eval().requires_grad_(False)
     gold_labeler = None
     if args.rewards.gold_model:
@@ -720,6 +737,7 @@ def main(args: Args) -> list[dict[str, float]]:
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn())
     progress = Progress(*columns, console=console, disable=not accelerator.is_main_process)
     bar = progress.add_task("PPO updates", total=sizes.nupdates)
+    pass_rate_alarm = PassRateAlarm(args.filter_warning_rate, args.log_interval)
     history: list[dict[str, float]] = []
     start_time = last_time = time.time()
     with progress:
@@ -818,6 +836,9 @@ def main(args: Args) -> list[dict[str, float]]:
                     args.print_samples,
                 )
                 print_samples(console, tracker, rows, update)
+            warning = pass_rate_alarm.update(stats["debug/filter_pass_rate"], update, task)
+            if warning and accelerator.is_main_process:
+                console.print(warning, style="bold red", markup=False)
             description = f"score {cli.number(stats['objective/score'])} kl {cli.number(stats['objective/kl'])}"
             if gold_labeler is not None:
                 description += f" gold {cli.number(stats['objective/gold_score'])}"

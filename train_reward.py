@@ -47,6 +47,7 @@ from lm_human_preference_details.modeling import (
     check_finite_weights,
     load_causal_lm,
     model_vocab_size,
+    reduce_training_memory,
     sample,
     score_label_rows,
 )
@@ -101,6 +102,12 @@ class Args:
     """set gain/bias again after training (OAI launch.py#L77)"""
     use_tensorflow_adam: bool = True
     """TF1-style Adam (eps after bias correction, as OAI); off: torch.optim.Adam with the same eps"""
+    gradient_checkpointing: bool = False
+    """recompute each transformer block's activations in the backward instead of storing them: much less activation
+    memory (e.g. for gpt2-large/xl) for ~30% more compute, same updates; off: every activation is stored, as OAI"""
+    bf16: bool = False
+    """run the transformer of the training forward passes under bfloat16 autocast (weights, optimizer, heads, logits,
+    sampling and scoring stay float32): less memory, faster on GPUs with bf16; off: float32 throughout, as OAI"""
     eval_interval: int = 0
     """evaluate held-out accuracy every this many steps (0: only before and after training)"""
     output_dir: str = "models/reward"
@@ -328,6 +335,7 @@ def main(args: Args) -> dict:
     train_labels, heldout_labels = labels[: args.labels.num_train], labels[args.labels.num_train :]
     reward_model = RewardModel.from_base(args.base_model).to(accelerator.device)
     broadcast_parameters(reward_model, accelerator)  # rank 0's random head everywhere (OAI train_reward.py#L316-L318)
+    reduce_training_memory(reward_model, args.gradient_checkpointing, args.bf16)  # the label loss's forward only
     ref_policy = PolicyWithValueHead(load_causal_lm(args.base_model)).to(accelerator.device).requires_grad_(False)
     # gain and bias are trained too (their effect is reset by normalize_after)
     # https://github.com/openai/lm-human-preferences/blob/cbfd210bb8b08f6bc5c26878c10984b90f516c66/lm_human_preferences/rewards.py#L69-L71

@@ -66,6 +66,11 @@ class Args:
     """minibatches per epoch (OAI: 1)"""
     accum: int = 1
     """gradient-accumulation micro-batches per minibatch (lowers peak memory; the FLOPs stay the same)"""
+    gradient_checkpointing: bool = False
+    """train_policy.py --gradient_checkpointing: recompute block activations in the backward (less memory; the lower
+    bound does not count the recompute)"""
+    bf16: bool = False
+    """train_policy.py --bf16: bfloat16 autocast of the PPO forward's transformer (the bound stays the float32 one)"""
     threads: int = 0
     """torch intra-op CPU threads (0: torch's default)"""
     gemm_repeats: int = 5
@@ -143,6 +148,8 @@ def policy_args(args: Args, work_dir: str, policy_dir: str, reward_dir: str, cor
         log_interval=10**9,
         save_interval=0,
         print_samples=1,
+        gradient_checkpointing=args.gradient_checkpointing,
+        bf16=args.bf16,
         task=task,
         rewards=rewards,
         ppo=ppo,

@@ -7,6 +7,7 @@ import copy
 import json
 import math
 import os
+from contextlib import contextmanager
 
 import torch
 import torch.nn as nn
@@ -20,6 +21,7 @@ from transformers import (
     PreTrainedTokenizerBase,
     StaticCache,
 )
+from transformers.modeling_layers import GradientCheckpointingLayer
 
 from lm_human_preference_details.hub import check_available
 from lm_human_preference_details.kernels import sample_categorical, use_fused_gelu
@@ -190,23 +192,52 @@ def _check_first_token_real(mask: torch.Tensor, pad_id: int) -> None:
         )
 
 
+@contextmanager
+def _checkpointed_blocks(model: PreTrainedModel):
+    """Within this block, a forward that records gradients recomputes the activations of `model`'s blocks in the
+    backward, when activation checkpointing is enabled on it (`reduce_training_memory`).
+
+    transformers checkpoints a block only in training mode, and then drops its KV cache; the project keeps every model
+    in eval mode and samples with a KV cache, so only the blocks' own flag is switched on, only here, and dropout
+    modules stay in eval mode.
+    """
+    blocks = []
+    if torch.is_grad_enabled():
+        blocks = [
+            m
+            for m in model.modules()
+            if isinstance(m, GradientCheckpointingLayer) and m.gradient_checkpointing and not m.training
+        ]
+    for block in blocks:
+        block.training = True
+    try:
+        yield
+    finally:
+        for block in blocks:
+            block.training = False
+
+
 def _transformer_hidden(
-    model: PreTrainedModel, tokens: torch.Tensor, pad_id: int, check_first_token: bool = True
+    model: PreTrainedModel, tokens: torch.Tensor, pad_id: int, check_first_token: bool = True, bf16: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Final-LayerNorm hidden states (B, T, D) with PADs masked out as attention keys, and the real mask (B, T)."""
+    """Final-LayerNorm hidden states (B, T, D) with PADs masked out as attention keys, and the real mask (B, T).
+
+    `bf16`: the transformer runs under bfloat16 autocast; the hidden states are returned in float32 either way.
+    """
     mask = tokens != pad_id  # (B, T)
     if check_first_token:
         _check_first_token_real(mask, pad_id)
     # PAD ids -> 0 before the embedding lookup; PAD keys masked out of attention for every query row
     # https://github.com/openai/lm-human-preferences/blob/cbfd210bb8b08f6bc5c26878c10984b90f516c66/lm_human_preferences/language/model.py#L294-L297
     # https://github.com/openai/lm-human-preferences/blob/cbfd210bb8b08f6bc5c26878c10984b90f516c66/lm_human_preferences/language/model.py#L133-L141
-    output = model.base_model(
-        input_ids=tokens.masked_fill(~mask, 0),
-        attention_mask=mask.long(),
-        position_ids=position_ids_from_mask(mask),
-        use_cache=False,
-    )
-    return output.last_hidden_state, mask
+    with _checkpointed_blocks(model), torch.autocast(tokens.device.type, torch.bfloat16, enabled=bf16):
+        output = model.base_model(
+            input_ids=tokens.masked_fill(~mask, 0),
+            attention_mask=mask.long(),
+            position_ids=position_ids_from_mask(mask),
+            use_cache=False,
+        )
+    return output.last_hidden_state.float(), mask
 
 
 def pad_invisible_hidden(model: PreTrainedModel, tokens: torch.Tensor, pad_id: int) -> torch.Tensor:
@@ -256,6 +287,7 @@ class PolicyWithValueHead(nn.Module):
         nn.init.zeros_(self.value_head.weight)
         nn.init.zeros_(self.value_head.bias)
         self.train(lm.training)  # the heads follow the mode of the model they wrap (eval after loading)
+        self.bf16_autocast = False  # see reduce_training_memory
 
     def forward(
         self, query_responses: torch.Tensor, context_length: int, pad_id: int, temperature: float
@@ -273,7 +305,8 @@ class PolicyWithValueHead(nn.Module):
                 f"shape {tuple(query_responses.shape)}; pass the width of the context part."
             )
         # the last token predicts nothing: the causal trunk runs on the first T-1 tokens only
-        hidden, mask = _transformer_hidden(self.lm, query_responses[:, :-1], pad_id, check_first_token=False)
+        bf16 = self.bf16_autocast and torch.is_grad_enabled()
+        hidden, mask = _transformer_hidden(self.lm, query_responses[:, :-1], pad_id, check_first_token=False, bf16=bf16)
         # only the response part: outputs at [ctx-1 : -1] predict the response tokens (LM head on L positions only)
         # https://github.com/openai/lm-human-preferences/blob/cbfd210bb8b08f6bc5c26878c10984b90f516c66/lm_human_preferences/policy.py#L114-L126
         index = _last_real_index(mask)[:, context_length - 1 :]  # (B, L)
@@ -408,10 +441,12 @@ class RewardModel(nn.Module):
         self.gain = nn.Parameter(torch.tensor(1.0))
         self.bias = nn.Parameter(torch.tensor(0.0))
         self.train(trunk.training)  # the heads follow the mode of the model they wrap (eval after loading)
+        self.bf16_autocast = False  # see reduce_training_memory
 
     def forward(self, query_responses: torch.Tensor, pad_id: int, check_first_token: bool = True) -> torch.Tensor:
         """Rewards (B,) read at position -1, i.e. at the last real token after the PAD replacement."""
-        hidden, mask = _transformer_hidden(self.trunk, query_responses, pad_id, check_first_token)
+        bf16 = self.bf16_autocast and torch.is_grad_enabled()
+        hidden, mask = _transformer_hidden(self.trunk, query_responses, pad_id, check_first_token, bf16)
         # the head output at index -1 of query ⊕ response (a trailing PAD holds the last real token's state)
         # https://github.com/openai/lm-human-preferences/blob/cbfd210bb8b08f6bc5c26878c10984b90f516c66/lm_human_preferences/rewards.py#L130-L138
         last = _gather_positions(hidden, _last_real_index(mask)[:, -1:])[:, 0]  # (B, D)
@@ -492,6 +527,25 @@ def classifier_checkpoint(model: RewardModel, pad_id: int) -> PreTrainedModel | 
     state["score.weight"] = weight.detach().clone()
     classifier.load_state_dict(state, strict=True, assign=True)
     return classifier.eval()
+
+
+def reduce_training_memory(model: PolicyWithValueHead | RewardModel, gradient_checkpointing: bool, bf16: bool) -> None:
+    """Memory savers for the forward passes that record gradients (training); sampling and scoring are unchanged.
+
+    `gradient_checkpointing`: transformers' activation checkpointing (non-reentrant) of every block, whose backward
+    recomputes the block's activations instead of storing them: the same gradients for ~30% more compute.
+    `bf16`: the trunk runs under bfloat16 autocast; weights, gradients, heads and logits stay float32.
+    Both are off by default: OAI trains in float32 and stores every activation.
+    """
+    trunk = model.lm if isinstance(model, PolicyWithValueHead) else model.trunk
+    if gradient_checkpointing:
+        kwargs = {"use_reentrant": False}
+        if hasattr(trunk, "activation_checkpointing_enable"):
+            trunk.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+        else:  # transformers releases before the rename
+            trunk.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+        trunk.disable_input_require_grads()  # only reentrant checkpointing needs embeddings that require grad
+    model.bf16_autocast = bf16
 
 
 def score_label_rows(

@@ -192,3 +192,37 @@ def passes_filter(responses: torch.Tensor, truncate_token: int | None, truncate_
     if truncate_token is None:
         return torch.ones(responses.shape[0], dtype=torch.bool, device=responses.device)
     return (responses[:, truncate_after:] == truncate_token).any(1)
+
+
+def filter_flags(task: TaskHParams) -> str:
+    """The task's filter in words, naming its flags: what a response needs to pass (for pass-rate messages)."""
+    return (
+        f"a response passes only with --task.truncate_token {task.truncate_token} at an index >= "
+        f"--task.truncate_after {task.truncate_after} of its --task.response_length {task.response_length} tokens"
+    )
+
+
+class PassRateAlarm:
+    """Console warning when the filter pass rate stays under `threshold`: checked at every `interval`-th update, it
+    fires when every update since the previous check was below (at the first check: the first update alone)."""
+
+    def __init__(self, threshold: float, interval: int):
+        self.threshold, self.interval = threshold, interval
+        self.first: int | None = None
+        self.highest = 0.0
+
+    def update(self, rate: float, update: int, task: TaskHParams) -> str | None:
+        """The warning after update `update` (0-based) whose pass rate was `rate`, or None."""
+        self.first = update if self.first is None else self.first
+        self.highest = max(self.highest, rate)
+        if self.threshold <= 0 or update % self.interval:
+            return None
+        first, highest, self.first, self.highest = self.first, self.highest, None, 0.0
+        if highest >= self.threshold:
+            return None
+        updates = f"update {update}" if first == update else f"updates {first}-{update}"
+        return (
+            f"warning: the filter pass rate stayed below {self.threshold} ({updates}, highest {highest:.3f}), so the "
+            f"policy trains on the penalty --task.penalty_reward_value {task.penalty_reward_value}: "
+            f"{filter_flags(task)}. Check these flags (--task.truncate_token None: no filter) and the base model."
+        )

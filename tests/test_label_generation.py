@@ -5,6 +5,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -13,6 +14,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
 import label_generation
+from lm_human_preference_details import cli
 from lm_human_preference_details.data import QueryStream, load_texts
 from lm_human_preference_details.labelers import VaderLabeler
 from lm_human_preference_details.labels import OAI_PAD_TOKEN, load_labels, read_label_rows
@@ -327,6 +329,39 @@ def test_generate_skips_queries_without_enough_passing_responses(world, tmp_path
     assert counts["skipped_queries"] > 0 and counts["queries"] == 3 + counts["skipped_queries"]
     # one round of exactly 2 candidates for each of the 8 queries of every batch drawn
     assert counts["candidates_sampled"] % 16 == 0 and counts["candidates_sampled"] >= 2 * counts["queries"]
+
+
+def test_generate_stops_with_the_filter_flags_when_responses_never_pass(world, tokenizer, tmp_path, capsys):
+    never = tmp_path / "never-passes"  # samples only words, never the truncate token '.'
+    word_sampler_gpt2([tokenizer.encode(w)[0] for w in (" happy", " sad")]).save_pretrained(never)
+    tokenizer.save_pretrained(never)
+    output = tmp_path / "labels.json"
+    flags = generate_flags({**world, "model": str(never)}, output, "--batch_size", "4", "--num_labels", "2")
+    start = time.perf_counter()
+    with pytest.raises(SystemExit) as stop:
+        cli.run(label_generation.main, label_generation.parse, flags)
+    assert stop.value.code == 2 and time.perf_counter() - start < 30  # one batch, not an endless loop
+    out, err = capsys.readouterr()
+    assert "pass rate 0.00" in out  # the progress bar
+    message = next(line for line in err.splitlines() if line.startswith("error:"))
+    assert message.startswith("error: only 0.0% of ") and "below --min_pass_rate 0.02" in message
+    for flag in ("--task.truncate_token 13", "--task.truncate_after 4", "--task.response_length 8"):
+        assert flag in message
+    assert "no rows were written" in message and not output.exists()
+
+
+def test_generate_pass_rate_bound_keeps_the_rows_and_a_rerun_continues(world, tmp_path):
+    stopped, fresh = tmp_path / "stopped.json", tmp_path / "fresh.json"
+    common = ["--labeler", "vader", "--num_labels", "2", "--batch_size", "4", "--num_queries", "7"]
+    # ~60% of the responses pass: a 90% bound stops after the first batch, whose rows are saved
+    with pytest.raises(ValueError, match=r"below --min_pass_rate 0\.9: .* [1-4] rows are saved in"):
+        run_label_generation(generate_flags(world, stopped, *common, "--min_pass_rate", "0.9"))
+    kept = read_rows(stopped)
+    assert 0 < len(kept) <= 4 and not read_meta(stopped)["complete"]
+    run_label_generation(generate_flags(world, stopped, *common, "--min_pass_rate", "0"))
+    run_label_generation(generate_flags(world, fresh, *common))
+    assert read_rows(stopped) == read_rows(fresh) and read_rows(fresh)[: len(kept)] == kept
+    assert read_meta(stopped)["counts"] == read_meta(fresh)["counts"]
 
 
 def test_generate_refuses_to_resume_with_other_settings(vader_labels, world, tmp_path):

@@ -221,6 +221,50 @@ def test_gradient_accumulation_gives_the_same_update(tmp_path, tiny_model_dir, w
     assert not torch.allclose(one["head.weight"], RewardModel.from_base(tiny_model_dir).head.weight)
 
 
+@pytest.fixture
+def one_thread():
+    """Tiny models train fastest on one thread (two threads on a busy 2-core machine are many times slower)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def test_gradient_checkpointing_and_bf16_runs_track_the_plain_run(tmp_path, tiny_model_dir, world, one_thread):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    small = tmp_path / "labels.json"  # 64 training rows and 16 held out keep the evaluations short
+    small.write_text(json.dumps(json.loads(world["labels"].read_text())[:80]))
+
+    def train(name: str, **flags) -> tuple[dict, list[float]]:
+        args = reward_args(
+            tmp_path / name,
+            tiny_model_dir,
+            world,
+            small,
+            labels=train_reward.LabelHParams(num_train=64),
+            normalize_before=False,
+            **flags,
+        )
+        train_reward.main(args)
+        events = EventAccumulator(os.path.join(args.output_dir, "tb"))
+        events.Reload()
+        losses = [event.value for event in events.Scalars("train_reward/minibatch/loss")]
+        return load_reward_model(args.output_dir)[0].state_dict(), losses
+
+    plain, plain_losses = train("plain")
+    checkpointed, checkpointed_losses = train("checkpointed", gradient_checkpointing=True)
+    bf16, bf16_losses = train("bf16", bf16=True)
+    assert len(plain_losses) == 4
+    # gradient checkpointing: the same run (measured: bit-identical on CPU; tolerance 1e-6)
+    assert checkpointed_losses == pytest.approx(plain_losses, abs=1e-6)
+    for name, value in plain.items():
+        torch.testing.assert_close(checkpointed[name], value, atol=1e-6, rtol=0, msg=name)
+    # bf16 autocast of the trunk: the loss curve tracks float32's (tolerance 0.03 per step, as in test_modeling)
+    assert bf16_losses == pytest.approx(plain_losses, abs=0.03) and bf16_losses != plain_losses
+    assert max((bf16[name] - value).abs().max().item() for name, value in plain.items()) < 1e-2
+
+
 def write_scalar_labels(world, path, kind: str, n: int) -> np.ndarray:
     """The world's best-of-4 rows as scalar labels: the planted best sample scores high; returns the label values."""
     rows, values = [], []
