@@ -21,6 +21,7 @@ from transformers import (
     StaticCache,
 )
 
+from lm_human_preference_details.checkpoint import check_complete_save
 from lm_human_preference_details.hub import check_available
 from lm_human_preference_details.kernels import sample_categorical, use_fused_gelu
 from lm_human_preference_details.tokenizer import check_same_tokenizer, generation_tokenizer, load_tokenizer
@@ -67,6 +68,7 @@ def _load_pretrained(auto_cls, name_or_dir: str, flag: str, kind: str, strict: b
             f"save_pretrained, or a Hugging Face hub id such as gpt2."
         )
     name_or_dir = os.path.expanduser(name_or_dir)
+    check_complete_save(name_or_dir, flag)
     check_available(name_or_dir, flag, kind=kind)
     config = _config_without_dropout(name_or_dir)
     use_fused_gelu(config)  # same formula as GPT-2's gelu_new, one fused kernel
@@ -437,6 +439,7 @@ def load_reward_model(output_dir: str, flag: str = REWARD_MODEL_FLAG) -> tuple[R
     `classifier_checkpoint`); the metadata keeps the trained gain and bias.
     """
     config_path = os.path.join(output_dir, REWARD_CONFIG_FILE)
+    check_complete_save(output_dir, flag)
     if not os.path.isfile(config_path):
         raise FileNotFoundError(
             f"reward model '{output_dir}' not found ('{config_path}' is missing); pass {flag} DIR with a directory "
