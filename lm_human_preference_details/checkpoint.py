@@ -231,6 +231,7 @@ def save_training_state(
         shutil.rmtree(tmp, ignore_errors=True)
         os.makedirs(tmp)
     accelerator.wait_for_everyone()
+    os.makedirs(tmp, exist_ok=True)
     torch.save(local, os.path.join(tmp, RANK_FILE.format(rank=accelerator.process_index)))
     if accelerator.is_main_process:
         torch.save(shared, os.path.join(tmp, SHARED_FILE))
