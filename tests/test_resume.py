@@ -348,3 +348,16 @@ def test_atomic_directory_keeps_the_old_directory_on_error(tmp_path):
         raise RuntimeError("killed mid-write")
     assert json.loads((target / "a.json").read_text()) == {"v": 1}
     assert os.listdir(tmp_path) == ["ckpt"]
+
+
+@pytest.mark.parametrize("leftover", ["reward_model.json", "tb"])
+def test_reward_run_into_used_output_dir_stops(tmp_path, tiny_model_dir, reward_world, leftover):
+    used = tmp_path / "rm"
+    used.mkdir()
+    if leftover == "tb":
+        (used / "tb").mkdir()
+    else:
+        (used / leftover).write_text("{}")
+    with pytest.raises(ValueError, match=f"already holds another run \\({leftover}\\); pass --resume auto"):
+        train_reward.main(train_reward.parse(reward_flags(tiny_model_dir, reward_world, used)))
+    assert sorted(os.listdir(used)) == [leftover]
