@@ -24,7 +24,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 from transformers import PreTrainedTokenizerBase
 
-from lm_human_preference_details import cli, core, validation
+from lm_human_preference_details import checkpoint, cli, core, validation
 from lm_human_preference_details.data import QueryStream, load_texts
 from lm_human_preference_details.hub import HubUnavailableError, hub_reachable
 from lm_human_preference_details.kernels import logprobs_and_entropy_from_logits, logprobs_from_logits
@@ -140,10 +140,23 @@ class Args:
     """warn on the console, every log_interval updates, while debug/filter_pass_rate (responses passing the task's
     truncation filter; the others score the penalty) stays below this; 0: never warn"""
     save_interval: int = 50
-    """save the policy every this many updates, and always at the end (OAI run.save_interval); 0 = only at the end"""
+    """save the policy and a training-state checkpoint every this many updates, and always at the end (OAI
+    run.save_interval); 0 = only at the end"""
     save_checkpoints: bool = False
     """also keep each periodic save in OUTPUT_DIR/checkpoints/update{N} (N updates done), e.g. for evaluate.py's
     gold-vs-KL curve; off: each save replaces the last"""
+    keep_checkpoints: int = 2
+    """training-state checkpoints kept in OUTPUT_DIR/training_state/step{N} (weights, optimizer, KL controller, query
+    position, every process's RNGs), the newest; older ones are deleted once a newer one is on disk; 0 keeps all"""
+    resume: str | None = None
+    """continue a killed run from a training-state checkpoint: its directory, or `auto` for the newest in
+    --output_dir (none there: start afresh); the run then logs and saves what the uninterrupted run would"""
+    allow_resume_changes: bool = False
+    """resume even though settings that change the run (sizes, task, models, seeds, processes) differ from the
+    checkpoint's; the differences are printed"""
+    overwrite_output_dir: bool = False
+    """start afresh in an --output_dir that holds another run: its training states, checkpoints/ and TensorBoard logs
+    are deleted, its model is replaced at the first save"""
     print_samples: int = 3
     """rows of the sample table (OAI prints 3)"""
     use_tensorflow_adam: bool = True
@@ -636,6 +649,78 @@ def save_policy(policy: PolicyWithValueHead, tokenizer: PreTrainedTokenizerBase,
     validation.save_atomically(output_dir, write)
 
 
+RESUME_IGNORED = (
+    "exp_name",
+    "output_dir",
+    "track",
+    "wandb_project_name",
+    "wandb_entity",
+    "log_interval",
+    "save_interval",
+    "save_checkpoints",
+    "keep_checkpoints",
+    "print_samples",
+    "push_to_hub",
+    "hf_repo_id",
+    "dry_run",
+    "resume",
+    "allow_resume_changes",
+    "overwrite_output_dir",
+)
+"""settings that may change on --resume: they do not change what the run computes"""
+
+
+@dataclass
+class TrainingState:
+    """Everything that carries over from one update to the next, as checkpoints save and restore it."""
+
+    policy: PolicyWithValueHead
+    optimizer: torch.optim.Optimizer
+    kl_ctl: "FixedKLController | AdaptiveKLController"
+    query_stream: QueryStream
+    generator: torch.Generator
+    order_rngs: list[np.random.RandomState]
+
+    def restore(self, resumed: checkpoint.Resumed) -> None:
+        """Weights, Adam moments and step, kl_coef, query position and every RNG as the checkpoint holds them."""
+        self.policy.load_state_dict(resumed.shared["policy"])
+        self.optimizer.load_state_dict(resumed.shared["optimizer"])
+        self.kl_ctl.value = resumed.shared["kl_coef"]
+        self.query_stream.load_state_dict(resumed.local["query_stream"])
+        checkpoint.restore_rng_states(resumed.local["rng"], self.generator, self.order_rngs)
+
+
+def save_checkpoint(
+    args: Args,
+    accelerator: Accelerator,
+    updates: int,
+    state: TrainingState,
+    tokenizer: PreTrainedTokenizerBase,
+    tracker: core.Tracker,
+    meta: dict,
+    start_time: float,
+) -> None:
+    """After `updates` updates: the training state (every process) in OUTPUT_DIR/training_state/step{updates}, then
+    the policy at the top of OUTPUT_DIR and, with --save_checkpoints, in checkpoints/update{updates}; all atomic."""
+    shared = {
+        "policy": state.policy.state_dict(),
+        "optimizer": state.optimizer.state_dict(),
+        "kl_coef": state.kl_ctl.value,
+        "elapsed_time": time.time() - start_time,
+    }
+    local = {
+        "query_stream": state.query_stream.state_dict(),
+        "rng": checkpoint.rng_states(state.generator, state.order_rngs),
+    }
+    tracker.flush()
+    checkpoint.save_training_state(args.output_dir, updates, accelerator, meta, shared, local, args.keep_checkpoints)
+    if not accelerator.is_main_process:
+        return
+    save_policy(state.policy, tokenizer, args, args.output_dir)
+    if args.save_checkpoints and updates < derive_sizes(args, accelerator.num_processes).nupdates:
+        save_policy(state.policy, tokenizer, args, os.path.join(args.output_dir, "checkpoints", f"update{updates}"))
+
+
 def push_to_hub(args: Args) -> str:
     """Upload output_dir (policy, value head, tokenizer, args; no logs) to the hub; returns the repo id."""
     from huggingface_hub import HfApi
@@ -678,6 +763,16 @@ def main(args: Args) -> list[dict[str, float]]:
         return []
     if args.push_to_hub and not hub_reachable():
         raise HubUnavailableError("--push_to_hub needs the Hugging Face hub, which is unreachable; drop the flag")
+    # a killed run continues from its checkpoint (--resume); a fresh one never writes into another run's output_dir
+    resumed = checkpoint.resolve_resume(
+        args.output_dir, args.resume, args.overwrite_output_dir, accelerator.process_index
+    )
+    settings = {**dataclasses.asdict(args), "world_size": sizes.world}
+    if resumed is not None:
+        changes = checkpoint.check_resume_settings(resumed, settings, RESUME_IGNORED, args.allow_resume_changes)
+        if changes:
+            accelerator.print(f"warning: --allow_resume_changes: the checkpoint's settings differ: {changes}")
+        accelerator.print(f"resuming from {resumed.path} after {resumed.step} of {sizes.nupdates} updates")
 
     # per-process seed (spec D2); the query order uses data_seed instead (spec D3)
     # https://github.com/openai/lm-human-preferences/blob/cbfd210bb8b08f6bc5c26878c10984b90f516c66/lm_human_preferences/utils/core.py#L108-L113
@@ -723,7 +818,14 @@ def main(args: Args) -> list[dict[str, float]]:
     query_stream = QueryStream(texts, tokenizer, task, accelerator.process_index, sizes.world, args.data_seed)
     prefix, suffix = encode_context_affixes(tokenizer, task)
 
-    run_name = core.run_name(accelerator, args.task_id, args.exp_name, args.seed)
+    state = TrainingState(policy, optimizer, kl_ctl, query_stream, generator, order_rngs)
+
+    if resumed is None:
+        run_name = core.run_name(accelerator, args.task_id, args.exp_name, args.seed)
+        if args.overwrite_output_dir and accelerator.is_main_process:
+            checkpoint.clear_previous_run(args.output_dir)
+    else:
+        run_name = resumed.meta["run_name"]
     config = {**dataclasses.asdict(args), "world_size": sizes.world, "nupdates": sizes.nupdates}
     tracker = core.Tracker(
         args.output_dir,
@@ -733,16 +835,24 @@ def main(args: Args) -> list[dict[str, float]]:
         run_name,
         config,
         accelerator.is_main_process,
+        purge_step=resumed.step if resumed else 0,
+        wandb_id=resumed.meta["wandb_id"] if resumed else None,
     )
+    meta = {"settings": settings, "run_name": run_name, "wandb_id": tracker.wandb_id}
+    first_update, elapsed_before = 0, 0.0
+    if resumed is not None:
+        state.restore(resumed)
+        first_update, elapsed_before = resumed.step, resumed.shared["elapsed_time"]
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn())
     progress = Progress(*columns, console=console, disable=not accelerator.is_main_process)
-    bar = progress.add_task("PPO updates", total=sizes.nupdates)
+    bar = progress.add_task("PPO updates", total=sizes.nupdates, completed=first_update)
     pass_rate_alarm = PassRateAlarm(args.filter_warning_rate, args.log_interval)
     history: list[dict[str, float]] = []
-    start_time = last_time = time.time()
+    last_time = time.time()
+    start_time = last_time - elapsed_before
     with progress:
         # OAI's step = number of completed updates, 0 at the first one
-        for update in range(sizes.nupdates):
+        for update in range(first_update, sizes.nupdates):
             timer = PhaseTimer(device)
             timer.mark()
             # each virtual rank's fresh permutation for each PPO epoch (spec P12, D4), drawn now, while the GPU is
@@ -844,18 +954,14 @@ def main(args: Args) -> list[dict[str, float]]:
                 description += f" gold {cli.number(stats['objective/gold_score'])}"
             progress.update(bar, advance=1, description=description)
             is_last = update == sizes.nupdates - 1
-            if accelerator.is_main_process and (
-                is_last or (args.save_interval and (update + 1) % args.save_interval == 0)
-            ):
-                save_policy(policy, tokenizer, args, args.output_dir)
-                if args.save_checkpoints and not is_last:
-                    save_policy(
-                        policy, tokenizer, args, os.path.join(args.output_dir, "checkpoints", f"update{update + 1}")
-                    )
+            if is_last or (args.save_interval and (update + 1) % args.save_interval == 0):
+                save_checkpoint(args, accelerator, update + 1, state, tokenizer, tracker, meta, start_time)
+        if first_update == sizes.nupdates:  # a finished run resumed: write its policy again, a kill may have cut it
+            save_checkpoint(args, accelerator, first_update, state, tokenizer, tracker, meta, start_time)
 
     accelerator.wait_for_everyone()
     tracker.close()
-    if accelerator.is_main_process:
+    if accelerator.is_main_process and history:
         final = history[-1]
         summary = {
             "updates": f"{len(history)} ({int(final['elapsed/episodes'])} episodes, {final['elapsed/time']:.0f} s)",

@@ -17,7 +17,7 @@ import tyro
 from accelerate.utils import broadcast
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
-from lm_human_preference_details import cli, validation
+from lm_human_preference_details import checkpoint, cli, validation
 from lm_human_preference_details.core import (
     Tracker,
     allreduce_gradients,
@@ -112,6 +112,20 @@ class Args:
     """evaluate held-out accuracy every this many steps (0: only before and after training)"""
     output_dir: str = "models/reward"
     """where the reward model, tokenizer, TensorBoard events and wandb files are written"""
+    save_interval: int = 100
+    """write a training-state checkpoint every this many steps, and always after the last one; 0 = only then"""
+    keep_checkpoints: int = 2
+    """training-state checkpoints kept in OUTPUT_DIR/training_state/step{N} (weights, gain/bias, optimizer, label
+    order and position, query position, every process's RNGs), the newest; 0 keeps all"""
+    resume: str | None = None
+    """continue a killed run from a training-state checkpoint: its directory, or `auto` for the newest in
+    --output_dir (none there: start afresh); the run then logs and saves what the uninterrupted run would"""
+    allow_resume_changes: bool = False
+    """resume even though settings that change the run (sizes, labels, task, model, seeds, processes) differ from the
+    checkpoint's; the differences are printed"""
+    overwrite_output_dir: bool = False
+    """start afresh in an --output_dir that holds another run: its training states and TensorBoard logs are deleted,
+    its model is replaced at the end"""
     track: bool = False
     """log to Weights & Biases (set WANDB_MODE=offline to log without network)"""
     wandb_project_name: str = "lm_human_preference_details"
@@ -126,6 +140,22 @@ class Args:
     """print the derived per-process sizes and exit"""
     task_id: tyro.conf.Suppress[str] = "sentiment"
     """name of the --task preset these settings started from (recorded in the run config)"""
+
+
+RESUME_IGNORED = (
+    "exp_name",
+    "output_dir",
+    "track",
+    "wandb_project_name",
+    "wandb_entity",
+    "dry_run",
+    "save_interval",
+    "keep_checkpoints",
+    "resume",
+    "allow_resume_changes",
+    "overwrite_output_dir",
+)
+"""settings that may change on --resume: they do not change what the run computes"""
 
 
 def books_preset(label_file: str) -> Args:
@@ -317,6 +347,14 @@ def main(args: Args) -> dict:
     # https://github.com/openai/lm-human-preferences/blob/cbfd210bb8b08f6bc5c26878c10984b90f516c66/lm_human_preferences/utils/core.py#L108-L113
     set_seed(args.seed + rank * 100003)
     generator = torch.Generator(accelerator.device).manual_seed(args.seed + rank * 100003)
+    # a killed run continues from its checkpoint (--resume); a fresh one never writes into another run's output_dir
+    resumed = checkpoint.resolve_resume(args.output_dir, args.resume, args.overwrite_output_dir, rank)
+    settings = {**dataclasses.asdict(args), "world_size": world}
+    if resumed is not None:
+        changes = checkpoint.check_resume_settings(resumed, settings, RESUME_IGNORED, args.allow_resume_changes)
+        if changes:
+            accelerator.print(f"warning: --allow_resume_changes: the checkpoint's settings differ: {changes}")
+        accelerator.print(f"resuming from {resumed.path} after {resumed.step} of {num_steps} steps")
 
     # 1. tokenizer, labels (validated before any model is loaded), models, optimizer, query stream
     label_type = get_label_type(args.labels.type)
@@ -343,7 +381,12 @@ def main(args: Args) -> dict:
     optimizer = make_optimizer(params, args.lr, args.use_tensorflow_adam)
     query_stream = QueryStream(load_texts(args.task.query_dataset), tokenizer, args.task, rank, world, args.data_seed)
     affixes = encode_context_affixes(tokenizer, args.task)
-    name = run_name(accelerator, args.task_id, args.exp_name, args.seed)
+    if resumed is None:
+        name = run_name(accelerator, args.task_id, args.exp_name, args.seed)
+        if args.overwrite_output_dir and accelerator.is_main_process:
+            checkpoint.clear_previous_run(args.output_dir)
+    else:
+        name = resumed.meta["run_name"]
     tracker = Tracker(
         args.output_dir,
         args.track,
@@ -352,7 +395,10 @@ def main(args: Args) -> dict:
         name,
         {**dataclasses.asdict(args), "world_size": world},
         accelerator.is_main_process,
+        purge_step=resumed.step if resumed else 0,
+        wandb_id=resumed.meta["wandb_id"] if resumed else None,
     )
+    meta = {"settings": settings, "run_name": name, "wandb_id": tracker.wandb_id}
 
     def normalize(when: str, step: int, target: tuple[float, float]) -> dict | None:
         """Normalize the reward on fresh samples to `target` (mean, std); log and print what was measured."""
@@ -382,16 +428,39 @@ def main(args: Args) -> dict:
         tracker.log({f"eval/{k}": v for k, v in result.items() if k != "rows"}, step)
         return result
 
-    # 2. normalize before training
+    def save_checkpoint(steps: int) -> None:
+        """The training state after `steps` steps (every process) in OUTPUT_DIR/training_state/step{steps}, atomic."""
+        shared = {
+            "model": reward_model.state_dict(),
+            "optimizer": optimizer.state_dict(),
+            "permutation": permutation,
+            "normalization": norms,
+            "eval_before": eval_before,
+        }
+        local = {"query_stream": query_stream.state_dict(), "rng": checkpoint.rng_states(generator)}
+        tracker.flush()
+        checkpoint.save_training_state(args.output_dir, steps, accelerator, meta, shared, local, args.keep_checkpoints)
+
+    # 2. normalize before training (a resumed run takes gain, bias and what was measured from its checkpoint)
     norms = {}
-    if args.normalize_before:
+    if args.normalize_before and resumed is None:
         norms["before"] = normalize("before", 0, normalization_target(label_type, train_labels))
-    eval_before = log_eval(0)
+    eval_before = log_eval(0) if resumed is None else resumed.shared["eval_before"]
 
     # 3. one epoch over the labels: rank 0's permutation, rank-strided slices, lr annealed linearly
     # https://github.com/openai/lm-human-preferences/blob/cbfd210bb8b08f6bc5c26878c10984b90f516c66/lm_human_preferences/train_reward.py#L221-L254
-    permutation = torch.from_numpy(np.random.permutation(args.labels.num_train)).to(accelerator.device)
-    permutation = broadcast(permutation, from_process=0).cpu()
+    first_step = 0
+    if resumed is None:
+        permutation = torch.from_numpy(np.random.permutation(args.labels.num_train)).to(accelerator.device)
+        permutation = broadcast(permutation, from_process=0).cpu()
+    else:
+        first_step, permutation, norms = resumed.step, resumed.shared["permutation"], resumed.shared["normalization"]
+        reward_model.load_state_dict(resumed.shared["model"])
+        optimizer.load_state_dict(resumed.shared["optimizer"])
+        query_stream.load_state_dict(resumed.local["query_stream"])
+        checkpoint.restore_rng_states(resumed.local["rng"], generator)
+        if args.eval_interval and first_step % args.eval_interval == 0:
+            log_eval(first_step)  # logged before the checkpoint, hidden by the TensorBoard purge at first_step
     seen = []
     columns = (
         TextColumn("reward"),
@@ -402,8 +471,11 @@ def main(args: Args) -> dict:
     )
     progress = Progress(*columns, disable=not accelerator.is_main_process, console=console)
     with progress:
-        bar = progress.add_task("train", total=num_steps, stats="")
+        bar = progress.add_task("train", total=num_steps, stats="", completed=first_step)
         for step, start in enumerate(range(0, args.labels.num_train, args.batch_size)):
+            if step < first_step:  # trained before the checkpoint this run resumed from
+                seen.append(permutation[start : start + args.batch_size][rank::world])
+                continue
             lr = args.lr * (1 - start / args.labels.num_train)
             for group in optimizer.param_groups:
                 group["lr"] = lr
@@ -441,6 +513,8 @@ def main(args: Args) -> dict:
                 log_eval(step + 1)
             accuracy = f" acc {stats['debug/accuracy']:.2f}" if "debug/accuracy" in stats else ""
             progress.update(bar, advance=1, stats=f"loss {cli.number(loss_value)}{accuracy}")
+            if step + 1 == num_steps or (args.save_interval and (step + 1) % args.save_interval == 0):
+                save_checkpoint(step + 1)
     eval_after = log_eval(num_steps)
 
     # 4. normalize after training

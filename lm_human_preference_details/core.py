@@ -198,18 +198,32 @@ class Tracker:
         run_name: str,
         config: dict[str, Any],
         is_main: bool,
+        purge_step: int = 0,
+        wandb_id: str | None = None,
     ) -> None:
+        """`purge_step`: the first step this run logs; TensorBoard hides the points an earlier (killed) run logged from
+        there on. `wandb_id`: the wandb run to continue (resume="allow"), else a new one."""
         self.writer: SummaryWriter | None = None
         self.run: Any = None
+        self.wandb_id = wandb_id
         if not is_main:
             return
         os.makedirs(output_dir, exist_ok=True)
         if track:
             self.run = wandb.init(
-                project=project, entity=entity, name=run_name, config=config, dir=output_dir, sync_tensorboard=False
+                project=project,
+                entity=entity,
+                name=run_name,
+                config=config,
+                dir=output_dir,
+                sync_tensorboard=False,
+                id=wandb_id,
+                resume="allow",
             )
-        self.writer = SummaryWriter(os.path.join(output_dir, "tb"))
-        self.writer.add_text("hyperparameters", _markdown_table(["param", "value"], sorted(config.items())))
+            self.wandb_id = self.run.id
+        self.writer = SummaryWriter(os.path.join(output_dir, "tb"), purge_step=purge_step)
+        if purge_step == 0:
+            self.writer.add_text("hyperparameters", _markdown_table(["param", "value"], sorted(config.items())))
 
     def log(self, metrics: dict[str, float], step: int) -> None:
         """Log scalars at `step`."""
@@ -228,6 +242,11 @@ class Tracker:
         self.writer.add_text(key, _markdown_table(columns, rows), step)
         if self.run is not None:
             self.run.log({key: wandb.Table(columns=columns, rows=rows)}, step=step)
+
+    def flush(self) -> None:
+        """Write the logged points to disk (before a checkpoint, so a kill loses none logged before it)."""
+        if self.writer is not None:
+            self.writer.flush()
 
     def close(self) -> None:
         """Flush and close the writers."""

@@ -23,6 +23,7 @@ from transformers import (
 )
 from transformers.modeling_layers import GradientCheckpointingLayer
 
+from lm_human_preference_details.checkpoint import check_complete_save
 from lm_human_preference_details.hub import check_available
 from lm_human_preference_details.kernels import sample_categorical, use_fused_gelu
 from lm_human_preference_details.tokenizer import (
@@ -129,6 +130,7 @@ def _load_pretrained(auto_cls, name_or_dir: str, flag: str, kind: str, strict: b
             f"save_pretrained, or a Hugging Face hub id such as gpt2."
         )
     name_or_dir = os.path.expanduser(name_or_dir)
+    check_complete_save(name_or_dir, flag)
     check_model_dir(name_or_dir, flag, kind)
     check_available(name_or_dir, flag, kind=kind)
     config = _config_without_dropout(name_or_dir)
@@ -564,6 +566,7 @@ def load_reward_model(output_dir: str, flag: str = REWARD_MODEL_FLAG) -> tuple[R
     `classifier_checkpoint`); the metadata keeps the trained gain and bias.
     """
     config_path = os.path.join(output_dir, REWARD_CONFIG_FILE)
+    check_complete_save(output_dir, flag)
     if not os.path.isfile(config_path):
         raise FileNotFoundError(
             f"reward model '{output_dir}' not found ('{config_path}' is missing); pass {flag} DIR with a directory "

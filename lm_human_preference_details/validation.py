@@ -9,13 +9,13 @@ per step, and `check_finite_stats` names the tensor that went bad.
 import errno
 import math
 import os
-import shutil
 import tempfile
 from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
 
+from lm_human_preference_details import checkpoint
 from lm_human_preference_details.core import OutputError
 from lm_human_preference_details.modeling import check_model_dir
 from lm_human_preference_details.tasks import check_task
@@ -131,25 +131,18 @@ def check_writable_dir(directory: str, flag: str) -> None:
 
 
 def save_atomically(output_dir: str, write: Callable[[str], Any], flag: str = "--output_dir") -> None:
-    """Run `write(tmp)` into a fresh directory beside the outputs, then move its files into `output_dir`: a failure
-    (e.g. disk full) leaves `output_dir` as it was, with no partial file, and raises OutputError naming `flag`."""
-    os.makedirs(output_dir, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=".saving-", dir=output_dir)
+    """Run `write(tmp)` into a fresh directory beside the outputs, then move its files into `output_dir`
+    (`checkpoint.atomic_files`): a failure (e.g. disk full) leaves `output_dir` as it was, with no partial file, and
+    raises OutputError naming `flag`."""
     try:
-        write(tmp)
-        for root, _, files in os.walk(tmp):
-            target = os.path.join(output_dir, os.path.relpath(root, tmp))
-            os.makedirs(target, exist_ok=True)
-            for name in files:
-                os.replace(os.path.join(root, name), os.path.join(target, name))
+        with checkpoint.atomic_files(output_dir) as tmp:
+            write(tmp)
     except OSError as e:
         full = e.errno == errno.ENOSPC
         raise OutputError(
             f"could not save to {flag} '{output_dir}': {'disk full' if full else e.strerror or e}; the previous "
             f"files there are unchanged. {'Free space' if full else 'Fix the directory'} or choose another {flag}."
         ) from e
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
 
 
 # ---------------------------------------------------------------- the scripts' arguments

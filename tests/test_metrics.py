@@ -97,6 +97,7 @@ def test_train_reward_logs_exactly_the_glossary_names(tmp_path, tiny_model_dir, 
     train_reward.main(args)
     assert logged_names == glossary_names("reward") - scalar_only
     logged_names.clear()
+    args.overwrite_output_dir = True  # the runs below reuse the output directory
     train_reward.main(dataclasses.replace(args, normalize_before=False, normalize_after=False))
     normalize = {name for name in glossary_names("reward") if name.startswith("normalize_")}
     assert logged_names == glossary_names("reward") - scalar_only - normalize

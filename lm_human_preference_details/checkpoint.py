@@ -1,0 +1,353 @@
+"""Resumable runs: atomic checkpoint directories, every process's training state, checks of the run settings.
+
+A training-state checkpoint is OUTPUT_DIR/training_state/step{N} (N = updates or reward steps done). It is written in
+a temporary sibling directory, fsync'ed, then renamed into place, so a kill at any moment leaves the previous
+checkpoints whole and never a mixed one. It holds:
+- checkpoint.json: the step, the run settings (args and world size), the run name and wandb id (rank 0);
+- state.pt: weights, optimizer state and the script's other counters (rank 0; identical on every process);
+- rng_rank{r}.pt: process r's query-stream position and RNG states (Python, NumPy, torch, CUDA, the sampler's
+  generator, extra NumPy RandomStates).
+The final model at the top of OUTPUT_DIR keeps its usual layout; its files are written aside and each moved into place
+by a rename, under a marker file that the project's loaders refuse, so a half-replaced model is never loaded silently.
+"""
+
+import contextlib
+import json
+import os
+import random
+import re
+import shutil
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+STATE_DIR = "training_state"
+"""subdirectory of OUTPUT_DIR that holds the training-state checkpoints"""
+META_FILE = "checkpoint.json"
+SHARED_FILE = "state.pt"
+RANK_FILE = "rng_rank{rank}.pt"
+SAVING_MARKER = ".saving"
+"""present in a model directory while its files are being replaced; the project's loaders refuse such a directory"""
+MODEL_MARKERS = ("config.json", "model.safetensors", "reward_model.json", "value_head.safetensors")
+"""files that show a directory already holds a saved model"""
+_STEP_DIR = re.compile(r"^step(\d+)$")
+
+
+# ---------------------------------------------------------------- atomic writes
+
+
+def fsync_tree(path: str) -> None:
+    """fsync every file and directory under `path` (and `path` itself), so a rename after it publishes whole files."""
+    for root, _dirs, files in os.walk(path):
+        for name in files:
+            with open(os.path.join(root, name), "rb") as f:
+                os.fsync(f.fileno())
+        _fsync_dir(root)
+
+
+def _fsync_dir(path: str) -> None:
+    """fsync a directory's entries (no-op where directories cannot be opened)."""
+    with contextlib.suppress(OSError):
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def _temporary_sibling(path: str, tag: str) -> str:
+    """`.NAME.TAG` beside `path`: on the same filesystem, so that a rename moves it into place atomically."""
+    parent, name = os.path.split(os.path.abspath(path))
+    return os.path.join(parent, f".{name}.{tag}")
+
+
+def publish_directory(tmp: str, path: str) -> None:
+    """fsync `tmp`, then rename it to `path` (an existing `path` is moved aside first and deleted after)."""
+    fsync_tree(tmp)
+    old = _temporary_sibling(path, "old")
+    if os.path.exists(path):
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(path, old)
+    os.replace(tmp, path)
+    _fsync_dir(os.path.dirname(os.path.abspath(path)))
+    shutil.rmtree(old, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def atomic_directory(path: str) -> Iterator[str]:
+    """Yield a temporary sibling directory to write into; on success it replaces `path` in one rename, on an error
+    it is deleted and `path` is left as it was."""
+    tmp = _temporary_sibling(path, "partial")
+    shutil.rmtree(tmp, ignore_errors=True)
+    os.makedirs(tmp)
+    try:
+        yield tmp
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    publish_directory(tmp, path)
+
+
+@contextlib.contextmanager
+def atomic_files(output_dir: str) -> Iterator[str]:
+    """Yield a temporary directory; its entries then replace those of `output_dir` one rename each, under
+    SAVING_MARKER, so no file is ever half written and a kill between two renames leaves a marked directory."""
+    os.makedirs(output_dir, exist_ok=True)
+    tmp = os.path.join(output_dir, ".partial-save")
+    shutil.rmtree(tmp, ignore_errors=True)
+    os.makedirs(tmp)
+    try:
+        yield tmp
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    fsync_tree(tmp)
+    marker = os.path.join(output_dir, SAVING_MARKER)
+    with open(marker, "w", encoding="utf-8") as f:
+        f.write("a save of this model was interrupted; its files may come from two saves\n")
+        os.fsync(f.fileno())
+    _fsync_dir(output_dir)
+    for name in sorted(os.listdir(tmp)):
+        source, target = os.path.join(tmp, name), os.path.join(output_dir, name)
+        if os.path.isdir(source):
+            publish_directory(source, target)
+        else:
+            os.replace(source, target)
+    _fsync_dir(output_dir)
+    os.remove(marker)
+    _fsync_dir(output_dir)
+    shutil.rmtree(tmp, ignore_errors=True)
+
+
+def check_complete_save(directory: str, flag: str) -> None:
+    """ValueError when `directory` holds a model whose save was interrupted (SAVING_MARKER is present)."""
+    if os.path.exists(os.path.join(directory, SAVING_MARKER)):
+        raise ValueError(
+            f"'{directory}' ({flag}) holds a model whose save was interrupted, so its files may come from two saves; "
+            f"rerun the training script with --resume auto to write it again, or use a checkpoint of "
+            f"{os.path.join(directory, STATE_DIR)}."
+        )
+
+
+# ---------------------------------------------------------------- RNG states
+
+
+def _numpy_state(state: tuple) -> tuple:
+    """A NumPy legacy RNG state with its key array as a tensor (loadable with torch.load(weights_only=True))."""
+    name, keys, pos, has_gauss, cached = state
+    return name, torch.from_numpy(keys.astype(np.int64)), int(pos), int(has_gauss), float(cached)
+
+
+def _numpy_state_back(state: Sequence) -> tuple:
+    """Inverse of `_numpy_state`."""
+    name, keys, pos, has_gauss, cached = state
+    return name, keys.numpy().astype(np.uint32), pos, has_gauss, cached
+
+
+def rng_states(generator: torch.Generator, numpy_rngs: Sequence[np.random.RandomState] = ()) -> dict[str, Any]:
+    """This process's RNG states: Python, NumPy global, torch CPU and CUDA, the sampling generator, `numpy_rngs`."""
+    return {
+        "python": random.getstate(),
+        "numpy": _numpy_state(np.random.get_state()),
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+        "generator": generator.get_state(),
+        "numpy_rngs": [_numpy_state(rng.get_state()) for rng in numpy_rngs],
+    }
+
+
+def restore_rng_states(
+    states: dict[str, Any], generator: torch.Generator, numpy_rngs: Sequence[np.random.RandomState] = ()
+) -> None:
+    """Set every RNG back to `states` (from `rng_states`); the number of `numpy_rngs` must match."""
+    if len(states["numpy_rngs"]) != len(numpy_rngs):
+        raise ValueError(
+            f"the checkpoint holds {len(states['numpy_rngs'])} NumPy RNG streams, this run has {len(numpy_rngs)}; "
+            "resume with the checkpoint's batch sizes and number of processes."
+        )
+    random.setstate(states["python"])
+    np.random.set_state(_numpy_state_back(states["numpy"]))
+    torch.set_rng_state(states["torch"])
+    if states["cuda"] and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(states["cuda"])
+    generator.set_state(states["generator"])
+    for rng, state in zip(numpy_rngs, states["numpy_rngs"]):
+        rng.set_state(_numpy_state_back(state))
+
+
+# ---------------------------------------------------------------- training-state checkpoints
+
+
+def state_dir(output_dir: str) -> str:
+    """OUTPUT_DIR/training_state."""
+    return os.path.join(output_dir, STATE_DIR)
+
+
+def step_dir(output_dir: str, step: int) -> str:
+    """The checkpoint directory of `step` completed updates/steps."""
+    return os.path.join(state_dir(output_dir), f"step{step}")
+
+
+def list_checkpoints(output_dir: str) -> list[tuple[int, str]]:
+    """(step, path) of every complete checkpoint in OUTPUT_DIR/training_state, oldest first."""
+    root = state_dir(output_dir)
+    if not os.path.isdir(root):
+        return []
+    found = [(int(m.group(1)), os.path.join(root, name)) for name in os.listdir(root) if (m := _STEP_DIR.match(name))]
+    return sorted(found)
+
+
+def latest_checkpoint(output_dir: str) -> str | None:
+    """The newest checkpoint directory in OUTPUT_DIR/training_state, None when there is none."""
+    checkpoints = list_checkpoints(output_dir)
+    return checkpoints[-1][1] if checkpoints else None
+
+
+def prune_checkpoints(output_dir: str, keep: int) -> None:
+    """Delete all but the newest `keep` checkpoints (keep 0: delete none)."""
+    if keep <= 0:
+        return
+    for _, path in list_checkpoints(output_dir)[:-keep]:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def save_training_state(
+    output_dir: str,
+    step: int,
+    accelerator: Any,
+    meta: dict[str, Any],
+    shared: dict[str, Any],
+    local: dict[str, Any],
+    keep: int,
+) -> str:
+    """Write checkpoint `step` atomically: `meta` and `shared` from the main process, `local` from every process;
+    then keep the newest `keep`. Every process must call it. -> the checkpoint directory."""
+    path = step_dir(output_dir, step)
+    tmp = _temporary_sibling(path, "partial")
+    if accelerator.is_main_process:
+        shutil.rmtree(tmp, ignore_errors=True)
+        os.makedirs(tmp)
+    accelerator.wait_for_everyone()
+    os.makedirs(tmp, exist_ok=True)
+    torch.save(local, os.path.join(tmp, RANK_FILE.format(rank=accelerator.process_index)))
+    if accelerator.is_main_process:
+        torch.save(shared, os.path.join(tmp, SHARED_FILE))
+        with open(os.path.join(tmp, META_FILE), "w", encoding="utf-8") as f:
+            json.dump({**meta, "step": step, "world_size": accelerator.num_processes}, f, indent=2)
+    accelerator.wait_for_everyone()
+    if accelerator.is_main_process:
+        publish_directory(tmp, path)
+        prune_checkpoints(output_dir, keep)
+    accelerator.wait_for_everyone()
+    return path
+
+
+@dataclass
+class Resumed:
+    """A checkpoint loaded to continue a run."""
+
+    path: str
+    """its directory"""
+    step: int
+    """updates (policy) or reward steps done"""
+    meta: dict[str, Any]
+    """checkpoint.json: settings, run name, wandb id"""
+    shared: dict[str, Any]
+    """state.pt: weights, optimizer, counters"""
+    local: dict[str, Any]
+    """this process's rng_rank{r}.pt: query stream and RNG states"""
+
+
+def load_training_state(path: str, rank: int) -> Resumed:
+    """Read checkpoint `path` for process `rank`; FileNotFoundError naming what is missing."""
+    meta_path = os.path.join(path, META_FILE)
+    if not os.path.isfile(meta_path):
+        raise FileNotFoundError(
+            f"--resume '{path}' is not a checkpoint ('{META_FILE}' is missing); pass a directory of "
+            f"OUTPUT_DIR/{STATE_DIR}/ or --resume auto."
+        )
+    with open(meta_path, encoding="utf-8") as f:
+        meta = json.load(f)
+    rank_path = os.path.join(path, RANK_FILE.format(rank=rank))
+    if not os.path.isfile(rank_path):
+        raise FileNotFoundError(
+            f"checkpoint '{path}' has no state for process {rank} ('{os.path.basename(rank_path)}'): it was written by "
+            f"{meta.get('world_size')} processes; resume with as many."
+        )
+    shared = torch.load(os.path.join(path, SHARED_FILE), map_location="cpu", weights_only=True)
+    local = torch.load(rank_path, map_location="cpu", weights_only=True)
+    return Resumed(path, int(meta["step"]), meta, shared, local)
+
+
+# ---------------------------------------------------------------- run settings and the output directory
+
+
+def _flatten(settings: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """Nested settings as {"group.field": value}."""
+    flat = {}
+    for key, value in settings.items():
+        if isinstance(value, dict):
+            flat.update(_flatten(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
+
+
+def setting_differences(saved: dict[str, Any], current: dict[str, Any], ignored: Sequence[str]) -> dict[str, tuple]:
+    """{name: (saved, current)} of every setting that differs, except those in `ignored` (dotted names)."""
+    saved, current = _flatten(saved), _flatten(current)
+    names = [k for k in dict.fromkeys([*saved, *current]) if k not in ignored]
+    # JSON turns tuples into lists: compare through it
+    return {k: (saved.get(k), current.get(k)) for k in names if json.loads(json.dumps(saved.get(k))) != current.get(k)}
+
+
+def check_resume_settings(resumed: Resumed, current: dict[str, Any], ignored: Sequence[str], allow: bool) -> str | None:
+    """ValueError listing the settings that differ from the checkpoint's, unless `allow`; -> the list (None: none)."""
+    differences = setting_differences(resumed.meta["settings"], json.loads(json.dumps(current)), ignored)
+    if not differences:
+        return None
+    listed = "; ".join(f"{name}: checkpoint {old!r}, now {new!r}" for name, (old, new) in differences.items())
+    if not allow:
+        raise ValueError(
+            f"checkpoint '{resumed.path}' was written with other settings, so the run would not continue as it "
+            f"started: {listed}. Pass the checkpoint's settings (see {os.path.join(resumed.path, META_FILE)}), or "
+            "--allow_resume_changes to continue anyway."
+        )
+    return listed
+
+
+def previous_run(output_dir: str) -> list[str]:
+    """What in `output_dir` shows an earlier run: checkpoints, a saved model, TensorBoard logs."""
+    found = [STATE_DIR] if list_checkpoints(output_dir) else []
+    found += [name for name in (*MODEL_MARKERS, "tb") if os.path.exists(os.path.join(output_dir, name))]
+    return found
+
+
+def resolve_resume(output_dir: str, resume: str | None, overwrite: bool, rank: int) -> Resumed | None:
+    """The checkpoint to continue (--resume PATH, or `auto`: the newest in output_dir, none: a fresh start), or None;
+    ValueError when a fresh run would overwrite another run's output_dir without `overwrite`."""
+    if resume == "auto":
+        resume = latest_checkpoint(output_dir)
+        if resume is None and set(previous_run(output_dir)) - {"tb"}:
+            raise ValueError(
+                f"--resume auto: '{output_dir}' holds a run ({', '.join(previous_run(output_dir))}) but no checkpoint "
+                f"in {STATE_DIR}/; pass --overwrite_output_dir to start again there, or choose another --output_dir."
+            )
+    if resume is not None:
+        return load_training_state(resume, rank)
+    found = previous_run(output_dir)
+    if found and not overwrite:
+        raise ValueError(
+            f"--output_dir '{output_dir}' already holds another run ({', '.join(found)}); pass --resume auto to "
+            "continue it, --overwrite_output_dir to replace it, or choose another --output_dir."
+        )
+    return None
+
+
+def clear_previous_run(output_dir: str) -> None:
+    """Delete an earlier run's checkpoints, policy snapshots and TensorBoard logs (for --overwrite_output_dir)."""
+    for name in (STATE_DIR, "checkpoints", "tb"):
+        shutil.rmtree(os.path.join(output_dir, name), ignore_errors=True)

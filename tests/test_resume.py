@@ -1,0 +1,363 @@
+"""Resumable runs: a run killed with SIGKILL and resumed logs and saves what the uninterrupted run does; checkpoint
+writes are atomic; changed settings and used output directories stop the run."""
+
+import dataclasses
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+import train_policy
+import train_reward
+from lm_human_preference_details import checkpoint
+from lm_human_preference_details.modeling import PolicyWithValueHead, load_reward_model
+from tests.planted import REPO, run_script, write_policy_planted_labels, write_query_file
+from tests.test_train_policy import QUERY_TEXTS, save_reward_model
+from tests.test_train_reward import free_port
+
+TIMING_METRICS = ("elapsed/time", "elapsed/fps", "debug/time/")
+"""wall-clock metrics, which no two runs share"""
+ENV = {"WANDB_MODE": "offline", "WANDB_SILENT": "true", "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+
+
+@pytest.fixture(autouse=True, scope="module")
+def single_thread():
+    """One intra-op thread, as the scripts get from OMP_NUM_THREADS=1: in-process and subprocess runs then add up
+    floats in the same order."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def policy_world(tmp_path_factory, tiny_model_dir):
+    """A query file and a random reward model for the tiny policy task below."""
+    root = tmp_path_factory.mktemp("resume-policy")
+    queries = root / "queries.txt"
+    queries.write_text("\n".join(QUERY_TEXTS) + "\n", encoding="utf-8")
+    task = dataclasses.replace(
+        train_policy.oai_presets()["sentiment"].task,
+        query_dataset=str(queries),
+        query_length=16,
+        response_length=8,
+        start_text=None,
+        end_text=None,
+        truncate_token=None,
+        truncate_after=0,
+    )
+    return {"queries": str(queries), "reward": save_reward_model(root / "reward", tiny_model_dir, task)}
+
+
+def policy_flags(model_dir: str, world: dict, output_dir, *extra: str) -> list[str]:
+    """A tiny policy run: 4 updates of 8 episodes, a checkpoint every 2."""
+    return [
+        *("--base_model", model_dir, "--rewards.trained_model", world["reward"]),
+        *("--task.query_dataset", world["queries"], "--task.query_length", "16", "--task.response_length", "8"),
+        *("--task.start_text", "None", "--task.end_text", "None", "--task.truncate_token", "None"),
+        *("--task.truncate_after", "0", "--ppo.total_episodes", "32", "--ppo.batch_size", "8", "--ppo.lr", "1e-3"),
+        *("--ppo.noptepochs", "2", "--save_interval", "2", "--log_interval", "100", "--print_samples", "1"),
+        *extra,
+        *("--output_dir", str(output_dir)),
+    ]
+
+
+@pytest.fixture(scope="module")
+def reward_world(tmp_path_factory, tokenizer, tiny_model_dir):
+    """A query corpus and 64 best-of-4 labels on samples of the tiny model."""
+    root = tmp_path_factory.mktemp("resume-reward")
+    corpus = write_query_file(root / "queries.txt", n=100)
+    marker = tokenizer.encode(" happy")[0]
+    labels = write_policy_planted_labels(root / "labels.json", tiny_model_dir, tokenizer, corpus, 64, 16, 8, marker)
+    return {"corpus": str(corpus), "labels": str(labels)}
+
+
+def reward_flags(model_dir: str, world: dict, output_dir, *extra: str) -> list[str]:
+    """A tiny reward run: normalize, 6 steps of 8 labels (16 held out, evaluated every 2 steps), normalize."""
+    return [
+        *("--base_model", model_dir, "--label_dataset", world["labels"], "--task.query_dataset", world["corpus"]),
+        *("--task.query_length", "16", "--task.response_length", "8", "--labels.num_train", "48"),
+        *("--batch_size", "8", "--lr", "1e-3", "--rollout_batch_size", "16", "--normalize_samples", "16"),
+        *("--eval_interval", "2", "--save_interval", "2", *extra, "--output_dir", str(output_dir)),
+    ]
+
+
+def scalars(output_dir) -> dict[str, list[tuple[int, float]]]:
+    """Every TensorBoard scalar series of a run as TensorBoard shows it (points purged by a resume left out)."""
+    events = EventAccumulator(os.path.join(output_dir, "tb"), size_guidance={"scalars": 0})
+    events.Reload()
+    return {
+        tag: [(e.step, e.value) for e in events.Scalars(tag)]
+        for tag in events.Tags()["scalars"]
+        if not tag.startswith(TIMING_METRICS)
+    }
+
+
+def max_metric_difference(resumed: dict, uninterrupted: dict, from_step: int) -> float:
+    """Largest |difference| of the points logged at or after `from_step`; the series must have the same steps."""
+    assert resumed.keys() == uninterrupted.keys()
+    worst = 0.0
+    for tag, series in uninterrupted.items():
+        assert [s for s, _ in resumed[tag]] == [s for s, _ in series], tag  # no point lost, duplicated or mixed
+        worst = max([worst, *(abs(a - b) for (step, a), (_, b) in zip(resumed[tag], series) if step >= from_step)])
+    return worst
+
+
+def max_weight_difference(resumed: dict[str, torch.Tensor], uninterrupted: dict[str, torch.Tensor]) -> float:
+    """Largest |difference| over all tensors of two state dicts with the same keys."""
+    assert resumed.keys() == uninterrupted.keys()
+    return max((resumed[k].double() - uninterrupted[k].double()).abs().max().item() for k in uninterrupted)
+
+
+def saved_files(output_dir, names: tuple[str, ...]) -> dict[str, torch.Tensor]:
+    """The tensors of the final model files `names` at the top of a run directory."""
+    return {f"{name}:{k}": v for name in names for k, v in load_file(os.path.join(output_dir, name)).items()}
+
+
+def final_training_state(output_dir) -> dict[str, torch.Tensor]:
+    """Weights and Adam moments of a run's newest checkpoint."""
+    state = torch.load(os.path.join(checkpoint.latest_checkpoint(str(output_dir)), "state.pt"), weights_only=True)
+    tensors = {f"model.{k}": v for k, v in state.get("policy", state.get("model")).items()}
+    for index, moments in state["optimizer"]["state"].items():
+        tensors.update({f"adam.{index}.{k}": v for k, v in moments.items() if isinstance(v, torch.Tensor)})
+    return tensors
+
+
+def start_and_kill(script: str, flags: list[str], output_dir, kill_after: int, delay: float) -> int:
+    """Start `script`, SIGKILL it `delay` s after checkpoint `kill_after` appears; -> the newest checkpoint's step."""
+    log = open(os.path.join(os.path.dirname(str(output_dir)), f"{os.path.basename(str(output_dir))}.log"), "w")
+    proc = subprocess.Popen(
+        [sys.executable, str(REPO / script), *flags], cwd=REPO, env={**os.environ, **ENV}, stdout=log, stderr=log
+    )
+    target = checkpoint.step_dir(str(output_dir), kill_after)
+    deadline = time.time() + 300
+    while not os.path.isdir(target) and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.005)
+    time.sleep(delay)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    log.close()
+    assert proc.returncode == -signal.SIGKILL, open(log.name).read()[-3000:]
+    return checkpoint.list_checkpoints(str(output_dir))[-1][0]
+
+
+def wandb_run_ids(output_dir) -> set[str]:
+    """Ids of the offline wandb runs under output_dir/wandb (offline-run-DATE-ID)."""
+    names = os.listdir(os.path.join(output_dir, "wandb"))
+    return {name.rsplit("-", 1)[1] for name in names if name.startswith("offline-run-")}
+
+
+@pytest.mark.slow
+def test_policy_killed_and_resumed_equals_uninterrupted(tmp_path, tiny_model_dir, policy_world, monkeypatch):
+    start = time.time()
+    for var in ("WANDB_CONFIG_DIR", "WANDB_CACHE_DIR", "WANDB_DATA_DIR"):
+        monkeypatch.setenv(var, str(tmp_path / "wandb-home" / var.lower()))
+    train_policy.main(train_policy.parse(policy_flags(tiny_model_dir, policy_world, tmp_path / "whole")))
+    # killed right after checkpoint 2 is on disk (while the policy is written beside it), wandb offline on
+    killed = tmp_path / "killed"
+    flags = policy_flags(tiny_model_dir, policy_world, killed, "--track")
+    resumed_from = start_and_kill("train_policy.py", flags, killed, kill_after=2, delay=0.0)
+    assert resumed_from == 2  # between two checkpoints
+    result = run_script("train_policy.py", *flags, "--resume", "auto")
+    assert f"resuming from {checkpoint.step_dir(str(killed), resumed_from)} after {resumed_from} of 4" in result.stdout
+    whole, resumed = scalars(tmp_path / "whole"), scalars(killed)
+    assert len(whole["objective/score"]) == 4 and len({v for _, v in whole["objective/kl_coef"]}) > 1
+    metric_diff = max_metric_difference(resumed, whole, resumed_from)
+    weight_diff = max_weight_difference(
+        saved_files(killed, ("model.safetensors", "value_head.safetensors")),
+        saved_files(tmp_path / "whole", ("model.safetensors", "value_head.safetensors")),
+    )
+    state_diff = max_weight_difference(final_training_state(killed), final_training_state(tmp_path / "whole"))
+    print(
+        f"policy resume after {resumed_from}: max |metric diff| {metric_diff:.3g}, weights {weight_diff:.3g}, "
+        f"weights + Adam {state_diff:.3g}, {time.time() - start:.1f} s"
+    )
+    assert metric_diff <= 1e-6 and weight_diff <= 1e-6 and state_diff <= 1e-6
+    assert len(wandb_run_ids(killed)) == 1  # the resumed run continued the killed run's wandb run
+    assert [step for step, _ in checkpoint.list_checkpoints(str(killed))] == [2, 4]  # --keep_checkpoints 2
+
+
+@pytest.mark.slow
+def test_reward_killed_and_resumed_equals_uninterrupted(tmp_path, tiny_model_dir, reward_world):
+    start = time.time()
+    train_reward.main(train_reward.parse(reward_flags(tiny_model_dir, reward_world, tmp_path / "whole")))
+    # killed a moment after checkpoint 2, between two checkpoints (during a training step)
+    killed = tmp_path / "killed"
+    flags = reward_flags(tiny_model_dir, reward_world, killed)
+    resumed_from = start_and_kill("train_reward.py", flags, killed, kill_after=2, delay=0.05)
+    assert not os.path.exists(killed / "reward_model.json")  # killed before the end
+    run_script("train_reward.py", *flags, "--resume", "auto")
+    whole, resumed = scalars(tmp_path / "whole"), scalars(killed)
+    assert len(whole["train_reward/minibatch/loss"]) == 6 and len(whole["eval/accuracy"]) == 5  # 0, 2, 4, 6, 6
+    metric_diff = max_metric_difference(resumed, whole, resumed_from)
+    weight_diff = max_weight_difference(
+        saved_files(killed, ("model.safetensors",)), saved_files(tmp_path / "whole", ("model.safetensors",))
+    )
+    state_diff = max_weight_difference(final_training_state(killed), final_training_state(tmp_path / "whole"))
+    meta = [load_reward_model(str(path))[1] for path in (killed, tmp_path / "whole")]
+    print(
+        f"reward resume after {resumed_from}: max |metric diff| {metric_diff:.3g}, weights {weight_diff:.3g}, "
+        f"weights + Adam {state_diff:.3g}, {time.time() - start:.1f} s"
+    )
+    assert metric_diff <= 1e-6 and weight_diff <= 1e-6 and state_diff <= 1e-6
+    assert (meta[0]["gain"], meta[0]["bias"], meta[0]["eval_after"]) == (
+        meta[1]["gain"],
+        meta[1]["bias"],
+        meta[1]["eval_after"],
+    )
+
+
+@pytest.mark.slow
+def test_two_process_policy_resume_equals_uninterrupted(tmp_path, tiny_model_dir, policy_world):
+    start = time.time()
+
+    def torchrun(output_dir, *extra: str) -> None:
+        command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2"]
+        command += ["--master_port", str(free_port()), str(REPO / "train_policy.py")]
+        sizes = ("--ppo.batch_size", "16", "--ppo.total_episodes", "64", "--keep_checkpoints", "0")
+        command += [*policy_flags(tiny_model_dir, policy_world, output_dir, *sizes), *extra]
+        run = subprocess.run(command, cwd=REPO, env={**os.environ, **ENV}, capture_output=True, text=True, timeout=600)
+        assert run.returncode == 0, run.stderr[-5000:]
+
+    torchrun(tmp_path / "whole")
+    # the run as a kill after checkpoint 2 leaves it: that checkpoint (both processes' RNG files) and its TensorBoard
+    # events, which hold points of later updates that the resume must hide
+    cut = tmp_path / "cut"
+    shutil.copytree(tmp_path / "whole" / "tb", cut / "tb")
+    shutil.copytree(checkpoint.step_dir(str(tmp_path / "whole"), 2), checkpoint.step_dir(str(cut), 2))
+    assert sorted(os.listdir(checkpoint.step_dir(str(cut), 2))) == [
+        "checkpoint.json",
+        "rng_rank0.pt",
+        "rng_rank1.pt",
+        "state.pt",
+    ]
+    torchrun(cut, "--resume", "auto")
+    metric_diff = max_metric_difference(scalars(cut), scalars(tmp_path / "whole"), 2)
+    names = ("model.safetensors", "value_head.safetensors")
+    weight_diff = max_weight_difference(saved_files(cut, names), saved_files(tmp_path / "whole", names))
+    print(
+        f"2-process policy resume after 2: max |metric diff| {metric_diff:.3g}, weights {weight_diff:.3g}, "
+        f"{time.time() - start:.1f} s"
+    )
+    assert metric_diff <= 1e-6 and weight_diff <= 1e-6
+
+
+# ---------------------------------------------------------------- in-process checks
+
+
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory, tiny_model_dir, policy_world):
+    """A finished 2-update policy run with a checkpoint after each update; -> its flags (less --output_dir)."""
+    output_dir = tmp_path_factory.mktemp("finished") / "run"
+    flags = policy_flags(tiny_model_dir, policy_world, output_dir, "--ppo.total_episodes", "16", "--save_interval", "1")
+    train_policy.main(train_policy.parse(flags))
+    return output_dir, flags
+
+
+def test_used_output_dir_stops_unless_resumed_or_overwritten(finished_run, tmp_path):
+    output_dir, flags = finished_run
+    run_dir = tmp_path / "run"
+    shutil.copytree(output_dir, run_dir)
+    flags = [*flags[:-2], "--output_dir", str(run_dir)]
+    with pytest.raises(ValueError, match="already holds another run .*--resume auto.*--overwrite_output_dir"):
+        train_policy.main(train_policy.parse(flags))
+    # a finished run resumes to its end: nothing more to train, nothing logged twice
+    assert train_policy.main(train_policy.parse([*flags, "--resume", "auto"])) == []
+    assert [step for step, _ in scalars(run_dir)["objective/score"]] == [0, 1]
+    history = train_policy.main(train_policy.parse([*flags, "--overwrite_output_dir", "--ppo.total_episodes", "8"]))
+    assert len(history) == 1 and [step for step, _ in scalars(run_dir)["objective/score"]] == [0]
+    assert [step for step, _ in checkpoint.list_checkpoints(str(run_dir))] == [1]
+
+
+def test_resume_with_changed_settings_lists_them_and_override_continues(finished_run, tmp_path, capsys):
+    output_dir, flags = finished_run
+    run_dir = tmp_path / "run"
+    shutil.copytree(output_dir, run_dir)
+    shutil.rmtree(checkpoint.step_dir(str(run_dir), 2))
+    changed = [*flags[:-2], "--output_dir", str(run_dir), "--resume", "auto", "--ppo.lr", "2e-3", "--seed", "7"]
+    with pytest.raises(ValueError, match="other settings") as stop:
+        train_policy.main(train_policy.parse(changed))
+    assert "seed: checkpoint 1, now 7" in str(stop.value) and "ppo.lr: checkpoint 0.001, now 0.002" in str(stop.value)
+    assert "--allow_resume_changes" in str(stop.value) and "batch_size" not in str(stop.value)
+    history = train_policy.main(train_policy.parse([*changed, "--allow_resume_changes"]))
+    assert len(history) == 1 and history[0]["elapsed/updates"] == 2
+    assert "warning: --allow_resume_changes" in capsys.readouterr().out
+    assert checkpoint.latest_checkpoint(str(run_dir)) == checkpoint.step_dir(str(run_dir), 2)
+
+
+def test_failed_checkpoint_write_leaves_the_previous_one_whole(finished_run, tmp_path, monkeypatch):
+    output_dir, flags = finished_run
+    run_dir = tmp_path / "run"
+    shutil.copytree(output_dir, run_dir)
+    step2 = run_dir / "training_state" / "step2"
+    before = {name: (step2 / name).read_bytes() for name in ("state.pt", "checkpoint.json")}
+    real_save = torch.save
+
+    def failing_save(obj, path, *args, **kwargs):
+        if os.path.basename(str(path)) == "state.pt":
+            raise OSError(28, "No space left on device")
+        return real_save(obj, path, *args, **kwargs)
+
+    # checkpoint 2 written again, failing after the per-process file: step2 stays as it was, no partial step dir
+    monkeypatch.setattr(checkpoint.torch, "save", failing_save)
+    accelerator = train_policy.core.make_accelerator()
+    with pytest.raises(OSError, match="No space left"):
+        checkpoint.save_training_state(str(run_dir), 2, accelerator, {"settings": {}}, {"x": 1}, {"y": 2}, keep=2)
+    assert {name: (step2 / name).read_bytes() for name in before} == before
+    assert sorted(os.listdir(run_dir / "training_state")) == [".step2.partial", "step1", "step2"]
+    assert checkpoint.load_training_state(checkpoint.latest_checkpoint(str(run_dir)), 0).step == 2
+    monkeypatch.undo()
+
+    # the final policy: a kill between two of its file renames leaves the marker, which the loaders refuse
+    policy = PolicyWithValueHead.load(str(run_dir))
+    real_replace = os.replace
+    moved = []
+
+    def dying_replace(source, target):
+        if moved:
+            raise KeyboardInterrupt  # stands for the kill after the first file
+        moved.append(target)
+        real_replace(source, target)
+
+    monkeypatch.setattr(checkpoint.os, "replace", dying_replace)
+    with pytest.raises(KeyboardInterrupt), checkpoint.atomic_files(str(run_dir)) as tmp:
+        policy.save(tmp)
+    monkeypatch.undo()
+    with pytest.raises(ValueError, match="save was interrupted.*--resume auto"):
+        PolicyWithValueHead.load(str(run_dir))
+    # resuming the finished run writes the policy again, whole
+    train_policy.main(train_policy.parse([*flags[:-2], "--output_dir", str(run_dir), "--resume", "auto"]))
+    assert not (run_dir / checkpoint.SAVING_MARKER).exists()
+    PolicyWithValueHead.load(str(run_dir))
+
+
+def test_atomic_directory_keeps_the_old_directory_on_error(tmp_path):
+    target = tmp_path / "ckpt"
+    with checkpoint.atomic_directory(str(target)) as tmp:
+        open(os.path.join(tmp, "a.json"), "w").write(json.dumps({"v": 1}))
+    with pytest.raises(RuntimeError), checkpoint.atomic_directory(str(target)) as tmp:
+        open(os.path.join(tmp, "a.json"), "w").write(json.dumps({"v": 2}))
+        raise RuntimeError("killed mid-write")
+    assert json.loads((target / "a.json").read_text()) == {"v": 1}
+    assert os.listdir(tmp_path) == ["ckpt"]
+
+
+@pytest.mark.parametrize("leftover", ["reward_model.json", "tb"])
+def test_reward_run_into_used_output_dir_stops(tmp_path, tiny_model_dir, reward_world, leftover):
+    used = tmp_path / "rm"
+    used.mkdir()
+    if leftover == "tb":
+        (used / "tb").mkdir()
+    else:
+        (used / leftover).write_text("{}")
+    with pytest.raises(ValueError, match=f"already holds another run \\({leftover}\\); pass --resume auto"):
+        train_reward.main(train_reward.parse(reward_flags(tiny_model_dir, reward_world, used)))
+    assert sorted(os.listdir(used)) == [leftover]
