@@ -23,6 +23,16 @@ def tiny_gpt2(seed: int = 0, **overrides) -> GPT2LMHeadModel:
     return GPT2LMHeadModel(tiny_gpt2_config(**overrides)).eval()
 
 
+@pytest.fixture
+def one_thread():
+    """One intra-op thread: the tiny models' ops are far too small to gain from more (and two threads on a busy
+    2-core machine are many times slower)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="session")
 def tokenizer():
     return gpt2_tokenizer_offline()

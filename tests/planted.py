@@ -4,6 +4,7 @@ import dataclasses
 import json
 import os
 import random
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -34,17 +35,30 @@ def write_query_file(path: Path, n: int = 300, seed: int = 0) -> Path:
     return path
 
 
+def script_env() -> dict[str, str]:
+    """The environment of a user's fresh shell, offline: without the wandb service an in-process run of the tests
+    started (WANDB_SERVICE), which would outlive a killed script and keep its wandb run open."""
+    env = {key: value for key, value in os.environ.items() if key != "WANDB_SERVICE"}
+    env.update(WANDB_MODE="offline", HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
+    return env
+
+
+def free_port() -> int:
+    """A TCP port of 127.0.0.1 that was free a moment ago."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def run_script(script: str, *flags: str, timeout: int = 600, cwd: Path = REPO) -> subprocess.CompletedProcess:
     """Run one of the project's scripts as a user would; raise with its output when it fails."""
-    env_flags = {
-        "WANDB_MODE": "offline",
-        "HF_HUB_OFFLINE": "1",
-        "OMP_NUM_THREADS": "1",
-        "TOKENIZERS_PARALLELISM": "false",
-    }
-    env = {**os.environ, **env_flags}
     result = subprocess.run(
-        [sys.executable, str(REPO / script), *flags], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout
+        [sys.executable, str(REPO / script), *flags],
+        cwd=cwd,
+        env=script_env(),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
     )
     if result.returncode != 0:
         raise AssertionError(

@@ -1,7 +1,6 @@
 """Tests for lm_human_preference_details.core: sizes, whitening (TV6), log-probs, seeding (TV13), sync, tracking."""
 
 import os
-import socket
 import subprocess
 import sys
 import textwrap
@@ -24,6 +23,7 @@ from lm_human_preference_details.core import (
     whiten,
 )
 from lm_human_preference_details.kernels import logprobs_and_entropy_from_logits, logprobs_from_logits
+from tests.planted import free_port
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -262,13 +262,6 @@ TWO_PROCESS_SCRIPT = textwrap.dedent(
     accelerator.wait_for_everyone()
     """
 )
-
-
-def free_port() -> int:
-    """A TCP port that was free a moment ago."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def test_allreduce_and_broadcast_two_processes(tmp_path):

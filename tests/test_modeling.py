@@ -335,15 +335,6 @@ def test_policy_save_loads_with_auto_model(tiny_lm, tmp_path):
 # ---------------------------------------------------------------- memory savers for large models
 
 
-@pytest.fixture
-def one_thread():
-    """Tiny models train fastest on one thread (two threads on a busy 2-core machine are many times slower)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def _count_attention_calls(model) -> dict:
     """Count the forward calls of every attention module of `model` (a checkpointed block runs its forward twice)."""
     calls = {"n": 0}

@@ -17,9 +17,8 @@ from safetensors.torch import load_file
 
 from lm_human_preference_details import core
 from lm_human_preference_details.compare import read_tensorboard
-from tests.planted import REPO, books_task, write_policy_planted_labels, write_query_file
+from tests.planted import REPO, books_task, free_port, write_policy_planted_labels, write_query_file
 from tests.test_train_policy import save_reward_model
-from tests.test_train_reward import free_port
 
 ENV = {"OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "WANDB_MODE": "offline", "TOKENIZERS_PARALLELISM": "false"}
 TASK_FLAGS = ["--task.query_length", "16", "--task.response_length", "8", "--task.truncate_after", "4"]

@@ -10,8 +10,7 @@ import pytest
 import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from tests.planted import REPO, run_script, write_policy_planted_labels
-from tests.test_train_reward import free_port
+from tests.planted import REPO, free_port, run_script, write_policy_planted_labels
 
 QUERY_LENGTH, RESPONSE_LENGTH = 12, 8
 BATCH, UPDATES, KL_TARGET = 32, 30, 2.0

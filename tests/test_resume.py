@@ -19,13 +19,11 @@ import train_policy
 import train_reward
 from lm_human_preference_details import checkpoint
 from lm_human_preference_details.modeling import PolicyWithValueHead, load_reward_model
-from tests.planted import REPO, run_script, write_policy_planted_labels, write_query_file
+from tests.planted import REPO, free_port, run_script, script_env, write_policy_planted_labels, write_query_file
 from tests.test_train_policy import QUERY_TEXTS, save_reward_model
-from tests.test_train_reward import free_port
 
 TIMING_METRICS = ("elapsed/time", "elapsed/fps", "debug/time/")
 """wall-clock metrics, which no two runs share"""
-ENV = {"WANDB_MODE": "offline", "WANDB_SILENT": "true", "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -131,22 +129,27 @@ def final_training_state(output_dir) -> dict[str, torch.Tensor]:
     return tensors
 
 
-def start_and_kill(script: str, flags: list[str], output_dir, kill_after: int, delay: float) -> int:
-    """Start `script`, SIGKILL it `delay` s after checkpoint `kill_after` appears; -> the newest checkpoint's step."""
+def start_and_kill(command: list[str], output_dir, kill_after: int, delay: float) -> int:
+    """Start `command` (a script, or torchrun and its processes) in a process group of its own and SIGKILL the whole
+    group `delay` s after checkpoint `kill_after` appears, as a preempted machine; -> the newest checkpoint's step."""
     log = open(os.path.join(os.path.dirname(str(output_dir)), f"{os.path.basename(str(output_dir))}.log"), "w")
-    proc = subprocess.Popen(
-        [sys.executable, str(REPO / script), *flags], cwd=REPO, env={**os.environ, **ENV}, stdout=log, stderr=log
-    )
+    env = {**script_env(), "WANDB_SILENT": "true"}
+    proc = subprocess.Popen(command, cwd=REPO, env=env, stdout=log, stderr=log, start_new_session=True)
     target = checkpoint.step_dir(str(output_dir), kill_after)
     deadline = time.time() + 300
     while not os.path.isdir(target) and proc.poll() is None and time.time() < deadline:
         time.sleep(0.005)
     time.sleep(delay)
-    os.kill(proc.pid, signal.SIGKILL)
+    os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
     log.close()
     assert proc.returncode == -signal.SIGKILL, open(log.name).read()[-3000:]
     return checkpoint.list_checkpoints(str(output_dir))[-1][0]
+
+
+def script_command(script: str, flags: list[str]) -> list[str]:
+    """`python SCRIPT FLAGS` as a user runs it."""
+    return [sys.executable, str(REPO / script), *flags]
 
 
 def wandb_run_ids(output_dir) -> set[str]:
@@ -164,7 +167,7 @@ def test_policy_killed_and_resumed_equals_uninterrupted(tmp_path, tiny_model_dir
     # killed right after checkpoint 2 is on disk (while the policy is written beside it), wandb offline on
     killed = tmp_path / "killed"
     flags = policy_flags(tiny_model_dir, policy_world, killed, "--track")
-    resumed_from = start_and_kill("train_policy.py", flags, killed, kill_after=2, delay=0.0)
+    resumed_from = start_and_kill(script_command("train_policy.py", flags), killed, kill_after=2, delay=0.0)
     assert resumed_from == 2  # between two checkpoints
     result = run_script("train_policy.py", *flags, "--resume", "auto")
     assert f"resuming from {checkpoint.step_dir(str(killed), resumed_from)} after {resumed_from} of 4" in result.stdout
@@ -192,7 +195,7 @@ def test_reward_killed_and_resumed_equals_uninterrupted(tmp_path, tiny_model_dir
     # killed a moment after checkpoint 2, between two checkpoints (during a training step)
     killed = tmp_path / "killed"
     flags = reward_flags(tiny_model_dir, reward_world, killed)
-    resumed_from = start_and_kill("train_reward.py", flags, killed, kill_after=2, delay=0.05)
+    resumed_from = start_and_kill(script_command("train_reward.py", flags), killed, kill_after=2, delay=0.05)
     assert not os.path.exists(killed / "reward_model.json")  # killed before the end
     run_script("train_reward.py", *flags, "--resume", "auto")
     whole, resumed = scalars(tmp_path / "whole"), scalars(killed)
@@ -219,33 +222,29 @@ def test_reward_killed_and_resumed_equals_uninterrupted(tmp_path, tiny_model_dir
 def test_two_process_policy_resume_equals_uninterrupted(tmp_path, tiny_model_dir, policy_world):
     start = time.time()
 
-    def torchrun(output_dir, *extra: str) -> None:
+    def torchrun(output_dir, *extra: str) -> list[str]:
         command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2"]
         command += ["--master_port", str(free_port()), str(REPO / "train_policy.py")]
         sizes = ("--ppo.batch_size", "16", "--ppo.total_episodes", "64", "--keep_checkpoints", "0")
-        command += [*policy_flags(tiny_model_dir, policy_world, output_dir, *sizes), *extra]
-        run = subprocess.run(command, cwd=REPO, env={**os.environ, **ENV}, capture_output=True, text=True, timeout=600)
-        assert run.returncode == 0, run.stderr[-5000:]
+        return [*command, *policy_flags(tiny_model_dir, policy_world, output_dir, *sizes), *extra]
 
-    torchrun(tmp_path / "whole")
-    # the run as a kill after checkpoint 2 leaves it: that checkpoint (both processes' RNG files) and its TensorBoard
-    # events, which hold points of later updates that the resume must hide
-    cut = tmp_path / "cut"
-    shutil.copytree(tmp_path / "whole" / "tb", cut / "tb")
-    shutil.copytree(checkpoint.step_dir(str(tmp_path / "whole"), 2), checkpoint.step_dir(str(cut), 2))
-    assert sorted(os.listdir(checkpoint.step_dir(str(cut), 2))) == [
-        "checkpoint.json",
-        "rng_rank0.pt",
-        "rng_rank1.pt",
-        "state.pt",
-    ]
-    torchrun(cut, "--resume", "auto")
-    metric_diff = max_metric_difference(scalars(cut), scalars(tmp_path / "whole"), 2)
+    def run(command: list[str]) -> None:
+        done = subprocess.run(command, cwd=REPO, env=script_env(), capture_output=True, text=True, timeout=600)
+        assert done.returncode == 0, done.stderr[-5000:]
+
+    run(torchrun(tmp_path / "whole"))
+    # torchrun and both processes SIGKILLed at once after checkpoint 2, between two checkpoints, then resumed
+    killed = tmp_path / "killed"
+    resumed_from = start_and_kill(torchrun(killed), killed, kill_after=2, delay=0.05)
+    assert resumed_from in (2, 3)  # the run has 4 updates: killed before its last checkpoint
+    assert {"rng_rank0.pt", "rng_rank1.pt"} <= set(os.listdir(checkpoint.step_dir(str(killed), resumed_from)))
+    run(torchrun(killed, "--resume", "auto"))
+    metric_diff = max_metric_difference(scalars(killed), scalars(tmp_path / "whole"), resumed_from)
     names = ("model.safetensors", "value_head.safetensors")
-    weight_diff = max_weight_difference(saved_files(cut, names), saved_files(tmp_path / "whole", names))
+    weight_diff = max_weight_difference(saved_files(killed, names), saved_files(tmp_path / "whole", names))
     print(
-        f"2-process policy resume after 2: max |metric diff| {metric_diff:.3g}, weights {weight_diff:.3g}, "
-        f"{time.time() - start:.1f} s"
+        f"2-process policy resume after {resumed_from}: max |metric diff| {metric_diff:.3g}, weights "
+        f"{weight_diff:.3g}, {time.time() - start:.1f} s"
     )
     assert metric_diff <= 1e-6 and weight_diff <= 1e-6
 

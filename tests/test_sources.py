@@ -17,7 +17,6 @@ import datasets
 import huggingface_hub.constants
 import numpy as np
 import pytest
-import torch
 
 from lm_human_preference_details import labels, sources
 from lm_human_preference_details.data import QueryStream, load_texts
@@ -538,15 +537,6 @@ def long_context_model_dir(tmp_path_factory, tokenizer):
     tiny_gpt2(n_positions=1024).save_pretrained(path)
     tokenizer.save_pretrained(path)
     return str(path)
-
-
-@pytest.fixture
-def one_thread():
-    """The tiny models' ops are far too small to gain from intra-op threads."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def test_books_presets_share_one_task():

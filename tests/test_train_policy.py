@@ -19,8 +19,7 @@ from lm_human_preference_details.cli import parse_args
 from lm_human_preference_details.modeling import RewardModel
 from lm_human_preference_details.tasks import PassRateAlarm, TaskHParams, passes_filter, truncate_response
 from lm_human_preference_details.tokenizer import load_tokenizer, tokenizer_fingerprint
-from tests.planted import REPO
-from tests.test_train_reward import free_port
+from tests.planted import REPO, free_port
 from train_policy import (
     AdaptiveKLController,
     Args,

@@ -2,7 +2,6 @@
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import textwrap
@@ -21,7 +20,7 @@ from lm_human_preference_details.modeling import (
     load_reward_model,
     sample,
 )
-from tests.planted import REPO, books_task, run_script, write_policy_planted_labels, write_query_file
+from tests.planted import REPO, books_task, free_port, run_script, write_policy_planted_labels, write_query_file
 
 QUERY_LENGTH, RESPONSE_LENGTH = 16, 8
 TASK_FLAGS = [
@@ -221,15 +220,6 @@ def test_gradient_accumulation_gives_the_same_update(tmp_path, tiny_model_dir, w
     assert not torch.allclose(one["head.weight"], RewardModel.from_base(tiny_model_dir).head.weight)
 
 
-@pytest.fixture
-def one_thread():
-    """Tiny models train fastest on one thread (two threads on a busy 2-core machine are many times slower)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def test_gradient_checkpointing_and_bf16_runs_track_the_plain_run(tmp_path, tiny_model_dir, world, one_thread):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
@@ -392,12 +382,6 @@ def test_hub_base_model_fails_fast_offline(tmp_path, world):
     with pytest.raises(AssertionError) as failure:
         run_script("train_reward.py", *flags, timeout=60)
     assert "gpt2" in str(failure.value) and "--base_model" in str(failure.value) and "offline" in str(failure.value)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.mark.slow
