@@ -77,8 +77,12 @@ def publish_directory(tmp: str, path: str) -> None:
 
 
 @contextlib.contextmanager
-def _scratch_directory(tmp: str) -> Iterator[str]:
-    """A fresh, empty directory `tmp`, deleted when the block raises."""
+def atomic_files(output_dir: str) -> Iterator[str]:
+    """Yield a temporary directory; its entries then replace those of `output_dir` one rename each, under
+    SAVING_MARKER, so no file is ever half written and a kill between two renames leaves a marked directory; on an
+    error in the block the temporary directory is deleted and `output_dir` is left as it was."""
+    os.makedirs(output_dir, exist_ok=True)
+    tmp = os.path.join(output_dir, ".partial-save")
     shutil.rmtree(tmp, ignore_errors=True)
     os.makedirs(tmp)
     try:
@@ -86,24 +90,6 @@ def _scratch_directory(tmp: str) -> Iterator[str]:
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-
-
-@contextlib.contextmanager
-def atomic_directory(path: str) -> Iterator[str]:
-    """Yield a temporary sibling directory to write into; on success it replaces `path` in one rename, on an error
-    it is deleted and `path` is left as it was."""
-    with _scratch_directory(_temporary_sibling(path, "partial")) as tmp:
-        yield tmp
-    publish_directory(tmp, path)
-
-
-@contextlib.contextmanager
-def atomic_files(output_dir: str) -> Iterator[str]:
-    """Yield a temporary directory; its entries then replace those of `output_dir` one rename each, under
-    SAVING_MARKER, so no file is ever half written and a kill between two renames leaves a marked directory."""
-    os.makedirs(output_dir, exist_ok=True)
-    with _scratch_directory(os.path.join(output_dir, ".partial-save")) as tmp:
-        yield tmp
     fsync_tree(tmp)
     marker = os.path.join(output_dir, SAVING_MARKER)
     with open(marker, "w", encoding="utf-8") as f:
