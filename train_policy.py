@@ -764,15 +764,8 @@ def main(args: Args) -> list[dict[str, float]]:
     if args.push_to_hub and not hub_reachable():
         raise HubUnavailableError("--push_to_hub needs the Hugging Face hub, which is unreachable; drop the flag")
     # a killed run continues from its checkpoint (--resume); a fresh one never writes into another run's output_dir
-    resumed = checkpoint.resolve_resume(
-        args.output_dir, args.resume, args.overwrite_output_dir, accelerator.process_index
-    )
     settings = {**dataclasses.asdict(args), "world_size": sizes.world}
-    if resumed is not None:
-        changes = checkpoint.check_resume_settings(resumed, settings, RESUME_IGNORED, args.allow_resume_changes)
-        if changes:
-            accelerator.print(f"warning: --allow_resume_changes: the checkpoint's settings differ: {changes}")
-        accelerator.print(f"resuming from {resumed.path} after {resumed.step} of {sizes.nupdates} updates")
+    resumed = checkpoint.start_or_resume(args, settings, RESUME_IGNORED, accelerator, f"{sizes.nupdates} updates")
 
     # per-process seed (spec D2); the query order uses data_seed instead (spec D3)
     # https://github.com/openai/lm-human-preferences/blob/cbfd210bb8b08f6bc5c26878c10984b90f516c66/lm_human_preferences/utils/core.py#L108-L113
@@ -820,12 +813,11 @@ def main(args: Args) -> list[dict[str, float]]:
 
     state = TrainingState(policy, optimizer, kl_ctl, query_stream, generator, order_rngs)
 
-    if resumed is None:
-        run_name = core.run_name(accelerator, args.task_id, args.exp_name, args.seed)
-        if args.overwrite_output_dir and accelerator.is_main_process:
-            checkpoint.clear_previous_run(args.output_dir)
-    else:
-        run_name = resumed.meta["run_name"]
+    run_name = (
+        resumed.meta["run_name"] if resumed else core.run_name(accelerator, args.task_id, args.exp_name, args.seed)
+    )
+    if resumed is None and args.overwrite_output_dir and accelerator.is_main_process:
+        checkpoint.clear_previous_run(args.output_dir)  # every input has loaded: the old run's outputs can go
     config = {**dataclasses.asdict(args), "world_size": sizes.world, "nupdates": sizes.nupdates}
     tracker = core.Tracker(
         args.output_dir,

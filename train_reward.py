@@ -348,13 +348,8 @@ def main(args: Args) -> dict:
     set_seed(args.seed + rank * 100003)
     generator = torch.Generator(accelerator.device).manual_seed(args.seed + rank * 100003)
     # a killed run continues from its checkpoint (--resume); a fresh one never writes into another run's output_dir
-    resumed = checkpoint.resolve_resume(args.output_dir, args.resume, args.overwrite_output_dir, rank)
     settings = {**dataclasses.asdict(args), "world_size": world}
-    if resumed is not None:
-        changes = checkpoint.check_resume_settings(resumed, settings, RESUME_IGNORED, args.allow_resume_changes)
-        if changes:
-            accelerator.print(f"warning: --allow_resume_changes: the checkpoint's settings differ: {changes}")
-        accelerator.print(f"resuming from {resumed.path} after {resumed.step} of {num_steps} steps")
+    resumed = checkpoint.start_or_resume(args, settings, RESUME_IGNORED, accelerator, f"{num_steps} steps")
 
     # 1. tokenizer, labels (validated before any model is loaded), models, optimizer, query stream
     label_type = get_label_type(args.labels.type)
@@ -381,12 +376,9 @@ def main(args: Args) -> dict:
     optimizer = make_optimizer(params, args.lr, args.use_tensorflow_adam)
     query_stream = QueryStream(load_texts(args.task.query_dataset), tokenizer, args.task, rank, world, args.data_seed)
     affixes = encode_context_affixes(tokenizer, args.task)
-    if resumed is None:
-        name = run_name(accelerator, args.task_id, args.exp_name, args.seed)
-        if args.overwrite_output_dir and accelerator.is_main_process:
-            checkpoint.clear_previous_run(args.output_dir)
-    else:
-        name = resumed.meta["run_name"]
+    name = resumed.meta["run_name"] if resumed else run_name(accelerator, args.task_id, args.exp_name, args.seed)
+    if resumed is None and args.overwrite_output_dir and accelerator.is_main_process:
+        checkpoint.clear_previous_run(args.output_dir)  # every input has loaded: the old run's outputs can go
     tracker = Tracker(
         args.output_dir,
         args.track,

@@ -333,6 +333,20 @@ def resolve_resume(output_dir: str, resume: str | None, overwrite: bool, rank: i
     return None
 
 
+def start_or_resume(
+    args: Any, settings: dict[str, Any], ignored: Sequence[str], accelerator: Any, total: str
+) -> Resumed | None:
+    """The checkpoint that --resume names, its settings checked against `settings` (printed when
+    --allow_resume_changes lets differences pass), or None for a fresh start; `total`: how far the run goes."""
+    resumed = resolve_resume(args.output_dir, args.resume, args.overwrite_output_dir, accelerator.process_index)
+    if resumed is not None:
+        changes = check_resume_settings(resumed, settings, ignored, args.allow_resume_changes)
+        if changes:
+            accelerator.print(f"warning: --allow_resume_changes: the checkpoint's settings differ: {changes}")
+        accelerator.print(f"resuming from {resumed.path} after {resumed.step} of {total}")
+    return resumed
+
+
 def clear_previous_run(output_dir: str) -> None:
     """Delete an earlier run's checkpoints, policy snapshots and TensorBoard logs (for --overwrite_output_dir)."""
     for name in (STATE_DIR, "checkpoints", "tb"):
