@@ -596,6 +596,7 @@ def parse(argv: list[str] | None = None) -> Generate | Convert:
 
 def main(args: Generate | Convert) -> dict:
     """Run the parsed subcommand; returns the written metadata."""
+    cli.quiet_transformers()
     return generate(args) if isinstance(args, Generate) else convert(args)
 
 

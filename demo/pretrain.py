@@ -18,6 +18,7 @@ import torch
 import tyro
 from transformers import GPT2Config, GPT2LMHeadModel
 
+from lm_human_preference_details import cli
 from lm_human_preference_details.core import set_seed
 from lm_human_preference_details.data import load_texts
 from lm_human_preference_details.modeling import PolicyWithValueHead, load_causal_lm, sample
@@ -81,6 +82,7 @@ def learning_rate(args: Args, step: int) -> float:
 
 def main(args: Args) -> dict:
     """Train, save, print a few samples; returns the settings and final loss written to pretrain.json."""
+    cli.quiet_transformers()
     set_seed(args.seed)
     start = time.time()
     tokenizer = gpt2_tokenizer_offline()

@@ -422,6 +422,7 @@ def test_generate_human_labeler_stops_and_resumes(world, tmp_path):
         world, output, "--labeler", "human", "--num_queries", "4", "--num_labels", "3", "--batch_size", "3"
     )
     first = run_generate(flags, "x\n1\n0\nq\n")
+    assert "Loading weights" not in first.stdout + first.stderr  # transformers' per-load bars are silenced
     assert "invalid answer 'x'" in first.stdout and "stopped: 2 of 4 rows" in first.stdout
     assert first.stdout.count("best response [0-2]") == 4  # 'x', '1', '0', 'q'
     rows = read_rows(output)

@@ -151,6 +151,7 @@ def test_train_reward_learns_planted_preference_and_normalizes(tmp_path, tiny_mo
     out = tmp_path / "rm"
     result = run_script("train_reward.py", *reward_flags(tiny_model_dir, world, out))
     assert "normalize before: mean" in result.stdout and "normalize after: mean" in result.stdout
+    assert "Loading weights" not in result.stdout + result.stderr  # transformers' per-load bars are silenced
     reward_model, meta = load_reward_model(str(out))
     assert meta["eval_after"]["rows"] == 128
     assert meta["eval_after"]["accuracy"] >= 0.9, meta
