@@ -731,6 +731,29 @@ def push_to_hub(args: Args) -> str:
     return repo_id.repo_id
 
 
+def progress_text(stats: dict[str, float]) -> str:
+    """The progress bar's text after an update: its score, KL and (with a gold judge) gold score."""
+    text = f"score {cli.number(stats['objective/score'])} kl {cli.number(stats['objective/kl'])}"
+    if "objective/gold_score" in stats:
+        text += f" gold {cli.number(stats['objective/gold_score'])}"
+    return text
+
+
+def print_summary(console, args: Args, history: list[dict[str, float]], kl_coef: float, hub: str | None) -> None:
+    """The closing table: updates run, first -> last score and KL, kl_coef, and where the outputs went."""
+    first, final = history[0], history[-1]
+    summary = {
+        "updates": f"{len(history)} ({int(final['elapsed/episodes'])} episodes, {final['elapsed/time']:.0f} s)",
+        "objective/score": f"{cli.number(first['objective/score'])} -> {cli.number(final['objective/score'])}",
+        "objective/kl": f"{cli.number(first['objective/kl'])} -> {cli.number(final['objective/kl'])}",
+        "kl_coef": f"{cli.number(args.rewards.kl_coef, 4)} -> {cli.number(kl_coef, 4)}",
+        "policy, value head, tokenizer": args.output_dir,
+        "TensorBoard": f"{args.output_dir}/tb",
+        **({"hub": hub} if hub else {}),
+    }
+    cli.print_table(console, "policy training done", summary)
+
+
 # ---------------------------------------------------------------------------------------------------- main
 def main(args: Args) -> list[dict[str, float]]:
     """Train the policy; returns the logged statistics of every update."""
@@ -941,10 +964,7 @@ def main(args: Args) -> list[dict[str, float]]:
             warning = pass_rate_alarm.update(stats["debug/filter_pass_rate"], update, task)
             if warning and accelerator.is_main_process:
                 console.print(warning, style="bold red", markup=False)
-            description = f"score {cli.number(stats['objective/score'])} kl {cli.number(stats['objective/kl'])}"
-            if gold_labeler is not None:
-                description += f" gold {cli.number(stats['objective/gold_score'])}"
-            progress.update(bar, advance=1, description=description)
+            progress.update(bar, advance=1, description=progress_text(stats))
             is_last = update == sizes.nupdates - 1
             if is_last or (args.save_interval and (update + 1) % args.save_interval == 0):
                 save_checkpoint(args, accelerator, update + 1, state, tokenizer, tracker, meta, start_time)
@@ -954,18 +974,7 @@ def main(args: Args) -> list[dict[str, float]]:
     accelerator.wait_for_everyone()
     tracker.close()
     if accelerator.is_main_process and history:
-        final = history[-1]
-        summary = {
-            "updates": f"{len(history)} ({int(final['elapsed/episodes'])} episodes, {final['elapsed/time']:.0f} s)",
-            "objective/score": f"{cli.number(history[0]['objective/score'])} -> {cli.number(final['objective/score'])}",
-            "objective/kl": f"{cli.number(history[0]['objective/kl'])} -> {cli.number(final['objective/kl'])}",
-            "kl_coef": f"{cli.number(args.rewards.kl_coef, 4)} -> {cli.number(kl_ctl.value, 4)}",
-            "policy, value head, tokenizer": args.output_dir,
-            "TensorBoard": f"{args.output_dir}/tb",
-        }
-        if args.push_to_hub:
-            summary["hub"] = push_to_hub(args)
-        cli.print_table(console, "policy training done", summary)
+        print_summary(console, args, history, kl_ctl.value, push_to_hub(args) if args.push_to_hub else None)
     return history
 
 
