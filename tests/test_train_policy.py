@@ -11,6 +11,7 @@ import sys
 import numpy as np
 import pytest
 import torch
+from rich.console import Console
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -35,6 +36,8 @@ from train_policy import (
     minibatch_indices,
     oai_presets,
     ppo_losses,
+    print_summary,
+    progress_text,
     virtual_rank_rngs,
 )
 
@@ -174,6 +177,24 @@ def test_passes_filter_needs_truncate_token_at_or_after_truncate_after():
     )
     assert passes_filter(responses, 13, 2).tolist() == [True, True, False, True]
     assert passes_filter(responses, None, 2).tolist() == [True] * 4
+
+
+def test_closing_table_and_progress_text_name_the_figures_and_where_the_outputs_went():
+    history = [
+        {"objective/score": -1.0, "objective/kl": 0.0, "elapsed/episodes": 32, "elapsed/time": 3.0},
+        {"objective/score": 0.5, "objective/kl": 2.25, "elapsed/episodes": 64, "elapsed/time": 6.2},
+    ]
+    args = oai_presets()["sentiment"]
+    console = Console(record=True, width=160)
+    print_summary(console, args, history, 0.1234, "me/policy")
+    text = console.export_text()
+    assert "policy training done" in text and "2 (64 episodes, 6 s)" in text
+    assert "-1.000 -> 0.500" in text and "0.000 -> 2.250" in text and "0.1500 -> 0.1234" in text
+    assert args.output_dir in text and f"{args.output_dir}/tb" in text and "me/policy" in text
+    assert progress_text({"objective/score": 0.5, "objective/kl": -0.0001}) == "score 0.500 kl 0.000"  # never -0.000
+    assert progress_text({"objective/score": 0.5, "objective/kl": 1.0, "objective/gold_score": 0.25}).endswith(
+        "kl 1.000 gold 0.250"
+    )
 
 
 def test_pass_rate_alarm_fires_every_interval_while_the_rate_stays_low():
