@@ -1,5 +1,7 @@
 """Shared offline fixtures: the real GPT-2 tokenizer (built from local files) and tiny random GPT-2 models."""
 
+import contextlib
+
 import pytest
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel
@@ -23,14 +25,30 @@ def tiny_gpt2(seed: int = 0, **overrides) -> GPT2LMHeadModel:
     return GPT2LMHeadModel(tiny_gpt2_config(**overrides)).eval()
 
 
-@pytest.fixture
-def one_thread():
-    """One intra-op thread: the tiny models' ops are far too small to gain from more (and two threads on a busy
-    2-core machine are many times slower)."""
+@contextlib.contextmanager
+def one_intra_op_thread():
+    """torch on one intra-op thread: the tiny models' ops are far too small to gain from more (and two threads on a
+    busy 2-core machine are many times slower)."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.fixture
+def one_thread():
+    """One intra-op thread for one test."""
+    with one_intra_op_thread():
+        yield
+
+
+@pytest.fixture(scope="module")
+def single_thread():
+    """One intra-op thread for a whole test module (`pytestmark = pytest.mark.usefixtures("single_thread")`)."""
+    with one_intra_op_thread():
+        yield
 
 
 @pytest.fixture(scope="session")

@@ -40,13 +40,7 @@ PAD = 50257
 TEMPERATURE = 0.7
 
 
-@pytest.fixture(autouse=True, scope="module")
-def single_thread():
-    """The tiny models' ops are far too small to gain from intra-op threads."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("single_thread")
 
 
 class TruncatedLength(Labeler):

@@ -46,13 +46,7 @@ OBJECTS = ["the house", "a river", "the garden", "the city", "a small boat", "th
 ENDINGS = ["in the morning", "after dinner", "with a smile", "for a while", "before the rain", "at night"]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def single_thread():
-    """Tiny models sample fastest on one thread."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("single_thread")
 
 
 @pytest.fixture(autouse=True)

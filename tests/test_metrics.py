@@ -4,7 +4,6 @@ import dataclasses
 
 import numpy as np
 import pytest
-import torch
 
 import train_policy
 import train_reward
@@ -14,14 +13,7 @@ from lm_human_preference_details.metrics import GLOSSARY, glossary_names, readme
 from tests.planted import REPO, books_task
 from tests.test_train_policy import query_file, save_reward_model, tiny_args, tiny_task  # noqa: F401 (query_file: a fixture)
 
-
-@pytest.fixture(autouse=True, scope="module")
-def single_thread():
-    """The tiny models' ops are far too small to gain from intra-op threads."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("single_thread")
 
 
 @pytest.fixture

@@ -26,14 +26,8 @@ TIMING_METRICS = ("elapsed/time", "elapsed/fps", "debug/time/")
 """wall-clock metrics, which no two runs share"""
 
 
-@pytest.fixture(autouse=True, scope="module")
-def single_thread():
-    """One intra-op thread, as the scripts get from OMP_NUM_THREADS=1: in-process and subprocess runs then add up
-    floats in the same order."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+# one intra-op thread, as the scripts get from OMP_NUM_THREADS=1: in-process and subprocess runs add up floats alike
+pytestmark = pytest.mark.usefixtures("single_thread")
 
 
 @pytest.fixture(scope="module")

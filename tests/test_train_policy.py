@@ -88,13 +88,7 @@ QUERY_TEXTS = [
 ]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def single_thread():
-    """The tiny models' ops are far too small to gain from intra-op threads, which only add sync overhead."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("single_thread")
 
 
 # ---------------------------------------------------------------- algorithm helpers (spec §5 test vectors)

@@ -29,13 +29,7 @@ QUERY_LENGTH, RESPONSE_LENGTH = 16, 8
 SAMPLES = range(4)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def single_thread():
-    """The tiny models' ops are far too small to gain from intra-op threads."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("single_thread")
 
 
 @pytest.fixture(scope="module")
