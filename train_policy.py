@@ -650,22 +650,13 @@ def save_policy(policy: PolicyWithValueHead, tokenizer: PreTrainedTokenizerBase,
 
 
 RESUME_IGNORED = (
-    "exp_name",
-    "output_dir",
-    "track",
-    "wandb_project_name",
-    "wandb_entity",
+    *checkpoint.RESUME_IGNORED,
     "log_interval",
-    "save_interval",
+    "filter_warning_rate",
     "save_checkpoints",
-    "keep_checkpoints",
     "print_samples",
     "push_to_hub",
     "hf_repo_id",
-    "dry_run",
-    "resume",
-    "allow_resume_changes",
-    "overwrite_output_dir",
 )
 """settings that may change on --resume: they do not change what the run computes"""
 

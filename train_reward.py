@@ -142,22 +142,6 @@ class Args:
     """name of the --task preset these settings started from (recorded in the run config)"""
 
 
-RESUME_IGNORED = (
-    "exp_name",
-    "output_dir",
-    "track",
-    "wandb_project_name",
-    "wandb_entity",
-    "dry_run",
-    "save_interval",
-    "keep_checkpoints",
-    "resume",
-    "allow_resume_changes",
-    "overwrite_output_dir",
-)
-"""settings that may change on --resume: they do not change what the run computes"""
-
-
 def books_preset(label_file: str) -> Args:
     """OAI's sentiment/descriptiveness reward training (launch.py#L49-L80)."""
     task_id = label_file.split("/")[0]
@@ -349,7 +333,7 @@ def main(args: Args) -> dict:
     generator = torch.Generator(accelerator.device).manual_seed(args.seed + rank * 100003)
     # a killed run continues from its checkpoint (--resume); a fresh one never writes into another run's output_dir
     settings = {**dataclasses.asdict(args), "world_size": world}
-    resumed = checkpoint.start_or_resume(args, settings, RESUME_IGNORED, accelerator, f"{num_steps} steps")
+    resumed = checkpoint.start_or_resume(args, settings, checkpoint.RESUME_IGNORED, accelerator, f"{num_steps} steps")
 
     # 1. tokenizer, labels (validated before any model is loaded), models, optimizer, query stream
     label_type = get_label_type(args.labels.type)

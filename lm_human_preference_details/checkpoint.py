@@ -33,6 +33,21 @@ SAVING_MARKER = ".saving"
 """present in a model directory while its files are being replaced; the project's loaders refuse such a directory"""
 MODEL_MARKERS = ("config.json", "model.safetensors", "reward_model.json", "value_head.safetensors")
 """files that show a directory already holds a saved model"""
+RESUME_IGNORED = (
+    "exp_name",
+    "output_dir",
+    "track",
+    "wandb_project_name",
+    "wandb_entity",
+    "dist_timeout",
+    "save_interval",
+    "keep_checkpoints",
+    "dry_run",
+    "resume",
+    "allow_resume_changes",
+    "overwrite_output_dir",
+)
+"""settings of both scripts that may change on --resume: naming, logging, saving and waiting, not what is computed"""
 _STEP_DIR = re.compile(r"^step(\d+)$")
 
 

@@ -276,10 +276,12 @@ def test_resume_with_changed_settings_lists_them_and_override_continues(finished
     shutil.copytree(output_dir, run_dir)
     shutil.rmtree(checkpoint.step_dir(str(run_dir), 2))
     changed = [*flags[:-2], "--output_dir", str(run_dir), "--resume", "auto", "--ppo.lr", "2e-3", "--seed", "7"]
+    changed += ["--dist_timeout", "900", "--filter_warning_rate", "0.5"]  # these do not change what is computed
     with pytest.raises(ValueError, match="other settings") as stop:
         train_policy.main(train_policy.parse(changed))
     assert "seed: checkpoint 1, now 7" in str(stop.value) and "ppo.lr: checkpoint 0.001, now 0.002" in str(stop.value)
     assert "--allow_resume_changes" in str(stop.value) and "batch_size" not in str(stop.value)
+    assert "dist_timeout" not in str(stop.value) and "filter_warning_rate" not in str(stop.value)
     history = train_policy.main(train_policy.parse([*changed, "--allow_resume_changes"]))
     assert len(history) == 1 and history[0]["elapsed/updates"] == 2
     assert "warning: --allow_resume_changes" in capsys.readouterr().out
