@@ -5,8 +5,8 @@ a temporary sibling directory, fsync'ed, then renamed into place, so a kill at a
 checkpoints whole and never a mixed one. It holds:
 - checkpoint.json: the step, the run settings (args and world size), the run name and wandb id (rank 0);
 - state.pt: weights, optimizer state and the script's other counters (rank 0; identical on every process);
-- rng_rank{r}.pt: process r's query-stream position and RNG states (Python, NumPy, torch, CUDA, the sampler's
-  generator, extra NumPy RandomStates).
+- rng_rank{r}.pt: process r's query-stream position and RNG states (Python, NumPy, torch, the CUDA generator of
+  process r's own GPU, the sampler's generator, extra NumPy RandomStates).
 The final model at the top of OUTPUT_DIR keeps its usual layout; its files are written aside and each moved into place
 by a rename, under a marker file that the project's loaders refuse, so a half-replaced model is never loaded silently.
 """
@@ -149,12 +149,14 @@ def _numpy_state_back(state: Sequence) -> tuple:
 
 
 def rng_states(generator: torch.Generator, numpy_rngs: Sequence[np.random.RandomState] = ()) -> dict[str, Any]:
-    """This process's RNG states: Python, NumPy global, torch CPU and CUDA, the sampling generator, `numpy_rngs`."""
+    """This process's RNG states: Python, NumPy global, torch CPU, its own GPU's (the current device; None without
+    CUDA), the sampling generator, `numpy_rngs`."""
+    # only this process's GPU: a run saved with 8 GPUs visible to each process resumes where each sees 1 (a scheduler)
     return {
         "python": random.getstate(),
         "numpy": _numpy_state(np.random.get_state()),
         "torch": torch.get_rng_state(),
-        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+        "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None,
         "generator": generator.get_state(),
         "numpy_rngs": [_numpy_state(rng.get_state()) for rng in numpy_rngs],
     }
@@ -172,8 +174,8 @@ def restore_rng_states(
     random.setstate(states["python"])
     np.random.set_state(_numpy_state_back(states["numpy"]))
     torch.set_rng_state(states["torch"])
-    if states["cuda"] and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(states["cuda"])
+    if isinstance(states["cuda"], torch.Tensor) and torch.cuda.is_available():
+        torch.cuda.set_rng_state(states["cuda"])  # onto the current device, whichever index it has now
     generator.set_state(states["generator"])
     for rng, state in zip(numpy_rngs, states["numpy_rngs"]):
         rng.set_state(_numpy_state_back(state))

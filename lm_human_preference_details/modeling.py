@@ -379,9 +379,9 @@ def sample(
     logprobs = torch.empty(batch_size, response_length, dtype=torch.float32, device=device)
     values = torch.empty(batch_size, response_length, dtype=torch.float32, device=device)
     # static shapes: keys/values of the whole episode preallocated and written in place (a growing cache copies all
-    # of it at every step); `slots` are cache indices, `position_ids` the pad-aware positions
+    # of it at every step); `position_ids` are the pad-aware positions. The cache writes each call's keys at its own
+    # running length (transformers 5 ignores `cache_position`), i.e. at the episode's slots 0..C-1, then C, C+1, ...
     cache = StaticCache(config=lm.config, max_cache_len=total_length)
-    slots = torch.arange(total_length, device=device)
     # first token from the context's last position (after PAD replacement: the last real token), then
     # response_length-1 KV-cached steps; no stop at EOS, so every response has exactly L tokens
     # https://github.com/openai/lm-human-preferences/blob/cbfd210bb8b08f6bc5c26878c10984b90f516c66/lm_human_preferences/language/sample.py#L26-L31
@@ -390,8 +390,7 @@ def sample(
         input_ids=contexts.masked_fill(~mask, 0),
         attention_mask=attention_mask,
         position_ids=position_ids_from_mask(mask),
-        past_key_values=cache,
-        cache_position=slots[:context_length],
+        cache=cache,
         use_cache=True,
     )
     hidden = _gather_positions(output.last_hidden_state, _last_real_index(mask)[:, -1:])  # (B, 1, D)
@@ -402,8 +401,7 @@ def sample(
                 input_ids=responses[:, t - 1 : t],
                 attention_mask=attention_mask,
                 position_ids=positions,
-                past_key_values=cache,
-                cache_position=slots[context_length + t - 1 : context_length + t],
+                cache=cache,
                 use_cache=True,
             )
             hidden = output.last_hidden_state  # (B, 1, D)

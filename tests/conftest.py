@@ -1,6 +1,10 @@
 """Shared offline fixtures: the real GPT-2 tokenizer (built from local files) and tiny random GPT-2 models."""
 
 import contextlib
+import logging
+import os
+import sys
+import warnings
 
 import pytest
 import torch
@@ -9,6 +13,110 @@ from transformers import GPT2Config, GPT2LMHeadModel
 from lm_human_preference_details.tokenizer import gpt2_tokenizer_offline
 
 torch.set_num_threads(2)
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CHECKED_LIBRARIES = ("transformers", "accelerate", "torch", "datasets")
+"""libraries whose deprecations in the project's own calls fail the test (the next rename turns CI red)"""
+DEPRECATIONS = (DeprecationWarning, FutureWarning)
+
+
+def _site_package(filename: str) -> list[str] | None:
+    """The path parts below site-packages of an installed package's file, None for any other file."""
+    parts = os.path.normpath(filename).split(os.sep)
+    for top in ("site-packages", "dist-packages"):
+        if top in parts:
+            return parts[parts.index(top) + 1 :]
+    return None
+
+
+def _library_of(filename: str) -> str | None:
+    """The checked library a source file belongs to, None for any other file."""
+    parts = _site_package(filename)
+    return parts[0] if parts and parts[0] in CHECKED_LIBRARIES else None
+
+
+def _is_project_file(filename: str) -> bool:
+    """A file of this repository (package, scripts, tests), conftest.py itself excepted."""
+    path = os.path.abspath(filename)
+    return path.startswith(REPO_ROOT + os.sep) and os.path.basename(path) != "conftest.py"
+
+
+def _deprecation_from_project_call() -> str | None:
+    """When a warning is being shown: the checked library that raised it, if the project called into it; else None."""
+    frame = sys._getframe(1)
+    while frame is not None and frame.f_code.co_filename in (__file__, warnings.__file__):
+        frame = frame.f_back
+    library = frame is not None and _library_of(frame.f_code.co_filename)
+    if not library:
+        return None
+    while frame is not None:
+        if _is_project_file(frame.f_code.co_filename):
+            return library
+        frame = frame.f_back
+    return None
+
+
+class _DeprecationLog(logging.Handler):
+    """Collects transformers' logger-based deprecation notices (`logger.warning_once("... deprecated ...")`)."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        message = record.getMessage()
+        if "deprecat" in message.lower():
+            self.messages.append(message)
+
+
+@pytest.fixture(autouse=True)
+def no_deprecated_library_calls(monkeypatch):
+    """Fail a test whose project code calls transformers, accelerate, torch or datasets in a deprecated way: a
+    DeprecationWarning or FutureWarning raised inside those libraries under a project frame becomes an error where
+    it is raised, and a transformers log record mentioning a deprecation fails the test at its end.
+
+    transformers logs most renames (e.g. `past_key_values` -> `cache`) with `logger.warning_once`, which the scripts'
+    `set_verbosity_error` would drop and which a process logs only once: the level is kept at WARNING for the checker
+    (the console handler still shows errors only) and the once-only memory is cleared before every test.
+    """
+    import transformers.utils.logging as hf_logging
+
+    shown = warnings.showwarning
+
+    def show(message, category, filename, lineno, file=None, line=None):
+        if issubclass(category, DEPRECATIONS):
+            library = _deprecation_from_project_call()
+            if library:
+                raise category(f"the project calls {library} in a deprecated way: {message}")
+            if category is DeprecationWarning and _site_package(filename):
+                return  # an installed package's internal deprecation, not the project's call: not shown, as before
+        shown(message, category, filename, lineno, file, line)
+
+    monkeypatch.setattr(warnings, "showwarning", show)
+    logging.Logger.warning_once.cache_clear()
+    root = hf_logging.get_logger("transformers")
+    log = _DeprecationLog()
+    default_handler_level = hf_logging._default_handler.level if hf_logging._default_handler else None
+    monkeypatch.setattr(hf_logging, "set_verbosity", lambda verbosity: _set_handler_level(hf_logging, verbosity))
+    root.addHandler(log)
+    level = root.level
+    root.setLevel(logging.WARNING)
+    try:
+        yield log
+    finally:
+        root.removeHandler(log)
+        root.setLevel(level)
+        if default_handler_level is not None:
+            hf_logging._default_handler.setLevel(default_handler_level)
+    if log.messages:
+        pytest.fail(f"the project calls transformers in a deprecated way: {log.messages}", pytrace=False)
+
+
+def _set_handler_level(hf_logging, verbosity: int) -> None:
+    """transformers' set_verbosity applied to its console handler, not its logger, so the checker still sees
+    warnings."""
+    if hf_logging._default_handler is not None:
+        hf_logging._default_handler.setLevel(verbosity)
 
 
 def tiny_gpt2_config(**overrides) -> GPT2Config:
