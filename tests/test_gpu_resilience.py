@@ -1,7 +1,6 @@
 """The GPU path's resilience, checked on CPU: each process saves and restores only its own GPU's RNG state."""
 
 import numpy as np
-import pytest
 import torch
 
 from lm_human_preference_details import checkpoint
