@@ -17,12 +17,14 @@ import os
 import random
 import re
 import shutil
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
+import torch.distributed as dist
+from accelerate.utils import broadcast_object_list
 
 STATE_DIR = "training_state"
 """subdirectory of OUTPUT_DIR that holds the training-state checkpoints"""
@@ -49,6 +51,7 @@ RESUME_IGNORED = (
 )
 """settings of both scripts that may change on --resume: naming, logging, saving and waiting, not what is computed"""
 _STEP_DIR = re.compile(r"^step(\d+)$")
+T = TypeVar("T")
 
 
 # ---------------------------------------------------------------- atomic writes
@@ -329,9 +332,9 @@ def previous_run(output_dir: str) -> list[str]:
     return found
 
 
-def resolve_resume(output_dir: str, resume: str | None, overwrite: bool, rank: int) -> Resumed | None:
-    """The checkpoint to continue (--resume PATH, or `auto`: the newest in output_dir, none: a fresh start), or None;
-    ValueError when a fresh run would overwrite another run's output_dir without `overwrite`."""
+def resolve_resume(output_dir: str, resume: str | None, overwrite: bool) -> str | None:
+    """The checkpoint directory to continue (--resume PATH, or `auto`: the newest in output_dir), None for a fresh
+    start; ValueError when a fresh run would overwrite another run's output_dir without `overwrite`."""
     if resume == "auto":
         resume = latest_checkpoint(output_dir)
         if resume is None and set(previous_run(output_dir)) - {"tb"}:
@@ -340,7 +343,12 @@ def resolve_resume(output_dir: str, resume: str | None, overwrite: bool, rank: i
                 f"in {STATE_DIR}/; pass --overwrite_output_dir to start again there, or choose another --output_dir."
             )
     if resume is not None:
-        return load_training_state(resume, rank)
+        if not os.path.isfile(os.path.join(resume, META_FILE)):
+            raise FileNotFoundError(
+                f"--resume '{resume}' is not a checkpoint ('{META_FILE}' is missing); pass a directory of "
+                f"OUTPUT_DIR/{STATE_DIR}/ or --resume auto."
+            )
+        return resume
     found = previous_run(output_dir)
     if found and not overwrite:
         raise ValueError(
@@ -350,17 +358,74 @@ def resolve_resume(output_dir: str, resume: str | None, overwrite: bool, rank: i
     return None
 
 
+def _decided_by_main_process(accelerator: Any, decide: Callable[[], T]) -> T:
+    """`decide()` on process 0 only, its result given to every process; its ValueError or OSError is raised again
+    on every process, so that all stop with the same line."""
+    if accelerator.num_processes == 1:
+        return decide()
+    outcome: list[Any] = [None]
+    if accelerator.is_main_process:
+        try:
+            outcome = [(True, decide())]
+        except (ValueError, OSError) as e:
+            outcome = [(False, str(e))]
+    broadcast_object_list(outcome)
+    decided, value = outcome[0]
+    if not decided:
+        raise ValueError(value)
+    return value
+
+
+def _load_on_every_process(path: str, accelerator: Any) -> Resumed:
+    """Every process reads checkpoint `path` (chosen by process 0); when any cannot, every process raises one
+    ValueError, so no process goes on alone (its collectives would wait for the others until --dist_timeout)."""
+    rank = accelerator.process_index
+    resumed, error = None, None
+    if not os.path.isfile(os.path.join(path, META_FILE)):
+        error = "unseen"
+    else:
+        try:
+            resumed = load_training_state(path, rank)
+        except (ValueError, OSError) as e:
+            error = str(e)
+    errors = [error]
+    if accelerator.num_processes > 1:
+        errors = [None] * accelerator.num_processes
+        dist.all_gather_object(errors, error)
+    unseen = [r for r, e in enumerate(errors) if e == "unseen"]
+    if unseen:
+        raise ValueError(
+            f"process {', '.join(map(str, unseen))} of {accelerator.num_processes} cannot see checkpoint '{path}', "
+            "which process 0 resumes from: --output_dir must be on a filesystem that every node sees (the same path "
+            "on a shared or network filesystem); rerun with such an --output_dir."
+        )
+    if failed := next((e for e in errors if e is not None), None):
+        raise ValueError(failed)
+    return resumed
+
+
 def start_or_resume(
     args: Any, settings: dict[str, Any], ignored: Sequence[str], accelerator: Any, total: str
 ) -> Resumed | None:
     """The checkpoint that --resume names, its settings checked against `settings` (printed when
-    --allow_resume_changes lets differences pass), or None for a fresh start; `total`: how far the run goes."""
-    resumed = resolve_resume(args.output_dir, args.resume, args.overwrite_output_dir, accelerator.process_index)
-    if resumed is not None:
-        changes = check_resume_settings(resumed, settings, ignored, args.allow_resume_changes)
-        if changes:
-            accelerator.print(f"warning: --allow_resume_changes: the checkpoint's settings differ: {changes}")
-        accelerator.print(f"resuming from {resumed.path} after {resumed.step} of {total}")
+    --allow_resume_changes lets differences pass), or None for a fresh start; `total`: how far the run goes.
+
+    Process 0 chooses (every process then resumes the same step, or none does); each process then reads it."""
+    path = _decided_by_main_process(
+        accelerator, lambda: resolve_resume(args.output_dir, args.resume, args.overwrite_output_dir)
+    )
+    if path is None:
+        if args.resume == "auto":
+            accelerator.print(
+                f"warning: --resume auto found no checkpoint in '{state_dir(args.output_dir)}': the run starts fresh "
+                "(check --output_dir if you meant to continue a run)"
+            )
+        return None
+    resumed = _load_on_every_process(path, accelerator)
+    changes = check_resume_settings(resumed, settings, ignored, args.allow_resume_changes)
+    if changes:
+        accelerator.print(f"warning: --allow_resume_changes: the checkpoint's settings differ: {changes}")
+    accelerator.print(f"resuming from {resumed.path} after {resumed.step} of {total}")
     return resumed
 
 

@@ -1,9 +1,19 @@
-"""The GPU path's resilience, checked on CPU: each process saves and restores only its own GPU's RNG state."""
+"""The GPU path's resilience, checked on CPU: each process saves and restores only its own GPU's RNG state; process 0
+decides whether and from where a run resumes, and a process that cannot see that checkpoint stops them all."""
+
+import json
+import os
+import re
+import time
+from types import SimpleNamespace
 
 import numpy as np
+import pytest
 import torch
 
 from lm_human_preference_details import checkpoint
+from tests.planted import REPO, free_port, write_query_file
+from tests.test_multiprocess import run_all, torchrun
 
 
 class FakeCuda:
@@ -74,3 +84,86 @@ def test_a_checkpoint_of_a_cpu_run_resumes_on_a_gpu(monkeypatch):
     before = gpu.states[0].clone()
     checkpoint.restore_rng_states(states, torch.Generator())
     assert torch.equal(gpu.states[0], before)  # nothing saved for it: left as seeded
+
+
+# ---------------------------------------------------------------- resume: process 0 decides, every process follows
+
+
+def fake_checkpoint(output_dir, step: int, world_size: int) -> str:
+    """A checkpoint directory with the files `load_training_state` reads (no weights: only the decision is tested)."""
+    path = checkpoint.step_dir(str(output_dir), step)
+    os.makedirs(path)
+    with open(os.path.join(path, checkpoint.META_FILE), "w") as f:
+        json.dump({"step": step, "world_size": world_size, "settings": {}, "run_name": "r", "wandb_id": None}, f)
+    torch.save({}, os.path.join(path, checkpoint.SHARED_FILE))
+    for rank in range(world_size):
+        torch.save({}, os.path.join(path, checkpoint.RANK_FILE.format(rank=rank)))
+    return path
+
+
+class OneProcess:
+    """The part of an Accelerator that start_or_resume uses, for a one-process run; prints into `printed`."""
+
+    num_processes, process_index, is_main_process = 1, 0, True
+
+    def __init__(self):
+        self.printed: list[str] = []
+
+    def print(self, text: str) -> None:
+        self.printed.append(text)
+
+
+def resume_args(output_dir, resume: str | None) -> SimpleNamespace:
+    return SimpleNamespace(
+        output_dir=str(output_dir), resume=resume, overwrite_output_dir=False, allow_resume_changes=0
+    )
+
+
+def test_resume_auto_without_a_checkpoint_says_the_run_starts_fresh(tmp_path):
+    accelerator = OneProcess()
+    assert checkpoint.start_or_resume(resume_args(tmp_path / "mistyped", "auto"), {}, (), accelerator, "4") is None
+    assert len(accelerator.printed) == 1
+    assert re.search(r"--resume auto found no checkpoint in '.*mistyped/training_state': the run starts fresh \(check "
+                     r"--output_dir", accelerator.printed[0])  # fmt: skip
+    fake_checkpoint(tmp_path / "run", 2, 1)
+    resumed = checkpoint.start_or_resume(resume_args(tmp_path / "run", "auto"), {}, (), accelerator, "4 updates")
+    assert resumed.step == 2 and accelerator.printed[-1].startswith("resuming from")
+    quiet = OneProcess()
+    assert checkpoint.start_or_resume(resume_args(tmp_path / "new", None), {}, (), quiet, "4") is None
+    assert quiet.printed == []  # a fresh run that asked for none: nothing to say
+
+
+SPLIT_OUTPUT_LAUNCHER = """
+import os, sys
+sys.path.insert(0, {repo!r})
+from lm_human_preference_details import cli
+import train_policy
+
+# the same --output_dir path names another directory on each process, as on nodes whose --output_dir is a local disk
+os.chdir(os.path.join(sys.argv[1], "node" + os.environ["RANK"]))
+cli.run(train_policy.main, train_policy.parse, [*sys.argv[2:], "--output_dir", "out"])
+"""
+
+
+@pytest.mark.slow
+def test_a_process_that_cannot_see_the_checkpoint_stops_every_process(tmp_path, tiny_model_dir):
+    fake_checkpoint(tmp_path / "node0" / "out", 2, 2)  # only process 0 sees a checkpoint
+    os.makedirs(tmp_path / "node1")
+    launcher = tmp_path / "launch.py"
+    launcher.write_text(SPLIT_OUTPUT_LAUNCHER.format(repo=str(REPO)))
+    flags = ["--base_model", tiny_model_dir, "--task.query_dataset", str(write_query_file(tmp_path / "q.txt", 20))]
+    flags += ["--rewards.trained_model", str(tmp_path / "reward"), "--resume", "auto"]
+    start = time.time()
+    codes, outputs, ended = run_all(torchrun(1, free_port(), launcher, str(tmp_path), *flags), 120, tmp_path)
+    text = outputs[0]
+    errors = [line for line in text.splitlines() if line.startswith("error:")]
+    assert codes != [0], text[-3000:]
+    # every process raises the line at once; torchrun ends the others when the first one exits, maybe before they
+    # print theirs: at least one, and no other error
+    assert 1 <= len(errors) <= 2, text[-3000:]
+    for line in errors:
+        assert "process 1 of 2 cannot see checkpoint 'out/training_state/step2'" in line
+        assert "--output_dir must be on a filesystem that every node sees" in line
+    assert "Traceback" not in text and "resuming from" not in text
+    assert ended - start < 90  # no process waited for another until --dist_timeout (30 min)
+    print(f"every process exited {ended - start:.1f} s after the start")
