@@ -164,6 +164,6 @@ def test_a_process_that_cannot_see_the_checkpoint_stops_every_process(tmp_path, 
     for line in errors:
         assert "process 1 of 2 cannot see checkpoint 'out/training_state/step2'" in line
         assert "--output_dir must be on a filesystem that every node sees" in line
-    assert "Traceback" not in text and "resuming from" not in text
+    assert f'File "{REPO}' not in text and "resuming from" not in text  # no traceback of the project (torchrun's own)
     assert ended - start < 90  # no process waited for another until --dist_timeout (30 min)
     print(f"every process exited {ended - start:.1f} s after the start")
