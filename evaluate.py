@@ -88,6 +88,9 @@ class Args:
     """directory for results.json, results.md and gold_vs_kl.png; None: POLICY/eval (or eval/ without --policy)"""
     device: str | None = None
     """torch device; None: cuda when available, else cpu"""
+    tf32: bool = False
+    """run float32 matmuls on TF32 tensor cores (NVIDIA Ampere or newer: A100, H100): GEMMs ~5-7x faster, each with
+    ~1e-3 relative error (docs/gpu.md); off: full float32, as OAI trained"""
     dry_run: bool = False
     """print the settings, check that every directory exists, and exit"""
     task_id: tyro.conf.Suppress[str] = "sentiment"
@@ -180,6 +183,7 @@ def main(args: Args) -> dict:
     runs = {d: read_run_args(d) for d in [args.policy, *checkpoints] if d is not None}
     known_runs = [r for r in runs.values() if r is not None]
     skip = query_offset(args, known_runs)
+    tf32 = core.use_tf32(args.tf32)
     cli.print_table(
         console,
         "evaluation (evaluate.py)",
@@ -191,6 +195,7 @@ def main(args: Args) -> dict:
             "reward model": args.reward_model,
             "gold judge": args.gold or "-",
             "queries": f"{args.num_queries} of {args.task.query_dataset} ({args.split}), from query {skip}",
+            "TF32": tf32,
             "output dir": output_dir,
         },
     )

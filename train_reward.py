@@ -28,6 +28,7 @@ from lm_human_preference_details.core import (
     run_name,
     save_args,
     set_seed,
+    use_tf32,
 )
 from lm_human_preference_details.data import QueryStream, load_texts
 from lm_human_preference_details.labels import (
@@ -108,6 +109,9 @@ class Args:
     bf16: bool = False
     """run the transformer of the training forward passes under bfloat16 autocast (weights, optimizer, heads, logits,
     sampling and scoring stay float32): less memory, faster on GPUs with bf16; off: float32 throughout, as OAI"""
+    tf32: bool = False
+    """run float32 matmuls on TF32 tensor cores (NVIDIA Ampere or newer: A100, H100): GEMMs ~5-7x faster, each with
+    ~1e-3 relative error (docs/gpu.md); off: full float32, as OAI trained"""
     eval_interval: int = 0
     """evaluate held-out accuracy every this many steps (0: only before and after training)"""
     output_dir: str = "models/reward"
@@ -298,6 +302,7 @@ def main(args: Args) -> dict:
     validation.check_reward_args(args)
     cli.quiet_transformers()
     accelerator = make_accelerator(args.dist_timeout)
+    tf32 = use_tf32(args.tf32)
     world, rank = accelerator.num_processes, accelerator.process_index
     local_batch_size = exact_div(args.batch_size, world, "batch_size (labels per step) over processes")
     accum = args.gradient_accumulation_steps
@@ -322,6 +327,7 @@ def main(args: Args) -> dict:
                 if args.normalize_samples
                 else "0 (normalization skipped)",
                 "label file": args.label_dataset,
+                "TF32": tf32,
                 "output dir": args.output_dir,
             },
         )

@@ -61,6 +61,17 @@ def make_accelerator(timeout: float = DIST_TIMEOUT) -> Accelerator:
     return Accelerator(cpu=multi_process and not torch.cuda.is_available(), kwargs_handlers=[handler])
 
 
+def use_tf32(enabled: bool) -> str:
+    """--tf32: float32 matmuls (cuBLAS) and convolutions (cuDNN) in TF32 when `enabled`; off: torch's settings are
+    left as they are. -> the start-up table's entry."""
+    if not enabled:
+        return "off (full float32, as OAI)"
+    # torch >= 2.9's per-backend API; torch.get_float32_matmul_precision and the allow_tf32 flags then raise
+    torch.backends.cuda.matmul.fp32_precision = "tf32"
+    torch.backends.cudnn.conv.fp32_precision = "tf32"
+    return "on (matmuls in TF32: ~1e-3 relative error each)"
+
+
 def exact_div(a: int, b: int, what: str) -> int:
     """a // b, raising ValueError when b does not divide a (OAI derives every per-rank size this way)."""
     # https://github.com/openai/lm-human-preferences/blob/cbfd210bb8b08f6bc5c26878c10984b90f516c66/lm_human_preferences/utils/core.py#L116-L124

@@ -1,5 +1,6 @@
 """The GPU path's resilience, checked on CPU: each process saves and restores only its own GPU's RNG state; process 0
-decides whether and from where a run resumes, and a process that cannot see that checkpoint stops them all."""
+decides whether and from where a run resumes, and a process that cannot see that checkpoint stops them all;
+--tf32 in every script that trains or samples."""
 
 import json
 import os
@@ -11,7 +12,11 @@ import numpy as np
 import pytest
 import torch
 
-from lm_human_preference_details import checkpoint
+import evaluate
+import label_generation
+import train_policy
+import train_reward
+from lm_human_preference_details import checkpoint, core
 from tests.planted import REPO, free_port, write_query_file
 from tests.test_multiprocess import run_all, torchrun
 
@@ -167,3 +172,54 @@ def test_a_process_that_cannot_see_the_checkpoint_stops_every_process(tmp_path, 
     assert f'File "{REPO}' not in text and "resuming from" not in text  # no traceback of the project (torchrun's own)
     assert ended - start < 90  # no process waited for another until --dist_timeout (30 min)
     print(f"every process exited {ended - start:.1f} s after the start")
+
+
+# ---------------------------------------------------------------- --tf32
+
+
+@pytest.fixture
+def float32_precision():
+    """Restores torch's TF32 settings after the test."""
+    saved = torch.backends.cuda.matmul.fp32_precision, torch.backends.cudnn.conv.fp32_precision
+    yield
+    torch.backends.cuda.matmul.fp32_precision, torch.backends.cudnn.conv.fp32_precision = saved
+
+
+def test_use_tf32_sets_tf32_and_its_default_leaves_torch_as_it_was(float32_precision):
+    torch.backends.cuda.matmul.fp32_precision = "ieee"
+    torch.backends.cudnn.conv.fp32_precision = "ieee"
+    assert core.use_tf32(False).startswith("off")
+    assert (torch.backends.cuda.matmul.fp32_precision, torch.backends.cudnn.conv.fp32_precision) == ("ieee", "ieee")
+    assert core.use_tf32(True).startswith("on")
+    assert (torch.backends.cuda.matmul.fp32_precision, torch.backends.cudnn.conv.fp32_precision) == ("tf32", "tf32")
+
+
+def dry_run_flags(script: str, tmp_path, model_dir: str) -> tuple[object, list[str]]:
+    """A script module and the flags of a dry run of it that touches nothing."""
+    out = ["--output_dir", str(tmp_path / "out")]
+    if script == "evaluate":
+        return evaluate, ["--policy", model_dir, "--reward_model", model_dir, *out, "--dry_run"]
+    if script == "label_generation":
+        return label_generation, [
+            "generate",
+            "--base_model",
+            model_dir,
+            "--output",
+            str(tmp_path / "l.json"),
+            "--dry_run",
+        ]
+    return {"train_policy": train_policy, "train_reward": train_reward}[script], [*out, "--dry_run"]
+
+
+@pytest.mark.parametrize("script", ["train_policy", "train_reward", "label_generation", "evaluate"])
+def test_every_script_that_trains_or_samples_takes_tf32_and_shows_it(
+    script, tmp_path, tiny_model_dir, capsys, float32_precision
+):
+    module, flags = dry_run_flags(script, tmp_path, tiny_model_dir)
+    torch.backends.cuda.matmul.fp32_precision = "ieee"
+    module.main(module.parse(flags))
+    assert re.search(r"TF32\s+│ off \(full float32, as OAI\)", capsys.readouterr().out)
+    assert torch.backends.cuda.matmul.fp32_precision == "ieee"  # the default leaves torch as it is
+    module.main(module.parse([*flags, "--tf32"]))
+    assert re.search(r"TF32\s+│ on \(matmuls in TF32", capsys.readouterr().out)
+    assert torch.backends.cuda.matmul.fp32_precision == "tf32"
