@@ -693,26 +693,36 @@ def save_checkpoint(
     tracker: core.Tracker,
     meta: dict,
     start_time: float,
+    saves: checkpoint.BackgroundSaves,
 ) -> None:
     """After `updates` updates: the training state (every process) in OUTPUT_DIR/training_state/step{updates}, then
-    the policy at the top of OUTPUT_DIR and, with --save_checkpoints, in checkpoints/update{updates}; all atomic."""
-    shared = {
-        "policy": state.policy.state_dict(),
-        "optimizer": state.optimizer.state_dict(),
-        "kl_coef": state.kl_ctl.value,
-        "elapsed_time": time.time() - start_time,
-    }
+    the policy at the top of OUTPUT_DIR and, with --save_checkpoints, in checkpoints/update{updates}; all atomic.
+    The main process writes them in the background (`saves`) from a copy in host memory taken now."""
     local = {
         "query_stream": state.query_stream.state_dict(),
         "rng": checkpoint.rng_states(state.generator, state.order_rngs),
     }
     tracker.flush()
-    checkpoint.save_training_state(args.output_dir, updates, accelerator, meta, shared, local, args.keep_checkpoints)
-    if not accelerator.is_main_process:
-        return
-    save_policy(state.policy, tokenizer, args, args.output_dir)
-    if args.save_checkpoints and updates < derive_sizes(args, accelerator.num_processes).nupdates:
-        save_policy(state.policy, tokenizer, args, os.path.join(args.output_dir, "checkpoints", f"update{updates}"))
+    shared, write_policies = None, None
+    if accelerator.is_main_process:
+        saves.wait()  # the twin below is still read by the previous write until it ends
+        policy = saves.host_copy(state.policy)
+        shared = {
+            "policy": policy.state_dict(),
+            "optimizer": checkpoint.to_host(state.optimizer.state_dict()),
+            "kl_coef": state.kl_ctl.value,
+            "elapsed_time": time.time() - start_time,
+        }
+        snapshot = args.save_checkpoints and updates < derive_sizes(args, accelerator.num_processes).nupdates
+
+        def write_policies() -> None:
+            save_policy(policy, tokenizer, args, args.output_dir)
+            if snapshot:
+                save_policy(policy, tokenizer, args, os.path.join(args.output_dir, "checkpoints", f"update{updates}"))
+
+    checkpoint.save_training_state(
+        args.output_dir, updates, accelerator, meta, shared, local, args.keep_checkpoints, saves, write_policies
+    )
 
 
 def push_to_hub(args: Args) -> str:
@@ -859,6 +869,7 @@ def main(args: Args) -> list[dict[str, float]]:
     bar = progress.add_task("PPO updates", total=sizes.nupdates, completed=first_update)
     pass_rate_alarm = PassRateAlarm(args.filter_warning_rate, args.log_interval)
     history: list[dict[str, float]] = []
+    saves = checkpoint.BackgroundSaves()
     last_time = time.time()
     start_time = last_time - elapsed_before
     with progress:
@@ -962,11 +973,13 @@ def main(args: Args) -> list[dict[str, float]]:
                 console.print(warning, style="bold red", markup=False)
             progress.update(bar, advance=1, description=progress_text(stats))
             is_last = update == sizes.nupdates - 1
+            saves.raise_error()  # a failed background save stops the run at the next update
             if is_last or (args.save_interval and (update + 1) % args.save_interval == 0):
-                save_checkpoint(args, accelerator, update + 1, state, tokenizer, tracker, meta, start_time)
+                save_checkpoint(args, accelerator, update + 1, state, tokenizer, tracker, meta, start_time, saves)
         if first_update == sizes.nupdates:  # a finished run resumed: write its policy again, a kill may have cut it
-            save_checkpoint(args, accelerator, first_update, state, tokenizer, tracker, meta, start_time)
+            save_checkpoint(args, accelerator, first_update, state, tokenizer, tracker, meta, start_time, saves)
 
+    saves.wait()  # the last checkpoint and policy are on disk before the run ends
     accelerator.wait_for_everyone()
     tracker.close()
     if accelerator.is_main_process and history:

@@ -410,18 +410,26 @@ def main(args: Args) -> dict:
         tracker.log({f"eval/{k}": v for k, v in result.items() if k != "rows"}, step)
         return result
 
+    saves = checkpoint.BackgroundSaves()
+
     def save_checkpoint(steps: int) -> None:
-        """The training state after `steps` steps (every process) in OUTPUT_DIR/training_state/step{steps}, atomic."""
-        shared = {
-            "model": reward_model.state_dict(),
-            "optimizer": optimizer.state_dict(),
-            "permutation": permutation,
-            "normalization": norms,
-            "eval_before": eval_before,
-        }
+        """The training state after `steps` steps (every process) in OUTPUT_DIR/training_state/step{steps}, atomic;
+        the main process writes it in the background (`saves`) from a copy in host memory taken now."""
+        shared = None
+        if accelerator.is_main_process:
+            saves.wait()  # the twin below is still read by the previous write until it ends
+            shared = {
+                "model": saves.host_copy(reward_model).state_dict(),
+                "optimizer": checkpoint.to_host(optimizer.state_dict()),
+                "permutation": checkpoint.to_host(permutation),
+                "normalization": checkpoint.to_host(norms),
+                "eval_before": eval_before,
+            }
         local = {"query_stream": query_stream.state_dict(), "rng": checkpoint.rng_states(generator)}
         tracker.flush()
-        checkpoint.save_training_state(args.output_dir, steps, accelerator, meta, shared, local, args.keep_checkpoints)
+        checkpoint.save_training_state(
+            args.output_dir, steps, accelerator, meta, shared, local, args.keep_checkpoints, saves
+        )
 
     # 2. normalize before training (a resumed run takes gain, bias and what was measured from its checkpoint)
     norms = {}
@@ -495,8 +503,10 @@ def main(args: Args) -> dict:
                 log_eval(step + 1)
             accuracy = f" acc {stats['debug/accuracy']:.2f}" if "debug/accuracy" in stats else ""
             progress.update(bar, advance=1, stats=f"loss {cli.number(loss_value)}{accuracy}")
+            saves.raise_error()  # a failed background save stops the run at the next step
             if step + 1 == num_steps or (args.save_interval and (step + 1) % args.save_interval == 0):
                 save_checkpoint(step + 1)
+    saves.wait()  # the last checkpoint is on disk before the model is normalized and saved
     eval_after = log_eval(num_steps)
 
     # 4. normalize after training

@@ -12,11 +12,13 @@ by a rename, under a marker file that the project's loaders refuse, so a half-re
 """
 
 import contextlib
+import copy
 import json
 import os
 import random
 import re
 import shutil
+import threading
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -220,34 +222,114 @@ def prune_checkpoints(output_dir: str, keep: int) -> None:
         shutil.rmtree(path, ignore_errors=True)
 
 
+def to_host(obj: Any) -> Any:
+    """`obj` (nested dicts, lists, tuples) with every tensor replaced by a copy in host memory."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().to("cpu", copy=True)
+    if isinstance(obj, dict):
+        return {key: to_host(value) for key, value in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(to_host(value) for value in obj)
+    return obj
+
+
+class BackgroundSaves:
+    """The main process's checkpoint writes, on a background thread from copies in host memory, so that training goes
+    on while weights and Adam state reach the disk. One write at a time: a new save first waits for the previous
+    one. A write's error is raised again in the training thread (`raise_error`, the next save, `wait`)."""
+
+    def __init__(self) -> None:
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+        self._host_modules: dict[int, torch.nn.Module] = {}
+
+    def host_copy(self, module: torch.nn.Module) -> torch.nn.Module:
+        """A twin of `module` in host memory holding its current weights (made at the first call, then refilled);
+        call it after `wait`, as the previous write may still read the twin."""
+        twin = self._host_modules.get(id(module))
+        if twin is None:
+            # deepcopy with every tensor swapped for an empty host one: no second copy on the GPU, ties kept
+            memo = {id(t): torch.empty(t.shape, dtype=t.dtype, device="cpu") for t in module.buffers()}
+            for p in module.parameters():
+                memo[id(p)] = torch.nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device="cpu"), False)
+            twin = self._host_modules[id(module)] = copy.deepcopy(module, memo)
+        with torch.no_grad():
+            for target, source in zip(twin.state_dict(keep_vars=True).values(), module.state_dict().values()):
+                target.copy_(source)
+        return twin
+
+    def start(self, write: Callable[[], None]) -> None:
+        """Wait for the previous write, then run `write` on the background thread."""
+        self.wait()
+        self._thread = threading.Thread(target=self._run, args=(write,), name="checkpoint-writer")
+        self._thread.start()
+
+    def _run(self, write: Callable[[], None]) -> None:
+        try:
+            write()
+        except BaseException as e:  # handed to the training thread
+            self._error = e
+
+    def raise_error(self) -> None:
+        """Raise the error of a write that failed (without waiting for one that is running)."""
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise error
+
+    def wait(self) -> None:
+        """Wait until the running write is on disk; raise its error."""
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        self.raise_error()
+
+
 def save_training_state(
     output_dir: str,
     step: int,
     accelerator: Any,
     meta: dict[str, Any],
-    shared: dict[str, Any],
+    shared: dict[str, Any] | None,
     local: dict[str, Any],
     keep: int,
+    saves: BackgroundSaves | None = None,
+    then: Callable[[], None] | None = None,
 ) -> str:
     """Write checkpoint `step` atomically: `meta` and `shared` from the main process, `local` from every process;
-    then keep the newest `keep`. Every process must call it. -> the checkpoint directory."""
+    then keep the newest `keep` and run `then` (the main process's other saves). Every process must call it.
+
+    With `saves`, the main process writes `shared` (which must then be host copies, see `to_host`), publishes and
+    runs `then` on the background thread, and the call returns once every process's `local` is written; without,
+    it returns when everything is on disk. -> the checkpoint directory."""
     path = step_dir(output_dir, step)
     tmp = _temporary_sibling(path, "partial")
     if accelerator.is_main_process:
+        if saves is not None:
+            saves.wait()  # the previous checkpoint is whole before this one starts
         shutil.rmtree(tmp, ignore_errors=True)
         os.makedirs(tmp)
     accelerator.wait_for_everyone()
     os.makedirs(tmp, exist_ok=True)
     torch.save(local, os.path.join(tmp, RANK_FILE.format(rank=accelerator.process_index)))
+    accelerator.wait_for_everyone()  # every process's file is in tmp
     if accelerator.is_main_process:
-        torch.save(shared, os.path.join(tmp, SHARED_FILE))
-        with open(os.path.join(tmp, META_FILE), "w", encoding="utf-8") as f:
-            json.dump({**meta, "step": step, "world_size": accelerator.num_processes}, f, indent=2)
-    accelerator.wait_for_everyone()
-    if accelerator.is_main_process:
-        publish_directory(tmp, path)
-        prune_checkpoints(output_dir, keep)
-    accelerator.wait_for_everyone()
+        meta = {**meta, "step": step, "world_size": accelerator.num_processes}
+
+        def write() -> None:
+            torch.save(shared, os.path.join(tmp, SHARED_FILE))
+            with open(os.path.join(tmp, META_FILE), "w", encoding="utf-8") as f:
+                json.dump(meta, f, indent=2)
+            publish_directory(tmp, path)
+            prune_checkpoints(output_dir, keep)
+            if then is not None:
+                then()
+
+        if saves is None:
+            write()
+        else:
+            saves.start(write)
+    if saves is None:
+        accelerator.wait_for_everyone()
     return path
 
 

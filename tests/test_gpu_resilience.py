@@ -1,10 +1,11 @@
 """The GPU path's resilience, checked on CPU: each process saves and restores only its own GPU's RNG state; process 0
 decides whether and from where a run resumes, and a process that cannot see that checkpoint stops them all;
---tf32 in every script that trains or samples."""
+--tf32 in every script that trains or samples; checkpoints written in the background."""
 
 import json
 import os
 import re
+import threading
 import time
 from types import SimpleNamespace
 
@@ -17,6 +18,8 @@ import label_generation
 import train_policy
 import train_reward
 from lm_human_preference_details import checkpoint, core
+from lm_human_preference_details.modeling import PolicyWithValueHead
+from tests.conftest import tiny_gpt2
 from tests.planted import REPO, free_port, write_query_file
 from tests.test_multiprocess import run_all, torchrun
 
@@ -223,3 +226,86 @@ def test_every_script_that_trains_or_samples_takes_tf32_and_shows_it(
     module.main(module.parse([*flags, "--tf32"]))
     assert re.search(r"TF32\s+│ on \(matmuls in TF32", capsys.readouterr().out)
     assert torch.backends.cuda.matmul.fp32_precision == "tf32"
+
+
+# ---------------------------------------------------------------- saves that do not block training
+
+
+class OneProcessAccelerator(OneProcess):
+    """OneProcess with the barrier that save_training_state calls."""
+
+    def wait_for_everyone(self) -> None:
+        pass
+
+
+def gated_save(monkeypatch, gate: threading.Event, started: threading.Event):
+    """torch.save in checkpoint.py, except that state.pt waits for `gate` (after setting `started`)."""
+    real_save = torch.save
+
+    def save(obj, path, *args, **kwargs):
+        if os.path.basename(str(path)) == checkpoint.SHARED_FILE:
+            started.set()
+            assert gate.wait(30)
+        return real_save(obj, path, *args, **kwargs)
+
+    monkeypatch.setattr(checkpoint.torch, "save", save)
+
+
+def test_a_background_save_writes_the_state_of_its_call_while_training_goes_on(tmp_path, monkeypatch):
+    model = PolicyWithValueHead(tiny_gpt2())
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+    model.value_head.weight.grad = torch.ones_like(model.value_head.weight)
+    optimizer.step()
+    expected = {k: v.clone() for k, v in model.state_dict().items()}
+    expected_moment = optimizer.state[model.value_head.weight]["exp_avg"].clone()
+    gate, started = threading.Event(), threading.Event()
+    gated_save(monkeypatch, gate, started)
+    saves = checkpoint.BackgroundSaves()
+    shared = {"model": saves.host_copy(model).state_dict(), "optimizer": checkpoint.to_host(optimizer.state_dict())}
+    written = []
+    path = checkpoint.save_training_state(
+        str(tmp_path), 1, OneProcessAccelerator(), {}, shared, {"r": 0}, 2, saves, then=lambda: written.append(1)
+    )
+    assert started.wait(30) and not os.path.exists(path) and written == []  # returned while state.pt is written
+    with torch.no_grad():  # training goes on: the next update changes weights and Adam moments in place
+        for p in model.parameters():
+            p.add_(1.0)
+        model.value_head.weight.grad = torch.ones_like(model.value_head.weight)
+        optimizer.step()
+    gate.set()
+    saves.wait()
+    assert written == [1]  # `then` ran after the checkpoint was published
+    state = checkpoint.load_training_state(path, 0)
+    assert all(torch.equal(state.shared["model"][k], v) for k, v in expected.items())
+    moments = state.shared["optimizer"]["state"]
+    assert any(torch.equal(m["exp_avg"], expected_moment) for m in moments.values())
+    twin = saves.host_copy(model)  # ties kept, no gradients, refilled at each call
+    assert twin.lm.lm_head.weight is twin.lm.transformer.wte.weight and twin.value_head.weight.grad is None
+    assert torch.equal(twin.lm.lm_head.weight, model.lm.lm_head.weight)
+
+
+def test_the_next_background_save_waits_for_the_previous_one_and_errors_reach_the_training_thread(tmp_path):
+    saves, order = checkpoint.BackgroundSaves(), []
+
+    def write(name: str, seconds: float):
+        order.append(f"{name} starts")
+        time.sleep(seconds)
+        order.append(f"{name} ends")
+
+    saves.start(lambda: write("first", 0.3))
+    saves.start(lambda: write("second", 0.0))
+    saves.wait()
+    assert order == ["first starts", "first ends", "second starts", "second ends"]
+
+    def disk_full():
+        raise OSError(28, "No space left on device")
+
+    saves.start(disk_full)
+    saves._thread.join()
+    with pytest.raises(OSError, match="No space left"):
+        saves.raise_error()  # what the training loop calls after every update
+    saves.raise_error()  # raised once
+    saves.start(disk_full)
+    with pytest.raises(OSError, match="No space left"):
+        saves.start(lambda: None)  # the next save raises it too
+    saves.wait()
