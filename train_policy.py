@@ -7,7 +7,9 @@ All batch sizes are global (summed over processes) as in OAI; per-process sizes 
 Run with the reward model that train_reward.py wrote to models/reward, on 8 GPUs or on 1:
 
     accelerate launch --num_processes 8 train_policy.py --task sentiment --rewards.trained_model models/reward
-    python train_policy.py --task sentiment --ppo.whiten_group_size 64 --ppo.gradient_accumulation_steps 8
+    python train_policy.py --task sentiment --ppo.gradient_accumulation_steps 8
+
+On any number of processes the run whitens and reports statistics as OAI's 8 ranks did (--ppo.whiten_group_size).
 """
 
 import copy
@@ -108,8 +110,9 @@ class PpoHParams:
     gradient_accumulation_steps: int = 1
     """micro-batches per process and minibatch (backward passes per optimizer step); the update does not depend on it"""
     whiten_group_size: int | None = None
-    """episodes per virtual rank: a fixed share of the process's batch that permutes, cuts and whitens its own
-    minibatches like one of OAI's ranks (batch_size / 8, e.g. 64: OAI's 8 ranks on 1 GPU); None: the whole process"""
+    """episodes per virtual rank, a fixed share of the process's batch that permutes, cuts and whitens its own
+    minibatches like one of OAI's ranks; None: batch_size / 8, OAI's 8 ranks on any number of processes (the whole
+    process when the sizes do not allow it, with a warning); 0: the whole process, each process one rank"""
 
 
 @dataclass
@@ -322,6 +325,14 @@ class Sizes:
     """episodes whitened together: a virtual rank's minibatch"""
     nupdates: int
     """PPO updates in the run"""
+    not_oai_ranks: str | None = None
+    """why the default virtual ranks could not stand for OAI's 8 ranks (None: they do, or sizes were chosen)"""
+
+
+OAI_RANKS = 8
+"""processes of OAI's runs (launch.py runs every experiment with mpi=8): by default virtual ranks make any number of
+processes whiten, permute and average statistics as these 8 ranks did (spec D4)"""
+# https://github.com/openai/lm-human-preferences/blob/cbfd210bb8b08f6bc5c26878c10984b90f516c66/launch.py#L192
 
 
 def derive_sizes(args: Args, world: int) -> Sizes:
@@ -331,7 +342,7 @@ def derive_sizes(args: Args, world: int) -> Sizes:
     batch = core.exact_div(ppo.batch_size, world, "ppo.batch_size (episodes per update) / processes")
     minibatch = core.exact_div(batch, ppo.nminibatches, "episodes per process / nminibatches")
     micro = core.exact_div(minibatch, ppo.gradient_accumulation_steps, "minibatch / ppo.gradient_accumulation_steps")
-    group = ppo.whiten_group_size or batch
+    group, not_oai_ranks = virtual_rank_size(ppo, batch, world)
     virtual_ranks = core.exact_div(batch, group, "episodes per process / ppo.whiten_group_size")
     whiten_group = core.exact_div(group, ppo.nminibatches, "episodes per virtual rank / nminibatches")
     # whitening needs enough episodes per rank minibatch (spec P17)
@@ -345,7 +356,26 @@ def derive_sizes(args: Args, world: int) -> Sizes:
     # nupdates rounds up (spec P15): books ceil(1e6 / 512) = 1954
     # https://github.com/openai/lm-human-preferences/blob/cbfd210bb8b08f6bc5c26878c10984b90f516c66/lm_human_preferences/train_policy.py#L78-L79
     nupdates = core.ceil_div(ppo.total_episodes, ppo.batch_size)
-    return Sizes(world, batch, minibatch, micro, group, virtual_ranks, whiten_group, nupdates)
+    return Sizes(world, batch, minibatch, micro, group, virtual_ranks, whiten_group, nupdates, not_oai_ranks)
+
+
+def virtual_rank_size(ppo: PpoHParams, batch: int, world: int) -> tuple[int, str | None]:
+    """Episodes per virtual rank: --ppo.whiten_group_size (0: the process's `batch`), else OAI's rank share
+    batch_size / 8; -> that size and, when the sizes rule OAI's 8 ranks out, the process's batch and the reason."""
+    if ppo.whiten_group_size is not None:
+        return ppo.whiten_group_size or batch, None
+    oai_group = ppo.batch_size // OAI_RANKS
+    if world > OAI_RANKS or OAI_RANKS % world:
+        reason = f"{world} processes do not divide OAI's {OAI_RANKS} ranks"
+    elif ppo.batch_size % OAI_RANKS or oai_group % ppo.nminibatches:
+        reason = (
+            f"ppo.batch_size {ppo.batch_size} is not a multiple of {OAI_RANKS} ranks x {ppo.nminibatches} minibatches"
+        )
+    elif ppo.whiten_rewards and oai_group // ppo.nminibatches < 8:
+        reason = f"a rank's minibatch of {oai_group // ppo.nminibatches} episodes is too small to whiten"
+    else:
+        return oai_group, None
+    return batch, reason
 
 
 def virtual_rank_rngs(seed: int, rank: int, world: int, virtual_ranks: int) -> list[np.random.RandomState]:
@@ -765,13 +795,20 @@ def main(args: Args) -> list[dict[str, float]]:
                 "episodes per update": f"{ppo.batch_size} ({sizes.batch} per process)",
                 "minibatch per process": f"{sizes.minibatch} x {ppo.nminibatches} per epoch, {ppo.noptepochs} epochs",
                 "micro-batch": f"{sizes.micro} x {ppo.gradient_accumulation_steps}",
-                "virtual ranks per process": f"{sizes.virtual_ranks} x {sizes.group} episodes, whitened in minibatches "
-                f"of {sizes.whiten_group}",
+                "virtual ranks per process": f"{sizes.virtual_ranks} x {sizes.group} episodes "
+                f"({sizes.world * sizes.virtual_ranks} ranks in all), whitened in minibatches of {sizes.whiten_group}",
                 "updates": sizes.nupdates,
                 "optimizer steps": sizes.nupdates * ppo.noptepochs * ppo.nminibatches,
                 "reward model": args.rewards.trained_model,
                 "output dir": args.output_dir,
             },
+        )
+    if sizes.not_oai_ranks and accelerator.is_main_process:
+        console.print(
+            f"warning: each process whitens its {sizes.batch} episodes as one rank, not as OAI's {OAI_RANKS} ranks: "
+            f"{sizes.not_oai_ranks}; --ppo.whiten_group_size 0 chooses this without the warning",
+            style="bold red",
+            markup=False,
         )
     if args.dry_run:
         return []

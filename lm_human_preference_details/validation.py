@@ -159,7 +159,8 @@ def check_policy_args(args: Any) -> None:
     check_at_least(ppo.noptepochs, 1, "--ppo.noptepochs", "OAI uses 4")
     check_at_least(ppo.gradient_accumulation_steps, 1, "--ppo.gradient_accumulation_steps")
     if ppo.whiten_group_size is not None:
-        check_at_least(ppo.whiten_group_size, 1, "--ppo.whiten_group_size", "e.g. ppo.batch_size / 8")
+        fix = "omit it for OAI's 8 ranks (ppo.batch_size / 8), or pass 0 to whiten each process's batch"
+        check_at_least(ppo.whiten_group_size, 0, "--ppo.whiten_group_size", fix)
     check_positive(ppo.lr, "--ppo.lr", "OAI uses 1e-5 (books) or 2e-6 (tldr, cnndm)")
     check_non_negative(ppo.cliprange, "--ppo.cliprange", "OAI uses 0.2")
     check_non_negative(ppo.cliprange_value, "--ppo.cliprange_value", "OAI uses 0.2")
