@@ -570,6 +570,28 @@ def check_reward_model_task(rm_metadata: dict, task: TaskHParams, rewards: Rewar
     return listed
 
 
+def check_reward_model_task_name(rm_metadata: dict, task_id: str, rewards: RewardHParams) -> str | None:
+    """ValueError when the reward model was trained for another --task (sentiment and descriptiveness have equal task
+    settings, only their labels differ), unless --rewards.allow_task_mismatch; -> a warning, or None when they agree."""
+    saved = rm_metadata.get("task_name")
+    labels = f" on labels '{rm_metadata['label_dataset']}'" if rm_metadata.get("label_dataset") else ""
+    if saved is None:
+        return (
+            f"the reward model '{rewards.trained_model}' records no task name (saved by an older train_reward.py); "
+            f"make sure it was trained for --task {task_id}"
+        )
+    if saved == task_id:
+        return None
+    mismatch = f"the reward model '{rewards.trained_model}' was trained for --task {saved}{labels}"
+    mismatch += f", this run is --task {task_id}"
+    if not rewards.allow_task_mismatch:
+        raise ValueError(
+            f"{mismatch}; pass --rewards.trained_model DIR of a reward model trained with train_reward.py --task "
+            f"{task_id}, or --rewards.allow_task_mismatch to use it anyway."
+        )
+    return f"--rewards.allow_task_mismatch: {mismatch}"
+
+
 def reduce_stats(local: dict[str, torch.Tensor], accelerator: Accelerator) -> dict[str, float]:
     """All statistics in one gather and one device-to-host copy: mean over processes (min/max for the extremes)."""
     # OAI all-reduce-means every statistic over ranks (spec D5)
@@ -838,6 +860,8 @@ def main(args: Args) -> list[dict[str, float]]:
     )
     if mismatch := check_reward_model_task(rm_metadata, task, args.rewards):
         accelerator.print(f"warning: --rewards.allow_task_mismatch: the reward model's task differs: {mismatch}")
+    if warning := check_reward_model_task_name(rm_metadata, args.task_id, args.rewards):
+        accelerator.print(f"warning: {warning}")
     # dropout is off everywhere: p=0 in the configs and eval mode (spec G7)
     policy = PolicyWithValueHead(load_causal_lm(args.base_model)).to(device).eval()
     # every process starts from rank 0's weights (spec D6); no DDP: gradients are all-reduced by hand (spec O4)
