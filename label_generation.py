@@ -124,10 +124,12 @@ class Generate:
 
 @dataclass
 class TokenLengths:
-    query_length: int = 64
-    """tokens per query after re-tokenization: right-padded with PAD or truncated (OAI launch.py#L9)"""
-    response_length: int = 24
-    """tokens per sample after re-tokenization: right-padded with PAD or truncated (OAI launch.py#L11)"""
+    query_length: int | None = None
+    """tokens per query after re-tokenization, right-padded with PAD or truncated; None: the length the input's
+    .meta.json records, else the --task preset's (64 books, 500 tldr/cnndm; OAI launch.py#L9)"""
+    response_length: int | None = None
+    """tokens per sample after re-tokenization, right-padded with PAD or truncated; None: the length the input's
+    .meta.json records, else the --task preset's (24 books, 75 tldr/cnndm; OAI launch.py#L11)"""
 
 
 @dataclass
@@ -146,6 +148,8 @@ class Convert:
     """query and response lengths of the converted file (train_reward.py's --task.query_length/response_length)"""
     dry_run: bool = False
     """read and validate the input, print what would be written, and exit"""
+    task_id: tyro.conf.Suppress[str] = DEFAULT_TASK
+    """name of the --task preset whose lengths apply when neither the flags nor the input's .meta.json give them"""
 
 
 # ---------------------------------------------------------------- helpers
@@ -513,10 +517,43 @@ def _encode_field(
     return [row[:length] + [pad_id] * (length - len(row[:length])) for row in encoded], truncated
 
 
+def recorded_lengths(source: str) -> dict[str, int]:
+    """The query and response lengths a local label file's `.meta.json` records under `task` (none: {})."""
+    meta_path = labels_meta_path(source)
+    if not os.path.isfile(meta_path):
+        return {}
+    try:
+        with open(meta_path, encoding="utf-8") as f:
+            task = json.load(f).get("task")
+    except (ValueError, AttributeError) as e:
+        raise ValueError(f"label metadata '{meta_path}' is not a JSON object ({e}); fix or delete it.") from e
+    task = task if isinstance(task, dict) else {}
+    names = ("query_length", "response_length")
+    return {name: task[name] for name in names if isinstance(task.get(name), int) and task[name] >= 1}
+
+
+def convert_lengths(args: Convert) -> tuple[TokenLengths, str]:
+    """Lengths of the converted file: the --task.* flags, else what the input's .meta.json records, else the --task
+    preset's; -> the lengths and where they came from."""
+    recorded = recorded_lengths(args.input)
+    preset = TASKS[args.task_id]
+    lengths, sources = {}, set()
+    for name in ("query_length", "response_length"):
+        flag, saved = getattr(args.task, name), recorded.get(name)
+        if flag is not None:
+            lengths[name], source = flag, "flags"
+        elif saved is not None:
+            lengths[name], source = saved, labels_meta_path(args.input)
+        else:
+            lengths[name], source = getattr(preset, name), f"--task {args.task_id}"
+        sources.add(source)
+    return TokenLengths(**lengths), ", ".join(sorted(sources))
+
+
 def convert(args: Convert) -> dict:
     """Re-tokenize every query/sample of `args.input` for `args.base_model`'s tokenizer; returns the metadata."""
     start_time = time.time()
-    lengths = args.task
+    lengths, lengths_source = convert_lengths(args)
     if lengths.query_length < 1 or lengths.response_length < 1:
         raise ValueError("--task.query_length and --task.response_length must be >= 1.")
     validation.check_convert_args(args)
@@ -533,6 +570,7 @@ def convert(args: Convert) -> dict:
             {
                 "input": f"{args.input} ({len(rows)} rows, {label_type.name}, PAD {source_pad_id})",
                 "target tokenizer": args.base_model,
+                "lengths": f"query {lengths.query_length}, response {lengths.response_length} ({lengths_source})",
                 "output": args.output,
             },
         )
@@ -576,7 +614,8 @@ def convert(args: Convert) -> dict:
     }
     save_label_file(args.output, out_rows, target_pad_id, file_pad_id, meta)
     cli.make_console().print(
-        f"converted {len(out_rows)} rows of {args.input} to {args.output} for {args.base_model} (truncated: "
+        f"converted {len(out_rows)} rows of {args.input} to {args.output} for {args.base_model}, query length "
+        f"{lengths.query_length} and response length {lengths.response_length} from {lengths_source} (truncated: "
         f"{meta['counts']['truncated_queries']} queries, {meta['counts']['truncated_samples']} samples)"
     )
     return meta
@@ -591,7 +630,7 @@ def oai_presets() -> dict[str, dict[str, Generate | Convert]]:
     for task_id, task in TASKS.items():
         presets[task_id] = {
             "generate": Generate(task_id=task_id, task=dataclasses.replace(task)),
-            "convert": Convert(base_model=tyro.MISSING, task=TokenLengths(task.query_length, task.response_length)),
+            "convert": Convert(base_model=tyro.MISSING, task_id=task_id),
         }
     return presets
 

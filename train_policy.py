@@ -7,7 +7,9 @@ All batch sizes are global (summed over processes) as in OAI; per-process sizes 
 Run with the reward model that train_reward.py wrote to models/reward, on 8 GPUs or on 1:
 
     accelerate launch --num_processes 8 train_policy.py --task sentiment --rewards.trained_model models/reward
-    python train_policy.py --task sentiment --ppo.whiten_group_size 64 --ppo.gradient_accumulation_steps 8
+    python train_policy.py --task sentiment --ppo.gradient_accumulation_steps 8
+
+On any number of processes the run whitens and reports statistics as OAI's 8 ranks did (--ppo.whiten_group_size).
 """
 
 import copy
@@ -108,8 +110,9 @@ class PpoHParams:
     gradient_accumulation_steps: int = 1
     """micro-batches per process and minibatch (backward passes per optimizer step); the update does not depend on it"""
     whiten_group_size: int | None = None
-    """episodes per virtual rank: a fixed share of the process's batch that permutes, cuts and whitens its own
-    minibatches like one of OAI's ranks (batch_size / 8, e.g. 64: OAI's 8 ranks on 1 GPU); None: the whole process"""
+    """episodes per virtual rank, a fixed share of the process's batch that permutes, cuts and whitens its own
+    minibatches like one of OAI's ranks; None: batch_size / 8, OAI's 8 ranks on any number of processes (the whole
+    process when the sizes do not allow it, with a warning); 0: the whole process, each process one rank"""
 
 
 @dataclass
@@ -325,6 +328,14 @@ class Sizes:
     """episodes whitened together: a virtual rank's minibatch"""
     nupdates: int
     """PPO updates in the run"""
+    not_oai_ranks: str | None = None
+    """why the default virtual ranks could not stand for OAI's 8 ranks (None: they do, or sizes were chosen)"""
+
+
+OAI_RANKS = 8
+"""processes of OAI's runs (launch.py runs every experiment with mpi=8): by default virtual ranks make any number of
+processes whiten, permute and average statistics as these 8 ranks did (spec D4)"""
+# https://github.com/openai/lm-human-preferences/blob/cbfd210bb8b08f6bc5c26878c10984b90f516c66/launch.py#L192
 
 
 def derive_sizes(args: Args, world: int) -> Sizes:
@@ -334,7 +345,7 @@ def derive_sizes(args: Args, world: int) -> Sizes:
     batch = core.exact_div(ppo.batch_size, world, "ppo.batch_size (episodes per update) / processes")
     minibatch = core.exact_div(batch, ppo.nminibatches, "episodes per process / nminibatches")
     micro = core.exact_div(minibatch, ppo.gradient_accumulation_steps, "minibatch / ppo.gradient_accumulation_steps")
-    group = ppo.whiten_group_size or batch
+    group, not_oai_ranks = virtual_rank_size(ppo, batch, world)
     virtual_ranks = core.exact_div(batch, group, "episodes per process / ppo.whiten_group_size")
     whiten_group = core.exact_div(group, ppo.nminibatches, "episodes per virtual rank / nminibatches")
     # whitening needs enough episodes per rank minibatch (spec P17)
@@ -348,7 +359,26 @@ def derive_sizes(args: Args, world: int) -> Sizes:
     # nupdates rounds up (spec P15): books ceil(1e6 / 512) = 1954
     # https://github.com/openai/lm-human-preferences/blob/cbfd210bb8b08f6bc5c26878c10984b90f516c66/lm_human_preferences/train_policy.py#L78-L79
     nupdates = core.ceil_div(ppo.total_episodes, ppo.batch_size)
-    return Sizes(world, batch, minibatch, micro, group, virtual_ranks, whiten_group, nupdates)
+    return Sizes(world, batch, minibatch, micro, group, virtual_ranks, whiten_group, nupdates, not_oai_ranks)
+
+
+def virtual_rank_size(ppo: PpoHParams, batch: int, world: int) -> tuple[int, str | None]:
+    """Episodes per virtual rank: --ppo.whiten_group_size (0: the process's `batch`), else OAI's rank share
+    batch_size / 8; -> that size and, when the sizes rule OAI's 8 ranks out, the process's batch and the reason."""
+    if ppo.whiten_group_size is not None:
+        return ppo.whiten_group_size or batch, None
+    oai_group = ppo.batch_size // OAI_RANKS
+    if world > OAI_RANKS or OAI_RANKS % world:
+        reason = f"{world} processes do not divide OAI's {OAI_RANKS} ranks"
+    elif ppo.batch_size % OAI_RANKS or oai_group % ppo.nminibatches:
+        reason = (
+            f"ppo.batch_size {ppo.batch_size} is not a multiple of {OAI_RANKS} ranks x {ppo.nminibatches} minibatches"
+        )
+    elif ppo.whiten_rewards and oai_group // ppo.nminibatches < 8:
+        reason = f"a rank's minibatch of {oai_group // ppo.nminibatches} episodes is too small to whiten"
+    else:
+        return oai_group, None
+    return batch, reason
 
 
 def virtual_rank_rngs(seed: int, rank: int, world: int, virtual_ranks: int) -> list[np.random.RandomState]:
@@ -541,6 +571,28 @@ def check_reward_model_task(rm_metadata: dict, task: TaskHParams, rewards: Rewar
             "--rewards.allow_task_mismatch to use it anyway."
         )
     return listed
+
+
+def check_reward_model_task_name(rm_metadata: dict, task_id: str, rewards: RewardHParams) -> str | None:
+    """ValueError when the reward model was trained for another --task (sentiment and descriptiveness have equal task
+    settings, only their labels differ), unless --rewards.allow_task_mismatch; -> a warning, or None when they agree."""
+    saved = rm_metadata.get("task_name")
+    labels = f" on labels '{rm_metadata['label_dataset']}'" if rm_metadata.get("label_dataset") else ""
+    if saved is None:
+        return (
+            f"the reward model '{rewards.trained_model}' records no task name (saved by an older train_reward.py); "
+            f"make sure it was trained for --task {task_id}"
+        )
+    if saved == task_id:
+        return None
+    mismatch = f"the reward model '{rewards.trained_model}' was trained for --task {saved}{labels}"
+    mismatch += f", this run is --task {task_id}"
+    if not rewards.allow_task_mismatch:
+        raise ValueError(
+            f"{mismatch}; pass --rewards.trained_model DIR of a reward model trained with train_reward.py --task "
+            f"{task_id}, or --rewards.allow_task_mismatch to use it anyway."
+        )
+    return f"--rewards.allow_task_mismatch: {mismatch}"
 
 
 def reduce_stats(local: dict[str, torch.Tensor], accelerator: Accelerator) -> dict[str, float]:
@@ -779,14 +831,21 @@ def main(args: Args) -> list[dict[str, float]]:
                 "episodes per update": f"{ppo.batch_size} ({sizes.batch} per process)",
                 "minibatch per process": f"{sizes.minibatch} x {ppo.nminibatches} per epoch, {ppo.noptepochs} epochs",
                 "micro-batch": f"{sizes.micro} x {ppo.gradient_accumulation_steps}",
-                "virtual ranks per process": f"{sizes.virtual_ranks} x {sizes.group} episodes, whitened in minibatches "
-                f"of {sizes.whiten_group}",
+                "virtual ranks per process": f"{sizes.virtual_ranks} x {sizes.group} episodes "
+                f"({sizes.world * sizes.virtual_ranks} ranks in all), whitened in minibatches of {sizes.whiten_group}",
                 "updates": sizes.nupdates,
                 "optimizer steps": sizes.nupdates * ppo.noptepochs * ppo.nminibatches,
                 "reward model": args.rewards.trained_model,
                 "TF32": tf32,
                 "output dir": args.output_dir,
             },
+        )
+    if sizes.not_oai_ranks and accelerator.is_main_process:
+        console.print(
+            f"warning: each process whitens its {sizes.batch} episodes as one rank, not as OAI's {OAI_RANKS} ranks: "
+            f"{sizes.not_oai_ranks}; --ppo.whiten_group_size 0 chooses this without the warning",
+            style="bold red",
+            markup=False,
         )
     if args.dry_run:
         return []
@@ -816,6 +875,8 @@ def main(args: Args) -> list[dict[str, float]]:
     )
     if mismatch := check_reward_model_task(rm_metadata, task, args.rewards):
         accelerator.print(f"warning: --rewards.allow_task_mismatch: the reward model's task differs: {mismatch}")
+    if warning := check_reward_model_task_name(rm_metadata, args.task_id, args.rewards):
+        accelerator.print(f"warning: {warning}")
     # dropout is off everywhere: p=0 in the configs and eval mode (spec G7)
     policy = PolicyWithValueHead(load_causal_lm(args.base_model)).to(device).eval()
     # every process starts from rank 0's weights (spec D6); no DDP: gradients are all-reduced by hand (spec O4)

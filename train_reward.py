@@ -522,6 +522,7 @@ def main(args: Args) -> dict:
             "tokenizer": args.base_model,
             "tokenizer_fingerprint": tokenizer_fingerprint(tokenizer),
             "pad_token_id": pad_id,
+            "task_name": args.task_id,
             "task": dataclasses.asdict(args.task),
             "label_dataset": args.label_dataset,
             "label_type": label_type.name,

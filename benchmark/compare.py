@@ -57,6 +57,8 @@ class Args:
     """bootstrap resamples of the difference of group means"""
     confidence: float = 0.95
     """confidence level of the bootstrap interval"""
+    min_runs: int = compare.MIN_RUNS_FOR_CI
+    """runs (seeds) each of two groups needs for a bootstrap interval of their difference; fewer: no interval"""
     seed: int = 0
     """seed of the bootstrap resampling"""
     title: str | None = None
@@ -110,25 +112,33 @@ def main(args: Args) -> None:
     stem = os.path.join(args.output_dir, "curves")
     paths = compare.plot_curves(groups, args.metrics, stem, args.band, args.formats, args.num_points, args.title)
     rows = compare.final_value_rows(
-        groups, args.metrics, reference, args.last_k, args.bootstrap_samples, args.confidence, args.seed
+        groups, args.metrics, reference, args.last_k, args.bootstrap_samples, args.confidence, args.seed, args.min_runs
     )
-    markdown = compare.markdown_table(rows, reference, args.confidence)
+    markdown = compare.markdown_table(rows, reference, args.confidence, args.min_runs)
     table_path = os.path.join(args.output_dir, "final_values.md")
     with open(table_path, "w") as f:
         f.write(
             f"Final value of a run: mean of its last {args.last_k} logged values. Difference: the group's mean minus "
             f"the mean of group {reference}, with a percentile bootstrap interval over runs "
-            f"({args.bootstrap_samples} resamples, seed {args.seed}).\n\n{markdown}"
+            f"({args.bootstrap_samples} resamples, seed {args.seed}) when both groups have at least {args.min_runs} "
+            f"runs.\n\n{markdown}"
         )
 
     percent = f"{100 * args.confidence:g}% CI"
     final_table = Table("metric", "group", "runs", "final", "stderr", f"diff vs {reference}", percent, title="final")
     for row in rows:
         diff = "—" if row.diff is None else f"{row.diff:+.4g}"
-        ci = "—" if row.diff is None else f"[{compare.format_number(row.ci_low)}, {compare.format_number(row.ci_high)}]"
+        ci = compare.confidence_cell(row, args.min_runs)
         cells = [compare.format_number(row.mean), compare.format_number(row.stderr), diff, ci]
         final_table.add_row(row.metric, row.group, str(row.num_runs), *cells)
     console.print(final_table)
+    few = {group: len(runs) for group, runs in groups.items() if len(runs) < args.min_runs}
+    if few and len(groups) > 1:
+        listed = ", ".join(f"{group} ({count})" for group, count in few.items())
+        console.print(
+            f"[yellow]no confidence interval where a group has fewer than {args.min_runs} runs: {listed}; an interval "
+            "from 1 or 2 seeds is no evidence of a difference, run more seeds (--min_runs sets the minimum)[/yellow]"
+        )
     console.print(f"wrote {', '.join(paths)} and {table_path}")
 
 

@@ -66,6 +66,10 @@ class Run:
     curves: dict[str, Curve]
 
 
+MIN_RUNS_FOR_CI = 3
+"""runs each group needs for a bootstrap interval: resampling 1 or 2 runs gives intervals that are no evidence"""
+
+
 @dataclass
 class FinalRow:
     """One metric of one group in the final-value table; diff and CI are None for the reference group."""
@@ -79,6 +83,8 @@ class FinalRow:
     diff: float | None = None
     ci_low: float | None = None
     ci_high: float | None = None
+    too_few_runs: bool = False
+    """the group or the reference has fewer runs than an interval needs: no CI"""
 
 
 # ---------------------------------------------------------------------------------------------------- names and columns
@@ -317,9 +323,10 @@ def final_value_rows(
     num_resamples: int = 10_000,
     confidence: float = 0.95,
     seed: int = 0,
+    min_runs: int = MIN_RUNS_FOR_CI,
 ) -> list[FinalRow]:
     """Per metric and group: mean and standard error of the runs' final values, and each group's difference to the
-    reference group with a bootstrap confidence interval."""
+    reference group with a bootstrap confidence interval when both groups have at least `min_runs` runs."""
     rows = []
     for metric in metrics:
         finals = {}
@@ -337,6 +344,9 @@ def final_value_rows(
                 row.diff, row.ci_low, row.ci_high = bootstrap_mean_difference(
                     finals[reference][0], values, num_resamples, confidence, seed
                 )
+                if min(len(values), len(finals[reference][0])) < min_runs:
+                    row.ci_low = row.ci_high = None
+                    row.too_few_runs = True
             rows.append(row)
     return rows
 
@@ -346,13 +356,22 @@ def format_number(value: float | None) -> str:
     return "—" if value is None or not math.isfinite(value) else f"{value:.4g}"
 
 
-def markdown_table(rows: Sequence[FinalRow], reference: str, confidence: float = 0.95) -> str:
+def confidence_cell(row: FinalRow, min_runs: int = MIN_RUNS_FOR_CI) -> str:
+    """The CI cell of a row: the interval, '—' for the reference group, or why there is none."""
+    if row.too_few_runs:
+        return f"none: < {min_runs} runs"
+    return "—" if row.diff is None else f"[{format_number(row.ci_low)}, {format_number(row.ci_high)}]"
+
+
+def markdown_table(
+    rows: Sequence[FinalRow], reference: str, confidence: float = 0.95, min_runs: int = MIN_RUNS_FOR_CI
+) -> str:
     """The final-value rows as a markdown table; differences are to the `reference` group."""
     percent = f"{100 * confidence:g}%"
     header = ["metric", "group", "runs", "episodes", "final (mean)", "stderr", f"diff vs {reference}", f"{percent} CI"]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for row in rows:
-        ci = "—" if row.diff is None else f"[{format_number(row.ci_low)}, {format_number(row.ci_high)}]"
+        ci = confidence_cell(row, min_runs)
         diff = "—" if row.diff is None else f"{row.diff:+.4g}"
         cells = [row.metric, row.group, str(row.num_runs), f"{row.episodes:.0f}", format_number(row.mean)]
         lines.append("| " + " | ".join([*cells, format_number(row.stderr), diff, ci]) + " |")

@@ -7,6 +7,7 @@ per step, and `check_finite_stats` names the tensor that went bad.
 """
 
 import errno
+import json
 import math
 import os
 import tempfile
@@ -17,7 +18,7 @@ import torch
 
 from lm_human_preference_details import checkpoint
 from lm_human_preference_details.core import OutputError
-from lm_human_preference_details.modeling import check_model_dir
+from lm_human_preference_details.modeling import REWARD_CONFIG_FILE, check_model_dir
 from lm_human_preference_details.tasks import check_task
 
 NONFINITE_ORDER = ("logprobs", "values", "scores", "rewards", "advantages", "loss", "gradients", "weights")
@@ -148,10 +149,31 @@ def save_atomically(output_dir: str, write: Callable[[str], Any], flag: str = "-
 # ---------------------------------------------------------------- the scripts' arguments
 
 
+def check_not_reward_model(base_model: str) -> None:
+    """ValueError when the policy's --base_model is a local reward model (its reward_model.json, or a config of a
+    sequence classifier): the policy would start from the reward model's trunk."""
+    path = os.path.expanduser(base_model)
+    config_path = os.path.join(path, "config.json")
+    architectures = []
+    if os.path.isfile(config_path):
+        try:
+            with open(config_path, encoding="utf-8") as f:
+                architectures = json.load(f).get("architectures") or []
+        except (OSError, ValueError, AttributeError):
+            architectures = []  # check_model_dir and the loader name an unreadable config
+    classifier = any(str(name).endswith("ForSequenceClassification") for name in architectures)
+    if os.path.isfile(os.path.join(path, REWARD_CONFIG_FILE)) or classifier:
+        raise ValueError(
+            f"--base_model '{base_model}' is a reward model, not a language model to start the policy from; pass it "
+            "as --rewards.trained_model, and as --base_model the pretrained model it was trained from (e.g. gpt2)."
+        )
+
+
 def check_policy_args(args: Any) -> None:
     """Every train_policy.py flag whose value makes the run fail late or mean nothing, and its output directory."""
     ppo, rewards = args.ppo, args.rewards
     check_task(args.task)
+    check_not_reward_model(args.base_model)
     check_model_dir(args.base_model, "--base_model", tokenizer=True)
     check_at_least(ppo.total_episodes, 1, "--ppo.total_episodes", "OAI's books runs use 1000000")
     check_at_least(ppo.batch_size, 1, "--ppo.batch_size", "OAI uses 512 (books) or 32 (tldr, cnndm)")
@@ -159,7 +181,8 @@ def check_policy_args(args: Any) -> None:
     check_at_least(ppo.noptepochs, 1, "--ppo.noptepochs", "OAI uses 4")
     check_at_least(ppo.gradient_accumulation_steps, 1, "--ppo.gradient_accumulation_steps")
     if ppo.whiten_group_size is not None:
-        check_at_least(ppo.whiten_group_size, 1, "--ppo.whiten_group_size", "e.g. ppo.batch_size / 8")
+        fix = "omit it for OAI's 8 ranks (ppo.batch_size / 8), or pass 0 to whiten each process's batch"
+        check_at_least(ppo.whiten_group_size, 0, "--ppo.whiten_group_size", fix)
     check_positive(ppo.lr, "--ppo.lr", "OAI uses 1e-5 (books) or 2e-6 (tldr, cnndm)")
     check_non_negative(ppo.cliprange, "--ppo.cliprange", "OAI uses 0.2")
     check_non_negative(ppo.cliprange_value, "--ppo.cliprange_value", "OAI uses 0.2")

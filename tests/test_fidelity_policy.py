@@ -111,6 +111,7 @@ def run(tmp_path_factory, tokenizer) -> Run:
         nminibatches=NMINIBATCHES,
         noptepochs=NOPTEPOCHS,
         lr=LR,
+        whiten_group_size=0,  # each process one rank, as in the pretended 2-rank OAI job
     )
     events = Recorder()
     threads = torch.get_num_threads()

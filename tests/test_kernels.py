@@ -37,6 +37,27 @@ def test_fused_logprobs_and_entropy_equal_the_plain_formulas_in_values_and_gradi
     torch.testing.assert_close(logprobs_from_logits(logits, tokens), plain, rtol=0, atol=1e-12)
 
 
+def test_fused_entropy_on_full_vocabulary_float32_logits_is_as_accurate_as_the_plain_formula():
+    # GPT-2-like float32 logits over the 50257 tokens (around -100 / temperature 0.7, a few likely tokens), N(0, 1)
+    # logits and logits around +50, against a float64 reference. Measured max errors: plain formula 2.7e-5, 1.4e-6,
+    # 5.4e-4; this kernel 2.4e-7, 1.0e-6, 1.1e-6; the former (1 x V) @ (V x 1) dot of exps and z 1.1e-4, 1.9e-5, 7.5e-3
+    generator = torch.Generator().manual_seed(0)
+    shape = (1, 8, 50257)
+    peaked = -100 + 4 * torch.randn(shape, generator=generator)
+    peaked[..., :50] += 25 * torch.rand((*shape[:-1], 50), generator=generator)
+    tokens = torch.zeros(shape[:-1], dtype=torch.long)
+    for logits in (
+        peaked / 0.7,
+        torch.randn(shape, generator=generator),
+        50 + 3 * torch.randn(shape, generator=generator),
+    ):
+        reference = plain_entropy(logits.double())
+        plain_error = (plain_entropy(logits).double() - reference).abs().max().item()
+        _, entropy = logprobs_and_entropy_from_logits(logits, tokens)
+        error = (entropy.double() - reference).abs().max().item()
+        assert error <= max(plain_error, 2e-6), (error, plain_error)
+
+
 def test_inverse_cdf_sampler_draws_like_multinomial_and_returns_plain_logprobs():
     logits = torch.tensor([[0.3, -1.0, 2.0, 0.0, 1.5]]).expand(20000, -1)
     tokens, logprobs = sample_categorical(logits, torch.Generator().manual_seed(1))

@@ -517,6 +517,23 @@ def test_convert_to_other_tokenizer_decodes_to_same_texts(source_labels, tokeniz
     assert labels.samples.max() < len(target)
 
 
+def test_convert_takes_the_lengths_its_input_meta_records_unless_flags_give_them(
+    source_labels, tiny_model_dir, tmp_path
+):
+    source = tmp_path / "short.json"
+    shutil.copy(source_labels, source)
+    (tmp_path / "short.json.meta.json").write_text(json.dumps({"task": {"query_length": 16, "response_length": 8}}))
+    flags = ["convert", "--input", str(source), "--base_model", str(tiny_model_dir), "--output"]
+    meta = run_label_generation([*flags, str(tmp_path / "a.json")])
+    assert read_rows(tmp_path / "a.json") == read_rows(source_labels)  # not re-padded to the preset's 64 / 24
+    assert meta["task"] == {"query_length": 16, "response_length": 8}
+    meta = run_label_generation([*flags, str(tmp_path / "b.json"), "--task.query_length", "20"])
+    assert meta["task"] == {"query_length": 20, "response_length": 8}  # a flag overrides, the other stays recorded
+    (tmp_path / "short.json.meta.json").unlink()
+    meta = run_label_generation([*flags, str(tmp_path / "c.json")])
+    assert meta["task"] == {"query_length": 64, "response_length": 24}  # nothing recorded: the --task preset's
+
+
 def test_convert_records_pad_when_50259_is_a_real_token(source_labels, tmp_path):
     target = gpt2_tokenizer_offline()
     target.add_tokens(["<x0>", "<x1>"])  # ids 50258, 50259: OAI's PAD id is a real token here
@@ -570,7 +587,8 @@ def test_cli_subcommands_and_task_presets():
     assert (args.task.query_length, args.task.truncate_token, args.task.temperature) == (500, 198, 0.3)
     args = label_generation.parse(["convert", "--base_model", "m", "--task", "cnndm"])
     assert isinstance(args, label_generation.Convert)
-    assert (args.task.query_length, args.task.response_length) == (500, 75)
+    lengths, source = label_generation.convert_lengths(args)  # no .meta.json to read them from: the preset's
+    assert (lengths.query_length, lengths.response_length, source) == (500, 75, "--task cnndm")
     assert args.source_tokenizer == "gpt2" and args.base_model == "m"
     with pytest.raises(SystemExit):
         label_generation.parse(["convert"])  # --base_model is required

@@ -332,7 +332,7 @@ def test_derive_sizes_virtual_ranks_reproduce_oai_rank_sizes():
     args.ppo = dataclasses.replace(args.ppo, batch_size=512, nminibatches=2, whiten_group_size=64)
     one_gpu = derive_sizes(args, world=1)
     assert (one_gpu.batch, one_gpu.virtual_ranks, one_gpu.group, one_gpu.whiten_group) == (512, 8, 64, 32)
-    args.ppo.whiten_group_size = None
+    args.ppo.whiten_group_size = 0
     oai = derive_sizes(args, world=8)  # OAI: 8 ranks of 64 episodes, minibatches of 32
     assert (oai.batch, oai.virtual_ranks, oai.group, oai.whiten_group) == (64, 1, 64, 32)
 
@@ -353,7 +353,7 @@ accelerator = core.make_accelerator()
 rank, world = accelerator.process_index, accelerator.num_processes
 args = tp.Args()
 args.ppo.batch_size, args.ppo.nminibatches, args.ppo.noptepochs, args.ppo.gradient_accumulation_steps = 32, 2, 3, 2
-args.ppo.whiten_group_size = group if world == 1 else None  # 1 process: 2 virtual ranks; 2 processes: none
+args.ppo.whiten_group_size = group if world == 1 else 0  # 1 process: 2 virtual ranks; 2 processes: one rank each
 sizes = tp.derive_sizes(args, world)
 # one global rollout batch; rows [r * 16, (r + 1) * 16) are the episodes of (virtual) rank r
 gen = torch.Generator().manual_seed(0)

@@ -153,6 +153,7 @@ def test_train_reward_learns_planted_preference_and_normalizes(tmp_path, tiny_mo
     assert "normalize before: mean" in result.stdout and "normalize after: mean" in result.stdout
     assert "Loading weights" not in result.stdout + result.stderr  # transformers' per-load bars are silenced
     reward_model, meta = load_reward_model(str(out))
+    assert (meta["task_name"], meta["label_dataset"]) == ("sentiment", str(world["labels"]))  # checked by the policy
     assert meta["eval_after"]["rows"] == 128
     assert meta["eval_after"]["accuracy"] >= 0.9, meta
     assert meta["eval_before"]["accuracy"] < 0.6, meta  # the random head knows nothing of the marker
