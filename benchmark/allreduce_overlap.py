@@ -44,7 +44,8 @@ class Args:
     steps: int = 5
     """timed steps per mode (after 1 untimed one)"""
     modes: tuple[Literal["after", "overlap"], ...] = ("after", "overlap", "after", "overlap")
-    """modes to time, in this order (alternated, so that load changes on a shared machine hit both)"""
+    """modes to time, in this order (alternated, so that load changes on a shared machine hit both); then one
+    all-reduce of the gradients' size alone, the time the overlap can hide at most"""
     threads: int = 1
     """torch intra-op CPU threads per process"""
 
@@ -86,6 +87,20 @@ def time_steps(args: Args, mode: str, model, optimizer, accelerator, tokens: tor
     return np.array(seconds)
 
 
+def time_allreduce(args: Args, model, cuda: bool) -> list[float]:
+    """Seconds of one all-reduce of a flat buffer as large as all gradients: what the overlap can hide."""
+    flat = torch.zeros(sum(p.numel() for p in model.parameters()), device=next(model.parameters()).device)
+    seconds = []
+    for _ in range(args.steps):
+        dist.barrier()
+        start = time.perf_counter()
+        dist.all_reduce(flat)
+        if cuda:
+            torch.cuda.synchronize()
+        seconds.append(time.perf_counter() - start)
+    return seconds
+
+
 def main(args: Args) -> None:
     torch.set_num_threads(args.threads)
     accelerator = core.make_accelerator()
@@ -102,6 +117,7 @@ def main(args: Args) -> None:
     results: dict[str, list[float]] = {}
     for mode in args.modes:
         results.setdefault(mode, []).extend(time_steps(args, mode, model, optimizer, accelerator, tokens))
+    alone = time_allreduce(args, model, tokens.is_cuda)
     if accelerator.is_main_process:
         params = sum(p.numel() for p in model.parameters())
         averager = core.GradientAverager(list(model.parameters()), accelerator)
@@ -118,6 +134,7 @@ def main(args: Args) -> None:
                 f"{mode:8s} seconds per optimizer step: min {min(seconds):.3f}, median {np.median(seconds):.3f} "
                 f"({len(seconds)} steps)"
             )
+        print(f"one all-reduce of all gradients alone: min {min(alone):.3f} s, median {np.median(alone):.3f} s")
 
 
 if __name__ == "__main__":

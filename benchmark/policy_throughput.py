@@ -15,6 +15,7 @@ Then a summary against a lower bound: the matrix-multiply FLOPs an update cannot
 throughput this machine measures for its shape.
 """
 
+import collections
 import contextlib
 import dataclasses
 import os
@@ -287,6 +288,7 @@ class UpdateProbe:
         self.device = device
         self.count_syncs = count_syncs
         self.syncs: list[int] = []
+        self.sites: list[list[str]] = []  # each sync's first caller outside torch, per update
         self.memory: list[float] = []
         self._start = 0
 
@@ -320,6 +322,7 @@ class UpdateProbe:
 
     def end(self) -> None:
         self.syncs.append(self.counter.count - self._start if self.counter else -1)
+        self.sites.append(self.counter.events[self._start :] if self.counter else [])
         self.memory.append(peak_memory_gib(self.device))
 
 
@@ -341,6 +344,11 @@ def print_updates(console: Console, args: Args, history: list[dict[str, float]],
             f"{probe.memory[update]:.2f}",
         )
     console.print(table)
+    if probe.sites:
+        sites = collections.Counter(probe.sites[-1])
+        console.print("host syncs of the last update, where:", markup=False)
+        for site, count in sites.most_common():
+            console.print(f"  {count} x {site}", markup=False)
 
 
 def run(args: Args, work_dir: str) -> None:

@@ -137,14 +137,14 @@ def main(args: Args) -> None:
             f"{index}{' (warm-up)' if index < 2 else ''}",
             *(f"{seconds:.3f}" for seconds in timer.seconds()),
             f"{wall:.3f}",
-            f"{args.per_process_batch / wall:.1f}",
+            f"{args.per_process_batch / wall:.3g}",
             f"{tokens / wall:.0f}",
             "-" if syncs is None else str(syncs),
             f"{memory:.2f}",
         )
     console.print(table)
     seconds = np.median([wall for _, _, wall, _, _ in rows[2:]])
-    console.print(f"median {seconds * 1000:.1f} ms/step, {args.per_process_batch / seconds:.1f} labels/s")
+    console.print(f"median {seconds * 1000:.1f} ms/step, {args.per_process_batch / seconds:.3g} labels/s")
 
 
 if __name__ == "__main__":
