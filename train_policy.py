@@ -450,6 +450,8 @@ def ppo_update(
     """One optimizer step per minibatch of `indices` (noptepochs, nminibatches, minibatch), each over `accum`
     micro-batches with gradients averaged over processes; -> the update's PPO statistics."""
     params = list(policy.parameters())
+    # gradients averaged over processes (OAI's MPI all-reduce, spec O4), started during each step's last backward
+    gradients = core.GradientAverager(params, accelerator)
     responses = rollout.query_responses[:, rollout.context_length :]  # (B, L)
     stats = PPOStats(rollout.values.device, ppo.noptepochs * ppo.nminibatches)
     accum = ppo.gradient_accumulation_steps
@@ -483,14 +485,17 @@ def ppo_update(
                 )
                 # each micro loss is a mean over its rows; dividing by `accum` makes the summed gradient that of the
                 # minibatch mean, so accumulation does not change the update
+                if micro_start + sizes.micro == sizes.minibatch:
+                    gradients.launch_in_next_backward()  # the last micro-batch's backward overlaps the all-reduces
                 (losses["loss/total"] / accum).backward()
                 stats.add_micro(losses, new_entropy, 1 / accum, first=epoch == 0 and k == 0)
-            # average gradients over processes (OAI's MPI all-reduce, spec O4), then one Adam step
+            # the gradients averaged over processes, then one Adam step
             # https://github.com/openai/lm-human-preferences/blob/cbfd210bb8b08f6bc5c26878c10984b90f516c66/lm_human_preferences/utils/core.py#L485-L489
-            core.allreduce_gradients(params, accelerator)
+            gradients.average()
             stats.nonfinite_gradients += validation.nonfinite_tensors(p.grad for p in params if p.grad is not None)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
+    gradients.close()
     return stats
 
 

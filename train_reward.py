@@ -19,8 +19,8 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from lm_human_preference_details import checkpoint, cli, validation
 from lm_human_preference_details.core import (
+    GradientAverager,
     Tracker,
-    allreduce_gradients,
     broadcast_parameters,
     ceil_div,
     exact_div,
@@ -364,6 +364,8 @@ def main(args: Args) -> dict:
     # https://github.com/openai/lm-human-preferences/blob/cbfd210bb8b08f6bc5c26878c10984b90f516c66/lm_human_preferences/rewards.py#L69-L71
     params = list(reward_model.parameters())
     optimizer = make_optimizer(params, args.lr, args.use_tensorflow_adam)
+    # gradients averaged over processes (spec O4), started during each step's last backward
+    gradients = GradientAverager(params, accelerator)
     query_stream = QueryStream(load_texts(args.task.query_dataset), tokenizer, args.task, rank, world, args.data_seed)
     affixes = encode_context_affixes(tokenizer, args.task)
     name = resumed.meta["run_name"] if resumed else run_name(accelerator, args.task_id, args.exp_name, args.seed)
@@ -478,10 +480,12 @@ def main(args: Args) -> dict:
                 samples = train_labels.samples[micro_indices].to(accelerator.device)
                 rewards = score_label_rows(reward_model, query, samples, pad_id)  # (b, S)
                 loss = label_loss(label_type, rewards, micro_label)["loss"]
+                if len(step_rewards) == accum - 1:
+                    gradients.launch_in_next_backward()  # the last micro-batch's backward overlaps the all-reduces
                 (loss / accum).backward()
                 step_rewards.append(rewards.detach())
             # gradients averaged over processes, then one Adam step (spec O4)
-            allreduce_gradients(params, accelerator)
+            gradients.average()
             nonfinite_gradients = validation.nonfinite_tensors(p.grad for p in params if p.grad is not None)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
@@ -507,6 +511,7 @@ def main(args: Args) -> dict:
             if step + 1 == num_steps or (args.save_interval and (step + 1) % args.save_interval == 0):
                 save_checkpoint(step + 1)
     saves.wait()  # the last checkpoint is on disk before the model is normalized and saved
+    gradients.close()
     eval_after = log_eval(num_steps)
 
     # 4. normalize after training

@@ -9,10 +9,14 @@ per-process shapes (64-token queries, 24-token responses, 64 episodes, 4 PPO epo
 change nothing about the cost, so no download is needed.
 
 Reported per update: seconds split into rollout (sampling + reference forward), scoring (reward model) and optimisation
-(4 x forward + backward + Adam), episodes per second, peak memory, and a lower bound: the matrix-multiply FLOPs an
-update cannot avoid, each term divided by the GEMM throughput this machine measures for its shape.
+(4 x forward + backward + Adam), response tokens per second as OAI's `elapsed/fps` counts them (batch x response
+length / wall seconds of the update), host syncs from the update's start to its statistics copy, and peak memory.
+Then a summary against a lower bound: the matrix-multiply FLOPs an update cannot avoid, each term divided by the GEMM
+throughput this machine measures for its shape.
 """
 
+import collections
+import contextlib
 import dataclasses
 import os
 import resource
@@ -32,6 +36,7 @@ from transformers import GPT2Config, GPT2LMHeadModel, GPT2Model
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import train_policy  # noqa: E402
 from lm_human_preference_details.modeling import RewardModel  # noqa: E402
+from lm_human_preference_details.syncs import count_host_syncs  # noqa: E402
 from lm_human_preference_details.tokenizer import gpt2_tokenizer_offline, tokenizer_fingerprint  # noqa: E402
 
 CONFIGS = {
@@ -71,6 +76,9 @@ class Args:
     bound does not count the recompute)"""
     bf16: bool = False
     """train_policy.py --bf16: bfloat16 autocast of the PPO forward's transformer (the bound stays the float32 one)"""
+    count_syncs: bool = True
+    """count the host syncs of every update (a Python hook on every torch call: it adds host time per op, which a
+    GPU run with launch-bound phases feels; --no_count_syncs for the cleanest GPU timings)"""
     threads: int = 0
     """torch intra-op CPU threads (0: torch's default)"""
     gemm_repeats: int = 5
@@ -273,17 +281,90 @@ def peak_memory_gib(device: str) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # Linux reports KiB
 
 
+class UpdateProbe:
+    """Per update of train_policy.main: host syncs from its start to its statistics copy, and peak memory then."""
+
+    def __init__(self, device: str, count_syncs: bool):
+        self.device = device
+        self.count_syncs = count_syncs
+        self.syncs: list[int] = []
+        self.sites: list[list[str]] = []  # each sync's first caller outside torch, per update
+        self.memory: list[float] = []
+        self._start = 0
+
+    @contextlib.contextmanager
+    def attached(self):
+        """train_policy's PhaseTimer and reduce_stats report to this probe while the block runs."""
+        probe, timer, reduce_stats = self, train_policy.PhaseTimer, train_policy.reduce_stats
+
+        class ProbedTimer(timer):
+            def mark(self) -> None:
+                if not self.marks:  # an update starts
+                    probe.start()
+                super().mark()
+
+        def probed_reduce_stats(*args, **kwargs):
+            stats = reduce_stats(*args, **kwargs)  # the statistics copy: the update's last sync
+            probe.end()
+            return stats
+
+        with contextlib.ExitStack() as stack:
+            self.counter = stack.enter_context(count_host_syncs()) if self.count_syncs else None
+            train_policy.PhaseTimer, train_policy.reduce_stats = ProbedTimer, probed_reduce_stats
+            stack.callback(setattr, train_policy, "PhaseTimer", timer)
+            stack.callback(setattr, train_policy, "reduce_stats", reduce_stats)
+            yield self
+
+    def start(self) -> None:
+        if self.device == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+        self._start = self.counter.count if self.counter else 0
+
+    def end(self) -> None:
+        self.syncs.append(self.counter.count - self._start if self.counter else -1)
+        self.sites.append(self.counter.events[self._start :] if self.counter else [])
+        self.memory.append(peak_memory_gib(self.device))
+
+
+def print_updates(console: Console, args: Args, history: list[dict[str, float]], probe: UpdateProbe) -> None:
+    """One row per update: phase seconds, OAI's elapsed/fps, host syncs, peak memory."""
+    table = Table(title="per update (OAI's elapsed/fps: batch x response length / wall seconds of the update)")
+    columns = ("update", *PHASES, "wall s", "tokens/s", "host syncs", "peak GiB")
+    for column in columns:
+        table.add_column(column, justify="right")
+    ends = [0.0] + [h["elapsed/time"] for h in history]
+    for update, h in enumerate(history):
+        syncs = "-" if probe.syncs[update] < 0 else str(probe.syncs[update])
+        table.add_row(
+            f"{update}{' (warm-up)' if update < args.warmup else ''}",
+            *(f"{h[f'debug/time/{phase}']:.3f}" for phase in PHASES),
+            f"{ends[update + 1] - ends[update]:.3f}",
+            f"{h['elapsed/fps']:.0f}",
+            syncs,
+            f"{probe.memory[update]:.2f}",
+        )
+    console.print(table)
+    if probe.sites:
+        sites = collections.Counter(probe.sites[-1])
+        console.print("host syncs of the last update, where:", markup=False)
+        for site, count in sites.most_common():
+            console.print(f"  {count} x {site}", markup=False)
+
+
 def run(args: Args, work_dir: str) -> None:
     """Build the inputs, run train_policy.main, print the measured table against the lower bound."""
     console = Console(width=120)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     policy_dir, reward_dir = write_models(work_dir, args.model)
     corpus = write_corpus(work_dir)
-    history = train_policy.main(policy_args(args, work_dir, policy_dir, reward_dir, corpus))
+    with UpdateProbe(device, args.count_syncs).attached() as probe:
+        history = train_policy.main(policy_args(args, work_dir, policy_dir, reward_dir, corpus))
+    print_updates(console, args, history, probe)
     timed = history[args.warmup :]
     measured = {p: np.array([h[f"debug/time/{p}"] for h in timed]) for p in PHASES}
     ends = [0.0] + [h["elapsed/time"] for h in history]  # seconds since the first update started
     update_times = np.diff(ends)[args.warmup :]
+    fps = [h["elapsed/fps"] for h in timed]
     memory = peak_memory_gib(device)
 
     config = {**CONFIGS[args.model]}
@@ -334,7 +415,9 @@ def run(args: Args, work_dir: str) -> None:
     console.print(
         f"wall seconds per update (incl. stats and logging): min {update_times.min():.3f}, "
         f"median {np.median(update_times):.3f}; episodes/s {args.batch / np.median(total):.2f} "
-        f"(phases, median); peak memory {memory:.2f} GiB ({'max allocated' if device == 'cuda' else 'max RSS'}); "
+        f"(phases, median); response tokens/s (elapsed/fps, median) {np.median(fps):.0f}; "
+        f"host syncs per update {probe.syncs[args.warmup :] if args.count_syncs else 'not counted'}; "
+        f"peak memory {memory:.2f} GiB ({'max allocated' if device == 'cuda' else 'max RSS'}); "
         f"lower-bound GEMM rate {total_flops / total_bound / 1e9:.1f} GFLOP/s"
     )
 

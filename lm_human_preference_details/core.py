@@ -158,25 +158,91 @@ def _coalesced(tensors: list[torch.Tensor], collective: Callable[[torch.Tensor],
         torch._foreach_copy_(group, [chunk.view_as(t) for chunk, t in zip(chunks, group)])
 
 
-def allreduce_gradients(params: Sequence[torch.nn.Parameter], accelerator: Any) -> None:
-    """Average `.grad` over all processes in one all-reduce; parameters without a gradient are skipped.
+BUCKET_BYTES = 25 * 2**20
+"""Gradient bytes per all-reduce bucket (DDP's default): large enough for full bandwidth, small enough to overlap."""
 
-    Every rank must have gradients for the same parameters (true when all ranks run the same model and loss).
+
+class GradientAverager:
+    """Averages `.grad` over all processes (spec O4), the all-reduces overlapped with the backward that completes them.
+
+    Gradients are grouped into buckets of about BUCKET_BYTES (one dtype each, in reverse parameter order, the order in
+    which the backward produces them). During a backward armed by `launch_in_next_backward` (the last micro-batch's),
+    post-accumulate-grad hooks start each bucket's asynchronous all-reduce as soon as all its gradients are complete;
+    buckets start in bucket order on every process, so the collectives line up. `average` starts the buckets the
+    backward did not complete (gradients that never arrived count as zeros and stay None), waits for all of them and
+    writes the means into `.grad`. A single process registers no hook and does nothing.
     """
-    # OAI averages gradients over MPI ranks (allreduce-sum, then times 1 / size) before the Adam update
-    # https://github.com/openai/lm-human-preferences/blob/cbfd210bb8b08f6bc5c26878c10984b90f516c66/lm_human_preferences/utils/core.py#L485-L489
-    # https://github.com/openai/lm-human-preferences/blob/cbfd210bb8b08f6bc5c26878c10984b90f516c66/lm_human_preferences/utils/core.py#L626
-    world_size = accelerator.num_processes
-    grads = [p.grad for p in params if p.grad is not None]
-    if world_size == 1 or not grads:
-        return
 
-    def mean_over_ranks(flat: torch.Tensor) -> None:
-        dist.all_reduce(flat, op=dist.ReduceOp.SUM)
-        flat.div_(world_size)
+    def __init__(self, params: Sequence[torch.nn.Parameter], accelerator: Any, bucket_bytes: int | None = None):
+        """`bucket_bytes`: the size of a bucket (None: BUCKET_BYTES)."""
+        bucket_bytes = bucket_bytes or BUCKET_BYTES
+        self.world_size = accelerator.num_processes
+        self.buckets: list[list[torch.nn.Parameter]] = []
+        self.hooks: list[Any] = []
+        if self.world_size == 1:
+            return
+        trainable = [p for p in reversed(list(params)) if p.requires_grad]
+        for dtype in dict.fromkeys(p.dtype for p in trainable):
+            bucket, size = [], 0
+            for p in (p for p in trainable if p.dtype == dtype):
+                if bucket and size + p.numel() * p.element_size() > bucket_bytes:
+                    self.buckets.append(bucket)
+                    bucket, size = [], 0
+                bucket.append(p)
+                size += p.numel() * p.element_size()
+            self.buckets.append(bucket)
+        self.bucket_of = {id(p): i for i, bucket in enumerate(self.buckets) for p in bucket}
+        self.hooks = [p.register_post_accumulate_grad_hook(self._gradient_ready) for b in self.buckets for p in b]
+        self._reset()
 
-    with torch.no_grad():
-        _coalesced(grads, mean_over_ranks)
+    def _reset(self) -> None:
+        """Disarmed, nothing in flight."""
+        self.armed = False
+        self.missing = [len(bucket) for bucket in self.buckets]  # gradients each bucket still waits for
+        self.in_flight: list[tuple[torch.Tensor, Any]] = []  # (flat bucket, all-reduce work), in bucket order
+
+    def launch_in_next_backward(self) -> None:
+        """Start the all-reduces during the next backward (the last one before `average`)."""
+        self.armed = self.world_size > 1
+
+    def _gradient_ready(self, param: torch.nn.Parameter) -> None:
+        """Post-accumulate-grad hook: count `param` in; start every complete bucket whose predecessors have started."""
+        if not self.armed:
+            return
+        self.missing[self.bucket_of[id(param)]] -= 1
+        while len(self.in_flight) < len(self.buckets) and self.missing[len(self.in_flight)] == 0:
+            self._launch(len(self.in_flight))
+
+    def _launch(self, index: int) -> None:
+        """Start the asynchronous sum of bucket `index` over processes."""
+        bucket = self.buckets[index]
+        flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in bucket])
+        self.in_flight.append((flat, dist.all_reduce(flat, op=dist.ReduceOp.SUM, async_op=True)))
+
+    @torch.no_grad()
+    def average(self) -> None:
+        """Start the buckets not started yet, wait for every all-reduce, write the means into `.grad`."""
+        # OAI averages gradients over MPI ranks (allreduce-sum, then times 1 / size) before the Adam update
+        # https://github.com/openai/lm-human-preferences/blob/cbfd210bb8b08f6bc5c26878c10984b90f516c66/lm_human_preferences/utils/core.py#L485-L489
+        # https://github.com/openai/lm-human-preferences/blob/cbfd210bb8b08f6bc5c26878c10984b90f516c66/lm_human_preferences/utils/core.py#L626
+        if self.world_size == 1:
+            return
+        for index in range(len(self.in_flight), len(self.buckets)):
+            self._launch(index)
+        for (flat, work), bucket in zip(self.in_flight, self.buckets):
+            work.wait()  # on GPUs: the current stream waits for the all-reduce, the host does not
+            flat.div_(self.world_size)
+            present = [(p.grad, chunk) for p, chunk in zip(bucket, flat.split([p.numel() for p in bucket]))]
+            present = [(grad, chunk.view_as(grad)) for grad, chunk in present if grad is not None]
+            if present:
+                torch._foreach_copy_(*map(list, zip(*present)))
+        self._reset()
+
+    def close(self) -> None:
+        """Remove the hooks."""
+        for hook in self.hooks:
+            hook.remove()
+        self.hooks = []
 
 
 def broadcast_parameters(module: torch.nn.Module, accelerator: Any) -> None:

@@ -134,11 +134,32 @@ def patch_everywhere(monkeypatch, name: str, make, modules) -> None:
     assert patched, f"none of {[m.__name__ for m in modules]} has {name}"
 
 
+def recorded_averager(recorder: Recorder) -> type:
+    """A GradientAverager whose `average` is a recorded no-op, logged as `allreduce_gradients` with its parameters."""
+
+    class RecordedAverager:
+        def __init__(self, params, accelerator):
+            self.params = list(params)
+
+        def launch_in_next_backward(self) -> None:
+            pass
+
+        def average(self) -> None:
+            recorder.events.append(Event("allreduce_gradients", {"params": self.params}))
+
+        def close(self) -> None:
+            pass
+
+    return RecordedAverager
+
+
 def patch_collectives(monkeypatch, recorder: Recorder, modules) -> None:
     """Weight broadcasts and gradient all-reduces become recorded no-ops (the pretended ranks hold equal weights and
     equal gradients, so the real collectives would not change them); the run name skips its broadcast."""
-    for name in ("broadcast_parameters", "allreduce_gradients"):
-        patch_everywhere(monkeypatch, name, lambda fn, name=name: recorder.wrap(name, fn, call=False), modules)
+    patch_everywhere(
+        monkeypatch, "broadcast_parameters", lambda fn: recorder.wrap("broadcast_parameters", fn, call=False), modules
+    )
+    patch_everywhere(monkeypatch, "GradientAverager", lambda cls: recorded_averager(recorder), modules)
     patch_everywhere(monkeypatch, "run_name", lambda fn: lambda accelerator, *parts: "fidelity-run", modules)
 
 

@@ -14,8 +14,8 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 from lm_human_preference_details import core
 from lm_human_preference_details.core import (
+    GradientAverager,
     Tracker,
-    allreduce_gradients,
     broadcast_parameters,
     ceil_div,
     exact_div,
@@ -225,7 +225,10 @@ def test_allreduce_and_broadcast_single_process_are_noops():
     model = torch.nn.Linear(3, 2)
     model.weight.grad = torch.arange(6.0).view(2, 3)
     before_params = [p.detach().clone() for p in model.parameters()]
-    allreduce_gradients(list(model.parameters()), accelerator)
+    gradients = GradientAverager(list(model.parameters()), accelerator)
+    assert gradients.hooks == []  # one process: no hook runs in the backward
+    gradients.launch_in_next_backward()
+    gradients.average()
     broadcast_parameters(model, accelerator)
     assert torch.equal(model.weight.grad, torch.arange(6.0).view(2, 3))
     assert model.bias.grad is None
@@ -239,7 +242,7 @@ TWO_PROCESS_SCRIPT = textwrap.dedent(
     import torch
     from accelerate import Accelerator
 
-    from lm_human_preference_details.core import allreduce_gradients, broadcast_parameters
+    from lm_human_preference_details.core import GradientAverager, broadcast_parameters
 
     accelerator = Accelerator(cpu=True)
     rank = accelerator.process_index
@@ -249,7 +252,7 @@ TWO_PROCESS_SCRIPT = textwrap.dedent(
     model.c = torch.nn.Parameter(torch.full((5,), 3.0 * (rank + 1)))
     model.a.grad = torch.arange(6.0).view(3, 2).t() * (rank + 1)  # non-contiguous gradient
     model.b.grad = torch.arange(4.0, dtype=torch.float64) * (rank + 1) ** 2
-    allreduce_gradients(list(model.parameters()), accelerator)
+    GradientAverager(list(model.parameters()), accelerator).average()  # gradients set by hand: no backward
     broadcast_parameters(model, accelerator)
     result = {
         "num_processes": accelerator.num_processes,

@@ -90,30 +90,31 @@ def run_all(commands: list[list[str]], timeout: float, log_dir: Path) -> tuple[l
 
 FAILING_LAUNCHER = """
 import os, signal, sys, time
+import torch
 sys.path.insert(0, {repo!r})
 from lm_human_preference_details import cli, core
 import {script} as script
 
 mode, marker = sys.argv[1], sys.argv[2]
 calls = 0
-allreduce = core.allreduce_gradients
+average = core.GradientAverager.average
 
 
-def failing_allreduce(params, accelerator):
+def failing_average(self):
     global calls
     calls += 1
-    if calls == 2 and accelerator.process_index == 1:  # rank 0 is on its way into the same all-reduce
+    if calls == 2 and torch.distributed.get_rank() == 1:  # rank 0 goes on into the step's next collective
         with open(marker, "w") as f:
             f.write(str(time.time()))
         if mode == "raise":
             raise RuntimeError("injected failure of rank 1")
         if mode == "sigkill":
             os.kill(os.getpid(), signal.SIGKILL)
-        time.sleep(3600)  # stall: alive, but never reaches the all-reduce
-    allreduce(params, accelerator)
+        time.sleep(3600)  # stall: alive, but never waits for the all-reduce
+    average(self)
 
 
-core.allreduce_gradients = script.allreduce_gradients = failing_allreduce
+core.GradientAverager.average = failing_average
 cli.run(script.main, script.parse, sys.argv[3:])
 """
 
