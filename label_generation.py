@@ -782,7 +782,10 @@ def serve(args: Serve) -> dict:
         if token:
             console.print(f"access token (shown once; needed from every other machine): {token}")
         server = uvicorn.Server(uvicorn.Config(labelserver.create_app(store, token), log_level="warning"))
-        server.run(sockets=[listener])
+        try:
+            server.run(sockets=[listener])
+        except KeyboardInterrupt:
+            pass  # uvicorn shut down cleanly on Ctrl-C, then re-raised it
         judgements = store.judgements()
     finally:
         store.close()

@@ -177,7 +177,10 @@ def create_app(store: LabelStore, token: str | None) -> Starlette:
         status = getattr(exc, "status_code", 404)
         return _error(status, "not found" if status == 404 else "method not allowed")
 
-    routes = [Route(path, asset, methods=["GET"]) for path in ASSETS]
+    async def no_icon(request: Request) -> Response:
+        return Response(status_code=204, headers=SECURITY_HEADERS)
+
+    routes = [Route(path, asset, methods=["GET"]) for path in ASSETS] + [Route("/favicon.ico", no_icon)]
     routes += [
         Route("/api/info", api(info), methods=["GET"]),
         Route("/api/next", api(next_row), methods=["GET"]),

@@ -172,6 +172,9 @@ async function start(name) {
   state.labeler = name;
   localStorage.setItem("labeler", name);
   $("login").hidden = true;
+  if (document.activeElement) {
+    document.activeElement.blur(); // the keys now label rows, not type a name
+  }
   $("who").textContent = `labeler: ${name}`;
   try {
     render(await call("GET", `/api/next?labeler=${encodeURIComponent(name)}`));
