@@ -777,8 +777,9 @@ def serve(args: Serve) -> dict:
         console = cli.make_console()
         console.print(
             f"serving {len(candidates.rows)} {candidates.label_type.name} rows of {args.candidates}; labels go to "
-            f"{args.output} (every judgement: {store.log_path}). Open {url} ; Ctrl-C stops."
+            f"{args.output} (every judgement: {store.log_path})"
         )
+        console.print(f"open {url} in a browser; Ctrl-C stops", soft_wrap=True)
         if token:
             console.print(f"access token (shown once; needed from every other machine): {token}")
         server = uvicorn.Server(uvicorn.Config(labelserver.create_app(store, token), log_level="warning"))

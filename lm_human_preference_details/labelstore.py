@@ -32,6 +32,8 @@ COMPARE_SCALE = (-2, 2)
 """scalar_compare: how much better the response shown second is than the one shown first, -2 to 2"""
 CLAIM_SECONDS = 600.0
 """a row shown to one labeler (and not shared) is kept from the others this long, unless that labeler moves on"""
+EXPORT_SECONDS = 1.0
+"""the label file is rewritten at most this often while labelers work (every judgement is in the log at once)"""
 MAJORITY_RULE = (
     "one label per row: the value most of the row's labelers gave (plurality); a tie goes to the tied value that was "
     "given first (the earliest judgement); undone judgements do not count"
@@ -142,7 +144,7 @@ def load_candidates(path: str, flag: str = "--candidates") -> Candidates:
         raise ValueError(f"{where}: every query and every sample must have the same length; re-run `sample`.")
     instructions = content.get("instructions")
     return Candidates(
-        path=path,
+        path=str(path),
         label_type=label_type,
         meta=meta,
         instructions=instructions if isinstance(instructions, str) else "",
@@ -236,7 +238,8 @@ class LabelerState:
 
 class LabelStore:
     """The judgements of every labeler: an append-only log with fsync, one lock around every change, and the state
-    replayed from it. The label file (and the pairs file) are rebuilt from the state after every change."""
+    replayed from it. The label file (and the pairs file) are rebuilt from the state after a change (at most every
+    EXPORT_SECONDS), at start and at close."""
 
     def __init__(
         self,
@@ -252,6 +255,8 @@ class LabelStore:
         self.row_labels: dict[int, dict[str, dict]] = {}
         """row -> labeler -> label record"""
         self.claims: dict[int, tuple[str, float]] = {}
+        self.timer: threading.Timer | None = None
+        self.last_export = -EXPORT_SECONDS
         self.seq = 0
         n = len(candidates.rows)
         self.shared = set(random.Random(0).sample(range(n), round(shared_fraction * n)))
@@ -337,8 +342,31 @@ class LabelStore:
                 state.skipped.discard(undone["row"])
 
     def close(self) -> None:
-        """Release the log."""
-        self.file.close()
+        """Write the label file if a change is pending, release the log."""
+        with self.lock:
+            if self.timer is not None:
+                self.timer.cancel()
+                self.timer = None
+                self.export()
+            self.file.close()
+
+    def _export_soon(self) -> None:
+        """Rewrite the label file now, or at most EXPORT_SECONDS after the last rewrite (the log is already on disk;
+        a restart rebuilds the label file from it)."""
+        wait = self.last_export + EXPORT_SECONDS - time.monotonic()
+        if wait <= 0:
+            self.export()
+        elif self.timer is None:
+            self.timer = threading.Timer(wait, self._export_pending)
+            self.timer.daemon = True
+            self.timer.start()
+
+    def _export_pending(self) -> None:
+        """The delayed rewrite of _export_soon."""
+        with self.lock:
+            if self.timer is not None:
+                self.timer = None
+                self.export()
 
     # ------------------------------------------------ requests
 
@@ -375,7 +403,7 @@ class LabelStore:
             record = self._append({**record, "shown_order": order})
             self._apply(record)
             self.claims.pop(row, None)
-            self.export()
+            self._export_soon()
         return record
 
     def skip(self, labeler: str, row: Any) -> dict:
@@ -404,7 +432,7 @@ class LabelStore:
             self._apply(record)
             self.claims[last["row"]] = (labeler, time.time())
             if last["event"] == "label":
-                self.export()
+                self._export_soon()
         return record
 
     def next_row(self, labeler: str) -> dict:
@@ -462,6 +490,7 @@ class LabelStore:
 
     def export(self) -> int:
         """Rewrite the label file (majority label per labelled row), its metadata and the pairs file; -> rows."""
+        self.last_export = time.monotonic()
         rows = label_rows(self.candidates, self.judgements())
         if not rows:
             return 0

@@ -7,10 +7,12 @@ import shutil
 import threading
 
 import pytest
+import torch
 
 import label_generation
 from lm_human_preference_details import cli
 from lm_human_preference_details.agreement import agreement_report, cohen_kappa, fleiss_kappa
+from lm_human_preference_details.labelers import VaderLabeler
 from lm_human_preference_details.labels import OAI_PAD_TOKEN, load_labels
 from lm_human_preference_details.labelstore import (
     Judgement,
@@ -22,6 +24,7 @@ from lm_human_preference_details.labelstore import (
     shown_order,
 )
 from tests.labeling import QUERY_LENGTH, RESPONSE_LENGTH, write_candidates
+from tests.planted import REPO
 from tests.test_label_generation import generate_flags as world_flags
 from tests.test_label_generation import (  # noqa: F401 (the fixture `world`)
     passes_filter_and_is_truncated,
@@ -99,7 +102,7 @@ def candidates_file(tmp_path_factory, tokenizer, tiny_model_dir):
 @pytest.fixture
 def candidates(tmp_path, candidates_file):
     """A fresh copy of the six best_of_4 candidate rows of tests/labeling.py."""
-    return shutil.copy(candidates_file, tmp_path / "candidates.json")
+    return str(shutil.copy(candidates_file, tmp_path / "candidates.json"))
 
 
 def log_bytes(output) -> bytes:
@@ -364,3 +367,27 @@ def test_agreement_command_prints_the_figures(tmp_path, candidates, capsys):
     assert report["pairs"] == [{"labelers": ["ann", "bob"], "rows": 2, "agreement": 1.0, "cohen_kappa": 1.0}]
     text = capsys.readouterr().out
     assert "Cohen's kappa" in text and "ann & bob" in text and "1.000" in text
+
+
+@pytest.mark.slow
+def test_demo_label_step_through_the_server_labels_every_row_with_vaders_choice(
+    world,  # noqa: F811 (the fixture)
+    tmp_path,
+    tokenizer,
+    monkeypatch,
+):
+    import importlib.util
+
+    monkeypatch.syspath_prepend(str(REPO / "demo"))  # run_demo imports its neighbours, as when run as a script
+    spec = importlib.util.spec_from_file_location("run_demo", REPO / "demo" / "run_demo.py")
+    run_demo = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(run_demo)
+    labels = tmp_path / "labels" / "vader.json"
+    flags = dict(zip(*[iter(world_flags(world, labels, "--num_queries", "6", "--batch_size", "8")[1:-2])] * 2))
+    run_demo.label_through_server(flags, labels, tmp_path / "logs")
+    rows = read_rows(labels)
+    assert len(rows) == 6 and "stopped: 6 judgements" in (tmp_path / "logs" / "labels.log").read_text()
+    # the scripted human picked a response VADER scores highest (ties may go to any of them)
+    loaded = load_labels(str(labels), 16, 8, tokenizer.pad_token_id, 6, "best_of_4", "--output")
+    scores = VaderLabeler(tokenizer, tokenizer.pad_token_id).scores(loaded.query, loaded.samples)  # (6, 4)
+    assert torch.equal(scores.gather(1, loaded.label[:, None])[:, 0], scores.max(1).values)

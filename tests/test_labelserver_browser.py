@@ -169,8 +169,9 @@ def test_screenshot_shows_the_page(session):
 
 @pytest.mark.slow
 def test_exported_labels_train_a_reward_model(session, served, tiny_model_dir, tmp_path):
-    with open(served["output"], encoding="utf-8") as f:
-        rows = json.load(f)
+    deadline = time.time() + 10
+    while len(rows := json.loads(served["output"].read_text())) < 6 and time.time() < deadline:
+        time.sleep(0.1)  # rewritten at most every labelstore.EXPORT_SECONDS
     assert [r["best"] for r in rows] == ANN  # ties (ann vs bob) go to the earlier judgement: ann's
     corpus = write_query_file(tmp_path / "queries.txt", n=40)
     rm_dir = tmp_path / "rm"
