@@ -32,6 +32,8 @@ COMPARE_SCALE = (-2, 2)
 """scalar_compare: how much better the response shown second is than the one shown first, -2 to 2"""
 CLAIM_SECONDS = 600.0
 """a row shown to one labeler (and not shared) is kept from the others this long, unless that labeler moves on"""
+THROUGHPUT_WINDOW_SECONDS = 600.0
+"""the throughput shown on the page counts the labels of the last ten minutes"""
 EXPORT_SECONDS = 1.0
 """the label file is rewritten at most this often while labelers work (every judgement is in the log at once)"""
 MAJORITY_RULE = (
@@ -458,6 +460,7 @@ class LabelStore:
                 "remaining": len(available),
                 "total": len(self.candidates.rows),
                 "can_undo": bool(state.actions),
+                "per_minute": labels_per_minute(state.times, now),
             }
             if not available:
                 return {"row": None, "progress": progress}
@@ -519,6 +522,15 @@ class LabelStore:
                 self.pairs_output, lambda f: f.writelines(json.dumps(p) + "\n" for p in pairs), "--pairs_output"
             )
         return len(rows)
+
+
+def labels_per_minute(times: list[float], now: float, window: float = THROUGHPUT_WINDOW_SECONDS) -> float | None:
+    """A labeler's throughput: labels given in the last `window` seconds per minute since the first of them; None
+    below two such labels."""
+    recent = [t for t in times if now - t <= window]
+    if len(recent) < 2:
+        return None
+    return 60.0 * len(recent) / max(now - min(recent), 1.0)
 
 
 def label_rows(candidates: Candidates, judgements: list[Judgement]) -> list[tuple[int, dict]]:

@@ -18,6 +18,7 @@ from lm_human_preference_details.labelstore import (
     Judgement,
     LabelStore,
     label_from_answer,
+    labels_per_minute,
     load_candidates,
     majority_label,
     read_judgements,
@@ -195,6 +196,12 @@ def test_scalar_answers_map_to_oais_labels():
     # "the response shown second is better by 2": sample1 when shown in order, sample0 when swapped
     assert label_from_answer(compare, 2, [0, 1]) == 2.0 and label_from_answer(compare, 2, [1, 0]) == -2.0
     assert label_from_answer(rating, 6, [0]) == 6.0
+
+
+def test_throughput_counts_the_labels_of_the_last_ten_minutes():
+    assert labels_per_minute([0.0, 30.0, 60.0], now=60.0) == pytest.approx(3.0)
+    assert labels_per_minute([0.0, 1000.0, 1030.0], now=1060.0) == pytest.approx(2.0)  # the first is too old
+    assert labels_per_minute([1000.0], now=1060.0) is None
 
 
 def test_scalar_compare_store_and_pairs(tmp_path, tokenizer, tiny_model_dir):

@@ -167,6 +167,29 @@ def test_screenshot_shows_the_page(session):
         assert image.size[0] >= 1200 and len(image.getcolors(1 << 20) or []) > 20  # a rendered page, not blank
 
 
+def test_scalar_compare_page_compares_two_responses(driver, tmp_path, tokenizer, tiny_model_dir):
+    from selenium.webdriver.common.by import By
+
+    from lm_human_preference_details.labelserver import create_app
+
+    candidates = write_candidates(tmp_path / "compare.json", tokenizer, tiny_model_dir, "scalar_compare")
+    store = LabelStore(load_candidates(str(candidates)), str(tmp_path / "compare-labels.json"))
+    server = ThreadedServer(create_app(store, None))
+    try:
+        driver.get(server.url)  # another port, another origin: no name remembered
+        wait_for(driver, lambda d: d.find_element(By.ID, "name")).send_keys("cat\n")
+        wait_for(driver, lambda d: shown_row(d) == "0")
+        keys = [e.text for e in driver.find_elements(By.CSS_SELECTOR, "#responses .key")]
+        scale = [e.text for e in driver.find_elements(By.CSS_SELECTOR, "#scale button")]
+        press(driver, "5", "1")  # "B much better"
+    finally:
+        server.stop()
+        store.close()
+    assert keys == ["A", "B"] and scale[0] == "1: A much better" and scale[-1] == "5: B much better"
+    (judgement,) = store.judgements()
+    assert judgement.label == (2.0 if shown_order("cat", 0, 2) == [0, 1] else -2.0)  # score(sample1) - score(sample0)
+
+
 @pytest.mark.slow
 def test_exported_labels_train_a_reward_model(session, served, tiny_model_dir, tmp_path):
     deadline = time.time() + 10

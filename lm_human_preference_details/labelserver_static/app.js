@@ -1,7 +1,7 @@
 // Labeling page. Model text is untrusted: it only ever reaches the page through textContent.
 "use strict";
 
-const state = { labeler: null, info: null, current: null, busy: false, sessionLabels: 0, sessionStart: null };
+const state = { labeler: null, info: null, current: null, busy: false };
 
 function accessToken() {
   const params = new URLSearchParams(window.location.search);
@@ -63,11 +63,10 @@ function scaleChoices(info) {
 function render(next) {
   state.current = next;
   const progress = next.progress;
-  const minutes = state.sessionStart ? (Date.now() - state.sessionStart) / 60000 : 0;
-  const rate = minutes > 0 ? (state.sessionLabels / minutes).toFixed(1) : "0.0";
+  const rate = progress.per_minute === null ? "–" : progress.per_minute.toFixed(1);
   $("progress").textContent =
     `${progress.labelled} labelled, ${progress.skipped} skipped, ${progress.remaining} left for you ` +
-    `(${progress.total} rows) · ${rate} labels/min this session`;
+    `(${progress.total} rows) · ${rate} labels/min over the last 10 minutes`;
   $("undo").disabled = !progress.can_undo;
   if (next.row === null) {
     $("labeling").hidden = true;
@@ -125,8 +124,6 @@ async function submit(answer) {
   }
   const result = await act(() => call("POST", "/api/judge", { labeler: state.labeler, row, answer }));
   if (result) {
-    state.sessionLabels += 1;
-    state.sessionStart = state.sessionStart || Date.now();
     setStatus(`saved row ${row}`);
     document.body.dataset.saved = String(result.saved);
   }
