@@ -809,6 +809,11 @@ def check_serve_outputs(args: Serve, candidates) -> None:
     if len({os.path.realpath(p) for p in outputs.values()}) < len(outputs):
         raise ValueError("--pairs_output must differ from --output and its judgements file; choose another path.")
     meta_path = labels_meta_path(args.output)
+    if os.path.exists(args.output) and not os.path.isfile(judgements_path(args.output)):
+        raise ValueError(
+            f"--output '{args.output}' exists but its judgements '{judgements_path(args.output)}' do not, so serving "
+            "would replace its labels; restore the judgements file or choose another --output."
+        )
     if os.path.exists(args.output):
         saved = {}
         if os.path.isfile(meta_path):

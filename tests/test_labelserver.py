@@ -359,6 +359,8 @@ def test_serve_validates_candidates_and_output_before_serving(candidates, tmp_pa
     assert "row 3" in serve_error(capsys, "--candidates", str(tmp_path / "broken.json"), "--output", str(bad) + "2")
     other = tmp_path / "other.json"
     other.write_text("[]")
+    assert "judgements" in serve_error(capsys, "--candidates", candidates, "--output", str(other))
+    (tmp_path / "other.json.judgements.jsonl").write_text("")
     assert "was not collected on" in serve_error(capsys, "--candidates", candidates, "--output", str(other))
     assert os.path.getsize(other) == 2  # untouched
 
@@ -398,3 +400,37 @@ def test_demo_label_step_through_the_server_labels_every_row_with_vaders_choice(
     loaded = load_labels(str(labels), 16, 8, tokenizer.pad_token_id, 6, "best_of_4", "--output")
     scores = VaderLabeler(tokenizer, tokenizer.pad_token_id).scores(loaded.query, loaded.samples)  # (6, 4)
     assert torch.equal(scores.gather(1, loaded.label[:, None])[:, 0], scores.max(1).values)
+
+
+def test_serve_on_all_addresses_prints_a_token_once_and_stops_cleanly(candidates, tmp_path, capsys, monkeypatch):
+    import uvicorn
+
+    def interrupted(self, sockets):
+        assert sockets[0].getsockname()[0] == "0.0.0.0"
+        raise KeyboardInterrupt  # what uvicorn re-raises after its clean shutdown on Ctrl-C
+
+    monkeypatch.setattr(uvicorn.Server, "run", interrupted)
+    output = str(tmp_path / "out.json")
+    run_label_generation(["serve", "--candidates", candidates, "--output", output, "--host", "0.0.0.0", "--port", "0"])
+    text = capsys.readouterr().out
+    token = text.split("?token=")[1].split()[0]
+    assert len(token) >= 16 and text.count(token) == 2  # in the URL and on its own line, nowhere else
+    assert "stopped: 0 judgements" in text
+
+
+def test_training_never_imports_the_web_framework():
+    import ast
+
+    for path in [
+        *(REPO / "lm_human_preference_details").glob("*.py"),
+        REPO / "train_reward.py",
+        REPO / "train_policy.py",
+    ]:
+        if path.name == "labelserver.py":
+            continue
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        top_level = [n for n in tree.body if isinstance(n, (ast.Import, ast.ImportFrom))]
+        names = [a.name for n in top_level for a in n.names] + [
+            n.module or "" for n in top_level if isinstance(n, ast.ImportFrom)
+        ]
+        assert not any(name.split(".")[0] in ("starlette", "uvicorn") or "labelserver" in name for name in names), path
