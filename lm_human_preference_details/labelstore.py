@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from lm_human_preference_details.core import write_atomic
-from lm_human_preference_details.labels import LabelType, get_label_type, label_type_of_row, save_label_file
+from lm_human_preference_details.labels import LabelType, get_label_type, save_label_file
 
 CANDIDATES_FORMAT = "lm-human-preference-details candidates"
 """the `format` field of a candidates file"""
@@ -238,7 +238,53 @@ class LabelerState:
     """times of the labels given (for the throughput)"""
 
 
-class LabelStore:
+class JudgementState:
+    """What every labeler did, replayed from the records of a judgements log."""
+
+    def __init__(self):
+        self.labelers: dict[str, LabelerState] = {}
+        self.row_labels: dict[int, dict[str, dict]] = {}
+        """row -> labeler -> label record"""
+        self.seq = 0
+        """the seq of the next record"""
+
+    def apply(self, record: dict) -> None:
+        """Replay one record on the state."""
+        self.seq = max(self.seq, int(record.get("seq", 0)) + 1)
+        event, name = record["event"], record.get("labeler")
+        if event == "start":
+            return
+        state = self.labelers.setdefault(name, LabelerState())
+        row = record.get("row")
+        if event == "label":
+            state.actions.append(record)
+            state.labels[row] = record
+            state.times.append(record["time"])
+            self.row_labels.setdefault(row, {})[name] = record
+        elif event == "skip":
+            state.actions.append(record)
+            state.skipped.add(row)
+        elif event == "undo" and state.actions:
+            undone = state.actions.pop()
+            if undone["event"] == "label":
+                del state.labels[undone["row"]]
+                del self.row_labels[undone["row"]][name]
+                state.times.remove(undone["time"])
+            else:
+                state.skipped.discard(undone["row"])
+
+    def judgements(self) -> list[Judgement]:
+        """Every label not undone, in log order."""
+        labelled = [r for state in self.labelers.values() for r in state.labels.values()]
+        records = sorted(labelled, key=lambda r: r["seq"])
+        return [Judgement(r["labeler"], r["row"], r["label"], r["seq"]) for r in records]
+
+    def skips(self) -> dict[str, int]:
+        """Rows skipped per labeler."""
+        return {name: len(state.skipped) for name, state in self.labelers.items()}
+
+
+class LabelStore(JudgementState):
     """The judgements of every labeler: an append-only log with fsync, one lock around every change, and the state
     replayed from it. The label file (and the pairs file) are rebuilt from the state after a change (at most every
     EXPORT_SECONDS), at start and at close."""
@@ -252,14 +298,11 @@ class LabelStore:
     ):
         self.candidates, self.output, self.pairs_output = candidates, output, pairs_output
         self.log_path = judgements_path(output)
+        super().__init__()
         self.lock = threading.Lock()
-        self.labelers: dict[str, LabelerState] = {}
-        self.row_labels: dict[int, dict[str, dict]] = {}
-        """row -> labeler -> label record"""
         self.claims: dict[int, tuple[str, float]] = {}
         self.timer: threading.Timer | None = None
         self.last_export = -EXPORT_SECONDS
-        self.seq = 0
         n = len(candidates.rows)
         self.shared = set(random.Random(0).sample(range(n), round(shared_fraction * n)))
         self._open_log()
@@ -297,8 +340,8 @@ class LabelStore:
                     f"than --candidates '{self.candidates.path}' (content differs); pass the candidates they were "
                     "collected on, or choose another --output."
                 )
-            for record in records[1:]:
-                self._apply(record)
+            for record in records:
+                self.apply(record)
         else:
             self._append(
                 {
@@ -317,31 +360,6 @@ class LabelStore:
         self.file.flush()
         os.fsync(self.file.fileno())
         return record
-
-    def _apply(self, record: dict) -> None:
-        """Replay one record on the state."""
-        self.seq = max(self.seq, int(record.get("seq", 0)) + 1)
-        event, name = record["event"], record.get("labeler")
-        if event == "start":
-            return
-        state = self.labelers.setdefault(name, LabelerState())
-        row = record.get("row")
-        if event == "label":
-            state.actions.append(record)
-            state.labels[row] = record
-            state.times.append(record["time"])
-            self.row_labels.setdefault(row, {})[name] = record
-        elif event == "skip":
-            state.actions.append(record)
-            state.skipped.add(row)
-        elif event == "undo" and state.actions:
-            undone = state.actions.pop()
-            if undone["event"] == "label":
-                del state.labels[undone["row"]]
-                del self.row_labels[undone["row"]][name]
-                state.times.remove(undone["time"])
-            else:
-                state.skipped.discard(undone["row"])
 
     def close(self) -> None:
         """Write the label file if a change is pending, release the log."""
@@ -403,7 +421,7 @@ class LabelStore:
             label = label_from_answer(self.candidates.label_type, answer, order)
             record = {"event": "label", "labeler": labeler, "row": row, "answer": answer, "label": label}
             record = self._append({**record, "shown_order": order})
-            self._apply(record)
+            self.apply(record)
             self.claims.pop(row, None)
             self._export_soon()
         return record
@@ -418,7 +436,7 @@ class LabelStore:
                 raise JudgementError(409, f"{labeler} already answered row {row}; undo it first.")
             order = shown_order(labeler, row, self.candidates.num_samples)
             record = self._append({"event": "skip", "labeler": labeler, "row": row, "shown_order": order})
-            self._apply(record)
+            self.apply(record)
             self.claims.pop(row, None)
         return record
 
@@ -431,7 +449,7 @@ class LabelStore:
                 raise JudgementError(409, f"{labeler} has nothing to undo.")
             last = state.actions[-1]
             record = self._append({"event": "undo", "labeler": labeler, "row": last["row"], "undoes": last["seq"]})
-            self._apply(record)
+            self.apply(record)
             self.claims[last["row"]] = (labeler, time.time())
             if last["event"] == "label":
                 self._export_soon()
@@ -480,16 +498,6 @@ class LabelStore:
         }
 
     # ------------------------------------------------ results
-
-    def judgements(self) -> list[Judgement]:
-        """Every label not undone, in log order."""
-        with_undo = [r for state in self.labelers.values() for r in state.labels.values()]
-        records = sorted(with_undo, key=lambda r: r["seq"])
-        return [Judgement(r["labeler"], r["row"], r["label"], r["seq"]) for r in records]
-
-    def skips(self) -> dict[str, int]:
-        """Rows skipped per labeler."""
-        return {name: len(state.skipped) for name, state in self.labelers.items()}
 
     def export(self) -> int:
         """Rewrite the label file (majority label per labelled row), its metadata and the pairs file; -> rows."""
@@ -545,7 +553,6 @@ def label_rows(candidates: Candidates, judgements: list[Judgement]) -> list[tupl
         label = majority_label(by_row[row])
         samples = dict(zip(label_type.sample_fields, candidate["samples"]))
         out.append((row, {"query": candidate["query"], **samples, label_type.label_field: label}))
-    assert all(label_type_of_row(r) == label_type for _, r in out)
     return out
 
 
@@ -581,14 +588,7 @@ def read_judgements(path: str, flag: str = "--judgements") -> tuple[list[Judgeme
     records, _ = read_log(path)
     if not records or records[0].get("event") != "start":
         raise ValueError(f"{flag} '{path}' is not a judgements log written by `label_generation.py serve`.")
-    replay = _Replay()
-    for record in records[1:]:
-        replay._apply(record)
-    return replay.judgements(), replay.skips()
-
-
-class _Replay(LabelStore):
-    """The state of a log without candidates, a lock or a file (for reading a finished log)."""
-
-    def __init__(self):
-        self.labelers, self.row_labels, self.seq = {}, {}, 0
+    state = JudgementState()
+    for record in records:
+        state.apply(record)
+    return state.judgements(), state.skips()

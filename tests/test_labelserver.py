@@ -145,8 +145,9 @@ def test_judgements_survive_a_restart_and_undo_and_export_in_oais_schema(candida
     with open(f"{output}.meta.json", encoding="utf-8") as f:
         meta = json.load(f)
     assert meta["pad_id"] == OAI_PAD_TOKEN and meta["labelers"] == ["ann", "bob"] and "tie" in meta["majority_rule"]
-    events = [json.loads(line)["event"] for line in log_bytes(output).splitlines()]
-    assert events == ["start", "label", "label", "skip", "undo", "undo", "label", "label"]  # nothing is deleted
+    records = [json.loads(line) for line in log_bytes(output).splitlines()]
+    assert [r["event"] for r in records] == ["start", "label", "label", "skip", "undo", "undo", "label", "label"]
+    assert [r["seq"] for r in records] == list(range(8))  # one order across the restart; nothing is deleted
 
 
 def test_unshared_rows_go_to_one_labeler_and_shared_rows_to_all(candidates, tmp_path):
