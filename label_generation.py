@@ -154,8 +154,9 @@ class Serve:
     candidates: str
     """candidates file written by `label_generation.py sample`"""
     output: str = "labels/human.json"
-    """label file in OAI's schema (majority label per row), rewritten after every judgement; every judgement is kept
-    in `<output>.judgements.jsonl` and the metadata in `<output>.meta.json`"""
+    """label file in OAI's schema (majority label per row), rewritten at most every second while labelers work; every
+    judgement is kept in `<output>.judgements.jsonl` (the same --output resumes), the metadata in
+    `<output>.meta.json`"""
     host: str = "127.0.0.1"
     """address to listen on; any other than loopback requires the access token printed at start"""
     port: int = 8765
@@ -753,7 +754,7 @@ def candidate_rows(
 
 
 def serve(args: Serve) -> dict:
-    """Serve the candidates to labelers until Ctrl-C; the label file is rebuilt after every judgement."""
+    """Serve the candidates to labelers until Ctrl-C; the label file is rebuilt from their judgements."""
     if not 0 <= args.shared_fraction <= 1:
         raise ValueError(f"--shared_fraction must be in [0, 1], got {args.shared_fraction}.")
     if not 0 <= args.port <= 65535:

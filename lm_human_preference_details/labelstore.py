@@ -7,7 +7,6 @@ with fsync before the page shows the next row, and the label file in OAI's schem
 row, decided by the majority rule below. Nothing here imports a web framework, so training never needs one.
 """
 
-import fcntl
 import hashlib
 import json
 import os
@@ -20,6 +19,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from lm_human_preference_details.core import write_atomic
+
+try:
+    import fcntl
+except ImportError:  # Windows: no advisory lock against a second server on the same output
+    fcntl = None
 from lm_human_preference_details.labels import LabelType, get_label_type, save_label_file
 
 CANDIDATES_FORMAT = "lm-human-preference-details candidates"
@@ -315,7 +319,8 @@ class LabelStore(JudgementState):
         records, complete = read_log(self.log_path) if exists else ([], 0)
         self.file = open(self.log_path, "ab")  # noqa: SIM115 (open while serving)
         try:
-            fcntl.flock(self.file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            if fcntl is not None:
+                fcntl.flock(self.file, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as e:
             self.file.close()
             raise ValueError(

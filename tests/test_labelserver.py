@@ -222,6 +222,15 @@ def test_scalar_compare_store_and_pairs(tmp_path, tokenizer, tiny_model_dir):
                         "rejected": texts[order[0]]}]  # fmt: skip
 
 
+def test_a_second_server_on_the_same_output_is_refused(candidates, tmp_path):
+    output = str(tmp_path / "out.json")
+    store = LabelStore(load_candidates(candidates), output)
+    with pytest.raises(ValueError, match="in use by another"):
+        LabelStore(load_candidates(candidates), output)
+    store.close()
+    LabelStore(load_candidates(candidates), output).close()
+
+
 def test_a_torn_last_line_is_kept_aside_and_labeling_continues(candidates, tmp_path):
     output = str(tmp_path / "out.json")
     store = LabelStore(load_candidates(candidates), output)
