@@ -24,6 +24,7 @@ import importlib.util
 import json
 import math
 import os
+import socket
 import time
 from dataclasses import dataclass, field
 from typing import Literal
@@ -773,7 +774,8 @@ def serve(args: Serve) -> dict:
     try:
         store.export()
         port = listener.getsockname()[1]
-        host = f"[{args.host}]" if ":" in args.host else args.host
+        host = socket.gethostname() if args.host in ("0.0.0.0", "::") else args.host  # reachable from elsewhere
+        host = f"[{host}]" if ":" in host else host
         url = f"http://{host}:{port}/" + (f"?token={token}" if token else "")
         console = cli.make_console()
         console.print(
@@ -827,10 +829,8 @@ def check_serve_outputs(args: Serve, candidates) -> None:
             )
 
 
-def open_listener(host: str, port: int):
+def open_listener(host: str, port: int) -> socket.socket:
     """A listening TCP socket on (host, port); ValueError when the port is taken."""
-    import socket
-
     sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
