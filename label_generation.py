@@ -11,6 +11,10 @@ Run:
   python label_generation.py generate --label_type scalar_compare --labeler vader --output labels/compare.json
   python label_generation.py convert --input sentiment/offline_5k.json --base_model EleutherAI/pythia-160m \\
       --output labels/sentiment_pythia.json
+Human labels from a browser (pip install -e ".[label]"; docs/labeling.md):
+  python label_generation.py sample --task sentiment --num_queries 500 --output labels/candidates.json
+  python label_generation.py serve --candidates labels/candidates.json --output labels/human.json
+  python label_generation.py agreement --judgements labels/human.json.judgements.jsonl
 Labelers: reward_model:DIR | classifier:NAME_OR_DIR[#LABEL] | vader | human (lm_human_preference_details/labelers.py).
 Every file gets a `<output>.meta.json` beside it (labeler, model, tokenizer, PAD id written, task, seeds, counts).
 """
@@ -20,6 +24,7 @@ import importlib.util
 import json
 import math
 import os
+import socket
 import time
 from dataclasses import dataclass, field
 from typing import Literal
@@ -28,12 +33,14 @@ import numpy as np
 import torch
 import tyro
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
 from transformers import PreTrainedTokenizerBase
 
 from lm_human_preference_details import cli, core, validation
+from lm_human_preference_details.agreement import agreement_report, format_figure
 from lm_human_preference_details.data import QueryStream, load_texts
 from lm_human_preference_details.hub import HubUnavailableError
-from lm_human_preference_details.labelers import LabelingStopped, load_labeler
+from lm_human_preference_details.labelers import LabelingStopped, decode_without_pad, load_labeler
 from lm_human_preference_details.labels import (
     OAI_PAD_TOKEN,
     LabelType,
@@ -44,10 +51,19 @@ from lm_human_preference_details.labels import (
     read_label_rows,
     save_label_file,
 )
-from lm_human_preference_details.modeling import PolicyWithValueHead, load_causal_lm, sample
+from lm_human_preference_details.labelstore import (
+    TASK_INSTRUCTIONS,
+    LabelStore,
+    judgements_path,
+    load_candidates,
+    read_judgements,
+    save_candidates,
+)
+from lm_human_preference_details.modeling import PolicyWithValueHead, check_model_dir, load_causal_lm, sample
 from lm_human_preference_details.tasks import (
     TASKS,
     TaskHParams,
+    check_task,
     encode_context_affixes,
     filter_flags,
     format_contexts,
@@ -77,18 +93,17 @@ RESUME_SETTINGS = (
 
 
 @dataclass
-class Generate:
-    """Sample responses per query from a pretrained model, keep those that pass the task filter, label them."""
+class Sample:
+    """Sample the candidates of label rows once (a query and its responses that pass the task filter), unlabelled, for
+    `serve` to show to people in their browsers."""
 
     label_type: Literal["best_of_N", "scalar_rating", "scalar_compare"] = "best_of_N"
     """best_of_N: N responses and the index of the best; scalar_rating: one response and the labeler's score;
     scalar_compare: two responses and score1 - score0 (OAI label_types.py)"""
-    labeler: str = "vader"
-    """who picks the best response: reward_model:DIR | classifier:NAME_OR_DIR[#LABEL] | vader | human"""
     base_model: str = "gpt2"
     """pretrained causal LM (hub id or local directory) whose samples are labelled; its tokenizer writes the tokens"""
     num_queries: int = 5000
-    """label rows to write (one query and its num_labels responses each); a re-run with more extends the file"""
+    """label rows to write (one query and its num_labels responses each)"""
     num_labels: int = 4
     """responses per query for best_of_N, i.e. its N (OAI launch.py#L70: best_of_4); the scalar types use 1 and 2"""
     batch_size: int = 64
@@ -105,21 +120,67 @@ class Generate:
     """seed of the response sampling (each batch draws from its own generator seeded by (seed, batch index))"""
     data_seed: int = 0
     """seed of the one shuffle of the query texts (OAI shuffles with 0, datasets.py#L33)"""
-    output: str = "labels/labels.json"
-    """label file (JSON list in OAI's schema); `<output>.meta.json` is written beside it"""
+    output: str = "labels/candidates.json"
+    """candidates file (JSON: the settings and one unlabelled row per query, tokens and texts) for `serve`"""
     overwrite: bool = False
-    """start over when `output` exists; otherwise a re-run with the same settings resumes (or extends) it"""
+    """replace `output` when it exists (otherwise an existing file is refused, so no candidates are lost)"""
     device: str | None = None
     """torch device for sampling and scoring; None: cuda when available, else cpu"""
     tf32: bool = False
     """run float32 matmuls on TF32 tensor cores (NVIDIA Ampere or newer: A100, H100): GEMMs ~5-7x faster, each with
     ~1e-3 relative error (docs/gpu.md); off: full float32, as OAI trained"""
-    dry_run: bool = False
-    """print the settings and the output file, check the labeler spec, and exit without sampling"""
     task_id: tyro.conf.Suppress[str] = DEFAULT_TASK
     """name of the --task preset the task settings started from (recorded in the metadata)"""
     task: TaskHParams = field(default_factory=lambda: dataclasses.replace(TASKS[DEFAULT_TASK]))
     """query data, lengths, truncation/filter and sampling temperature (OAI lm_tasks.TaskHParams)"""
+
+
+@dataclass
+class Generate(Sample):
+    """Sample responses per query from a pretrained model, keep those that pass the task filter, label them."""
+
+    labeler: str = "vader"
+    """who picks the best response: reward_model:DIR | classifier:NAME_OR_DIR[#LABEL] | vader | human"""
+    num_queries: int = 5000
+    """label rows to write (one query and its num_labels responses each); a re-run with more extends the file"""
+    output: str = "labels/labels.json"
+    """label file (JSON list in OAI's schema); `<output>.meta.json` is written beside it"""
+    overwrite: bool = False
+    """start over when `output` exists; otherwise a re-run with the same settings resumes (or extends) it"""
+    dry_run: bool = False
+    """print the settings and the output file, check the labeler spec, and exit without sampling"""
+
+
+@dataclass
+class Serve:
+    """Serve the rows of a candidates file to labelers in their browsers; their judgements become a label file."""
+
+    candidates: str
+    """candidates file written by `label_generation.py sample`"""
+    output: str = "labels/human.json"
+    """label file in OAI's schema (majority label per row), rewritten at most every second while labelers work; every
+    judgement is kept in `<output>.judgements.jsonl` (the same --output resumes), the metadata in
+    `<output>.meta.json`"""
+    host: str = "127.0.0.1"
+    """address to listen on; any other than loopback requires the access token printed at start"""
+    port: int = 8765
+    """TCP port to listen on"""
+    shared_fraction: float = 0.1
+    """share of rows shown to every labeler (for the agreement figures); each other row goes to one labeler"""
+    pairs_output: str | None = None
+    """also write chosen/rejected pairs (JSONL of prompt, chosen, rejected texts) for other trainers"""
+    token: str | None = None
+    """access token for a non-loopback --host; None: a random one, printed once at start"""
+
+
+@dataclass
+class Agreement:
+    """Print per-labeler counts and agreement figures of the judgements saved by `serve`."""
+
+    judgements: str
+    """judgements file written by `serve` (`<output>.judgements.jsonl`) or its label file `<output>`"""
+    json: bool = False
+    """print the figures as JSON instead of tables"""
 
 
 @dataclass
@@ -204,6 +265,59 @@ def sample_passing_responses(
         passed += int(ok.sum())
         pass_rate = passed / sampled
     return collected, count == n, sampled, passed
+
+
+@dataclass
+class Sampler:
+    """A pretrained policy and the query stream that label rows are sampled from (shared by generate and sample)."""
+
+    policy: PolicyWithValueHead
+    stream: QueryStream
+    prefix: torch.Tensor
+    suffix: torch.Tensor
+    device: torch.device
+
+
+def start_sampler(args: Sample, tokenizer: PreTrainedTokenizerBase, device, stream_state: dict | None) -> Sampler:
+    """The base model on `device` and the query stream (at `stream_state` when resuming)."""
+    policy = PolicyWithValueHead(load_causal_lm(args.base_model)).to(device).eval()
+    stream = QueryStream(load_texts(args.task.query_dataset), tokenizer, args.task, 0, 1, args.data_seed)
+    if stream_state is not None:
+        stream.load_state_dict(stream_state)
+    prefix, suffix = encode_context_affixes(tokenizer, args.task)
+    return Sampler(policy, stream, prefix, suffix, device)
+
+
+def sample_batch(
+    sampler: Sampler, args: Sample, num_samples: int, pad_id: int, batch_index: int, pass_rate: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int, int]:
+    """The next batch of queries with num_samples passing responses each -> queries (D, Lq), responses (D, N, L) of
+    the D finished queries, done (B,), sampled, passed."""
+    generator = torch.Generator(sampler.device).manual_seed(batch_seed(args.seed, batch_index))
+    queries = sampler.stream.next_batch(args.batch_size).to(sampler.device)  # (B, Lq)
+    # the policy sees the task's prefix and suffix around the query (spec G4)
+    contexts = format_contexts(queries, sampler.prefix, sampler.suffix)  # (B, C)
+    responses, done, sampled, passed = sample_passing_responses(
+        sampler.policy,
+        contexts,
+        args.task,
+        num_samples,
+        pad_id,
+        generator,
+        pass_rate,
+        args.max_rounds,
+        args.max_oversample,
+    )
+    return queries[done], responses[done], done, sampled, passed
+
+
+def check_sample_args(args: Sample) -> None:
+    """ValueError for a count below its minimum or a pass rate outside [0, 1]."""
+    for name in ("num_queries", "num_labels", "batch_size", "max_rounds", "max_oversample"):
+        if getattr(args, name) < (2 if name == "num_labels" else 1):
+            raise ValueError(f"--{name} must be >= {2 if name == 'num_labels' else 1}, got {getattr(args, name)}.")
+    if not 0 <= args.min_pass_rate <= 1:
+        raise ValueError(f"--min_pass_rate must be in [0, 1], got {args.min_pass_rate}.")
 
 
 def batch_counts(done: torch.Tensor, num_rows: int, sampled: int, passed: int) -> dict[str, int]:
@@ -303,11 +417,7 @@ def generate(args: Generate) -> dict:
     """Write `args.num_queries` best-of-N label rows and their metadata; returns the metadata."""
     start_time = time.time()
     task = args.task
-    for name in ("num_queries", "num_labels", "batch_size", "max_rounds", "max_oversample"):
-        if getattr(args, name) < (2 if name == "num_labels" else 1):
-            raise ValueError(f"--{name} must be >= {2 if name == 'num_labels' else 1}, got {getattr(args, name)}.")
-    if not 0 <= args.min_pass_rate <= 1:
-        raise ValueError(f"--min_pass_rate must be in [0, 1], got {args.min_pass_rate}.")
+    check_sample_args(args)
     label_type = generated_label_type(args)
     validation.check_generate_args(args)
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -362,11 +472,7 @@ def generate(args: Generate) -> dict:
         console.print(f"{args.output} already holds {len(rows)} label rows; nothing to do (--overwrite starts over).")
         return saved_meta
     previous_wall_time = float(saved_meta.get("wall_time_s", 0.0))
-    policy = PolicyWithValueHead(load_causal_lm(args.base_model)).to(device).eval()
-    stream = QueryStream(load_texts(task.query_dataset), tokenizer, task, 0, 1, args.data_seed)
-    if resume["stream_state"] is not None:
-        stream.load_state_dict(resume["stream_state"])
-    prefix, suffix = encode_context_affixes(tokenizer, task)
+    sampler = start_sampler(args, tokenizer, device, resume["stream_state"])
 
     def save(counts: dict[str, int], complete: bool) -> dict:
         sampled = counts.get("candidates_sampled", 0)
@@ -401,21 +507,9 @@ def generate(args: Generate) -> dict:
             done_counts = resume["completed_counts"]
             seen = done_counts.get("candidates_sampled", 0)
             pass_rate = done_counts.get("candidates_passed", 0) / seen if seen else 1.0
-            generator = torch.Generator(device).manual_seed(batch_seed(args.seed, batch_index))
-            queries = stream.next_batch(args.batch_size).to(device)  # (B, Lq)
-            contexts = format_contexts(queries, prefix, suffix)  # (B, C): the policy sees prefix/suffix (spec G4)
-            responses, done, sampled, passed = sample_passing_responses(
-                policy,
-                contexts,
-                task,
-                label_type.num_samples,
-                pad_id,
-                generator,
-                pass_rate,
-                args.max_rounds,
-                args.max_oversample,
-            )
-            queries, responses = queries[done], responses[done]  # (D, Lq), (D, N, L)
+            queries, responses, done, sampled, passed = sample_batch(
+                sampler, args, label_type.num_samples, pad_id, batch_index, pass_rate
+            )  # (D, Lq), (D, N, L)
             first = len(rows) - resume["rows_in_done_batches"]  # rows of this batch labelled by an earlier run
             for i in range(first):
                 saved = rows[resume["rows_in_done_batches"] + i]
@@ -450,7 +544,7 @@ def generate(args: Generate) -> dict:
                     batches_done=batch_index + 1,
                     rows_in_done_batches=len(rows),
                     completed_counts=counts,
-                    stream_state=stream.state_dict(),
+                    stream_state=sampler.stream.state_dict(),
                 )
             result = save(counts, len(rows) >= args.num_queries)
             rate = result["counts"]["filter_pass_rate"]
@@ -621,29 +715,249 @@ def convert(args: Convert) -> dict:
     return meta
 
 
+# ---------------------------------------------------------------- sample, serve, agreement (human labels)
+
+
+def sample_candidates(args: Sample) -> dict:
+    """Write `args.num_queries` unlabelled rows (query and responses that pass the filter) to a candidates file."""
+    start_time = time.time()
+    check_sample_args(args)
+    label_type = generated_label_type(args)
+    check_task(args.task)
+    check_model_dir(args.base_model, "--base_model", tokenizer=True)
+    validation.check_output_file(
+        args.output, {"--base_model": args.base_model, "--task.query_dataset": args.task.query_dataset}
+    )
+    if os.path.exists(args.output) and not args.overwrite:
+        raise ValueError(
+            f"--output '{args.output}' exists (labels may have been collected on it); choose another --output or "
+            "pass --overwrite to replace it."
+        )
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    core.use_tf32(args.tf32)
+    console = cli.make_console()
+    tokenizer = load_tokenizer(args.base_model)
+    pad_id = tokenizer.pad_token_id
+    file_pad_id = OAI_PAD_TOKEN if oai_pad_compatible(tokenizer) else pad_id
+    sampler = start_sampler(args, tokenizer, device, None)
+    rows: list[dict] = []
+    counts: dict[str, int] = {}
+    columns = (TextColumn("candidates"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    with Progress(*columns, console=console) as progress:
+        bar = progress.add_task("sample", total=args.num_queries)
+        batch_index = 0
+        while len(rows) < args.num_queries:
+            seen = counts.get("candidates_sampled", 0)
+            pass_rate = counts.get("candidates_passed", 0) / seen if seen else 1.0
+            queries, responses, done, sampled, passed = sample_batch(
+                sampler, args, label_type.num_samples, pad_id, batch_index, pass_rate
+            )  # (D, Lq), (D, N, L)
+            take = min(len(queries), args.num_queries - len(rows))
+            rows.extend(candidate_rows(tokenizer, queries[:take], responses[:take], pad_id, file_pad_id))
+            counts = add_counts(counts, batch_counts(done, take, sampled, passed))
+            batch_index += 1
+            progress.update(bar, completed=len(rows))
+            if len(rows) < args.num_queries:
+                check_pass_rate(counts, args, 0)
+    meta = {
+        "format": f"unlabelled {label_type.name} rows: query, samples and their texts",
+        "label_type": label_type.name,
+        "base_model": args.base_model,
+        "tokenizer_fingerprint": tokenizer_fingerprint(tokenizer),
+        "tokenizer_pad_token_id": pad_id,
+        "pad_id": file_pad_id,
+        "task_id": args.task_id,
+        "task": dataclasses.asdict(args.task),
+        "seed": args.seed,
+        "data_seed": args.data_seed,
+        "num_labels": label_type.num_samples,
+        "counts": {
+            **counts,
+            "rows": len(rows),
+            "filter_pass_rate": counts["candidates_passed"] / counts["candidates_sampled"],
+        },
+        "wall_time_s": time.time() - start_time,
+    }
+    save_candidates(args.output, label_type, rows, meta, TASK_INSTRUCTIONS.get(args.task_id, ""))
+    console.print(
+        f"wrote {len(rows)} candidate rows ({label_type.name}) to {args.output}; serve them with "
+        f"`python label_generation.py serve --candidates {args.output} --output labels/human.json`"
+    )
+    return meta
+
+
+def candidate_rows(
+    tokenizer: PreTrainedTokenizerBase, queries: torch.Tensor, responses: torch.Tensor, pad_id: int, file_pad_id: int
+) -> list[dict]:
+    """Rows of a candidates file: tokens with PAD written as file_pad_id, and the texts without PAD."""
+    n = responses.shape[1]
+    query_texts = decode_without_pad(tokenizer, queries, pad_id)
+    sample_texts = decode_without_pad(tokenizer, responses, pad_id)
+    queries = queries.masked_fill(queries == pad_id, file_pad_id).tolist()
+    responses = responses.masked_fill(responses == pad_id, file_pad_id).tolist()
+    return [
+        {"query": q, "samples": s, "query_text": t, "sample_texts": sample_texts[i * n : (i + 1) * n]}
+        for i, (q, s, t) in enumerate(zip(queries, responses, query_texts))
+    ]
+
+
+def serve(args: Serve) -> dict:
+    """Serve the candidates to labelers until Ctrl-C; the label file is rebuilt from their judgements."""
+    if not 0 <= args.shared_fraction <= 1:
+        raise ValueError(f"--shared_fraction must be in [0, 1], got {args.shared_fraction}.")
+    if not 0 <= args.port <= 65535:
+        raise ValueError(f"--port must be in [0, 65535], got {args.port}.")
+    try:
+        import uvicorn
+
+        from lm_human_preference_details import labelserver
+    except ImportError as e:
+        raise ImportError(f"serve needs the label extra ({e}): pip install -e '.[label]'") from e
+    candidates = load_candidates(args.candidates)
+    check_serve_outputs(args, candidates)
+    token = labelserver.access_token(args.host, args.token)
+    listener = open_listener(args.host, args.port)
+    store = LabelStore(candidates, args.output, args.shared_fraction, args.pairs_output)
+    try:
+        store.export()
+        port = listener.getsockname()[1]
+        host = socket.gethostname() if args.host in ("0.0.0.0", "::") else args.host  # reachable from elsewhere
+        host = f"[{host}]" if ":" in host else host
+        url = f"http://{host}:{port}/" + (f"?token={token}" if token else "")
+        console = cli.make_console()
+        console.print(
+            f"serving {len(candidates.rows)} {candidates.label_type.name} rows of {args.candidates}; labels go to "
+            f"{args.output} (every judgement: {store.log_path})"
+        )
+        console.print(f"open {url} in a browser; Ctrl-C stops", soft_wrap=True)
+        if token:
+            console.print(f"access token (shown once; needed from every other machine): {token}")
+        server = uvicorn.Server(uvicorn.Config(labelserver.create_app(store, token), log_level="warning"))
+        try:
+            server.run(sockets=[listener])
+        except KeyboardInterrupt:
+            pass  # uvicorn shut down cleanly on Ctrl-C, then re-raised it
+        judgements = store.judgements()
+    finally:
+        store.close()
+        listener.close()
+    console.print(f"stopped: {len(judgements)} judgements in {store.log_path}; labels in {args.output}")
+    return {"judgements": len(judgements)}
+
+
+def check_serve_outputs(args: Serve, candidates) -> None:
+    """ValueError for an output that would overwrite the candidates, or that belongs to other candidates."""
+    outputs = {"--output": args.output, "--output (judgements)": judgements_path(args.output)}
+    if args.pairs_output:
+        outputs["--pairs_output"] = args.pairs_output
+        if candidates.label_type.label_field == "score":
+            raise ValueError(
+                "--pairs_output needs best_of_N or scalar_compare candidates; scalar ratings have no pairs."
+            )
+    for flag, path in outputs.items():
+        validation.check_output_file(path, {"--candidates": args.candidates}, flag=flag)
+    if len({os.path.realpath(p) for p in outputs.values()}) < len(outputs):
+        raise ValueError("--pairs_output must differ from --output and its judgements file; choose another path.")
+    meta_path = labels_meta_path(args.output)
+    if os.path.exists(args.output) and not os.path.isfile(judgements_path(args.output)):
+        raise ValueError(
+            f"--output '{args.output}' exists but its judgements '{judgements_path(args.output)}' do not, so serving "
+            "would replace its labels; restore the judgements file or choose another --output."
+        )
+    if os.path.exists(args.output):
+        saved = {}
+        if os.path.isfile(meta_path):
+            with open(meta_path, encoding="utf-8") as f:
+                saved = json.load(f)
+        if saved.get("candidates_sha256") != candidates.sha256:
+            raise ValueError(
+                f"--output '{args.output}' exists and was not collected on --candidates '{args.candidates}'; choose "
+                "another --output (a restart with the same candidates and output resumes)."
+            )
+
+
+def open_listener(host: str, port: int) -> socket.socket:
+    """A listening TCP socket on (host, port); ValueError when the port is taken."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise ValueError(f"cannot listen on {host}:{port} ({e.strerror}); pass another --port or --host.") from e
+    sock.listen(128)
+    return sock
+
+
+def agreement(args: Agreement) -> dict:
+    """Print the agreement figures of a judgements log."""
+    judgements, skips = read_judgements(args.judgements)
+    report = agreement_report(judgements, skips)
+    if args.json:
+        print(json.dumps(report, indent=2))
+        return report
+    console = cli.make_console()
+    console.print(
+        f"{report['rows_labelled']} rows labelled, {report['shared_rows']} by two or more labelers; Fleiss' kappa "
+        f"{format_figure(report['fleiss_kappa'])}"
+    )
+    table = Table(title="labelers", title_justify="left")
+    for column in ("labeler", "labels", "skipped", "shared rows", "agreement with the others' majority"):
+        table.add_column(column)
+    for name, counts in report["labelers"].items():
+        majority = report["majority_agreement"][name]
+        table.add_row(
+            name,
+            str(counts["labels"]),
+            str(counts["skipped"]),
+            str(counts["shared_rows"]),
+            f"{format_figure(majority['agreement'])} ({majority['rows']} rows)",
+        )
+    console.print(table)
+    pairs = Table(title="pairs", title_justify="left")
+    for column in ("labelers", "rows in common", "agreement", "Cohen's kappa"):
+        pairs.add_column(column)
+    for pair in report["pairs"]:
+        pairs.add_row(
+            " & ".join(pair["labelers"]),
+            str(pair["rows"]),
+            format_figure(pair["agreement"]),
+            format_figure(pair["cohen_kappa"]),
+        )
+    console.print(pairs)
+    return report
+
+
 # ---------------------------------------------------------------- command line
 
 
-def oai_presets() -> dict[str, dict[str, Generate | Convert]]:
+def oai_presets() -> dict[str, dict[str, Generate | Convert | Sample | Serve | Agreement]]:
     """Per `--task` name, each subcommand's defaults with OAI's launch.py task settings."""
     presets = {}
     for task_id, task in TASKS.items():
         presets[task_id] = {
             "generate": Generate(task_id=task_id, task=dataclasses.replace(task)),
             "convert": Convert(base_model=tyro.MISSING, task_id=task_id),
+            "sample": Sample(task_id=task_id, task=dataclasses.replace(task)),
+            "serve": Serve(candidates=tyro.MISSING),
+            "agreement": Agreement(judgements=tyro.MISSING),
         }
     return presets
 
 
-def parse(argv: list[str] | None = None) -> Generate | Convert:
-    """`generate ...` or `convert ...`; `--task NAME` (before or after the subcommand's flags) picks OAI's settings."""
+def parse(argv: list[str] | None = None) -> Generate | Convert | Sample | Serve | Agreement:
+    """`generate|convert|sample|serve|agreement flags...`; `--task NAME` (before or after the subcommand's flags)
+    picks OAI's settings."""
     return cli.parse_subcommands(oai_presets(), DEFAULT_TASK, __doc__, argv)[1]
 
 
-def main(args: Generate | Convert) -> dict:
+def main(args: Generate | Convert | Sample | Serve | Agreement) -> dict:
     """Run the parsed subcommand; returns the written metadata."""
     cli.quiet_transformers()
-    return generate(args) if isinstance(args, Generate) else convert(args)
+    if isinstance(args, Generate):
+        return generate(args)
+    commands = {Sample: sample_candidates, Serve: serve, Agreement: agreement, Convert: convert}
+    return commands[type(args)](args)
 
 
 if __name__ == "__main__":

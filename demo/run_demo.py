@@ -4,12 +4,14 @@
     python demo/run_demo.py                    # full pipeline, seed 1
     python demo/run_demo.py --seed 2           # another seed; reuses the world and the pretrained model
     python demo/run_demo.py --quick            # shortened pipeline (tests/test_demo.py)
+    python demo/run_demo.py --label_server     # labels through the browser labeling server, VADER as the human
 
 Each stage runs one of the project's scripts in a subprocess with the flags a user would type (they are printed):
  1. demo/world.py        passages from a grammar whose adjectives, verbs, objects and endings carry VADER sentiment
  2. demo/pretrain.py     a tiny GPT-2 with the real GPT-2 tokenizer, pretrained on them (skipped when
                          OUTPUT_DIR/base_model already holds a model pretrained with the same settings)
- 3. label_generation.py  best-of-4 labels on the pretrained model's samples; VADER picks the best
+ 3. label_generation.py  best-of-4 labels on the pretrained model's samples; VADER picks the best (with
+                         --label_server: `sample`, then `serve`, VADER answering through the server's HTTP API)
  4. train_reward.py      a reward model trained on those labels
  5. train_policy.py      PPO against the reward model; VADER, never seen by the policy, is the gold judge
  6. evaluate.py          base policy, trained policy and the policy's checkpoints sample the same held-out queries;
@@ -22,7 +24,9 @@ policy with its checkpoints.
 import dataclasses
 import json
 import os
+import re
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -59,6 +63,9 @@ class Args:
     """shortened pipeline (fewer labels and PPO updates, the same base model): about two minutes, same story"""
     samples_to_show: int = 8
     """rows of the before/after table"""
+    label_server: bool = False
+    """label step through the browser labeling server: `label_generation.py sample` writes the candidates, `serve`
+    serves them and a scripted human (VADER behind the server's HTTP API) labels every row"""
 
 
 @dataclass
@@ -150,6 +157,53 @@ def run_stage(name: str, script: Path, flags: list[str], log_dir: Path) -> float
         raise SystemExit(f"stage '{name}' failed with exit code {process.returncode}; see {log_dir / name}.log")
     seconds = time.time() - start
     print(f"--- {name}: {seconds:.0f}s", flush=True)
+    return seconds
+
+
+def label_through_server(flags: dict[str, object], labels: Path, log_dir: Path) -> float:
+    """Stage 3 through the labeling server: sample the candidates, serve them, and let a scripted human (VADER picks
+    the best of the responses as the page shows them) label every row over HTTP; seconds."""
+    from vaderSentiment.vaderSentiment import SentimentIntensityAnalyzer
+
+    from lm_human_preference_details.labelclient import LabelClient
+
+    start = time.time()
+    candidates = labels.parent / "candidates.json"
+    sample_flags = flag_list({**flags, "--output": candidates})
+    run_stage("candidates", REPO / "label_generation.py", ["sample", *sample_flags], log_dir)
+    serve_flags = ["--candidates", str(candidates), "--output", str(labels), "--port", "0", "--shared_fraction", "0"]
+    command = [sys.executable, "label_generation.py", "serve", *serve_flags]
+    print(f"\n=== labels (a scripted human in the label server) ===\n$ {' '.join(command[1:])}", flush=True)
+    server = subprocess.Popen(
+        command, cwd=REPO, env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+    output, url = [], None
+    for line in server.stdout:
+        output.append(line)
+        print(line, end="", flush=True)
+        match = re.search(r"http://127\.0\.0\.1:\d+/", line)
+        if match:
+            url = match.group(0)
+            break
+    try:
+        if url is None:
+            raise SystemExit(f"the label server did not start; see {log_dir / 'labels.log'}")
+        analyzer = SentimentIntensityAnalyzer()
+
+        def vader_best(row: dict) -> int:
+            scores = [analyzer.polarity_scores(text)["compound"] for text in row["responses"]]
+            return scores.index(max(scores))
+
+        labelled = LabelClient(url, "vader").label_all(vader_best)
+    finally:
+        server.send_signal(signal.SIGINT)
+        output.append(server.communicate(timeout=120)[0])
+        (log_dir / "labels.log").write_text("".join(output), encoding="utf-8")
+    print(output[-1], end="")
+    if server.returncode != 0:
+        raise SystemExit(f"the label server failed with exit code {server.returncode}; see {log_dir / 'labels.log'}")
+    seconds = time.time() - start
+    print(f"--- labels: {labelled} rows labelled by VADER through {url} in {seconds:.0f}s", flush=True)
     return seconds
 
 
@@ -316,25 +370,18 @@ def run_stages(args: Args, settings: Settings, root: Path, run_dir: Path) -> tup
         "--task.truncate_after": TRUNCATE_AFTER,
     }
     labels = run_dir / "labels" / "vader.json"
-    timings["labels"] = run_stage(
-        "labels",
-        REPO / "label_generation.py",
-        [
-            "generate",
-            *flag_list(
-                {
-                    "--labeler": "vader",
-                    "--base_model": base_dir,
-                    "--num_queries": settings.num_labels,
-                    "--batch_size": 32,
-                    "--seed": args.seed,
-                    "--output": labels,
-                    **task_flags,
-                }
-            ),
-        ],
-        logs,
-    )
+    label_flags = {
+        "--base_model": base_dir,
+        "--num_queries": settings.num_labels,
+        "--batch_size": 32,
+        "--seed": args.seed,
+        **task_flags,
+    }
+    if args.label_server:
+        timings["labels"] = label_through_server(label_flags, labels, logs)
+    else:
+        generate_flags = flag_list({"--labeler": "vader", **label_flags, "--output": labels})
+        timings["labels"] = run_stage("labels", REPO / "label_generation.py", ["generate", *generate_flags], logs)
     timings["reward"] = run_stage(
         "reward",
         REPO / "train_reward.py",
