@@ -550,7 +550,7 @@ def reduce_stats(local: dict[str, torch.Tensor], accelerator: Accelerator) -> di
     for key, column in zip(keys, gathered.T):
         if key.endswith("_min"):
             reduced[key] = column.min().item()
-        elif key.endswith(("_max", "_max_abs_dev")) or key.startswith("nonfinite/"):
+        elif key.endswith(("_max", "_max_abs_dev")) or key.startswith(("nonfinite/", "stop/")):
             reduced[key] = column.max().item()
         else:
             reduced[key] = column.mean().item()
@@ -856,7 +856,9 @@ def main(args: Args) -> list[dict[str, float]]:
     history: list[dict[str, float]] = []
     last_time = time.time()
     start_time = last_time - elapsed_before
-    with progress:
+    # Ctrl-C or SIGTERM during training: the update in progress finishes, a checkpoint is saved, the run stops
+    stop = cli.StopSignal("update", args.output_dir, accelerator.is_main_process)
+    with progress, stop:
         # OAI's step = number of completed updates, 0 at the first one
         for update in range(first_update, sizes.nupdates):
             timer = PhaseTimer(device)
@@ -926,8 +928,10 @@ def main(args: Args) -> list[dict[str, float]]:
                 "nonfinite/scores": validation.nonfinite_count([scores]),
                 "nonfinite/rewards": validation.nonfinite_count([rewards]),
                 "nonfinite/weights": validation.nonfinite_tensors(params),
+                "stop/signal": stop.flag(device),  # a signal to any process stops all after this update
             }
             stats = reduce_stats(local_stats, accelerator)
+            stopping = stats.pop("stop/signal") > 0
             check_finite(stats, update)
             add_elapsed_stats(stats, update, args, start_time, last_time)
             last_time = time.time()
@@ -957,8 +961,12 @@ def main(args: Args) -> list[dict[str, float]]:
                 console.print(warning, style="bold red", markup=False)
             progress.update(bar, advance=1, description=progress_text(stats))
             is_last = update == sizes.nupdates - 1
-            if is_last or (args.save_interval and (update + 1) % args.save_interval == 0):
+            if is_last or stopping or (args.save_interval and (update + 1) % args.save_interval == 0):
                 save_checkpoint(args, accelerator, update + 1, state, tokenizer, tracker, meta, start_time)
+            if stopping and not is_last:
+                tracker.close()
+                done = f"update {update + 1} of {sizes.nupdates}"
+                raise stop.stopped(done, checkpoint.step_dir(args.output_dir, update + 1), accelerator.is_main_process)
         if first_update == sizes.nupdates:  # a finished run resumed: write its policy again, a kill may have cut it
             save_checkpoint(args, accelerator, first_update, state, tokenizer, tracker, meta, start_time)
 

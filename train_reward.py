@@ -446,7 +446,9 @@ def main(args: Args) -> dict:
         TimeRemainingColumn(),
     )
     progress = Progress(*columns, disable=not accelerator.is_main_process, console=console)
-    with progress:
+    # Ctrl-C or SIGTERM during training: the step in progress finishes, a checkpoint is saved, the run stops
+    stop = cli.StopSignal("step", args.output_dir, accelerator.is_main_process)
+    with progress, stop:
         bar = progress.add_task("train", total=num_steps, stats="", completed=first_step)
         for step, start in enumerate(range(0, args.labels.num_train, args.batch_size)):
             if step < first_step:  # trained before the checkpoint this run resumed from
@@ -480,8 +482,10 @@ def main(args: Args) -> dict:
             if label_type.label_field == "best":
                 local_stats["debug/accuracy"] = (step_rewards.argmax(1) == label).float().mean()
             local_stats.update(nonfinite_stats(step_rewards, oai_stats["loss"], nonfinite_gradients, params))
+            local_stats["stop/signal"] = stop.flag(accelerator.device)  # a signal to any process stops all
             values = accelerator.reduce(torch.stack(list(local_stats.values())), reduction="mean").tolist()
             stats = dict(zip(local_stats, values))
+            stopping = stats.pop("stop/signal") > 0
             validation.check_finite_stats(stats, f"reward training step {step}", "Try a smaller --lr.")
             loss_value = stats["train_reward/minibatch/loss"]
             tracker.log({**stats, "debug/lr": lr}, step)
@@ -489,8 +493,12 @@ def main(args: Args) -> dict:
                 log_eval(step + 1)
             accuracy = f" acc {stats['debug/accuracy']:.2f}" if "debug/accuracy" in stats else ""
             progress.update(bar, advance=1, stats=f"loss {cli.number(loss_value)}{accuracy}")
-            if step + 1 == num_steps or (args.save_interval and (step + 1) % args.save_interval == 0):
+            if step + 1 == num_steps or stopping or (args.save_interval and (step + 1) % args.save_interval == 0):
                 save_checkpoint(step + 1)
+            if stopping and step + 1 < num_steps:
+                tracker.close()
+                done = f"step {step + 1} of {num_steps}"
+                raise stop.stopped(done, checkpoint.step_dir(args.output_dir, step + 1), accelerator.is_main_process)
     eval_after = log_eval(num_steps)
 
     # 4. normalize after training
