@@ -13,6 +13,7 @@ Run with the reward model that train_reward.py wrote to models/reward, on 8 GPUs
 import copy
 import dataclasses
 import os
+import shlex
 import time
 from dataclasses import dataclass, field
 
@@ -33,6 +34,7 @@ from lm_human_preference_details.modeling import (
     PolicyWithValueHead,
     load_causal_lm,
     load_reward_model,
+    read_reward_metadata,
     reduce_training_memory,
     sample,
 )
@@ -76,6 +78,9 @@ class RewardHParams:
     gold_model: str | None = None
     """a held-out judge that scores every rollout but never trains the policy, logged as objective/gold_score to show
     reward over-optimisation: reward_model:DIR, classifier:NAME_OR_DIR[#LABEL] or vader (label_generation's syntax)"""
+    task_from_reward_model: bool = False
+    """take every --task.* setting from the reward model (its reward_model.json), whatever the --task preset says;
+    the differences from the preset are printed"""
     allow_task_mismatch: bool = False
     """use a reward model trained with other task settings than the policy's (by default a mismatch stops the run,
     as OAI asserts equal task hyperparameters, train_policy.py#L411); the differences are printed"""
@@ -172,7 +177,10 @@ class Args:
     hf_repo_id: str | None = None
     """hub repository for --push_to_hub; None = {exp_name}__{task}__seed{seed} in your namespace"""
     dry_run: bool = False
-    """print the derived per-process sizes and exit"""
+    """check every input (models, reward model's task and tokenizer, local query file), print the settings and the
+    derived per-process sizes, and exit without training"""
+    dry_run_processes: int | None = None
+    """with --dry_run: derive the sizes for this many processes (e.g. 8 GPUs) instead of this launch's"""
     task_id: tyro.conf.Suppress[str] = "sentiment"
     """name of the --task preset these settings started from (recorded in the run config)"""
     task: TaskHParams = field(default_factory=lambda: dataclasses.replace(TASKS["sentiment"]))
@@ -327,6 +335,7 @@ class Sizes:
 def derive_sizes(args: Args, world: int) -> Sizes:
     """Split the global batch over processes, minibatches and micro-batches; ValueError naming sizes not dividing."""
     # https://github.com/openai/lm-human-preferences/blob/cbfd210bb8b08f6bc5c26878c10984b90f516c66/lm_human_preferences/train_policy.py#L157-L159
+    validation.check_policy_sizes(args.ppo, world)  # errors that name the flag to change
     ppo = args.ppo
     batch = core.exact_div(ppo.batch_size, world, "ppo.batch_size (episodes per update) / processes")
     minibatch = core.exact_div(batch, ppo.nminibatches, "episodes per process / nminibatches")
@@ -534,10 +543,61 @@ def check_reward_model_task(rm_metadata: dict, task: TaskHParams, rewards: Rewar
     if not rewards.allow_task_mismatch:
         raise ValueError(
             f"the reward model '{rewards.trained_model}' was trained for other task settings than this run's: "
-            f"{listed}. Pass the reward model's --task.* values, train a reward model with this run's, or pass "
+            f"{listed}. Add its settings to the command: {task_flags(differences)} (or pass "
+            "--rewards.task_from_reward_model), train a reward model with this run's, or pass "
             "--rewards.allow_task_mismatch to use it anyway."
         )
     return listed
+
+
+def check_policy_inputs(args: Args, accelerator: Accelerator) -> None:
+    """What --dry_run checks beyond the flags: the tokenizer, the reward model's files, tokenizer and task, a local
+    query file, a gold reward model's directory; each error names its flag."""
+    tokenizer = load_tokenizer(args.base_model)
+    rm_metadata = read_reward_metadata(args.rewards.trained_model)
+    checkpoint.check_complete_save(args.rewards.trained_model, "--rewards.trained_model")
+    check_same_tokenizer(
+        rm_metadata,
+        tokenizer,
+        f"the reward model '{args.rewards.trained_model}' (--rewards.trained_model)",
+        f"the policy uses tokenizer '{args.base_model}'",
+    )
+    if mismatch := check_reward_model_task(rm_metadata, args.task, args.rewards):
+        accelerator.print(f"warning: --rewards.allow_task_mismatch: the reward model's task differs: {mismatch}")
+    if args.task.query_dataset.lower().endswith((".txt", ".jsonl")):
+        load_texts(args.task.query_dataset)
+    gold = args.rewards.gold_model or ""
+    if gold.startswith("reward_model:") and validation.labeler_path(gold) is None:
+        raise FileNotFoundError(f"--rewards.gold_model '{gold}': no such directory; pass reward_model:DIR.")
+
+
+def task_flags(differences: dict[str, tuple]) -> str:
+    """The `--task.NAME VALUE` flags (quoted for a POSIX shell) that set the saved side of `differences`."""
+
+    def quote(value) -> str:
+        text = str(value)
+        if "\n" in text:  # bash's $'...' keeps the newline as \n on one line
+            return "$'" + text.replace("\\", "\\\\").replace("'", "\\'").replace("\n", "\\n") + "'"
+        return shlex.quote(text)
+
+    recorded = {name: saved for name, (saved, _) in differences.items() if saved != "<not recorded>"}
+    return " ".join(f"--task.{name} {quote(saved)}" for name, saved in recorded.items())
+
+
+def task_from_reward_model(args: Args) -> list[str]:
+    """With --rewards.task_from_reward_model, replace args.task by the reward model's task; -> the changed settings."""
+    if not args.rewards.task_from_reward_model:
+        return []
+    saved = read_reward_metadata(args.rewards.trained_model).get("task")
+    if not isinstance(saved, dict):
+        raise ValueError(
+            f"--rewards.task_from_reward_model: the reward model '{args.rewards.trained_model}' records no task "
+            "settings; pass its --task.* flags instead."
+        )
+    changed = task_differences(saved, args.task)
+    fields = {f.name for f in dataclasses.fields(TaskHParams)}
+    args.task = TaskHParams(**{k: v for k, v in saved.items() if k in fields})
+    return [f"{name}: {ours!r} -> {saved!r}" for name, (saved, ours) in changed.items()]
 
 
 def reduce_stats(local: dict[str, torch.Tensor], accelerator: Accelerator) -> dict[str, float]:
@@ -749,18 +809,27 @@ def print_summary(console, args: Args, history: list[dict[str, float]], kl_coef:
 def main(args: Args) -> list[dict[str, float]]:
     """Train the policy; returns the logged statistics of every update."""
     # 0. sizes: global as in OAI, split over the processes (spec D1); printed, then checked by --dry_run
+    task_changes = task_from_reward_model(args)
     validation.check_policy_args(args)
     cli.quiet_transformers()
     accelerator = core.make_accelerator(args.dist_timeout)
     device, ppo, task = accelerator.device, args.ppo, args.task
-    sizes = derive_sizes(args, accelerator.num_processes)
+    sizes = derive_sizes(args, validation.dry_run_world(args, accelerator.num_processes))
     console = cli.make_console()
     if accelerator.is_main_process:
+        kl = args.rewards.adaptive_kl
         cli.print_table(
             console,
-            "policy training (train_policy.py)",
+            "policy training (train_policy.py)" + (" - dry run" if args.dry_run else ""),
             {
                 "task": args.task_id,
+                "base model": args.base_model,
+                "lengths": f"query {task.query_length}, response {task.response_length} tokens",
+                "temperature": task.temperature,
+                "lr": f"{ppo.lr:g}, annealed linearly to 0",
+                "kl_coef": f"{args.rewards.kl_coef:g}, "
+                + (f"adaptive to KL target {kl.target:g} (horizon {kl.horizon})" if kl.enabled else "fixed"),
+                "seeds": f"seed {args.seed} (process r: seed + 100003 r), data_seed {args.data_seed}",
                 "processes": sizes.world,
                 "episodes per update": f"{ppo.batch_size} ({sizes.batch} per process)",
                 "minibatch per process": f"{sizes.minibatch} x {ppo.nminibatches} per epoch, {ppo.noptepochs} epochs",
@@ -770,10 +839,13 @@ def main(args: Args) -> list[dict[str, float]]:
                 "updates": sizes.nupdates,
                 "optimizer steps": sizes.nupdates * ppo.noptepochs * ppo.nminibatches,
                 "reward model": args.rewards.trained_model,
+                **({"task from the reward model": "; ".join(task_changes)} if task_changes else {}),
                 "output dir": args.output_dir,
             },
         )
     if args.dry_run:
+        check_policy_inputs(args, accelerator)
+        accelerator.print("dry run: every input checked; nothing trained or written")
         return []
     if args.push_to_hub and not hub_reachable():
         raise HubUnavailableError("--push_to_hub needs the Hugging Face hub, which is unreachable; drop the flag")

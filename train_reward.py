@@ -137,7 +137,10 @@ class Args:
     hang when a process or node stalls without exiting (one that exits stops the others at once); must exceed the
     longest time one process works alone (rank 0 saving a checkpoint)"""
     dry_run: bool = False
-    """print the derived per-process sizes and exit"""
+    """check every input (base model, label file: type, lengths, tokenizer, enough rows; local query file), print the
+    settings and the derived per-process sizes, and exit without training"""
+    dry_run_processes: int | None = None
+    """with --dry_run: derive the sizes for this many processes (e.g. 8 GPUs) instead of this launch's"""
     task_id: tyro.conf.Suppress[str] = "sentiment"
     """name of the --task preset these settings started from (recorded in the run config)"""
 
@@ -284,6 +287,23 @@ def nonfinite_stats(
     }
 
 
+def read_labels(args: Args, tokenizer=None) -> Labels:
+    """The label file, checked against the run: its tokenizer, type, lengths, rows (>= num_train), token ids."""
+    tokenizer = tokenizer or load_tokenizer(args.base_model)
+    pad_id = tokenizer.pad_token_id
+    check_label_tokenizer(args.label_dataset, tokenizer_fingerprint(tokenizer), args.base_model)
+    labels = load_labels(
+        args.label_dataset,
+        args.task.query_length,
+        args.task.response_length,
+        pad_id,
+        args.labels.num_train,
+        get_label_type(args.labels.type).name,
+    )
+    check_label_tokens(labels, model_vocab_size(args.base_model), pad_id, args.label_dataset)
+    return labels
+
+
 def save_reward_model(reward_model: RewardModel, tokenizer, args: Args, metadata: dict, output_dir: str) -> None:
     """The reward model with its metadata, its tokenizer and args.json in `output_dir`."""
     reward_model.save(output_dir, metadata)
@@ -298,7 +318,8 @@ def main(args: Args) -> dict:
     validation.check_reward_args(args)
     cli.quiet_transformers()
     accelerator = make_accelerator(args.dist_timeout)
-    world, rank = accelerator.num_processes, accelerator.process_index
+    world, rank = validation.dry_run_world(args, accelerator.num_processes), accelerator.process_index
+    validation.check_reward_sizes(args, world)  # errors that name the flag to change
     local_batch_size = exact_div(args.batch_size, world, "batch_size (labels per step) over processes")
     accum = args.gradient_accumulation_steps
     micro_batch_size = exact_div(local_batch_size, accum, "per-process batch over gradient_accumulation_steps")
@@ -310,9 +331,14 @@ def main(args: Args) -> dict:
         normalize_batches = ceil_div(args.normalize_samples, args.rollout_batch_size)
         cli.print_table(
             console,
-            "reward training (train_reward.py)",
+            "reward training (train_reward.py)" + (" - dry run" if args.dry_run else ""),
             {
                 "task": args.task_id,
+                "base model": args.base_model,
+                "lengths": f"query {args.task.query_length}, response {args.task.response_length} tokens",
+                "temperature": args.task.temperature,
+                "lr": f"{args.lr:g}, annealed linearly to {args.lr * args.batch_size / args.labels.num_train:g}",
+                "seeds": f"seed {args.seed} (process r: seed + 100003 r), data_seed {args.data_seed}",
                 "processes": world,
                 "labels per step": f"{args.batch_size} ({local_batch_size} per process)",
                 "micro-batch": f"{micro_batch_size} x {accum}",
@@ -326,6 +352,10 @@ def main(args: Args) -> dict:
             },
         )
     if args.dry_run:
+        labels = read_labels(args)
+        if args.task.query_dataset.lower().endswith((".txt", ".jsonl")):
+            load_texts(args.task.query_dataset)
+        accelerator.print(f"dry run: every input checked ({len(labels)} label rows); nothing trained or written")
         return {}
     # per-process seeds; rank 0's NumPy RNG draws the label order
     # https://github.com/openai/lm-human-preferences/blob/cbfd210bb8b08f6bc5c26878c10984b90f516c66/lm_human_preferences/utils/core.py#L108-L113
@@ -339,16 +369,7 @@ def main(args: Args) -> dict:
     label_type = get_label_type(args.labels.type)
     tokenizer = load_tokenizer(args.base_model)
     pad_id = tokenizer.pad_token_id
-    check_label_tokenizer(args.label_dataset, tokenizer_fingerprint(tokenizer), args.base_model)
-    labels = load_labels(
-        args.label_dataset,
-        args.task.query_length,
-        args.task.response_length,
-        pad_id,
-        args.labels.num_train,
-        label_type.name,
-    )
-    check_label_tokens(labels, model_vocab_size(args.base_model), pad_id, args.label_dataset)
+    labels = read_labels(args, tokenizer)
     train_labels, heldout_labels = labels[: args.labels.num_train], labels[args.labels.num_train :]
     reward_model = RewardModel.from_base(args.base_model).to(accelerator.device)
     broadcast_parameters(reward_model, accelerator)  # rank 0's random head everywhere (OAI train_reward.py#L316-L318)
