@@ -2,9 +2,11 @@
 checkpoint and one line; `--resume auto` then finishes the run exactly as an uninterrupted one; a second signal stops
 at once; the human labeler ends on Ctrl-C as on `q`."""
 
+import json
 import os
 import signal
 import subprocess
+import sys
 import time
 
 import pytest
@@ -12,8 +14,9 @@ import pytest
 import train_policy
 import train_reward
 from lm_human_preference_details import checkpoint
-from tests import test_resume
+from tests import test_label_generation, test_resume
 from tests.planted import REPO, run_script, script_env
+from tests.test_label_generation import generate_flags
 from tests.test_resume import (
     final_training_state,
     max_metric_difference,
@@ -28,6 +31,7 @@ from tests.test_resume import (
 pytestmark = pytest.mark.usefixtures("single_thread")
 policy_world = test_resume.policy_world
 reward_world = test_resume.reward_world
+labels_world = test_label_generation.world
 
 
 def signal_after(command: list[str], marker: str, signum: int, repeat: int = 1, timeout: float = 300):
@@ -116,3 +120,29 @@ def test_second_ctrl_c_stops_at_once(tmp_path, tiny_model_dir, policy_world):
     assert code == 128 + signal.SIGINT and "Traceback" not in output, output[-3000:]
     assert "SIGINT again: stopped at once" in last_line(output) and "--resume auto" in last_line(output)
     assert seconds < 20
+
+
+@pytest.mark.slow
+def test_human_labeler_ctrl_c_at_the_prompt_stops_as_q_does(tmp_path, labels_world):
+    output = tmp_path / "human.json"
+    flags = generate_flags(labels_world, output, "--labeler", "human", "--num_queries", "4", "--num_labels", "3")
+    env = {**script_env(), "PYTHONUNBUFFERED": "1"}
+    command = [sys.executable, str(REPO / "label_generation.py"), *flags]
+    proc = subprocess.Popen(
+        command, cwd=REPO, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
+    )
+    seen = b""
+    for prompts in (1, 2):  # answer the first row, then Ctrl-C at the second prompt
+        while seen.count(b"best response [0-2]") < prompts and proc.poll() is None:
+            seen += os.read(proc.stdout.fileno(), 4096)
+        if prompts == 1:
+            proc.stdin.write(b"2\n")
+            proc.stdin.flush()
+    time.sleep(0.2)  # the labeler waits for the answer
+    proc.send_signal(signal.SIGINT)
+    seen += proc.stdout.read()
+    proc.wait()
+    text = seen.decode()
+    assert proc.returncode == 0 and "Traceback" not in text, text[-3000:]
+    assert "stopped: 1 of 4 rows" in text
+    assert [row["best"] for row in json.loads(output.read_text())] == [2]
