@@ -551,17 +551,10 @@ def check_reward_model_task(rm_metadata: dict, task: TaskHParams, rewards: Rewar
 
 
 def check_policy_inputs(args: Args, accelerator: Accelerator) -> None:
-    """What --dry_run checks beyond the flags: the tokenizer, the reward model's files, tokenizer and task, a local
-    query file, a gold reward model's directory; each error names its flag."""
-    tokenizer = load_tokenizer(args.base_model)
+    """What --dry_run checks beyond the flags: the reward model's files and task, a local query file, a gold reward
+    model's directory, then the tokenizers (from the hub: not checked when it is unreachable); errors name the flag."""
     rm_metadata = read_reward_metadata(args.rewards.trained_model)
     checkpoint.check_complete_save(args.rewards.trained_model, "--rewards.trained_model")
-    check_same_tokenizer(
-        rm_metadata,
-        tokenizer,
-        f"the reward model '{args.rewards.trained_model}' (--rewards.trained_model)",
-        f"the policy uses tokenizer '{args.base_model}'",
-    )
     if mismatch := check_reward_model_task(rm_metadata, args.task, args.rewards):
         accelerator.print(f"warning: --rewards.allow_task_mismatch: the reward model's task differs: {mismatch}")
     if args.task.query_dataset.lower().endswith((".txt", ".jsonl")):
@@ -569,6 +562,13 @@ def check_policy_inputs(args: Args, accelerator: Accelerator) -> None:
     gold = args.rewards.gold_model or ""
     if gold.startswith("reward_model:") and validation.labeler_path(gold) is None:
         raise FileNotFoundError(f"--rewards.gold_model '{gold}': no such directory; pass reward_model:DIR.")
+    with cli.unchecked_when_offline(accelerator.print, "the tokenizers"):
+        check_same_tokenizer(
+            rm_metadata,
+            load_tokenizer(args.base_model),
+            f"the reward model '{args.rewards.trained_model}' (--rewards.trained_model)",
+            f"the policy uses tokenizer '{args.base_model}'",
+        )
 
 
 def task_flags(differences: dict[str, tuple]) -> str:
@@ -845,7 +845,7 @@ def main(args: Args) -> list[dict[str, float]]:
         )
     if args.dry_run:
         check_policy_inputs(args, accelerator)
-        accelerator.print("dry run: every input checked; nothing trained or written")
+        accelerator.print("dry run: inputs checked; nothing trained or written")
         return []
     if args.push_to_hub and not hub_reachable():
         raise HubUnavailableError("--push_to_hub needs the Hugging Face hub, which is unreachable; drop the flag")

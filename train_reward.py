@@ -352,10 +352,10 @@ def main(args: Args) -> dict:
             },
         )
     if args.dry_run:
-        labels = read_labels(args)
         if args.task.query_dataset.lower().endswith((".txt", ".jsonl")):
             load_texts(args.task.query_dataset)
-        accelerator.print(f"dry run: every input checked ({len(labels)} label rows); nothing trained or written")
+        with cli.unchecked_when_offline(accelerator.print, "the label file"):
+            accelerator.print(f"dry run: every input checked ({len(read_labels(args))} label rows); nothing written")
         return {}
     # per-process seeds; rank 0's NumPy RNG draws the label order
     # https://github.com/openai/lm-human-preferences/blob/cbfd210bb8b08f6bc5c26878c10984b90f516c66/lm_human_preferences/utils/core.py#L108-L113

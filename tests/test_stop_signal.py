@@ -15,7 +15,7 @@ import train_policy
 import train_reward
 from lm_human_preference_details import checkpoint
 from tests import test_label_generation, test_resume
-from tests.planted import REPO, run_script, script_env
+from tests.planted import REPO, script_env
 from tests.test_label_generation import generate_flags
 from tests.test_resume import (
     final_training_state,
@@ -65,7 +65,9 @@ def last_line(output: str) -> str:
 
 
 @pytest.mark.slow
-def test_policy_sigint_saves_and_resume_auto_finishes_like_an_uninterrupted_run(tmp_path, tiny_model_dir, policy_world):
+def test_policy_sigint_saves_and_resume_auto_finishes_like_an_uninterrupted_run(
+    tmp_path, tiny_model_dir, policy_world, capsys
+):
     # 6 updates, checkpoints only at the end: whatever update the signal lands in, its checkpoint is the stop's own
     sizes = ("--ppo.total_episodes", "48", "--save_interval", "0")
     train_policy.main(train_policy.parse(policy_flags(tiny_model_dir, policy_world, tmp_path / "whole", *sizes)))
@@ -80,8 +82,9 @@ def test_policy_sigint_saves_and_resume_auto_finishes_like_an_uninterrupted_run(
         f"stopped by SIGINT after update {step} of 6; checkpoint {path}; continue with the same command and "
         "--resume auto"
     )
-    result = run_script("train_policy.py", *flags, "--resume", "auto")
-    assert f"resuming from {path} after {step} of 6" in result.stdout
+    capsys.readouterr()
+    train_policy.main(train_policy.parse([*flags, "--resume", "auto"]))
+    assert f"resuming from {path} after {step} of 6" in capsys.readouterr().out
     assert max_metric_difference(scalars(stopped), scalars(tmp_path / "whole"), 0) <= 1e-6
     names = ("model.safetensors", "value_head.safetensors")
     assert max_weight_difference(saved_files(stopped, names), saved_files(tmp_path / "whole", names)) <= 1e-6
@@ -105,7 +108,7 @@ def test_reward_sigterm_saves_and_resume_auto_finishes_like_an_uninterrupted_run
         f"stopped by SIGTERM after step {step} of 6; checkpoint {path}; continue with the same command and "
         "--resume auto"
     )
-    run_script("train_reward.py", *flags, "--resume", "auto")
+    train_reward.main(train_reward.parse([*flags, "--resume", "auto"]))
     assert max_metric_difference(scalars(stopped), scalars(tmp_path / "whole"), 0) <= 1e-6
     model = ("model.safetensors",)
     assert max_weight_difference(saved_files(stopped, model), saved_files(tmp_path / "whole", model)) <= 1e-6

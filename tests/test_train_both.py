@@ -9,7 +9,7 @@ import pytest
 import train_both
 from demo import world as demo_world
 from lm_human_preference_details import checkpoint
-from tests.planted import run_script, write_policy_planted_labels
+from tests.planted import write_policy_planted_labels
 from tests.test_resume import (
     max_metric_difference,
     max_weight_difference,
@@ -58,7 +58,7 @@ def test_route_flags_sends_shared_flags_to_both_and_others_to_their_stage():
 
 
 @pytest.mark.slow
-def test_pipeline_runs_on_the_demo_world_and_resumes_after_a_kill(tmp_path, tiny_model_dir, pipeline_world):
+def test_pipeline_runs_on_the_demo_world_and_resumes_after_a_kill(tmp_path, tiny_model_dir, pipeline_world, capsys):
     whole = tmp_path / "whole"
     pipeline = train_both.parse(pipeline_flags(tiny_model_dir, pipeline_world, whole))
     assert pipeline.policy.task == pipeline.reward.task and pipeline.policy.seed == 3 and pipeline.reward.seed == 1
@@ -73,9 +73,11 @@ def test_pipeline_runs_on_the_demo_world_and_resumes_after_a_kill(tmp_path, tiny
     flags = pipeline_flags(tiny_model_dir, pipeline_world, killed)
     start_and_kill(script_command("train_both.py", flags), killed / "policy", kill_after=1, delay=0.0)
     reward_files = {p.name: p.stat().st_mtime_ns for p in (killed / "reward_model").iterdir() if p.is_file()}
-    result = run_script("train_both.py", *flags)
-    assert f"reward model: {killed / 'reward_model'} is finished with these settings; kept" in result.stdout
-    assert "resuming from" in result.stdout and "pipeline done" in result.stdout
+    capsys.readouterr()
+    train_both.main(train_both.parse(flags))  # the same command again
+    out = capsys.readouterr().out
+    assert f"reward model: {killed / 'reward_model'} is finished with these settings; kept" in out
+    assert "resuming from" in out and "pipeline done" in out
     assert {p.name: p.stat().st_mtime_ns for p in (killed / "reward_model").iterdir() if p.is_file()} == reward_files
     model = ("model.safetensors",)
     assert (
