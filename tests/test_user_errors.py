@@ -95,7 +95,7 @@ def test_evaluate_policy_that_is_a_reward_model_names_both_flags(world, capsys):
 def test_policy_directory_as_reward_model_is_named(tmp_path, tiny_model_dir, world, capsys):
     policy_dir = tmp_path / "policy"
     PolicyWithValueHead(load_causal_lm(tiny_model_dir)).save(str(policy_dir), load_tokenizer(tiny_model_dir))
-    argv = policy_argv(tiny_model_dir, world, tmp_path / "out", "--rewards.trained_model", str(policy_dir))
+    argv = policy_argv(tiny_model_dir, world, tmp_path / "out", "--rewards.trained_model", str(policy_dir), "--dry_run")
     line = one_error_line(*run_cli(train_policy, argv, capsys)[::2])
     assert "holds a policy written by train_policy.py, not a reward model" in line
     assert "--output_dir of train_reward.py as --rewards.trained_model" in line
