@@ -584,10 +584,10 @@ def task_flags(differences: dict[str, tuple]) -> str:
     return " ".join(f"--task.{name} {quote(saved)}" for name, saved in recorded.items())
 
 
-def task_from_reward_model(args: Args) -> list[str]:
-    """With --rewards.task_from_reward_model, replace args.task by the reward model's task; -> the changed settings."""
+def task_from_reward_model(args: Args) -> tuple[Args, list[str]]:
+    """With --rewards.task_from_reward_model, `args` with the reward model's task settings; -> args, what changed."""
     if not args.rewards.task_from_reward_model:
-        return []
+        return args, []
     saved = read_reward_metadata(args.rewards.trained_model).get("task")
     if not isinstance(saved, dict):
         raise ValueError(
@@ -596,8 +596,8 @@ def task_from_reward_model(args: Args) -> list[str]:
         )
     changed = task_differences(saved, args.task)
     fields = {f.name for f in dataclasses.fields(TaskHParams)}
-    args.task = TaskHParams(**{k: v for k, v in saved.items() if k in fields})
-    return [f"{name}: {ours!r} -> {saved!r}" for name, (saved, ours) in changed.items()]
+    task = TaskHParams(**{k: v for k, v in saved.items() if k in fields})
+    return dataclasses.replace(args, task=task), [f"{k}: {ours!r} -> {saved!r}" for k, (saved, ours) in changed.items()]
 
 
 def reduce_stats(local: dict[str, torch.Tensor], accelerator: Accelerator) -> dict[str, float]:
@@ -809,7 +809,7 @@ def print_summary(console, args: Args, history: list[dict[str, float]], kl_coef:
 def main(args: Args) -> list[dict[str, float]]:
     """Train the policy; returns the logged statistics of every update."""
     # 0. sizes: global as in OAI, split over the processes (spec D1); printed, then checked by --dry_run
-    task_changes = task_from_reward_model(args)
+    args, task_changes = task_from_reward_model(args)
     validation.check_policy_args(args)
     cli.quiet_transformers()
     accelerator = core.make_accelerator(args.dist_timeout)
