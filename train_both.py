@@ -18,6 +18,7 @@ from its newest checkpoint (--resume auto), so the outputs are those of an unint
 import dataclasses
 import json
 import os
+import shlex
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -43,6 +44,8 @@ class Pipeline:
     """train_reward.py's settings"""
     policy: train_policy.Args
     """train_policy.py's settings"""
+    commands: tuple[str, str] = ("", "")
+    """the two stages as command lines of their own scripts"""
 
 
 def flag_names(args_type: type, prefix: str = "") -> set[str]:
@@ -113,11 +116,10 @@ def parse(argv: list[str] | None = None) -> Pipeline:
     output_dir = (own.get("output_dir") or ["models/pipeline"])[0]
     reward_dir, policy_dir = os.path.join(output_dir, "reward_model"), os.path.join(output_dir, "policy")
     dry_run = ["--dry_run"] if "dry_run" in own else []
-    reward = train_reward.parse([*reward_argv, *dry_run, "--output_dir", reward_dir])
-    policy = train_policy.parse(
-        [*policy_argv, *dry_run, "--output_dir", policy_dir, "--rewards.trained_model", reward_dir]
-    )
-    return Pipeline(output_dir, reward, policy)
+    reward_argv = [*reward_argv, *dry_run, "--output_dir", reward_dir]
+    policy_argv = [*policy_argv, *dry_run, "--output_dir", policy_dir, "--rewards.trained_model", reward_dir]
+    commands = (shlex.join(["train_reward.py", *reward_argv]), shlex.join(["train_policy.py", *policy_argv]))
+    return Pipeline(output_dir, train_reward.parse(reward_argv), train_policy.parse(policy_argv), commands)
 
 
 def reward_model_finished(args: train_reward.Args) -> bool:
@@ -140,6 +142,8 @@ def main(pipeline: Pipeline) -> dict:
     """Train (or finish) the reward model, then the policy; -> the reward stage's figures and the policy's history."""
     reward, policy = pipeline.reward, pipeline.policy
     main_process = os.environ.get("RANK", "0") == "0"
+    if main_process:
+        print("stage 1: {}\nstage 2: {}".format(*pipeline.commands))
     results = {}
     # 1. the reward model: kept when finished with these settings, else trained or continued from its checkpoint
     if reward.dry_run or not reward_model_finished(reward):

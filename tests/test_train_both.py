@@ -62,6 +62,7 @@ def test_pipeline_runs_on_the_demo_world_and_resumes_after_a_kill(tmp_path, tiny
     whole = tmp_path / "whole"
     pipeline = train_both.parse(pipeline_flags(tiny_model_dir, pipeline_world, whole))
     assert pipeline.policy.task == pipeline.reward.task and pipeline.policy.seed == 3 and pipeline.reward.seed == 1
+    assert pipeline.commands[1].endswith(f"--rewards.trained_model {whole / 'reward_model'}")
     train_both.main(pipeline)
     reward_meta = json.loads((whole / "reward_model" / "reward_model.json").read_text())
     assert reward_meta["task"]["response_length"] == 8 and reward_meta["num_train"] == 32
