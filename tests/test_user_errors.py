@@ -134,7 +134,7 @@ def test_dry_run_checks_inputs_prints_the_settings_and_sizes_for_8_processes(tmp
     assert code == 0, err
     for row in ("processes", "8"), ("episodes per update", "512 (64 per process)"), ("lr", "1e-05"):
         assert any(row[0] in line and row[1] in line for line in out.splitlines()), (row, out)
-    for words in ("query 16, response 8 tokens", "adaptive to KL target 6", "seed 1", "data_seed 0", "every input"):
+    for words in ("query 16, response 8 tokens", "adaptive to KL target 6", "seed 1", "data_seed 0", "inputs checked"):
         assert words in out
     assert not (tmp_path / "out").exists()
     line = one_error_line(*run_cli(train_policy, [*argv[:-2], "--task.query_dataset", "nope.txt"], capsys)[::2])
