@@ -55,6 +55,10 @@ def test_route_flags_sends_shared_flags_to_both_and_others_to_their_stage():
     assert policy == ["--task", "tldr", "--seed", "4", "--ppo.lr", "2e-6"]
     with pytest.raises(ValueError, match="--ppo.lrr is a flag of neither"):
         train_both.route_flags(["--ppo.lrr", "1"])
+    # the line a stopped run ends with says "the same command and --resume auto": the pipeline takes it
+    assert train_both.route_flags(["--resume", "auto"])[0] == {"resume": ["auto"]}
+    with pytest.raises(ValueError, match="always resumes"):
+        train_both.parse(["--resume", "models/x/training_state/step3"])
 
 
 @pytest.mark.slow
