@@ -133,7 +133,9 @@ def reward_model_finished(args: train_reward.Args) -> bool:
     step, path = saved[-1]
     with open(os.path.join(path, checkpoint.META_FILE), encoding="utf-8") as f:
         meta = json.load(f)
-    settings = {**dataclasses.asdict(args), "world_size": int(os.environ.get("WORLD_SIZE", "1"))}
+    settings = json.loads(
+        json.dumps({**dataclasses.asdict(args), "world_size": int(os.environ.get("WORLD_SIZE", "1"))})
+    )
     differences = checkpoint.setting_differences(meta["settings"], settings, checkpoint.RESUME_IGNORED)
     return step == args.labels.num_train // args.batch_size and not differences
 
