@@ -46,7 +46,7 @@ from lm_human_preference_details.evaluation import (
     write_text_atomic,
 )
 from lm_human_preference_details.labelers import load_labeler
-from lm_human_preference_details.modeling import PolicyWithValueHead, load_causal_lm, load_reward_model
+from lm_human_preference_details.modeling import PolicyWithValueHead, load_causal_lm, load_reward_model, saved_kind
 from lm_human_preference_details.sources import OAI_TEXT_SOURCES
 from lm_human_preference_details.tasks import TASKS, TaskHParams
 from lm_human_preference_details.tokenizer import check_same_tokenizer, load_tokenizer
@@ -111,6 +111,11 @@ def oai_presets() -> dict[str, Args]:
 def read_run_args(policy_dir: str | None) -> dict | None:
     """The args.json that train_policy.py saved beside a policy, or None."""
     path = os.path.join(policy_dir, "args.json") if policy_dir else ""
+    if policy_dir and saved_kind(policy_dir) == "reward model":
+        raise ValueError(
+            f"--policy '{policy_dir}' holds a reward model written by train_reward.py, not a policy; pass the "
+            f"--output_dir of train_policy.py as --policy (or --checkpoints), and this directory as --reward_model."
+        )
     if not os.path.isfile(path):
         return None
     with open(path, encoding="utf-8") as f:

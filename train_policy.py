@@ -15,6 +15,7 @@ On any number of processes the run whitens and reports statistics as OAI's 8 ran
 import copy
 import dataclasses
 import os
+import shlex
 import time
 from dataclasses import dataclass, field
 
@@ -35,6 +36,7 @@ from lm_human_preference_details.modeling import (
     PolicyWithValueHead,
     load_causal_lm,
     load_reward_model,
+    read_reward_metadata,
     reduce_training_memory,
     sample,
 )
@@ -78,6 +80,9 @@ class RewardHParams:
     gold_model: str | None = None
     """a held-out judge that scores every rollout but never trains the policy, logged as objective/gold_score to show
     reward over-optimisation: reward_model:DIR, classifier:NAME_OR_DIR[#LABEL] or vader (label_generation's syntax)"""
+    task_from_reward_model: bool = False
+    """take every --task.* setting from the reward model (its reward_model.json), whatever the --task preset says;
+    the differences from the preset are printed"""
     allow_task_mismatch: bool = False
     """use a reward model trained with other task settings than the policy's (by default a mismatch stops the run,
     as OAI asserts equal task hyperparameters, train_policy.py#L411); the differences are printed"""
@@ -178,7 +183,10 @@ class Args:
     hf_repo_id: str | None = None
     """hub repository for --push_to_hub; None = {exp_name}__{task}__seed{seed} in your namespace"""
     dry_run: bool = False
-    """print the derived per-process sizes and exit"""
+    """check every input (models, reward model's task and tokenizer, local query file), print the settings and the
+    derived per-process sizes, and exit without training"""
+    dry_run_processes: int | None = None
+    """with --dry_run: derive the sizes for this many processes (e.g. 8 GPUs) instead of this launch's"""
     task_id: tyro.conf.Suppress[str] = "sentiment"
     """name of the --task preset these settings started from (recorded in the run config)"""
     task: TaskHParams = field(default_factory=lambda: dataclasses.replace(TASKS["sentiment"]))
@@ -341,6 +349,7 @@ processes whiten, permute and average statistics as these 8 ranks did (spec D4)"
 def derive_sizes(args: Args, world: int) -> Sizes:
     """Split the global batch over processes, minibatches and micro-batches; ValueError naming sizes not dividing."""
     # https://github.com/openai/lm-human-preferences/blob/cbfd210bb8b08f6bc5c26878c10984b90f516c66/lm_human_preferences/train_policy.py#L157-L159
+    validation.check_policy_sizes(args.ppo, world)  # errors that name the flag to change
     ppo = args.ppo
     batch = core.exact_div(ppo.batch_size, world, "ppo.batch_size (episodes per update) / processes")
     minibatch = core.exact_div(batch, ppo.nminibatches, "episodes per process / nminibatches")
@@ -572,7 +581,8 @@ def check_reward_model_task(rm_metadata: dict, task: TaskHParams, rewards: Rewar
     if not rewards.allow_task_mismatch:
         raise ValueError(
             f"the reward model '{rewards.trained_model}' was trained for other task settings than this run's: "
-            f"{listed}. Pass the reward model's --task.* values, train a reward model with this run's, or pass "
+            f"{listed}. Add its settings to the command: {task_flags(differences)} (or pass "
+            "--rewards.task_from_reward_model), train a reward model with this run's, or pass "
             "--rewards.allow_task_mismatch to use it anyway."
         )
     return listed
@@ -600,6 +610,58 @@ def check_reward_model_task_name(rm_metadata: dict, task_id: str, rewards: Rewar
     return f"--rewards.allow_task_mismatch: {mismatch}"
 
 
+def check_policy_inputs(args: Args, accelerator: Accelerator) -> None:
+    """What --dry_run checks beyond the flags: the reward model's files and task, a local query file, a gold reward
+    model's directory, then the tokenizers (from the hub: not checked when it is unreachable); errors name the flag."""
+    rm_metadata = read_reward_metadata(args.rewards.trained_model)
+    checkpoint.check_complete_save(args.rewards.trained_model, "--rewards.trained_model")
+    if mismatch := check_reward_model_task(rm_metadata, args.task, args.rewards):
+        accelerator.print(f"warning: --rewards.allow_task_mismatch: the reward model's task differs: {mismatch}")
+    if warning := check_reward_model_task_name(rm_metadata, args.task_id, args.rewards):
+        accelerator.print(f"warning: {warning}")
+    if args.task.query_dataset.lower().endswith((".txt", ".jsonl")):
+        load_texts(args.task.query_dataset)
+    gold = args.rewards.gold_model or ""
+    if gold.startswith("reward_model:") and validation.labeler_path(gold) is None:
+        raise FileNotFoundError(f"--rewards.gold_model '{gold}': no such directory; pass reward_model:DIR.")
+    with cli.unchecked_when_offline(accelerator.print, "the tokenizers"):
+        check_same_tokenizer(
+            rm_metadata,
+            load_tokenizer(args.base_model),
+            f"the reward model '{args.rewards.trained_model}' (--rewards.trained_model)",
+            f"the policy uses tokenizer '{args.base_model}'",
+        )
+
+
+def task_flags(differences: dict[str, tuple]) -> str:
+    """The `--task.NAME VALUE` flags (quoted for a POSIX shell) that set the saved side of `differences`."""
+
+    def quote(value) -> str:
+        text = str(value)
+        if "\n" in text:  # bash's $'...' keeps the newline as \n on one line
+            return "$'" + text.replace("\\", "\\\\").replace("'", "\\'").replace("\n", "\\n") + "'"
+        return shlex.quote(text)
+
+    recorded = {name: saved for name, (saved, _) in differences.items() if saved != "<not recorded>"}
+    return " ".join(f"--task.{name} {quote(saved)}" for name, saved in recorded.items())
+
+
+def task_from_reward_model(args: Args) -> tuple[Args, list[str]]:
+    """With --rewards.task_from_reward_model, `args` with the reward model's task settings; -> args, what changed."""
+    if not args.rewards.task_from_reward_model:
+        return args, []
+    saved = read_reward_metadata(args.rewards.trained_model).get("task")
+    if not isinstance(saved, dict):
+        raise ValueError(
+            f"--rewards.task_from_reward_model: the reward model '{args.rewards.trained_model}' records no task "
+            "settings; pass its --task.* flags instead."
+        )
+    changed = task_differences(saved, args.task)
+    fields = {f.name for f in dataclasses.fields(TaskHParams)}
+    task = TaskHParams(**{k: v for k, v in saved.items() if k in fields})
+    return dataclasses.replace(args, task=task), [f"{k}: {ours!r} -> {saved!r}" for k, (saved, ours) in changed.items()]
+
+
 def reduce_stats(local: dict[str, torch.Tensor], accelerator: Accelerator) -> dict[str, float]:
     """All statistics in one gather and one device-to-host copy: mean over processes (min/max for the extremes)."""
     # OAI all-reduce-means every statistic over ranks (spec D5)
@@ -610,7 +672,7 @@ def reduce_stats(local: dict[str, torch.Tensor], accelerator: Accelerator) -> di
     for key, column in zip(keys, gathered.T):
         if key.endswith("_min"):
             reduced[key] = column.min().item()
-        elif key.endswith(("_max", "_max_abs_dev")) or key.startswith("nonfinite/"):
+        elif key.endswith(("_max", "_max_abs_dev")) or key.startswith(("nonfinite/", "stop/")):
             reduced[key] = column.max().item()
         else:
             reduced[key] = column.mean().item()
@@ -819,19 +881,28 @@ def print_summary(console, args: Args, history: list[dict[str, float]], kl_coef:
 def main(args: Args) -> list[dict[str, float]]:
     """Train the policy; returns the logged statistics of every update."""
     # 0. sizes: global as in OAI, split over the processes (spec D1); printed, then checked by --dry_run
+    args, task_changes = task_from_reward_model(args)
     validation.check_policy_args(args)
     cli.quiet_transformers()
     accelerator = core.make_accelerator(args.dist_timeout)
     tf32 = core.use_tf32(args.tf32)
     device, ppo, task = accelerator.device, args.ppo, args.task
-    sizes = derive_sizes(args, accelerator.num_processes)
+    sizes = derive_sizes(args, validation.dry_run_world(args, accelerator.num_processes))
     console = cli.make_console()
     if accelerator.is_main_process:
+        kl = args.rewards.adaptive_kl
         cli.print_table(
             console,
-            "policy training (train_policy.py)",
+            "policy training (train_policy.py)" + (" - dry run" if args.dry_run else ""),
             {
                 "task": args.task_id,
+                "base model": args.base_model,
+                "lengths": f"query {task.query_length}, response {task.response_length} tokens",
+                "temperature": task.temperature,
+                "lr": f"{ppo.lr:g}, annealed linearly to 0",
+                "kl_coef": f"{args.rewards.kl_coef:g}, "
+                + (f"adaptive to KL target {kl.target:g} (horizon {kl.horizon})" if kl.enabled else "fixed"),
+                "seeds": f"seed {args.seed} (process r: seed + 100003 r), data_seed {args.data_seed}",
                 "processes": sizes.world,
                 "episodes per update": f"{ppo.batch_size} ({sizes.batch} per process)",
                 "minibatch per process": f"{sizes.minibatch} x {ppo.nminibatches} per epoch, {ppo.noptepochs} epochs",
@@ -842,6 +913,7 @@ def main(args: Args) -> list[dict[str, float]]:
                 "optimizer steps": sizes.nupdates * ppo.noptepochs * ppo.nminibatches,
                 "reward model": args.rewards.trained_model,
                 "TF32": tf32,
+                **({"task from the reward model": "; ".join(task_changes)} if task_changes else {}),
                 "output dir": args.output_dir,
             },
         )
@@ -853,6 +925,8 @@ def main(args: Args) -> list[dict[str, float]]:
             markup=False,
         )
     if args.dry_run:
+        check_policy_inputs(args, accelerator)
+        accelerator.print("dry run: inputs checked; nothing trained or written")
         return []
     if args.push_to_hub and not hub_reachable():
         raise HubUnavailableError("--push_to_hub needs the Hugging Face hub, which is unreachable; drop the flag")
@@ -938,7 +1012,9 @@ def main(args: Args) -> list[dict[str, float]]:
     saves = checkpoint.BackgroundSaves()
     last_time = time.time()
     start_time = last_time - elapsed_before
-    with progress:
+    # Ctrl-C or SIGTERM during training: the update in progress finishes, a checkpoint is saved, the run stops
+    stop = cli.StopSignal("update", args.output_dir, accelerator.is_main_process)
+    with progress, stop:
         # OAI's step = number of completed updates, 0 at the first one
         for update in range(first_update, sizes.nupdates):
             timer = PhaseTimer(device)
@@ -1008,8 +1084,10 @@ def main(args: Args) -> list[dict[str, float]]:
                 "nonfinite/scores": validation.nonfinite_count([scores]),
                 "nonfinite/rewards": validation.nonfinite_count([rewards]),
                 "nonfinite/weights": validation.nonfinite_tensors(params),
+                "stop/signal": stop.flag(device),  # a signal to any process stops all after this update
             }
             stats = reduce_stats(local_stats, accelerator)
+            stopping = stats.pop("stop/signal") > 0
             check_finite(stats, update)
             add_elapsed_stats(stats, update, args, start_time, last_time)
             last_time = time.time()
@@ -1040,8 +1118,13 @@ def main(args: Args) -> list[dict[str, float]]:
             progress.update(bar, advance=1, description=progress_text(stats))
             is_last = update == sizes.nupdates - 1
             saves.raise_error()  # a failed background save stops the run at the next update
-            if is_last or (args.save_interval and (update + 1) % args.save_interval == 0):
+            if is_last or stopping or (args.save_interval and (update + 1) % args.save_interval == 0):
                 save_checkpoint(args, accelerator, update + 1, state, tokenizer, tracker, meta, start_time, saves)
+            if stopping and not is_last:
+                saves.wait()  # the checkpoint the message names is on disk before the run stops
+                tracker.close()
+                done = f"update {update + 1} of {sizes.nupdates}"
+                raise stop.stopped(done, checkpoint.step_dir(args.output_dir, update + 1), accelerator.is_main_process)
         if first_update == sizes.nupdates:  # a finished run resumed: write its policy again, a kill may have cut it
             save_checkpoint(args, accelerator, first_update, state, tokenizer, tracker, meta, start_time, saves)
 

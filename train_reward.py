@@ -141,7 +141,10 @@ class Args:
     hang when a process or node stalls without exiting (one that exits stops the others at once); must exceed the
     longest time one process works alone (rank 0 saving a checkpoint)"""
     dry_run: bool = False
-    """print the derived per-process sizes and exit"""
+    """check every input (base model, label file: type, lengths, tokenizer, enough rows; local query file), print the
+    settings and the derived per-process sizes, and exit without training"""
+    dry_run_processes: int | None = None
+    """with --dry_run: derive the sizes for this many processes (e.g. 8 GPUs) instead of this launch's"""
     task_id: tyro.conf.Suppress[str] = "sentiment"
     """name of the --task preset these settings started from (recorded in the run config)"""
 
@@ -288,6 +291,23 @@ def nonfinite_stats(
     }
 
 
+def read_labels(args: Args, tokenizer=None) -> Labels:
+    """The label file, checked against the run: its tokenizer, type, lengths, rows (>= num_train), token ids."""
+    tokenizer = tokenizer or load_tokenizer(args.base_model)
+    pad_id = tokenizer.pad_token_id
+    check_label_tokenizer(args.label_dataset, tokenizer_fingerprint(tokenizer), args.base_model)
+    labels = load_labels(
+        args.label_dataset,
+        args.task.query_length,
+        args.task.response_length,
+        pad_id,
+        args.labels.num_train,
+        get_label_type(args.labels.type).name,
+    )
+    check_label_tokens(labels, model_vocab_size(args.base_model), pad_id, args.label_dataset)
+    return labels
+
+
 def save_reward_model(reward_model: RewardModel, tokenizer, args: Args, metadata: dict, output_dir: str) -> None:
     """The reward model with its metadata, its tokenizer and args.json in `output_dir`."""
     reward_model.save(output_dir, metadata)
@@ -303,7 +323,8 @@ def main(args: Args) -> dict:
     cli.quiet_transformers()
     accelerator = make_accelerator(args.dist_timeout)
     tf32 = use_tf32(args.tf32)
-    world, rank = accelerator.num_processes, accelerator.process_index
+    world, rank = validation.dry_run_world(args, accelerator.num_processes), accelerator.process_index
+    validation.check_reward_sizes(args, world)  # errors that name the flag to change
     local_batch_size = exact_div(args.batch_size, world, "batch_size (labels per step) over processes")
     accum = args.gradient_accumulation_steps
     micro_batch_size = exact_div(local_batch_size, accum, "per-process batch over gradient_accumulation_steps")
@@ -315,9 +336,14 @@ def main(args: Args) -> dict:
         normalize_batches = ceil_div(args.normalize_samples, args.rollout_batch_size)
         cli.print_table(
             console,
-            "reward training (train_reward.py)",
+            "reward training (train_reward.py)" + (" - dry run" if args.dry_run else ""),
             {
                 "task": args.task_id,
+                "base model": args.base_model,
+                "lengths": f"query {args.task.query_length}, response {args.task.response_length} tokens",
+                "temperature": args.task.temperature,
+                "lr": f"{args.lr:g}, annealed linearly to {args.lr * args.batch_size / args.labels.num_train:g}",
+                "seeds": f"seed {args.seed} (process r: seed + 100003 r), data_seed {args.data_seed}",
                 "processes": world,
                 "labels per step": f"{args.batch_size} ({local_batch_size} per process)",
                 "micro-batch": f"{micro_batch_size} x {accum}",
@@ -332,6 +358,10 @@ def main(args: Args) -> dict:
             },
         )
     if args.dry_run:
+        if args.task.query_dataset.lower().endswith((".txt", ".jsonl")):
+            load_texts(args.task.query_dataset)
+        with cli.unchecked_when_offline(accelerator.print, "the label file"):
+            accelerator.print(f"dry run: every input checked ({len(read_labels(args))} label rows); nothing written")
         return {}
     # per-process seeds; rank 0's NumPy RNG draws the label order
     # https://github.com/openai/lm-human-preferences/blob/cbfd210bb8b08f6bc5c26878c10984b90f516c66/lm_human_preferences/utils/core.py#L108-L113
@@ -345,16 +375,7 @@ def main(args: Args) -> dict:
     label_type = get_label_type(args.labels.type)
     tokenizer = load_tokenizer(args.base_model)
     pad_id = tokenizer.pad_token_id
-    check_label_tokenizer(args.label_dataset, tokenizer_fingerprint(tokenizer), args.base_model)
-    labels = load_labels(
-        args.label_dataset,
-        args.task.query_length,
-        args.task.response_length,
-        pad_id,
-        args.labels.num_train,
-        label_type.name,
-    )
-    check_label_tokens(labels, model_vocab_size(args.base_model), pad_id, args.label_dataset)
+    labels = read_labels(args, tokenizer)
     train_labels, heldout_labels = labels[: args.labels.num_train], labels[args.labels.num_train :]
     reward_model = RewardModel.from_base(args.base_model).to(accelerator.device)
     broadcast_parameters(reward_model, accelerator)  # rank 0's random head everywhere (OAI train_reward.py#L316-L318)
@@ -462,7 +483,9 @@ def main(args: Args) -> dict:
         TimeRemainingColumn(),
     )
     progress = Progress(*columns, disable=not accelerator.is_main_process, console=console)
-    with progress:
+    # Ctrl-C or SIGTERM during training: the step in progress finishes, a checkpoint is saved, the run stops
+    stop = cli.StopSignal("step", args.output_dir, accelerator.is_main_process)
+    with progress, stop:
         bar = progress.add_task("train", total=num_steps, stats="", completed=first_step)
         for step, start in enumerate(range(0, args.labels.num_train, args.batch_size)):
             if step < first_step:  # trained before the checkpoint this run resumed from
@@ -498,8 +521,10 @@ def main(args: Args) -> dict:
             if label_type.label_field == "best":
                 local_stats["debug/accuracy"] = (step_rewards.argmax(1) == label).float().mean()
             local_stats.update(nonfinite_stats(step_rewards, oai_stats["loss"], nonfinite_gradients, params))
+            local_stats["stop/signal"] = stop.flag(accelerator.device)  # a signal to any process stops all
             values = accelerator.reduce(torch.stack(list(local_stats.values())), reduction="mean").tolist()
             stats = dict(zip(local_stats, values))
+            stopping = stats.pop("stop/signal") > 0
             validation.check_finite_stats(stats, f"reward training step {step}", "Try a smaller --lr.")
             loss_value = stats["train_reward/minibatch/loss"]
             tracker.log({**stats, "debug/lr": lr}, step)
@@ -508,8 +533,14 @@ def main(args: Args) -> dict:
             accuracy = f" acc {stats['debug/accuracy']:.2f}" if "debug/accuracy" in stats else ""
             progress.update(bar, advance=1, stats=f"loss {cli.number(loss_value)}{accuracy}")
             saves.raise_error()  # a failed background save stops the run at the next step
-            if step + 1 == num_steps or (args.save_interval and (step + 1) % args.save_interval == 0):
+            if step + 1 == num_steps or stopping or (args.save_interval and (step + 1) % args.save_interval == 0):
                 save_checkpoint(step + 1)
+            if stopping and step + 1 < num_steps:
+                saves.wait()  # the checkpoint the message names is on disk before the run stops
+                gradients.close()
+                tracker.close()
+                done = f"step {step + 1} of {num_steps}"
+                raise stop.stopped(done, checkpoint.step_dir(args.output_dir, step + 1), accelerator.is_main_process)
     saves.wait()  # the last checkpoint is on disk before the model is normalized and saved
     gradients.close()
     eval_after = log_eval(num_steps)

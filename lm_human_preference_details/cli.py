@@ -4,12 +4,15 @@ Every script parses the same way: `--task NAME` picks one of OAI's launch.py exp
 overrides one field of it (tyro), and `--debug` shows the traceback that bad input otherwise reports in one line.
 """
 
+import contextlib
 import os
 import shutil
+import signal
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, TypeVar
 
+import torch
 import tyro
 from rich.console import Console
 from rich.table import Table
@@ -33,6 +36,96 @@ USER_ERRORS = (
 """Exceptions that mean bad input (a flag, a file, the network): reported as one line, not a traceback."""
 DEBUG_ENV = "LHPD_DEBUG"
 """Set to 1 to see tracebacks, like --debug."""
+
+
+class Stopped(Exception):
+    """A run stopped on request (SIGINT/SIGTERM) after saving; `cli.run` prints the message and exits with `code`."""
+
+    def __init__(self, message: str, code: int):
+        super().__init__(message)
+        self.code = code
+
+
+class StopSignal:
+    """SIGINT (Ctrl-C) and SIGTERM (a scheduler) ask a training loop to stop at its next step and save a checkpoint.
+
+    The first signal sets `signum` and prints one line; the loop folds `flag()` into the statistics it already reduces
+    over processes, so every process sees the same decision without an extra host sync. A second signal exits at once
+    (the last checkpoint on disk is whole: checkpoints are written atomically).
+    """
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+    def __init__(self, what: str, output_dir: str, announce: bool = True):
+        self.what, self.output_dir, self.announce = what, output_dir, announce
+        self.signum: int | None = None
+        self._previous: dict[int, Any] = {}
+
+    def install(self) -> "StopSignal":
+        """Catch the signals from now on (again a no-op)."""
+        if not self._previous:
+            self._previous = {signum: signal.signal(signum, self._handle) for signum in self.SIGNALS}
+        return self
+
+    def restore(self) -> None:
+        """Give the signals back to the handlers they had before `install`."""
+        for signum, handler in self._previous.items():
+            signal.signal(signum, handler)
+        self._previous = {}
+
+    def __enter__(self) -> "StopSignal":
+        return self.install()
+
+    def __exit__(self, *exc_info) -> None:
+        self.restore()
+
+    def _handle(self, signum: int, frame) -> None:
+        """First signal: remember it; second: exit now with 128 + signal number."""
+        name = signal.Signals(signum).name
+        if self.signum is not None:
+            if self.announce:
+                print(
+                    f"{name} again: stopped at once; continue from the last checkpoint in {self.output_dir} with the "
+                    "same command and --resume auto",
+                    file=sys.stderr,
+                    flush=True,
+                )
+            os._exit(128 + signum)
+        self.signum = signum
+        if self.announce:
+            print(
+                f"{name}: stopping after the current {self.what} with a checkpoint; press Ctrl-C again to stop at once",
+                file=sys.stderr,
+                flush=True,
+            )
+
+    @property
+    def requested(self) -> bool:
+        """Whether a signal arrived."""
+        return self.signum is not None
+
+    def flag(self, device: torch.device) -> torch.Tensor:
+        """1.0 on `device` when a signal arrived, else 0.0: a fill, no host-to-device copy to wait for."""
+        return torch.full((), float(self.requested), device=device)
+
+    def stopped(self, done: str, checkpoint_dir: str, main_process: bool) -> Stopped:
+        """The exception that ends the run after its checkpoint: one line naming it and `--resume auto`."""
+        name = signal.Signals(self.signum or signal.SIGINT).name
+        message = (
+            f"stopped by {name} after {done}; checkpoint {checkpoint_dir}; continue with the same command and "
+            "--resume auto"
+        )
+        return Stopped(message if main_process else "", 128 + (self.signum or signal.SIGINT))
+
+
+@contextlib.contextmanager
+def unchecked_when_offline(print_fn: Callable[[str], Any], what: str) -> Iterator[None]:
+    """Run a dry run's check; when it needs the hub or a download that is unreachable, print that `what` was not
+    checked instead of failing (a dry run on a machine without network still shows the settings)."""
+    try:
+        yield
+    except (HubUnavailableError, SourceUnavailableError) as e:
+        print_fn(f"dry run: {what} not checked: {e}")
 
 
 def pop_flag(argv: Sequence[str], flag: str) -> tuple[bool, list[str]]:
@@ -83,6 +176,15 @@ def run(main: Callable[[T], Any], parse: Callable[[list[str]], T], argv: Sequenc
     debug = debug or os.environ.get(DEBUG_ENV, "0") not in ("", "0")
     try:
         main(parse(argv))
+    except Stopped as e:
+        if str(e):
+            print(str(e), file=sys.stderr, flush=True)
+        sys.exit(e.code)
+    except KeyboardInterrupt:
+        if debug:
+            raise
+        print("interrupted; a training script continues from its last checkpoint with --resume auto", file=sys.stderr)
+        sys.exit(128 + signal.SIGINT)
     except USER_ERRORS as e:
         if debug:
             raise

@@ -250,18 +250,22 @@ class HumanLabeler(Labeler):
             self.console.print(f"invalid answer {answer!r}: type a number from 0 to {num_responses - 1}, or q.")
 
     def best(self, queries: torch.Tensor, responses: torch.Tensor) -> torch.Tensor:
-        """Show each query with its N responses and read the chosen index; raises LabelingStopped on `q`."""
+        """Show each query with its N responses and read the chosen index; raises LabelingStopped on `q` or Ctrl-C."""
         _check_shapes(queries, responses)
         query_texts = decode_without_pad(self.tokenizer, queries, self.pad_id)
         response_texts = decode_without_pad(self.tokenizer, responses, self.pad_id)
         n = responses.shape[1]
         choices = []
         for row, query in enumerate(query_texts):
-            self.console.rule()
-            self.console.print(Text.assemble(("query: ", "bold"), query))
-            for i, response in enumerate(response_texts[row * n : (row + 1) * n]):
-                self.console.print(Text.assemble((f"[{i}] ", "bold cyan"), response))
-            choices.append(self._ask(n))
+            try:
+                self.console.rule()
+                self.console.print(Text.assemble(("query: ", "bold"), query))
+                for i, response in enumerate(response_texts[row * n : (row + 1) * n]):
+                    self.console.print(Text.assemble((f"[{i}] ", "bold cyan"), response))
+                choices.append(self._ask(n))
+            except KeyboardInterrupt:  # Ctrl-C stops as `q` does: the rows labelled so far are kept
+                self.console.print()
+                raise LabelingStopped() from None
         return torch.tensor(choices, dtype=torch.long, device=responses.device)
 
     def scores(self, queries: torch.Tensor, responses: torch.Tensor) -> torch.Tensor:

@@ -32,6 +32,11 @@ LABELS_META_SUFFIX = ".meta.json"
 """Suffix of the metadata file written beside a generated label file; its `pad_id` overrides OAI_PAD_TOKEN."""
 OAI_LABELS_URL = f"{OAI_URL}labels/"
 """Prefix of the label sources in OAI's launch.py; stripped to get the file name (the same inside LABELS_REPO)."""
+OAI_LABEL_FOLDERS = ("sentiment", "descriptiveness", "tldr", "cnndm")
+"""Folders of OAI's label files (sentiment/offline_5k.json, tldr/online_45k.json, ...): a relative name outside them
+is a local file, never downloaded."""
+PREFERENCE_PAIR_FIELDS = ("prompt", "chosen", "rejected")
+"""Fields of the text preference pairs of other libraries (e.g. TRL's JSON Lines), which this project does not read."""
 
 
 # ---------------------------------------------------------------- label types
@@ -178,6 +183,12 @@ def _resolve_label_source(source: str, flag: str = "--label_dataset") -> str:
         return source
     if source.startswith(("/", ".", "~")) or os.path.isdir(source):
         raise FileNotFoundError(f"label file '{source}' does not exist; fix {flag}.")
+    is_url = source.startswith(("http://", "https://"))
+    if not is_url and source.split("/")[0] not in OAI_LABEL_FOLDERS:
+        raise FileNotFoundError(
+            f"label file '{source}' does not exist in {os.getcwd()}, and it is not one of OAI's label files "
+            f"({', '.join(f'{folder}/...' for folder in OAI_LABEL_FOLDERS)}); fix the path of {flag}."
+        )
     if source.startswith(("http://", "https://")) and not source.startswith(OAI_LABELS_URL):
         return download_cached(source)
     # OAI's labels.source is a URL of its public storage; a bare name such as sentiment/offline_5k.json means that file
@@ -273,13 +284,43 @@ def _token_array(rows: list[dict], field: str, where: str) -> np.ndarray:
     raise ValueError(f"{where}: field '{field}' could not be read as integer tokens.")
 
 
+SCHEMA = (
+    'a JSON list of rows of token ids, e.g. best_of_4: {"query": [ids], "sample0": [ids], ..., "sample3": '
+    '[ids], "best": 0-3}'
+)
+"""OAI's label schema in one line, for error messages."""
+
+
 def _read_json_rows(path: str, where: str) -> Any:
-    """The parsed JSON content of a label file; ValueError naming the file when it is not JSON."""
+    """The parsed JSON content of a label file; ValueError naming the file and the expected schema when it is not."""
     with open(path, encoding="utf-8") as f:
-        try:
-            return json.load(f)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{where}: invalid JSON ({e}).") from e
+        text = f.read()
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        first = _first_json_line(text)
+        if first is not None and set(PREFERENCE_PAIR_FIELDS) <= set(first):
+            raise ValueError(
+                f"{where} is JSON Lines of text preference pairs ({', '.join(PREFERENCE_PAIR_FIELDS)}, as TRL "
+                f"writes them); this project reads OAI's label schema, {SCHEMA}. Tokenize each pair into a "
+                "best_of_2 row (query: prompt, sample0: chosen, sample1: rejected, best: 0; padded to "
+                "--task.query_length/--task.response_length) and pass --labels.type best_of_2, or write labels with "
+                "label_generation.py generate."
+            ) from e
+        if first is not None:
+            raise ValueError(
+                f"{where} holds one JSON value per line (JSON Lines); this project reads one JSON list, {SCHEMA}."
+            ) from e
+        raise ValueError(f"{where}: invalid JSON ({e}); expected {SCHEMA}.") from e
+
+
+def _first_json_line(text: str) -> dict | None:
+    """The first line of `text` parsed as a JSON object, or None when it is not one."""
+    try:
+        first = json.loads(text.lstrip().split("\n", 1)[0])
+    except json.JSONDecodeError:
+        return None
+    return first if isinstance(first, dict) else None
 
 
 def read_label_rows(source: str, flag: str = "--label_dataset") -> tuple[list[dict], LabelType, int]:
@@ -301,6 +342,39 @@ def read_label_rows(source: str, flag: str = "--label_dataset") -> tuple[list[di
     for field in lengths:
         _token_array(rows, field, where)
     return rows, label_type, label_file_pad_id(path)
+
+
+def _meta_lengths(path: str) -> tuple[int, int] | None:
+    """(query_length, response_length) that a label file's `.meta.json` records, or None."""
+    try:
+        with open(labels_meta_path(path), encoding="utf-8") as f:
+            task = json.load(f).get("task", {})
+        return task["query_length"], task["response_length"]
+    except (OSError, ValueError, AttributeError, KeyError, TypeError):
+        return None
+
+
+def _check_file_lengths(rows: Any, lengths: dict[str, int], kind: LabelType, path: str, where: str) -> None:
+    """ValueError naming the --task.* lengths of the file (its first row, as its .meta.json records them) when they
+    are not this run's."""
+    first = rows[0] if isinstance(rows, list) and rows and isinstance(rows[0], dict) else None
+    if first is None:
+        return
+    found = _first_row_lengths(first, kind)
+    if found == lengths or any(length < 0 for length in found.values()):
+        return
+    query, response = found["query"], found[kind.sample_fields[0]]
+    recorded = (
+        f" (as its {os.path.basename(labels_meta_path(path))} records)"
+        if _meta_lengths(path) == (query, response)
+        else ""
+    )
+    raise ValueError(
+        f"{where} has queries of {query} tokens and responses of {response}{recorded}, this run expects "
+        f"{lengths['query']} and {lengths[kind.sample_fields[0]]}; pass --task.query_length {query} "
+        f"--task.response_length {response}, or convert the file with label_generation.py convert "
+        f"--task.query_length {lengths['query']} --task.response_length {lengths[kind.sample_fields[0]]}."
+    )
 
 
 def load_labels(
@@ -329,6 +403,7 @@ def load_labels(
             f"{found.name}."
         )
     lengths = {"query": query_length, **{field: response_length for field in kind.sample_fields}}
+    _check_file_lengths(rows, lengths, kind, path, where)
     _check_label_rows(rows, lengths, kind, where)
     if len(rows) < num_train:
         raise ValueError(f"{where} has {len(rows)} rows but num_train is {num_train}; lower --labels.num_train.")

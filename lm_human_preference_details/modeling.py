@@ -557,21 +557,40 @@ def score_label_rows(
     return reward_model(query_responses, pad_id).view(b, n)
 
 
-def load_reward_model(output_dir: str, flag: str = REWARD_MODEL_FLAG) -> tuple[RewardModel, dict]:
-    """Inverse of `RewardModel.save`: the model (dropout off, eval mode) and the saved metadata.
+def saved_kind(directory: str) -> str | None:
+    """What the project saved in `directory`: "reward model" (train_reward.py), "policy" (train_policy.py) or None."""
+    if os.path.isfile(os.path.join(directory, REWARD_CONFIG_FILE)):
+        return "reward model"
+    if os.path.isfile(os.path.join(directory, VALUE_HEAD_FILE)):
+        return "policy"
+    return None
 
-    A classifier checkpoint loads with gain 1 and bias 0 (they are folded into its weights, see
-    `classifier_checkpoint`); the metadata keeps the trained gain and bias.
-    """
+
+def read_reward_metadata(output_dir: str, flag: str = REWARD_MODEL_FLAG) -> dict:
+    """`reward_model.json` of a reward model directory (no weights loaded); FileNotFoundError naming what is there."""
     config_path = os.path.join(output_dir, REWARD_CONFIG_FILE)
-    check_complete_save(output_dir, flag)
+    if saved_kind(output_dir) == "policy":
+        raise ValueError(
+            f"{flag} '{output_dir}' holds a policy written by train_policy.py, not a reward model; pass the "
+            f"--output_dir of train_reward.py as {flag}."
+        )
     if not os.path.isfile(config_path):
         raise FileNotFoundError(
             f"reward model '{output_dir}' not found ('{config_path}' is missing); pass {flag} DIR with a directory "
             f"written by train_reward.py."
         )
     with open(config_path, encoding="utf-8") as f:
-        metadata = json.load(f)
+        return json.load(f)
+
+
+def load_reward_model(output_dir: str, flag: str = REWARD_MODEL_FLAG) -> tuple[RewardModel, dict]:
+    """Inverse of `RewardModel.save`: the model (dropout off, eval mode) and the saved metadata.
+
+    A classifier checkpoint loads with gain 1 and bias 0 (they are folded into its weights, see
+    `classifier_checkpoint`); the metadata keeps the trained gain and bias.
+    """
+    check_complete_save(output_dir, flag)
+    metadata = read_reward_metadata(output_dir, flag)
     if metadata.get("checkpoint") == "trunk":
         return _load_trunk_checkpoint(output_dir, flag), metadata
     classifier = _load_pretrained(AutoModelForSequenceClassification, output_dir, flag, "reward model", strict=True)

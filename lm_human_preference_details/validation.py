@@ -215,12 +215,14 @@ def check_reward_args(args: Any) -> None:
     check_task(args.task, response_filter=False)
     check_model_dir(args.base_model, "--base_model", tokenizer=True)
     check_at_least(args.batch_size, 1, "--batch_size", "OAI uses 32 (books) or 16 (tldr, cnndm)")
-    check_at_least(
-        args.labels.num_train,
-        args.batch_size,
-        "--labels.num_train",
-        "train on at least one batch of labels (OAI: 4992 books, 46000 tldr/cnndm)",
-    )
+    num_train = args.labels.num_train
+    check_at_least(num_train, 1, "--labels.num_train", "OAI trains on 4992 labels (books) or 46000 (tldr, cnndm)")
+    if num_train < args.batch_size:
+        raise ValueError(
+            f"--labels.num_train {num_train} is less than one batch (--batch_size {args.batch_size}); lower "
+            f"--batch_size to a divisor of {num_train} ({divisors(num_train)}), or raise --labels.num_train (the label "
+            "file needs that many rows)."
+        )
     check_at_least(args.gradient_accumulation_steps, 1, "--gradient_accumulation_steps")
     check_positive(args.lr, "--lr", "OAI uses 5e-5 (books) or 2.5e-5 (tldr, cnndm)")
     check_at_least(args.rollout_batch_size, 1, "--rollout_batch_size", "OAI uses 512 (books) or 128 (tldr, cnndm)")
@@ -233,6 +235,78 @@ def check_reward_args(args: Any) -> None:
         "--task.query_dataset": args.task.query_dataset,
     }
     check_output_dir(args.output_dir, inputs)
+
+
+def dry_run_world(args: Any, world: int) -> int:
+    """The process count to derive sizes for: --dry_run_processes (which needs --dry_run), else this launch's."""
+    if args.dry_run_processes is None:
+        return world
+    check_at_least(args.dry_run_processes, 1, "--dry_run_processes", "e.g. 8 for 8 GPUs")
+    if not args.dry_run:
+        raise ValueError("--dry_run_processes only sizes a dry run; add --dry_run (or drop --dry_run_processes).")
+    return args.dry_run_processes
+
+
+def divisors(n: int, most: int = 10) -> str:
+    """The divisors of `n` in increasing order ("1, 2, 4, ..."), at most `most` of them, for error messages."""
+    found = [d for d in range(1, n + 1) if n % d == 0]
+    return ", ".join(map(str, found[:most])) + (", ..." if len(found) > most else "")
+
+
+def check_divides(parts: int, total: int, flag: str, what: str, fix: str = "") -> None:
+    """ValueError unless `parts` (the value of `flag`) divides `total` (`what`), naming the values that would."""
+    if total % parts:
+        raise ValueError(f"{flag} {parts} does not divide {what} ({total}); {fix or f'pass one of {divisors(total)}'}.")
+
+
+def check_policy_sizes(ppo: Any, world: int) -> None:
+    """ValueError naming the flag when ppo.batch_size does not split over `world` processes, nminibatches and
+    gradient_accumulation_steps (OAI derives every per-rank size by exact division)."""
+    if ppo.batch_size % world:
+        multiple = -(-ppo.batch_size // world) * world
+        raise ValueError(
+            f"--ppo.batch_size {ppo.batch_size} does not split over {world} processes; pass a multiple of {world} "
+            f"(e.g. --ppo.batch_size {multiple}) or run {divisors(ppo.batch_size)} processes."
+        )
+    batch = ppo.batch_size // world
+    where = f"the {batch} episodes per process (--ppo.batch_size {ppo.batch_size} over {world} processes)"
+    check_divides(ppo.nminibatches, batch, "--ppo.nminibatches", where, f"pass one of {divisors(batch)} (OAI: 1)")
+    minibatch = batch // ppo.nminibatches
+    check_divides(
+        ppo.gradient_accumulation_steps,
+        minibatch,
+        "--ppo.gradient_accumulation_steps",
+        f"the episodes per process and minibatch ({batch} / --ppo.nminibatches {ppo.nminibatches})",
+    )
+
+
+def check_reward_sizes(args: Any, world: int) -> None:
+    """ValueError naming the flag when batch_size, num_train, rollout_batch_size and gradient_accumulation_steps do
+    not divide as train_reward.py needs (whole batches per step, equal shares per process)."""
+    if args.batch_size % world:
+        raise ValueError(
+            f"--batch_size {args.batch_size} does not split over {world} processes; pass a multiple of {world}."
+        )
+    local = args.batch_size // world
+    check_divides(
+        args.gradient_accumulation_steps,
+        local,
+        "--gradient_accumulation_steps",
+        f"the labels per process and step (--batch_size {args.batch_size} over {world} processes)",
+    )
+    check_divides(
+        args.batch_size,
+        args.labels.num_train,
+        "--batch_size",
+        "--labels.num_train",
+        f"each step trains on one whole batch (OAI): pass --batch_size {divisors(args.labels.num_train)} or "
+        f"--labels.num_train {args.labels.num_train // args.batch_size * args.batch_size}",
+    )
+    if args.rollout_batch_size % world:
+        raise ValueError(
+            f"--rollout_batch_size {args.rollout_batch_size} does not split over {world} processes; pass a multiple "
+            f"of {world}."
+        )
 
 
 def check_generate_args(args: Any) -> None:

@@ -87,7 +87,8 @@ def test_policy_flags_that_would_fail_late_or_mean_nothing_stop_first(tmp_path, 
 @pytest.mark.parametrize(
     "flags, words",
     [
-        (["--labels.num_train", "0"], "--labels.num_train must be an integer >= 32"),
+        (["--labels.num_train", "0"], "--labels.num_train must be an integer >= 1"),
+        (["--labels.num_train", "20"], "less than one batch (--batch_size 32); lower --batch_size to a divisor of 20"),
         (["--rollout_batch_size", "0"], "--rollout_batch_size must be an integer >= 1"),
         (["--batch_size", "0"], "--batch_size must be an integer >= 1"),
         (["--lr", "0"], "--lr must be a finite number > 0"),

@@ -1,0 +1,94 @@
+"""train_both.py: one command trains the reward model and then the policy on the offline demo world, with the task
+settings given once; killed during the policy stage, the same command keeps the finished reward model, resumes the
+policy and ends with the outputs of an uninterrupted run."""
+
+import json
+
+import pytest
+
+import train_both
+from demo import world as demo_world
+from lm_human_preference_details import checkpoint
+from tests.planted import write_policy_planted_labels
+from tests.test_resume import (
+    max_metric_difference,
+    max_weight_difference,
+    saved_files,
+    scalars,
+    script_command,
+    start_and_kill,
+)
+
+pytestmark = pytest.mark.usefixtures("single_thread")
+
+
+@pytest.fixture(scope="module")
+def pipeline_world(tmp_path_factory, tokenizer, tiny_model_dir):
+    """The demo world's query file and 40 best-of-4 labels on the tiny model's samples of its queries."""
+    root = tmp_path_factory.mktemp("pipeline")
+    files = demo_world.main(demo_world.Args(output_dir=str(root / "world"), num_pretrain=1, num_heldout=1))
+    marker = tokenizer.encode(" happy")[0]
+    labels = root / "labels.json"
+    write_policy_planted_labels(labels, tiny_model_dir, tokenizer, files["queries"], 40, 16, 8, marker)
+    return {"queries": files["queries"], "labels": str(labels)}
+
+
+def pipeline_flags(model_dir: str, world: dict, output_dir) -> list[str]:
+    """A tiny pipeline: shared task flags, 4 reward steps (8 labels held out), 4 policy updates."""
+    return [
+        *("--base_model", model_dir, "--task.query_dataset", world["queries"], "--task.query_length", "16"),
+        *("--task.response_length", "8", "--task.truncate_token", "None", "--save_interval", "1"),
+        *("--label_dataset", world["labels"], "--labels.num_train", "32", "--batch_size", "8", "--lr", "1e-3"),
+        *("--rollout_batch_size", "16", "--normalize_samples", "16"),
+        *("--ppo.total_episodes", "32", "--ppo.batch_size", "8", "--ppo.lr", "1e-3", "--ppo.noptepochs", "2"),
+        *("--log_interval", "100", "--print_samples", "1", "--policy_stage.seed", "3"),
+        *("--output_dir", str(output_dir)),
+    ]
+
+
+def test_route_flags_sends_shared_flags_to_both_and_others_to_their_stage():
+    own, reward, policy = train_both.route_flags(
+        ["--task", "tldr", "--seed=4", "--lr", "1e-4", "--ppo.lr", "2e-6", "--reward_stage.seed", "5", "--dry_run"]
+    )
+    assert own == {"dry_run": []}
+    assert reward == ["--task", "tldr", "--seed", "4", "--lr", "1e-4", "--seed", "5"]
+    assert policy == ["--task", "tldr", "--seed", "4", "--ppo.lr", "2e-6"]
+    with pytest.raises(ValueError, match="--ppo.lrr is a flag of neither"):
+        train_both.route_flags(["--ppo.lrr", "1"])
+    # the line a stopped run ends with says "the same command and --resume auto": the pipeline takes it
+    assert train_both.route_flags(["--resume", "auto"])[0] == {"resume": ["auto"]}
+    with pytest.raises(ValueError, match="always resumes"):
+        train_both.parse(["--resume", "models/x/training_state/step3"])
+
+
+@pytest.mark.slow
+def test_pipeline_runs_on_the_demo_world_and_resumes_after_a_kill(tmp_path, tiny_model_dir, pipeline_world, capsys):
+    whole = tmp_path / "whole"
+    pipeline = train_both.parse(pipeline_flags(tiny_model_dir, pipeline_world, whole))
+    assert pipeline.policy.task == pipeline.reward.task and pipeline.policy.seed == 3 and pipeline.reward.seed == 1
+    assert pipeline.commands[1].endswith(f"--rewards.trained_model {whole / 'reward_model'}")
+    train_both.main(pipeline)
+    reward_meta = json.loads((whole / "reward_model" / "reward_model.json").read_text())
+    assert reward_meta["task"]["response_length"] == 8 and reward_meta["num_train"] == 32
+    assert checkpoint.list_checkpoints(str(whole / "policy"))[-1][0] == 4
+
+    # SIGKILL during the policy stage (its first checkpoint on disk), then the same command
+    killed = tmp_path / "killed"
+    killed.mkdir()
+    flags = pipeline_flags(tiny_model_dir, pipeline_world, killed)
+    start_and_kill(script_command("train_both.py", flags), killed / "policy", kill_after=1, delay=0.0)
+    reward_files = {p.name: p.stat().st_mtime_ns for p in (killed / "reward_model").iterdir() if p.is_file()}
+    capsys.readouterr()
+    train_both.main(train_both.parse(flags))  # the same command again
+    out = capsys.readouterr().out
+    assert f"reward model: {killed / 'reward_model'} is finished with these settings; kept" in out
+    assert "resuming from" in out and "pipeline done" in out
+    assert {p.name: p.stat().st_mtime_ns for p in (killed / "reward_model").iterdir() if p.is_file()} == reward_files
+    model = ("model.safetensors",)
+    assert (
+        max_weight_difference(saved_files(killed / "reward_model", model), saved_files(whole / "reward_model", model))
+        == 0
+    )
+    names = ("model.safetensors", "value_head.safetensors")
+    assert max_weight_difference(saved_files(killed / "policy", names), saved_files(whole / "policy", names)) <= 1e-6
+    assert max_metric_difference(scalars(killed / "policy"), scalars(whole / "policy"), 0) <= 1e-6

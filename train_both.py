@@ -1,0 +1,169 @@
+"""The whole pipeline in one command: train the reward model, then the policy against it, with one task's settings.
+
+OAI trains the reward model first when `rewards.train_new_model` is set (every launch.py experiment), in the same job,
+saves it under the policy's save_dir and then loads it:
+https://github.com/openai/lm-human-preferences/blob/cbfd210bb8b08f6bc5c26878c10984b90f516c66/lm_human_preferences/train_policy.py#L410-L417
+
+Run:   python train_both.py --task sentiment --output_dir runs/sentiment
+       accelerate launch --num_processes 8 train_both.py --task sentiment --output_dir runs/sentiment
+Flags: --task NAME picks OAI's experiment for both stages. A flag that train_reward.py and train_policy.py both take
+(--task.*, --base_model, --seed, --data_seed, --track, --save_interval, ...) goes to both; a flag that only one takes
+goes to that one (--labels.num_train, --label_dataset, --ppo.lr, --rewards.kl_coef, ...); --reward_stage.FLAG or
+--policy_stage.FLAG gives a flag to one stage only (e.g. --reward_stage.seed 2). The reward model is written to
+OUTPUT_DIR/reward_model, the policy to OUTPUT_DIR/policy (its --rewards.trained_model is OUTPUT_DIR/reward_model).
+Resume: after a kill or Ctrl-C, run the same command again: a finished reward model is kept, a started stage continues
+from its newest checkpoint (--resume auto), so the outputs are those of an uninterrupted run.
+"""
+
+import dataclasses
+import json
+import os
+import shlex
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import train_policy
+import train_reward
+from lm_human_preference_details import checkpoint, cli
+from lm_human_preference_details.modeling import REWARD_CONFIG_FILE
+
+STAGES = ("reward_stage", "policy_stage")
+"""prefixes of the flags meant for one stage only"""
+PIPELINE_FLAGS = ("output_dir", "resume", "dry_run")
+"""flags of the pipeline itself, not passed on as they are"""
+
+
+@dataclass
+class Pipeline:
+    """The two stages' parsed settings."""
+
+    output_dir: str
+    """the pipeline's directory: reward_model/ and policy/ inside it"""
+    reward: train_reward.Args
+    """train_reward.py's settings"""
+    policy: train_policy.Args
+    """train_policy.py's settings"""
+    commands: tuple[str, str] = ("", "")
+    """the two stages as command lines of their own scripts"""
+
+
+def flag_names(args_type: type, prefix: str = "") -> set[str]:
+    """Every `--flag` name a script's Args dataclass takes (nested groups dotted, booleans also as no_NAME)."""
+    names = set()
+    for field in dataclasses.fields(args_type):
+        name = f"{prefix}{field.name}"
+        default = field.default_factory() if field.default_factory is not dataclasses.MISSING else field.default
+        if dataclasses.is_dataclass(default):
+            names |= flag_names(type(default), f"{name}.")
+        else:
+            names |= {name, f"{prefix}no_{field.name}"}
+    return names
+
+
+def group_flags(argv: Sequence[str]) -> list[list[str]]:
+    """argv cut into [--flag, value...] groups; ValueError for a value with no flag before it."""
+    groups: list[list[str]] = []
+    for token in argv:
+        if token.startswith("--"):
+            groups.append([token])
+        elif groups:
+            groups[-1].append(token)
+        else:
+            raise ValueError(f"'{token}' follows no flag; train_both.py takes --flag value pairs only.")
+    return groups
+
+
+def route_flags(argv: Sequence[str]) -> tuple[dict[str, list[str]], list[str], list[str]]:
+    """Split argv into the pipeline's own flags, train_reward.py's argv and train_policy.py's argv."""
+    takes = {"reward_stage": flag_names(train_reward.Args), "policy_stage": flag_names(train_policy.Args)}
+    own: dict[str, list[str]] = {}
+    stage_argv: dict[str, list[str]] = {stage: [] for stage in STAGES}
+    for group in group_flags(argv):
+        name, _, inline = group[0][2:].partition("=")
+        values = [inline] if inline else group[1:]
+        stage, _, rest = name.partition(".")
+        if stage in STAGES and rest:  # --reward_stage.FLAG: that stage only
+            stage_argv[stage] += [f"--{rest}", *values]
+        elif name in PIPELINE_FLAGS:
+            own[name] = values
+        elif name == "task":  # the preset, for both
+            for stage in STAGES:
+                stage_argv[stage] += ["--task", *values]
+        else:
+            targets = [stage for stage in STAGES if name in takes[stage]]
+            if not targets:
+                raise ValueError(
+                    f"--{name} is a flag of neither train_reward.py nor train_policy.py; see their --help (or "
+                    "train_both.py --help)."
+                )
+            for stage in targets:
+                stage_argv[stage] += [f"--{name}", *values]
+    return own, stage_argv["reward_stage"], stage_argv["policy_stage"]
+
+
+def parse(argv: list[str] | None = None) -> Pipeline:
+    """Both stages' settings from one command line (see the module docstring)."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if "--help" in argv or "-h" in argv:
+        print(__doc__)
+        raise SystemExit(0)
+    own, reward_argv, policy_argv = route_flags(cli.pop_flag(argv, "--debug")[1])
+    if own.get("resume", ["auto"]) != ["auto"]:
+        raise ValueError(
+            "train_both.py always resumes each stage from its newest checkpoint; drop --resume or pass auto."
+        )
+    output_dir = (own.get("output_dir") or ["models/pipeline"])[0]
+    reward_dir, policy_dir = os.path.join(output_dir, "reward_model"), os.path.join(output_dir, "policy")
+    dry_run = ["--dry_run"] if "dry_run" in own else []
+    reward_argv = [*reward_argv, *dry_run, "--output_dir", reward_dir]
+    policy_argv = [*policy_argv, *dry_run, "--output_dir", policy_dir, "--rewards.trained_model", reward_dir]
+    commands = (shlex.join(["train_reward.py", *reward_argv]), shlex.join(["train_policy.py", *policy_argv]))
+    return Pipeline(output_dir, train_reward.parse(reward_argv), train_policy.parse(policy_argv), commands)
+
+
+def reward_model_finished(args: train_reward.Args) -> bool:
+    """Whether args.output_dir holds the reward model that these settings train: its final save is complete and its
+    newest checkpoint is its last step, written with these settings."""
+    saved = checkpoint.list_checkpoints(args.output_dir)
+    if not saved or not os.path.isfile(os.path.join(args.output_dir, REWARD_CONFIG_FILE)):
+        return False
+    if os.path.exists(os.path.join(args.output_dir, checkpoint.SAVING_MARKER)):
+        return False
+    step, path = saved[-1]
+    with open(os.path.join(path, checkpoint.META_FILE), encoding="utf-8") as f:
+        meta = json.load(f)
+    settings = json.loads(
+        json.dumps({**dataclasses.asdict(args), "world_size": int(os.environ.get("WORLD_SIZE", "1"))})
+    )
+    differences = checkpoint.setting_differences(meta["settings"], settings, checkpoint.RESUME_IGNORED)
+    return step == args.labels.num_train // args.batch_size and not differences
+
+
+def main(pipeline: Pipeline) -> dict:
+    """Train (or finish) the reward model, then the policy; -> the reward stage's figures and the policy's history."""
+    reward, policy = pipeline.reward, pipeline.policy
+    main_process = os.environ.get("RANK", "0") == "0"
+    if main_process:
+        print("stage 1: {}\nstage 2: {}".format(*pipeline.commands))
+    results = {}
+    # 1. the reward model: kept when finished with these settings, else trained or continued from its checkpoint
+    if reward.dry_run or not reward_model_finished(reward):
+        reward = dataclasses.replace(reward, resume="auto")
+        results["reward"] = {k: v for k, v in train_reward.main(reward).items() if k != "model"}
+    elif main_process:
+        print(f"reward model: {reward.output_dir} is finished with these settings; kept")
+    # 2. the policy against it, with the same task settings (its own check refuses any other); a finished policy run
+    # resumed writes its policy again (a kill may have cut that save)
+    if policy.dry_run and not os.path.isfile(os.path.join(reward.output_dir, REWARD_CONFIG_FILE)):
+        if main_process:
+            print(f"policy: its dry run checks the reward model, which {reward.output_dir} does not hold yet")
+        return results
+    results["policy"] = train_policy.main(dataclasses.replace(policy, resume="auto"))
+    if main_process and not policy.dry_run:
+        print(f"pipeline done: reward model {reward.output_dir}, policy {policy.output_dir}")
+    return results
+
+
+if __name__ == "__main__":
+    cli.run(main, parse)
