@@ -832,7 +832,7 @@ def main(args: Args) -> list[dict[str, float]]:
     query_stream = QueryStream(texts, tokenizer, task, accelerator.process_index, sizes.world, args.data_seed)
     prefix, suffix = encode_context_affixes(tokenizer, task)
     if args.rewards.normalize_samples:  # a programmatic reward's gain and bias (spec R4); a resumed run keeps its own
-        stream = QueryStream(texts, tokenizer, task, accelerator.process_index, sizes.world, args.data_seed)
+        stream = copy.deepcopy(query_stream)  # the queries that the first updates draw
         normalization = resumed.meta.get("reward_normalization") if resumed else None
         args.rewards.normalization = normalization or normalize_reward(
             reward, ref_policy, stream, (prefix, suffix), task, args.rewards.normalize_samples, local_seed, accelerator
