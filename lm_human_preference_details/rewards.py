@@ -4,7 +4,7 @@
 `classifier:NAME_OR_DIR[#LABEL]` (the labelers of labelers.py), or `python:FILE.py:FUNCTION`, a function of the decoded
 queries and truncated responses of a batch. Every source scores the raw query and the truncated response, as OAI's
 reward model does; the filter penalty, the score at the last token and the KL penalty stay in train_policy.py.
-A programmatic reward can be normalized on samples of the initial policy as OAI normalizes its reward model.
+A programmatic reward can be normalized on samples of the initial policy as OAI normalizes its reward model (spec RS1).
 https://github.com/openai/lm-human-preferences/blob/cbfd210bb8b08f6bc5c26878c10984b90f516c66/lm_human_preferences/train_policy.py#L378-L390
 """
 
@@ -51,7 +51,8 @@ def reward_input_path(spec: str) -> str | None:
     if spec.startswith("python:"):
         return spec.removeprefix("python:").rpartition(":")[0] or None
     if spec.startswith("classifier:"):
-        return spec.removeprefix("classifier:").partition("#")[0]
+        target = spec.removeprefix("classifier:")
+        return target.rpartition("#")[0] if "#" in target else target
     return reward_model_dir(spec)
 
 
