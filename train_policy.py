@@ -35,12 +35,17 @@ from lm_human_preference_details.labelers import load_labeler
 from lm_human_preference_details.modeling import (
     PolicyWithValueHead,
     load_causal_lm,
-    load_reward_model,
     read_reward_metadata,
     reduce_training_memory,
     sample,
 )
 from lm_human_preference_details.optim import make_optimizer
+from lm_human_preference_details.rewards import (
+    describe_normalization,
+    load_reward,
+    normalize_reward,
+    reward_model_dir,
+)
 from lm_human_preference_details.tasks import (
     TASKS,
     PassRateAlarm,
@@ -72,7 +77,14 @@ class AdaptiveKLParams:
 @dataclass
 class RewardHParams:
     trained_model: str = "models/reward"
-    """directory of the reward model written by train_reward.py (its --output_dir)"""
+    """what the policy maximizes: the directory of a reward model written by train_reward.py (its --output_dir; also
+    reward_model:DIR), or a programmatic reward: vader, classifier:NAME_OR_DIR[#LABEL], or python:FILE.py:FUNCTION
+    (FUNCTION(queries, responses) of two lists of strings returns one float per episode); docs/rewards.md"""
+    normalize_samples: int = 0
+    """normalize a programmatic reward (not a reward model: train_reward.py normalized it) so that the scores of this
+    many samples of the initial policy have mean 0 and std 1, as OAI normalizes its reward model; 0: raw scores"""
+    normalization: tyro.conf.Suppress[dict[str, float] | None] = None
+    """gain, bias and the measured mean, std and samples of --rewards.normalize_samples (set by the run, not a flag)"""
     kl_coef: float = 0.15
     """initial coefficient beta of the per-token KL penalty -beta*(logp - logp_ref) (OAI launch.py#L129)"""
     adaptive_kl: AdaptiveKLParams = field(default_factory=AdaptiveKLParams)
@@ -613,17 +625,19 @@ def check_reward_model_task_name(rm_metadata: dict, task_id: str, rewards: Rewar
 def check_policy_inputs(args: Args, accelerator: Accelerator) -> None:
     """What --dry_run checks beyond the flags: the reward model's files and task, a local query file, a gold reward
     model's directory, then the tokenizers (from the hub: not checked when it is unreachable); errors name the flag."""
-    rm_metadata = read_reward_metadata(args.rewards.trained_model)
-    checkpoint.check_complete_save(args.rewards.trained_model, "--rewards.trained_model")
-    if mismatch := check_reward_model_task(rm_metadata, args.task, args.rewards):
-        accelerator.print(f"warning: --rewards.allow_task_mismatch: the reward model's task differs: {mismatch}")
-    if warning := check_reward_model_task_name(rm_metadata, args.task_id, args.rewards):
-        accelerator.print(f"warning: {warning}")
     if args.task.query_dataset.lower().endswith((".txt", ".jsonl")):
         load_texts(args.task.query_dataset)
     gold = args.rewards.gold_model or ""
     if gold.startswith("reward_model:") and validation.labeler_path(gold) is None:
         raise FileNotFoundError(f"--rewards.gold_model '{gold}': no such directory; pass reward_model:DIR.")
+    if (reward_dir := reward_model_dir(args.rewards.trained_model)) is None:
+        return  # a programmatic reward: its spec was checked with the flags
+    rm_metadata = read_reward_metadata(reward_dir)
+    checkpoint.check_complete_save(reward_dir, "--rewards.trained_model")
+    if mismatch := check_reward_model_task(rm_metadata, args.task, args.rewards):
+        accelerator.print(f"warning: --rewards.allow_task_mismatch: the reward model's task differs: {mismatch}")
+    if warning := check_reward_model_task_name(rm_metadata, args.task_id, args.rewards):
+        accelerator.print(f"warning: {warning}")
     with cli.unchecked_when_offline(accelerator.print, "the tokenizers"):
         check_same_tokenizer(
             rm_metadata,
@@ -650,7 +664,12 @@ def task_from_reward_model(args: Args) -> tuple[Args, list[str]]:
     """With --rewards.task_from_reward_model, `args` with the reward model's task settings; -> args, what changed."""
     if not args.rewards.task_from_reward_model:
         return args, []
-    saved = read_reward_metadata(args.rewards.trained_model).get("task")
+    if (reward_dir := reward_model_dir(args.rewards.trained_model)) is None:
+        raise ValueError(
+            f"--rewards.task_from_reward_model needs a reward-model directory, but --rewards.trained_model is the "
+            f"programmatic reward '{args.rewards.trained_model}'; drop the flag and pass the --task.* flags."
+        )
+    saved = read_reward_metadata(reward_dir).get("task")
     if not isinstance(saved, dict):
         raise ValueError(
             f"--rewards.task_from_reward_model: the reward model '{args.rewards.trained_model}' records no task "
@@ -945,17 +964,18 @@ def main(args: Args) -> list[dict[str, float]]:
     # 1. tokenizer, policy (+ value head on the shared trunk), frozen reference policy and reward model, optimizer, data
     tokenizer = load_tokenizer(args.base_model)
     pad_id = tokenizer.pad_token_id
-    reward_model, rm_metadata = load_reward_model(args.rewards.trained_model)
-    check_same_tokenizer(
-        rm_metadata,
-        tokenizer,
-        f"the reward model '{args.rewards.trained_model}' (--rewards.trained_model)",
-        f"the policy uses tokenizer '{args.base_model}'",
-    )
-    if mismatch := check_reward_model_task(rm_metadata, task, args.rewards):
-        accelerator.print(f"warning: --rewards.allow_task_mismatch: the reward model's task differs: {mismatch}")
-    if warning := check_reward_model_task_name(rm_metadata, args.task_id, args.rewards):
-        accelerator.print(f"warning: {warning}")
+    reward = load_reward(args.rewards.trained_model, tokenizer, pad_id, device)
+    if (rm_metadata := reward.metadata) is not None:  # a reward-model directory, not a programmatic reward
+        check_same_tokenizer(
+            rm_metadata,
+            tokenizer,
+            f"the reward model '{args.rewards.trained_model}' (--rewards.trained_model)",
+            f"the policy uses tokenizer '{args.base_model}'",
+        )
+        if mismatch := check_reward_model_task(rm_metadata, task, args.rewards):
+            accelerator.print(f"warning: --rewards.allow_task_mismatch: the reward model's task differs: {mismatch}")
+        if warning := check_reward_model_task_name(rm_metadata, args.task_id, args.rewards):
+            accelerator.print(f"warning: {warning}")
     # dropout is off everywhere: p=0 in the configs and eval mode (spec G7)
     policy = PolicyWithValueHead(load_causal_lm(args.base_model)).to(device).eval()
     # every process starts from rank 0's weights (spec D6); no DDP: gradients are all-reduced by hand (spec O4)
@@ -963,7 +983,6 @@ def main(args: Args) -> list[dict[str, float]]:
     core.broadcast_parameters(policy, accelerator)
     ref_policy = copy.deepcopy(policy).requires_grad_(False)
     reduce_training_memory(policy, args.gradient_checkpointing, args.bf16)  # the PPO forward only
-    reward_model = reward_model.to(device).eval().requires_grad_(False)
     gold_labeler = None
     if args.rewards.gold_model:
         gold_labeler = load_labeler(args.rewards.gold_model, tokenizer, pad_id, device, flag="--rewards.gold_model")
@@ -979,6 +998,14 @@ def main(args: Args) -> list[dict[str, float]]:
     texts = load_texts(task.query_dataset)
     query_stream = QueryStream(texts, tokenizer, task, accelerator.process_index, sizes.world, args.data_seed)
     prefix, suffix = encode_context_affixes(tokenizer, task)
+    if args.rewards.normalize_samples:  # a programmatic reward's gain and bias (spec R4); a resumed run keeps its own
+        stream = copy.deepcopy(query_stream)  # the queries that the first updates draw
+        normalization = resumed.meta.get("reward_normalization") if resumed else None
+        args.rewards.normalization = normalization or normalize_reward(
+            reward, ref_policy, stream, (prefix, suffix), task, args.rewards.normalize_samples, local_seed, accelerator
+        )  # in the run config, in args.json beside the policy and in the training state
+        reward.gain, reward.bias = args.rewards.normalization["gain"], args.rewards.normalization["bias"]
+        accelerator.print(describe_normalization(args.rewards.normalization))
 
     state = TrainingState(policy, optimizer, kl_ctl, query_stream, generator, order_rngs)
 
@@ -1000,6 +1027,7 @@ def main(args: Args) -> list[dict[str, float]]:
         wandb_id=resumed.meta["wandb_id"] if resumed else None,
     )
     meta = {"settings": settings, "run_name": run_name, "wandb_id": tracker.wandb_id}
+    meta["reward_normalization"] = args.rewards.normalization
     first_update, elapsed_before = 0, 0.0
     if resumed is not None:
         state.restore(resumed)
@@ -1044,7 +1072,7 @@ def main(args: Args) -> list[dict[str, float]]:
                 # 3. response processing: truncate -> score (raw query, no prefix/suffix, spec G4) -> filter penalty
                 # https://github.com/openai/lm-human-preferences/blob/cbfd210bb8b08f6bc5c26878c10984b90f516c66/lm_human_preferences/train_policy.py#L378-L390
                 postprocessed_responses = truncate_response(responses, task.truncate_token, task.truncate_after, pad_id)
-                scores = reward_model(torch.cat([queries, postprocessed_responses], 1), pad_id, False)  # (B,)
+                scores = reward(queries, postprocessed_responses)  # (B,)
                 # responses without truncate_token at index >= truncate_after get a fixed score (spec P3)
                 passed = passes_filter(postprocessed_responses, task.truncate_token, task.truncate_after)  # (B,)
                 scores = torch.where(passed, scores, task.penalty_reward_value)

@@ -5,6 +5,8 @@
     python demo/run_demo.py --seed 2           # another seed; reuses the world and the pretrained model
     python demo/run_demo.py --quick            # shortened pipeline (tests/test_demo.py)
     python demo/run_demo.py --label_server     # labels through the browser labeling server, VADER as the human
+    python demo/run_demo.py --quick --reward vader  # PPO straight against VADER: no labels, no reward model
+    python demo/run_demo.py --reward python:demo/word_reward.py:word_count  # against a Python function
 
 Each stage runs one of the project's scripts in a subprocess with the flags a user would type (they are printed):
  1. demo/world.py        passages from a grammar whose adjectives, verbs, objects and endings carry VADER sentiment
@@ -19,6 +21,10 @@ Each stage runs one of the project's scripts in a subprocess with the flags a us
 Results go to OUTPUT_DIR/seed{SEED}/ (quick-seed{SEED}/ with --quick): results.json, curves.png, evaluation/
 (results.md: the evaluation table; gold_vs_kl.png; results.json), the stage logs, the labels, the reward model and the
 policy with its checkpoints.
+
+With --reward vader (or classifier:... or python:FILE.py:FUNCTION, docs/rewards.md) stages 3, 4 and 6 are skipped:
+PPO maximizes that reward itself, normalized on the base model's samples, and VADER still scores every rollout as the
+gold judge. Results go to OUTPUT_DIR/seed{SEED}-{REWARD}/: results.json (first and last updates' scores) and the policy.
 """
 
 import dataclasses
@@ -52,6 +58,11 @@ FULL_MIN_GOLD_MARGIN = 0.5
 """mean VADER gain that the full demo guarantees"""
 
 
+REWARD_MODEL = "reward_model"
+DIRECT_NORMALIZE_SAMPLES = 256
+"""base-model samples on which a programmatic reward is normalized (as train_reward.py normalizes the reward model)"""
+
+
 @dataclass
 class Args:
     seed: int = 1
@@ -66,6 +77,10 @@ class Args:
     label_server: bool = False
     """label step through the browser labeling server: `label_generation.py sample` writes the candidates, `serve`
     serves them and a scripted human (VADER behind the server's HTTP API) labels every row"""
+    reward: str = REWARD_MODEL
+    """what PPO maximizes: reward_model (labels from VADER -> a reward model; the full story) or a programmatic reward
+    that train_policy.py's --rewards.trained_model takes, e.g. vader or python:demo/word_reward.py:word_count (stages
+    3, 4 and 6 skipped)"""
 
 
 @dataclass
@@ -369,6 +384,10 @@ def run_stages(args: Args, settings: Settings, root: Path, run_dir: Path) -> tup
         "--task.response_length": RESPONSE_LENGTH,
         "--task.truncate_after": TRUNCATE_AFTER,
     }
+    if args.reward != REWARD_MODEL:  # PPO straight against a programmatic reward: no labels, no reward model
+        reward_flags = {"--rewards.trained_model": args.reward, "--rewards.normalize_samples": DIRECT_NORMALIZE_SAMPLES}
+        timings["policy"] = run_policy(args, settings, base_dir, run_dir, task_flags, reward_flags, logs)
+        return world_dir, base_dir, timings
     labels = run_dir / "labels" / "vader.json"
     label_flags = {
         "--base_model": base_dir,
@@ -402,13 +421,22 @@ def run_stages(args: Args, settings: Settings, root: Path, run_dir: Path) -> tup
         ),
         logs,
     )
-    timings["policy"] = run_stage(
+    reward_flags = {"--rewards.trained_model": run_dir / "reward"}
+    timings["policy"] = run_policy(args, settings, base_dir, run_dir, task_flags, reward_flags, logs)
+    return world_dir, base_dir, timings
+
+
+def run_policy(
+    args: Args, settings: Settings, base_dir: Path, run_dir: Path, task_flags: dict, reward_flags: dict, logs: Path
+) -> float:
+    """Stage 5, train_policy.py against `reward_flags`' reward, VADER the gold judge; the seconds it took."""
+    return run_stage(
         "policy",
         REPO / "train_policy.py",
         flag_list(
             {
                 "--base_model": base_dir,
-                "--rewards.trained_model": run_dir / "reward",
+                **reward_flags,
                 "--rewards.gold_model": "vader",
                 "--rewards.kl_coef": KL_COEF,
                 "--rewards.adaptive_kl.target": KL_TARGET,
@@ -426,7 +454,6 @@ def run_stages(args: Args, settings: Settings, root: Path, run_dir: Path) -> tup
         + ["--save_checkpoints"],
         logs,
     )
-    return world_dir, base_dir, timings
 
 
 def run_evaluation(args: Args, settings: Settings, world_dir: Path, run_dir: Path) -> tuple[dict, float]:
@@ -508,12 +535,53 @@ def summarize(
     }
 
 
+def slug(spec: str) -> str:
+    """A directory-name form of a reward: vader -> vader, python:demo/word_reward.py:word_count -> word_count."""
+    return re.sub(r"[^A-Za-z0-9_.]+", "-", spec.rpartition(":")[2] or spec).strip("-") or "reward"
+
+
+def main_direct(args: Args, settings: Settings, root: Path, run_dir: Path, start: float) -> dict:
+    """World, base model and PPO straight against a programmatic reward; results.json with its first and last
+    updates' scores (normalized on the base model's samples) and the VADER gold score."""
+    if args.reward.startswith("python:"):  # the stages run from the repository: FILE relative to the caller's cwd
+        path, _, function = args.reward.removeprefix("python:").rpartition(":")
+        args = dataclasses.replace(args, reward=f"python:{Path(path).resolve()}:{function}")
+    _, _, timings = run_stages(args, settings, root, run_dir)
+    timings["total"] = time.time() - start
+    scalars = read_scalars(run_dir / "policy" / "tb")
+    series = {tag: [value for _, value in scalars[tag]] for tag in ("objective/score", "objective/gold_score")}
+    kl = [value for _, value in scalars["objective/kl"]]
+    results = {
+        "seed": args.seed,
+        "mode": "quick" if args.quick else "full",
+        "reward": args.reward,
+        **{
+            tag.split("/")[1]: {"first": values[0], "last5": sum(values[-5:]) / len(values[-5:])}
+            for tag, values in series.items()
+        },
+        "policy": {"updates": len(kl), "final_kl": kl[-1], "kl_target": KL_TARGET},
+        "timings": {k: round(v, 1) for k, v in timings.items()},
+    }
+    with open(run_dir / "results.json", "w", encoding="utf-8") as f:
+        json.dump(results, f, indent=2)
+    score, gold = results["score"], results["gold_score"]
+    print(
+        f"\nPPO against {args.reward} (normalized: mean 0, std 1 on the base model's samples): score "
+        f"{score['first']:+.3f} at the first update -> {score['last5']:+.3f} over the last 5; VADER gold score "
+        f"{gold['first']:+.3f} -> {gold['last5']:+.3f}; final KL {kl[-1]:.2f} nats (target {KL_TARGET:g})\n"
+        f"wrote {run_dir / 'results.json'} and the policy in {run_dir / 'policy'}"
+    )
+    return results
+
+
 def main(args: Args) -> dict:
     """Run every stage, evaluate, write results.json and curves.png; returns the results."""
     start = time.time()
     settings = QUICK if args.quick else FULL
     root = Path(args.output_dir).resolve()
     run_dir = root / (f"quick-seed{args.seed}" if args.quick else f"seed{args.seed}")
+    if args.reward != REWARD_MODEL:
+        return main_direct(args, settings, root, run_dir.with_name(f"{run_dir.name}-{slug(args.reward)}"), start)
     world_dir, _, timings = run_stages(args, settings, root, run_dir)
 
     # 6. evaluation on held-out queries; the curves come from the TensorBoard events of the two training runs

@@ -19,6 +19,7 @@ import torch
 from lm_human_preference_details import checkpoint
 from lm_human_preference_details.core import OutputError
 from lm_human_preference_details.modeling import REWARD_CONFIG_FILE, check_model_dir
+from lm_human_preference_details.rewards import check_reward_source, reward_input_path
 from lm_human_preference_details.tasks import check_task
 
 NONFINITE_ORDER = ("logprobs", "values", "scores", "rewards", "advantages", "loss", "gradients", "weights")
@@ -198,12 +199,13 @@ def check_policy_args(args: Any) -> None:
     if rewards.adaptive_kl.enabled:
         check_positive(rewards.adaptive_kl.target, "--rewards.adaptive_kl.target", "OAI uses 6.0 (nats)")
         check_at_least(rewards.adaptive_kl.horizon, 1, "--rewards.adaptive_kl.horizon", "OAI uses 10000")
+    check_reward_source(rewards.trained_model, rewards.normalize_samples)
     check_at_least(args.log_interval, 1, "--log_interval", "e.g. 10")
     check_at_least(args.save_interval, 0, "--save_interval", "0 saves only at the end")
     check_at_least(args.print_samples, 0, "--print_samples")
     inputs = {
         "--base_model": args.base_model,
-        "--rewards.trained_model": rewards.trained_model,
+        "--rewards.trained_model": reward_input_path(rewards.trained_model),
         "--rewards.gold_model": labeler_path(rewards.gold_model),
         "--task.query_dataset": args.task.query_dataset,
     }

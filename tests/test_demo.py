@@ -1,5 +1,6 @@
 """demo/run_demo.py: the quick pipeline end to end (world, pretraining, labels, reward model, PPO, evaluation)."""
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -32,3 +33,39 @@ def test_run_demo_quick_raises_gold_score(tmp_path):
     curve = json.loads((evaluation / "results.json").read_text())["curve"]
     assert [point["policy"] for point in curve][1:] == ["update4", "update8", "policy"]
     assert abs(curve[0]["kl"]["mean"]) < 1e-3 < 0.3 < curve[-1]["kl"]["mean"]
+
+
+def test_run_demo_reward_flag_trains_straight_against_that_reward(tmp_path, monkeypatch):
+    # the stages are recorded, not run: world and base model count as present; no labels, reward model or evaluation
+    monkeypatch.syspath_prepend(str(REPO / "demo"))
+    spec = importlib.util.spec_from_file_location("run_demo_under_test", REPO / "demo" / "run_demo.py")
+    run_demo = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(run_demo)
+    stages = []
+
+    def record_stage(name, script, flags, log_dir):
+        log_dir.mkdir(parents=True, exist_ok=True)
+        stages.append((name, script.name, [str(flag) for flag in flags]))
+        return 1.0
+
+    curve = [(step, 0.1 * step) for step in range(12)]
+    monkeypatch.setattr(run_demo, "run_stage", record_stage)
+    monkeypatch.setattr(run_demo, "same_json", lambda *_: True)
+    monkeypatch.setattr(
+        run_demo,
+        "read_scalars",
+        lambda _: dict.fromkeys(("objective/score", "objective/gold_score", "objective/kl"), curve),
+    )
+    monkeypatch.chdir(
+        tmp_path
+    )  # a python: FILE is relative to the caller's directory, the stages run in the repository
+    args = run_demo.Args(output_dir=str(tmp_path / "demo"), quick=True, reward="python:mine.py:score")
+    results = run_demo.main(args)
+    assert [(name, script) for name, script, _ in stages] == [("policy", "train_policy.py")]
+    flags = stages[0][2]
+    value = {flag: flags[i + 1] for i, flag in enumerate(flags[:-1]) if flag.startswith("--")}
+    assert value["--rewards.trained_model"] == f"python:{tmp_path / 'mine.py'}:score"
+    assert value["--rewards.normalize_samples"] == "256" and value["--rewards.gold_model"] == "vader"
+    assert value["--ppo.total_episodes"] == str(64 * 12) and value["--ppo.lr"] == "0.0003"  # the quick settings
+    written = json.loads((tmp_path / "demo" / "quick-seed1-score" / "results.json").read_text())
+    assert written == results and results["score"] == {"first": 0.0, "last5": pytest.approx(0.9)}

@@ -96,6 +96,7 @@ NORMALIZATION = REWARD_RUN + "test_reward_run_normalizes_on_raw_samples_of_the_p
 LABEL_LOOP = REWARD_RUN + "test_reward_run_trains_one_epoch_in_rank_zero_order_with_rank_strided_slices"
 REWARD_LOGS = REWARD_RUN + "test_reward_run_logs_the_best_of_n_cross_entropy"
 PPO_LOSSES = UNITS + "test_ppo_losses_match_numpy_rederivation"
+REWARDS = "tests/test_rewards.py::"
 TP, TR, MOD = "train_policy.py", "train_reward.py", "lm_human_preference_details/modeling.py"
 
 BREAKAGES = [
@@ -141,8 +142,8 @@ BREAKAGES = [
         "G4",
         "the reward model scores prefix + query + suffix (the policy's context) instead of the raw query",
         TP,
-        "scores = reward_model(torch.cat([queries, postprocessed_responses], 1)",
-        "scores = reward_model(torch.cat([contexts, postprocessed_responses], 1)",
+        "scores = reward(queries, postprocessed_responses)",
+        "scores = reward(contexts, postprocessed_responses)",
         [ROLLOUT],
     ),
     Breakage(
@@ -362,8 +363,8 @@ BREAKAGES = [
         "P2",
         "the reward model scores the untruncated response",
         TP,
-        "scores = reward_model(torch.cat([queries, postprocessed_responses], 1)",
-        "scores = reward_model(torch.cat([queries, responses], 1)",
+        "scores = reward(queries, postprocessed_responses)",
+        "scores = reward(queries, responses)",
         [ROLLOUT],
     ),
     Breakage(
@@ -846,6 +847,61 @@ BREAKAGES = [
         "oai_stats = label_loss(label_type, step_rewards, label)",
         "oai_stats = label_loss(label_type, rewards.detach(), micro_label)",
         [REWARD_LOGS],
+    ),
+    # ---------------------------------------------------------------- RS: programmatic rewards
+    Breakage(
+        "RS1-no-penalty-for-programmatic",
+        "RS1",
+        "responses that fail the filter keep a programmatic reward's score instead of the penalty",
+        TP,
+        "scores = torch.where(passed, scores, task.penalty_reward_value)",
+        "scores = torch.where(passed | (reward.metadata is None), scores, task.penalty_reward_value)",
+        [REWARDS + "test_python_reward_sees_raw_queries_and_truncated_responses_and_failing_ones_get_the_penalty"],
+    ),
+    Breakage(
+        "RS1-untruncated-for-programmatic",
+        "RS1",
+        "a programmatic reward scores the untruncated response",
+        TP,
+        "scores = reward(queries, postprocessed_responses)",
+        "scores = reward(queries, postprocessed_responses if reward.metadata else responses)",
+        [REWARDS + "test_python_reward_sees_raw_queries_and_truncated_responses_and_failing_ones_get_the_penalty"],
+    ),
+    Breakage(
+        "RS1-normalization-gain-ignored",
+        "RS1",
+        "the normalization's bias is added but its gain is not applied",
+        "lm_human_preference_details/rewards.py",
+        "return self.gain * self.raw(queries, responses) + self.bias",
+        "return self.raw(queries, responses) + self.bias",
+        [REWARDS + "test_normalization_gain_and_bias_are_saved_and_restored_on_resume"],
+    ),
+    Breakage(
+        "RS1-normalization-remeasured-on-resume",
+        "RS1",
+        "a resumed run measures gain and bias afresh instead of taking its checkpoint's",
+        TP,
+        'normalization = resumed.meta.get("reward_normalization") if resumed else None',
+        "normalization = None",
+        [REWARDS + "test_normalization_gain_and_bias_are_saved_and_restored_on_resume"],
+    ),
+    Breakage(
+        "RS1-nonfinite-score-accepted",
+        "RS1",
+        "a function's NaN or infinite score goes into training unnamed",
+        "lm_human_preference_details/rewards.py",
+        "bad = (~torch.isfinite(scores)).nonzero()",
+        "bad = torch.isfinite(scores[:0]).nonzero()",
+        [REWARDS + "test_bad_reward_function_is_one_line_naming_the_function_and_the_problem[nan]"],
+    ),
+    Breakage(
+        "RS1-wrong-length-accepted",
+        "RS1",
+        "a function that returns fewer scores than episodes is not stopped",
+        "lm_human_preference_details/rewards.py",
+        "if scores.dim() != 1 or scores.numel() != len(response_texts):",
+        "if scores.dim() != 1:",
+        [REWARDS + "test_bad_reward_function_is_one_line_naming_the_function_and_the_problem[too-few]"],
     ),
 ]
 
