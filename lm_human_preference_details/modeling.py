@@ -7,6 +7,7 @@ import copy
 import json
 import math
 import os
+from collections.abc import Callable
 from contextlib import contextmanager
 
 import torch
@@ -25,7 +26,12 @@ from transformers.modeling_layers import GradientCheckpointingLayer
 
 from lm_human_preference_details.checkpoint import check_complete_save
 from lm_human_preference_details.hub import check_available
-from lm_human_preference_details.kernels import categorical_uniforms, sample_categorical_from_uniforms, use_fused_gelu
+from lm_human_preference_details.kernels import (
+    categorical_uniforms,
+    logprobs_from_logits,
+    sample_categorical_from_uniforms,
+    use_fused_gelu,
+)
 from lm_human_preference_details.tokenizer import (
     TOKENIZER_FILES,
     check_same_tokenizer,
@@ -318,13 +324,20 @@ class PolicyWithValueHead(nn.Module):
         self.bf16_autocast = False  # see reduce_training_memory
 
     def forward(
-        self, query_responses: torch.Tensor, context_length: int, pad_id: int, temperature: float
+        self,
+        query_responses: torch.Tensor,
+        context_length: int,
+        pad_id: int,
+        temperature: float,
+        training_arithmetic: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Tempered logits (B, L, V) and values (B, L) at the positions that predict the L response tokens.
 
         Every row must start with a real token. Unlike `sample`, `pad_invisible_hidden` and the reward model, this
         hot-path forward does not check it: the check would cost a device-to-host sync per call, and its inputs are
         contexts that `sample` already checked followed by sampled (always real) tokens.
+        `training_arithmetic`: the arithmetic of a training forward (bf16 autocast when `reduce_training_memory` set
+        it) without recording gradients too; by default only forwards that record gradients use it.
         """
         _check_temperature(temperature)
         if not 1 <= context_length < query_responses.shape[1]:
@@ -333,7 +346,7 @@ class PolicyWithValueHead(nn.Module):
                 f"shape {tuple(query_responses.shape)}; pass the width of the context part."
             )
         # the last token predicts nothing: the causal trunk runs on the first T-1 tokens only
-        bf16 = self.bf16_autocast and torch.is_grad_enabled()
+        bf16 = self.bf16_autocast and (torch.is_grad_enabled() or training_arithmetic)
         hidden, mask = _transformer_hidden(self.lm, query_responses[:, :-1], pad_id, check_first_token=False, bf16=bf16)
         # only the response part: outputs at [ctx-1 : -1] predict the response tokens (LM head on L positions only)
         # https://github.com/openai/lm-human-preferences/blob/cbfd210bb8b08f6bc5c26878c10984b90f516c66/lm_human_preferences/policy.py#L114-L126
@@ -373,8 +386,24 @@ class PolicyWithValueHead(nn.Module):
         return policy
 
 
-COMPILE_OPTIONS = {"mode": "reduce-overhead", "fullgraph": True, "dynamic": False}
-"""torch.compile settings of the decoding step (`sample(compile=True)`): one graph, replayed as a CUDA graph on GPUs."""
+@torch.no_grad()
+def training_logprobs_and_values(
+    policy: PolicyWithValueHead,
+    query_responses: torch.Tensor,
+    context_length: int,
+    pad_id: int,
+    temperature: float,
+    micro_batch: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Tempered log-probs and values (B, L) of the responses by the arithmetic of the policy's training forward (bf16
+    autocast when `reduce_training_memory` set it), `micro_batch` rows at a time as the PPO loss runs it."""
+    responses = query_responses[:, context_length:]
+    logprobs, values = [], []
+    for rows, row_responses in zip(query_responses.split(micro_batch), responses.split(micro_batch)):
+        logits, row_values = policy(rows, context_length, pad_id, temperature, training_arithmetic=True)
+        logprobs.append(logprobs_from_logits(logits, row_responses))
+        values.append(row_values)
+    return torch.cat(logprobs), torch.cat(values)
 
 
 def _sample_next(
@@ -414,15 +443,21 @@ def _decode_step(
     return _sample_next(policy, output.last_hidden_state[:, 0], uniform, pad_id, temperature)
 
 
-_compiled_decode_step = None
+def _compile_options(device: torch.device) -> dict:
+    """torch.compile settings of the decoding step: one graph of the eager kernels (the same arithmetic), replayed as
+    a CUDA graph on CUDA devices; elsewhere the graph runs without transformers' Python code around it."""
+    return {"backend": "cudagraphs" if device.type == "cuda" else "aot_eager", "fullgraph": True, "dynamic": False}
 
 
-def _compiled_step():
-    """`_decode_step` compiled with COMPILE_OPTIONS (once per process; torch.compile caches a graph per shape)."""
-    global _compiled_decode_step
-    if _compiled_decode_step is None or _compiled_decode_step[0] != COMPILE_OPTIONS:
-        _compiled_decode_step = (dict(COMPILE_OPTIONS), torch.compile(_decode_step, **COMPILE_OPTIONS))
-    return _compiled_decode_step[1]
+_compiled_steps: dict[str, Callable] = {}
+
+
+def _compiled_step(device: torch.device) -> Callable:
+    """`_decode_step` compiled for `device` (once per process; torch.compile then keeps a graph per shape)."""
+    backend = _compile_options(device)["backend"]
+    if backend not in _compiled_steps:
+        _compiled_steps[backend] = torch.compile(_decode_step, **_compile_options(device))
+    return _compiled_steps[backend]
 
 
 def _reused_cache(policy: PolicyWithValueHead, batch_size: int, total_length: int, device: torch.device) -> StaticCache:
@@ -451,7 +486,7 @@ def sample(
 
     `check_first_token=False` skips the leading-PAD check and its device-to-host sync, for contexts built by
     QueryStream, whose queries always start with a real token. `compile`: every decoding step after the first runs
-    as one torch.compile'd graph (COMPILE_OPTIONS: a CUDA graph on GPUs), with the same random numbers.
+    as one torch.compile'd graph of the same kernels (a CUDA graph on CUDA devices): the same samples.
     """
     _check_temperature(temperature)
     if response_length < 1:
@@ -474,7 +509,7 @@ def sample(
     # static shapes: keys/values of the whole episode preallocated and written in place (a growing cache copies all
     # of it at every step), slot by slot; `position` is the pad-aware position of the token fed in
     if compile:
-        cache, step = _reused_cache(policy, batch_size, total_length, device), _compiled_step()
+        cache, step = _reused_cache(policy, batch_size, total_length, device), _compiled_step(device)
     else:
         cache, step = StaticCache(config=lm.config, max_cache_len=total_length), _decode_step
     # first token from the context's last position (after PAD replacement: the last real token), then
