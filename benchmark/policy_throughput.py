@@ -71,6 +71,9 @@ class Args:
     bound does not count the recompute)"""
     bf16: bool = False
     """train_policy.py --bf16: bfloat16 autocast of the PPO forward's transformer (the bound stays the float32 one)"""
+    compile_sampler: bool = False
+    """train_policy.py --compile_sampler: each decoding step of the rollout as one compiled graph (a CUDA graph on
+    GPUs); the compile happens in the warm-up update"""
     threads: int = 0
     """torch intra-op CPU threads (0: torch's default)"""
     gemm_repeats: int = 5
@@ -150,6 +153,7 @@ def policy_args(args: Args, work_dir: str, policy_dir: str, reward_dir: str, cor
         print_samples=1,
         gradient_checkpointing=args.gradient_checkpointing,
         bf16=args.bf16,
+        compile_sampler=args.compile_sampler,
         task=task,
         rewards=rewards,
         ppo=ppo,

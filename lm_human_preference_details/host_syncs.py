@@ -54,13 +54,13 @@ SYNC_OPS = {
 """Operators that always wait for device values (a scalar read or a value-dependent output shape)."""
 
 
-def _is_sync_op(func, args) -> bool:
-    """True when the aten operator `func` called with `args` reads device values on the host."""
+def _is_sync_op(func, args, kwargs) -> bool:
+    """True when the aten operator `func` called with `args`, `kwargs` reads device values on the host."""
     name = func._schema.name
     if name in SYNC_OPS:
         return True
-    if name == "aten::repeat_interleave":
-        return isinstance(args[0], torch.Tensor) and args[-1] is None if func._overloadname == "Tensor" else False
+    if name == "aten::repeat_interleave":  # repeats given as a tensor: the output length is their sum
+        return func._overloadname == "Tensor" and kwargs.get("output_size") is None
     if name in ("aten::index", "aten::index_put", "aten::index_put_", "aten::_index_put_impl_"):
         indices = args[1]
         return any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in indices)
@@ -75,9 +75,10 @@ class _Operators(TorchDispatchMode):
         self.counter = counter
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if not self.counter._suppressed and _is_sync_op(func, args):
+        kwargs = kwargs or {}
+        if not self.counter._suppressed and _is_sync_op(func, args, kwargs):
             self.counter._record(str(func))
-        return func(*args, **(kwargs or {}))
+        return func(*args, **kwargs)
 
 
 class _Calls(TorchFunctionMode):

@@ -672,12 +672,15 @@ def reduce_training_memory(model: PolicyWithValueHead | RewardModel, gradient_ch
 
 
 def score_label_rows(
-    reward_model: RewardModel, query: torch.Tensor, samples: torch.Tensor, pad_id: int
+    reward_model: RewardModel, query: torch.Tensor, samples: torch.Tensor, pad_id: int, check_first_token: bool = True
 ) -> torch.Tensor:
-    """Rewards (B, N) of every response of B label rows, in one batched forward of B*N query ⊕ response rows."""
+    """Rewards (B, N) of every response of B label rows, in one batched forward of B*N query ⊕ response rows.
+
+    `check_first_token=False` skips the leading-PAD check and its host sync, for labels that `load_labels` checked.
+    """
     b, n, length = samples.shape
     query_responses = torch.cat([query.repeat_interleave(n, dim=0), samples.reshape(b * n, length)], dim=1)
-    return reward_model(query_responses, pad_id).view(b, n)
+    return reward_model(query_responses, pad_id, check_first_token).view(b, n)
 
 
 def load_reward_model(output_dir: str, flag: str = REWARD_MODEL_FLAG) -> tuple[RewardModel, dict]:
