@@ -20,7 +20,7 @@ from lm_human_preference_details.modeling import (
 from lm_human_preference_details.tasks import PassRateAlarm
 from tests.conftest import tiny_gpt2
 from tests.planted import books_task, write_query_file
-from tests.test_train_policy import query_file, reward_model_dir, tiny_args  # noqa: F401 (fixtures)
+from tests.test_train_policy import QUERY_TEXTS, save_reward_model, tiny_args, tiny_task
 
 PAD = 50259
 HOST_SYNC_BUDGET = 2
@@ -75,14 +75,11 @@ def syncs_between_calls(monkeypatch, owner, name: str, run) -> list[int]:
     return [later - earlier for earlier, later in zip(marks, marks[1:])]
 
 
-def test_ppo_update_stays_within_the_host_sync_budget(
-    monkeypatch,
-    tmp_path,
-    tiny_model_dir,
-    reward_model_dir,
-    query_file,  # noqa: F811
-):
-    args = tiny_args(tmp_path / "policy", tiny_model_dir, reward_model_dir, query_file, total_episodes=16)
+def test_ppo_update_stays_within_the_host_sync_budget(monkeypatch, tmp_path, tiny_model_dir):
+    query_file = tmp_path / "queries.txt"
+    query_file.write_text("\n".join(QUERY_TEXTS) + "\n", encoding="utf-8")
+    reward_model_dir = save_reward_model(tmp_path / "reward", tiny_model_dir, tiny_task(str(query_file)))
+    args = tiny_args(tmp_path / "policy", tiny_model_dir, reward_model_dir, str(query_file), total_episodes=16)
     # the flags' code paths include the plain one's; the sample table is printed at update 0 only
     args = dataclasses.replace(args, log_interval=1000, gradient_checkpointing=True, bf16=True)
     # marked after each update's sample table
@@ -117,8 +114,8 @@ def test_reward_step_stays_within_the_host_sync_budget(monkeypatch, tmp_path, ti
     )
     # logged: the held-out evaluation, steps 0, 1 and 2, the evaluation after training
     per_step = syncs_between_calls(monkeypatch, core.Tracker, "log", lambda: train_reward.main(args))[1:-1]
-    # measured: 9 per step before (4 attention-mask tests and 4 leading-PAD checks of 4 micro-batches, 1 statistics
-    # copy), now 1: the statistics copy
+    # measured: 3 per step before (the attention-mask test, 2 when a row holds a PAD; the leading-PAD check; both per
+    # micro-batch; the statistics copy), now 1: the statistics copy
     assert len(per_step) == 2 and max(per_step) <= HOST_SYNC_BUDGET, per_step
 
 
