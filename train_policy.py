@@ -664,6 +664,7 @@ RESUME_IGNORED = (
     "print_samples",
     "push_to_hub",
     "hf_repo_id",
+    "compile_sampler",
 )
 """settings that may change on --resume: they do not change what the run computes"""
 
