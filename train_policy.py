@@ -38,6 +38,7 @@ from lm_human_preference_details.modeling import (
     read_reward_metadata,
     reduce_training_memory,
     sample,
+    training_logprobs_and_values,
 )
 from lm_human_preference_details.optim import make_optimizer
 from lm_human_preference_details.rewards import (
@@ -186,10 +187,16 @@ class Args:
     memory (e.g. for gpt2-large/xl) for ~30% more compute, same updates; off: every activation is stored, as OAI"""
     bf16: bool = False
     """run the transformer of the training forward passes under bfloat16 autocast (weights, optimizer, heads, logits,
-    sampling and scoring stay float32): less memory, faster on GPUs with bf16; off: float32 throughout, as OAI"""
+    sampling and scoring stay float32): less memory, faster on GPUs with bf16; the rollout's log-probs and values that
+    PPO's ratio and value clipping use then come from one more forward with that arithmetic (the KL penalty keeps the
+    sampler's float32 ones); off: float32 throughout, as OAI"""
     tf32: bool = False
     """run float32 matmuls on TF32 tensor cores (NVIDIA Ampere or newer: A100, H100): GEMMs ~5-7x faster, each with
     ~1e-3 relative error (docs/gpu.md); off: full float32, as OAI trained"""
+    compile_sampler: bool = False
+    """run each decoding step of the rollouts as one torch.compile'd graph (a CUDA graph on GPUs), the same samples
+    from the same seed: less Python and kernel-launch time per token, a compile at the first update; off: eager
+    decoding"""
     push_to_hub: bool = False
     """upload output_dir (policy, value head, tokenizer, args) to the Hugging Face hub at the end"""
     hf_repo_id: str | None = None
@@ -798,6 +805,7 @@ RESUME_IGNORED = (
     "print_samples",
     "push_to_hub",
     "hf_repo_id",
+    "compile_sampler",
 )
 """settings that may change on --resume: they do not change what the run computes"""
 
@@ -1060,9 +1068,25 @@ def main(args: Args) -> list[dict[str, float]]:
                 # QueryStream's queries start with a real token, so the sampler and the reward model skip that check
                 # and its host sync: the update's only sync is the statistics copy in step 6
                 responses, logprobs, values = sample(
-                    policy, contexts, task.response_length, task.temperature, pad_id, generator, check_first_token=False
+                    policy,
+                    contexts,
+                    task.response_length,
+                    task.temperature,
+                    pad_id,
+                    generator,
+                    check_first_token=False,
+                    compile=args.compile_sampler,
                 )  # (B, L) each
                 query_responses = torch.cat([contexts, responses], 1)  # (B, C + L)
+                ppo_logprobs, ppo_values = logprobs, values
+                if args.bf16:
+                    # DEVIATION: OAI's ratio and value clipping use the sampling pass's log-probs and values (spec
+                    # P13); under bf16 autocast of the PPO forward, float32 ones put the first minibatch's ratio
+                    # ~1.5e-3 off 1 and clipping fires on rounding noise, so PPO gets those of the loss forward's
+                    # arithmetic (one more forward); the KL penalty keeps the float32 ones, like the reference's
+                    ppo_logprobs, ppo_values = training_logprobs_and_values(
+                        policy, query_responses, context_length, pad_id, task.temperature, sizes.micro
+                    )
                 # one forward of the frozen reference policy; its (B, L, V) logits are freed right away
                 ref_logprobs = logprobs_from_logits(
                     ref_policy(query_responses, context_length, pad_id, task.temperature)[0], responses
@@ -1090,7 +1114,7 @@ def main(args: Args) -> list[dict[str, float]]:
             lr_now = ppo.lr * (1 - update / sizes.nupdates)
             for group in optimizer.param_groups:
                 group["lr"] = lr_now
-            rollout = Rollout(query_responses, context_length, logprobs, values, rewards)
+            rollout = Rollout(query_responses, context_length, ppo_logprobs, ppo_values, rewards)
             ppo_stats = ppo_update(
                 policy, optimizer, accelerator, rollout, indices, sizes, ppo, task.temperature, pad_id
             )
@@ -1108,7 +1132,7 @@ def main(args: Args) -> list[dict[str, float]]:
                 "debug/num_eos": (responses == tokenizer.eos_token_id).sum(1).float().mean(),
                 "debug/filter_pass_rate": passed.float().mean(),
                 "nonfinite/logprobs": validation.nonfinite_count([logprobs, ref_logprobs]),
-                "nonfinite/values": validation.nonfinite_count([values]),
+                "nonfinite/values": validation.nonfinite_count([ppo_values]),
                 "nonfinite/scores": validation.nonfinite_count([scores]),
                 "nonfinite/rewards": validation.nonfinite_count([rewards]),
                 "nonfinite/weights": validation.nonfinite_tensors(params),

@@ -501,7 +501,8 @@ def main(args: Args) -> dict:
             for micro_indices, micro_label in zip(local_indices.split(micro_batch_size), label.split(micro_batch_size)):
                 query = train_labels.query[micro_indices].to(accelerator.device)
                 samples = train_labels.samples[micro_indices].to(accelerator.device)
-                rewards = score_label_rows(reward_model, query, samples, pad_id)  # (b, S)
+                # queries of label files start with a real token (checked on loading): no check, no host sync
+                rewards = score_label_rows(reward_model, query, samples, pad_id, check_first_token=False)  # (b, S)
                 loss = label_loss(label_type, rewards, micro_label)["loss"]
                 if len(step_rewards) == accum - 1:
                     gradients.launch_in_next_backward()  # the last micro-batch's backward overlaps the all-reduces

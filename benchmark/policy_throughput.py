@@ -79,6 +79,11 @@ class Args:
     count_syncs: bool = True
     """count the host syncs of every update (a Python hook on every torch call: it adds host time per op, which a
     GPU run with launch-bound phases feels; --no_count_syncs for the cleanest GPU timings)"""
+    tf32: bool = False
+    """train_policy.py --tf32: float32 matmuls on TF32 tensor cores (A100, H100; no effect on CPU)"""
+    compile_sampler: bool = False
+    """train_policy.py --compile_sampler: each decoding step of the rollout as one compiled graph (a CUDA graph on
+    GPUs); the compile happens in the warm-up update"""
     threads: int = 0
     """torch intra-op CPU threads (0: torch's default)"""
     gemm_repeats: int = 5
@@ -158,6 +163,8 @@ def policy_args(args: Args, work_dir: str, policy_dir: str, reward_dir: str, cor
         print_samples=1,
         gradient_checkpointing=args.gradient_checkpointing,
         bf16=args.bf16,
+        tf32=args.tf32,
+        compile_sampler=args.compile_sampler,
         task=task,
         rewards=rewards,
         ppo=ppo,

@@ -92,12 +92,21 @@ def sample_categorical(logits: torch.Tensor, generator: torch.Generator | None) 
     Drawn by inverse-CDF sampling instead: one uniform per row (torch.multinomial draws B*V exponentials), and the
     CDF's total gives the logsumexp for the log-prob.
     """
+    return sample_categorical_from_uniforms(logits, categorical_uniforms(logits.shape[0], generator, logits.device))
+
+
+def categorical_uniforms(rows: int, generator: torch.Generator | None, device: torch.device) -> torch.Tensor:
+    """The (rows, 1) float64 uniforms in [0, 1) that `sample_categorical` draws from `generator` for `rows` rows."""
+    return torch.rand((rows, 1), generator=generator, dtype=torch.float64, device=device)
+
+
+def sample_categorical_from_uniforms(logits: torch.Tensor, uniform: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`sample_categorical` with its uniforms (B, 1) given: no random draw, so a fixed-shape step can run it."""
     # tf.random.categorical's kernel samples the same way: exp(logits - max) summed into a CDF in float64, then the
     # first index whose CDF exceeds uniform * total
     shifted = logits - logits.amax(dim=-1, keepdim=True)  # (B, V), <= 0
     cdf = shifted.exp().cumsum(dim=-1, dtype=torch.float64)  # (B, V), unnormalised
     total = cdf[:, -1:]  # (B, 1)
-    uniform = torch.rand(total.shape, generator=generator, dtype=torch.float64, device=logits.device)
     # strictly below the total: the index stays in range and never lands on a probability-0 token (flat CDF step)
     target = torch.minimum(uniform * total, torch.nextafter(total, torch.zeros_like(total)))
     tokens = torch.searchsorted(cdf, target, right=True)  # (B, 1)

@@ -7,6 +7,7 @@ import copy
 import json
 import math
 import os
+from collections.abc import Callable
 from contextlib import contextmanager
 
 import torch
@@ -25,7 +26,12 @@ from transformers.modeling_layers import GradientCheckpointingLayer
 
 from lm_human_preference_details.checkpoint import check_complete_save
 from lm_human_preference_details.hub import check_available
-from lm_human_preference_details.kernels import sample_categorical, use_fused_gelu
+from lm_human_preference_details.kernels import (
+    categorical_uniforms,
+    logprobs_from_logits,
+    sample_categorical_from_uniforms,
+    use_fused_gelu,
+)
 from lm_human_preference_details.tokenizer import (
     TOKENIZER_FILES,
     check_same_tokenizer,
@@ -194,6 +200,32 @@ def _check_first_token_real(mask: torch.Tensor, pad_id: int) -> None:
         )
 
 
+def _attention_mask(model: PreTrainedModel, key_mask: torch.Tensor, query_slots: torch.Tensor) -> torch.Tensor:
+    """(B, 1, Q, K) attention mask in the form transformers builds for `model`: query i (at key slot
+    `query_slots[i]`) attends to key j iff j <= query_slots[i] and key_mask[b, j]; boolean for SDPA, additive float
+    (0 or the dtype's minimum) for eager attention.
+
+    Passed in place of the (B, K) mask, it is used as given: transformers then skips its test of whether the 2-D mask
+    is all ones, a device-to-host sync per forward, and uses the mask it would have built when the test fails.
+    """
+    keys = torch.arange(key_mask.shape[1], device=key_mask.device)
+    visible = (keys <= query_slots[:, None])[None, None] & key_mask[:, None, None, :]  # (B, 1, Q, K)
+    if model.config._attn_implementation == "sdpa":
+        return visible
+    return torch.where(visible, torch.zeros((), dtype=model.dtype, device=visible.device), torch.finfo(model.dtype).min)
+
+
+def _uses_4d_mask(model: PreTrainedModel) -> bool:
+    """True for models whose attention takes `_attention_mask`'s full causal mask (SDPA or eager, no local layers)."""
+    config = model.config
+    return config._attn_implementation in ("sdpa", "eager") and getattr(config, "sliding_window", None) is None
+
+
+def _key_mask_argument(model: PreTrainedModel, key_mask: torch.Tensor, query_slots: torch.Tensor) -> torch.Tensor:
+    """The `attention_mask` argument for `model`: `_attention_mask` where the model takes it, else the 2-D mask."""
+    return _attention_mask(model, key_mask, query_slots) if _uses_4d_mask(model) else key_mask.long()
+
+
 @contextmanager
 def _checkpointed_blocks(model: PreTrainedModel):
     """Within this block, a forward that records gradients recomputes the activations of `model`'s blocks in the
@@ -235,7 +267,7 @@ def _transformer_hidden(
     with _checkpointed_blocks(model), torch.autocast(tokens.device.type, torch.bfloat16, enabled=bf16):
         output = model.base_model(
             input_ids=tokens.masked_fill(~mask, 0),
-            attention_mask=mask.long(),
+            attention_mask=_key_mask_argument(model, mask, torch.arange(mask.shape[1], device=mask.device)),
             position_ids=position_ids_from_mask(mask),
             use_cache=False,
         )
@@ -292,13 +324,20 @@ class PolicyWithValueHead(nn.Module):
         self.bf16_autocast = False  # see reduce_training_memory
 
     def forward(
-        self, query_responses: torch.Tensor, context_length: int, pad_id: int, temperature: float
+        self,
+        query_responses: torch.Tensor,
+        context_length: int,
+        pad_id: int,
+        temperature: float,
+        training_arithmetic: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Tempered logits (B, L, V) and values (B, L) at the positions that predict the L response tokens.
 
         Every row must start with a real token. Unlike `sample`, `pad_invisible_hidden` and the reward model, this
         hot-path forward does not check it: the check would cost a device-to-host sync per call, and its inputs are
         contexts that `sample` already checked followed by sampled (always real) tokens.
+        `training_arithmetic`: the arithmetic of a training forward (bf16 autocast when `reduce_training_memory` set
+        it) without recording gradients too; by default only forwards that record gradients use it.
         """
         _check_temperature(temperature)
         if not 1 <= context_length < query_responses.shape[1]:
@@ -307,7 +346,7 @@ class PolicyWithValueHead(nn.Module):
                 f"shape {tuple(query_responses.shape)}; pass the width of the context part."
             )
         # the last token predicts nothing: the causal trunk runs on the first T-1 tokens only
-        bf16 = self.bf16_autocast and torch.is_grad_enabled()
+        bf16 = self.bf16_autocast and (torch.is_grad_enabled() or training_arithmetic)
         hidden, mask = _transformer_hidden(self.lm, query_responses[:, :-1], pad_id, check_first_token=False, bf16=bf16)
         # only the response part: outputs at [ctx-1 : -1] predict the response tokens (LM head on L positions only)
         # https://github.com/openai/lm-human-preferences/blob/cbfd210bb8b08f6bc5c26878c10984b90f516c66/lm_human_preferences/policy.py#L114-L126
@@ -348,6 +387,91 @@ class PolicyWithValueHead(nn.Module):
 
 
 @torch.no_grad()
+def training_logprobs_and_values(
+    policy: PolicyWithValueHead,
+    query_responses: torch.Tensor,
+    context_length: int,
+    pad_id: int,
+    temperature: float,
+    micro_batch: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Tempered log-probs and values (B, L) of the responses by the arithmetic of the policy's training forward (bf16
+    autocast when `reduce_training_memory` set it), `micro_batch` rows at a time as the PPO loss runs it."""
+    responses = query_responses[:, context_length:]
+    logprobs, values = [], []
+    for rows, row_responses in zip(query_responses.split(micro_batch), responses.split(micro_batch)):
+        logits, row_values = policy(rows, context_length, pad_id, temperature, training_arithmetic=True)
+        logprobs.append(logprobs_from_logits(logits, row_responses))
+        values.append(row_values)
+    return torch.cat(logprobs), torch.cat(values)
+
+
+def _sample_next(
+    policy: PolicyWithValueHead, hidden: torch.Tensor, uniform: torch.Tensor, pad_id: int, temperature: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Next token, its tempered log-prob and the value, each (B,), from the last position's hidden state (B, D)."""
+    logits = _tempered_logits(policy.lm, hidden, pad_id, temperature)  # (B, V)
+    # pure categorical sampling from the tempered distribution (top_k=0, top_p=1); the log-prob of the sampled
+    # token and the value head come from the same pass
+    # https://github.com/openai/lm-human-preferences/blob/cbfd210bb8b08f6bc5c26878c10984b90f516c66/lm_human_preferences/language/sample.py#L24-L43
+    # https://github.com/openai/lm-human-preferences/blob/cbfd210bb8b08f6bc5c26878c10984b90f516c66/lm_human_preferences/policy.py#L97-L112
+    tokens, logprobs = sample_categorical_from_uniforms(logits, uniform)
+    return tokens, logprobs, policy.value_head(hidden).squeeze(-1).float()
+
+
+def _decode_step(
+    policy: PolicyWithValueHead,
+    cache: StaticCache,
+    token: torch.Tensor,
+    position: torch.Tensor,
+    slot: torch.Tensor,
+    key_mask: torch.Tensor,
+    uniform: torch.Tensor,
+    pad_id: int,
+    temperature: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One decoding step at fixed shapes, no host sync and no random draw: `token` (B, 1) at `position` (B, 1) goes
+    into cache slot `slot` (1,) (attending to the real keys of `key_mask` (B, K) up to it), then `_sample_next`."""
+    lm = policy.lm
+    output = lm.base_model(
+        input_ids=token,
+        attention_mask=_key_mask_argument(lm, key_mask, slot),
+        position_ids=position,
+        cache=cache,
+        use_cache=True,
+    )
+    return _sample_next(policy, output.last_hidden_state[:, 0], uniform, pad_id, temperature)
+
+
+def _compile_options(device: torch.device) -> dict:
+    """torch.compile settings of the decoding step: one graph of the eager kernels (the same arithmetic), replayed as
+    a CUDA graph on CUDA devices; elsewhere the graph runs without transformers' Python code around it."""
+    return {"backend": "cudagraphs" if device.type == "cuda" else "aot_eager", "fullgraph": True, "dynamic": False}
+
+
+_compiled_steps: dict[str, Callable] = {}
+
+
+def _compiled_step(device: torch.device) -> Callable:
+    """`_decode_step` compiled for `device` (once per process; torch.compile then keeps a graph per shape)."""
+    backend = _compile_options(device)["backend"]
+    if backend not in _compiled_steps:
+        _compiled_steps[backend] = torch.compile(_decode_step, **_compile_options(device))
+    return _compiled_steps[backend]
+
+
+def _reused_cache(policy: PolicyWithValueHead, batch_size: int, total_length: int, device: torch.device) -> StaticCache:
+    """The policy's StaticCache for this shape, emptied: a compiled step keeps the same cache tensors across calls."""
+    key = (batch_size, total_length, str(device))
+    caches = policy.__dict__.setdefault("_decode_caches", {})
+    if key not in caches:
+        caches.clear()
+        caches[key] = StaticCache(config=policy.lm.config, max_cache_len=total_length)
+    caches[key].reset()
+    return caches[key]
+
+
+@torch.no_grad()
 def sample(
     policy: PolicyWithValueHead,
     contexts: torch.Tensor,
@@ -356,11 +480,13 @@ def sample(
     pad_id: int,
     generator: torch.Generator | None = None,
     check_first_token: bool = True,
+    compile: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Fixed-length KV-cached categorical sampling: responses, tempered logprobs and values, each (B, L).
 
     `check_first_token=False` skips the leading-PAD check and its device-to-host sync, for contexts built by
-    QueryStream, whose queries always start with a real token.
+    QueryStream, whose queries always start with a real token. `compile`: every decoding step after the first runs
+    as one torch.compile'd graph of the same kernels (a CUDA graph on CUDA devices): the same samples.
     """
     _check_temperature(temperature)
     if response_length < 1:
@@ -372,47 +498,44 @@ def sample(
     if check_first_token:
         _check_first_token_real(mask, pad_id)
     total_length = context_length + response_length
-    # attention mask of the whole episode; sampled tokens are always real
-    attention_mask = torch.ones(batch_size, total_length, dtype=torch.long, device=device)
-    attention_mask[:, :context_length] = mask.long()
+    # the episode's real keys (sampled tokens are always real) and each step's uniforms, drawn up front one step
+    # after the other: the numbers a draw inside each step would give, as nothing else draws from `generator`
+    key_mask = torch.ones(batch_size, total_length, dtype=torch.bool, device=device)
+    key_mask[:, :context_length] = mask
+    uniforms = [categorical_uniforms(batch_size, generator, device) for _ in range(response_length)]
     responses = torch.empty(batch_size, response_length, dtype=torch.long, device=device)
     logprobs = torch.empty(batch_size, response_length, dtype=torch.float32, device=device)
     values = torch.empty(batch_size, response_length, dtype=torch.float32, device=device)
     # static shapes: keys/values of the whole episode preallocated and written in place (a growing cache copies all
-    # of it at every step); `position_ids` are the pad-aware positions. The cache writes each call's keys at its own
-    # running length (transformers 5 ignores `cache_position`), i.e. at the episode's slots 0..C-1, then C, C+1, ...
-    cache = StaticCache(config=lm.config, max_cache_len=total_length)
+    # of it at every step), slot by slot; `position` is the pad-aware position of the token fed in
+    if compile:
+        cache, step = _reused_cache(policy, batch_size, total_length, device), _compiled_step(device)
+    else:
+        cache, step = StaticCache(config=lm.config, max_cache_len=total_length), _decode_step
     # first token from the context's last position (after PAD replacement: the last real token), then
     # response_length-1 KV-cached steps; no stop at EOS, so every response has exactly L tokens
     # https://github.com/openai/lm-human-preferences/blob/cbfd210bb8b08f6bc5c26878c10984b90f516c66/lm_human_preferences/language/sample.py#L26-L31
     # https://github.com/openai/lm-human-preferences/blob/cbfd210bb8b08f6bc5c26878c10984b90f516c66/lm_human_preferences/language/sample.py#L62-L82
     output = lm.base_model(
         input_ids=contexts.masked_fill(~mask, 0),
-        attention_mask=attention_mask,
+        attention_mask=_key_mask_argument(lm, key_mask, torch.arange(context_length, device=device)),
         position_ids=position_ids_from_mask(mask),
         cache=cache,
         use_cache=True,
     )
-    hidden = _gather_positions(output.last_hidden_state, _last_real_index(mask)[:, -1:])  # (B, 1, D)
-    positions = mask.long().sum(dim=1, keepdim=True)  # (B, 1): the next token's position = real tokens so far
-    for t in range(response_length):
-        if t > 0:
-            output = lm.base_model(
-                input_ids=responses[:, t - 1 : t],
-                attention_mask=attention_mask,
-                position_ids=positions,
-                cache=cache,
-                use_cache=True,
-            )
-            hidden = output.last_hidden_state  # (B, 1, D)
-            positions = positions + 1
-        logits = _tempered_logits(lm, hidden[:, 0], pad_id, temperature)  # (B, V)
-        # pure categorical sampling from the tempered distribution (top_k=0, top_p=1); the log-prob of the sampled
-        # token and the value head come from the same pass
-        # https://github.com/openai/lm-human-preferences/blob/cbfd210bb8b08f6bc5c26878c10984b90f516c66/lm_human_preferences/language/sample.py#L24-L43
-        # https://github.com/openai/lm-human-preferences/blob/cbfd210bb8b08f6bc5c26878c10984b90f516c66/lm_human_preferences/policy.py#L97-L112
-        responses[:, t], logprobs[:, t] = sample_categorical(logits, generator)
-        values[:, t] = policy.value_head(hidden[:, 0]).squeeze(-1).float()
+    hidden = _gather_positions(output.last_hidden_state, _last_real_index(mask)[:, -1:])[:, 0]  # (B, D)
+    token, logprobs[:, 0], values[:, 0] = _sample_next(policy, hidden, uniforms[0], pad_id, temperature)
+    responses[:, 0] = token
+    position = mask.long().sum(dim=1, keepdim=True)  # (B, 1): the next token's position = real tokens so far
+    slot = torch.full((1,), context_length, dtype=torch.long, device=device)
+    for t in range(1, response_length):
+        if compile:
+            torch.compiler.cudagraph_mark_step_begin()  # the previous step's outputs are copied out below
+        token, logprobs[:, t], values[:, t] = step(
+            policy, cache, token[:, None].clone(), position, slot, key_mask, uniforms[t], pad_id, temperature
+        )
+        responses[:, t] = token
+        position, slot = position + 1, slot + 1
     return responses, logprobs, values
 
 
@@ -549,12 +672,15 @@ def reduce_training_memory(model: PolicyWithValueHead | RewardModel, gradient_ch
 
 
 def score_label_rows(
-    reward_model: RewardModel, query: torch.Tensor, samples: torch.Tensor, pad_id: int
+    reward_model: RewardModel, query: torch.Tensor, samples: torch.Tensor, pad_id: int, check_first_token: bool = True
 ) -> torch.Tensor:
-    """Rewards (B, N) of every response of B label rows, in one batched forward of B*N query ⊕ response rows."""
+    """Rewards (B, N) of every response of B label rows, in one batched forward of B*N query ⊕ response rows.
+
+    `check_first_token=False` skips the leading-PAD check and its host sync, for labels that `load_labels` checked.
+    """
     b, n, length = samples.shape
     query_responses = torch.cat([query.repeat_interleave(n, dim=0), samples.reshape(b * n, length)], dim=1)
-    return reward_model(query_responses, pad_id).view(b, n)
+    return reward_model(query_responses, pad_id, check_first_token).view(b, n)
 
 
 def saved_kind(directory: str) -> str | None:

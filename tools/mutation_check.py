@@ -124,8 +124,8 @@ BREAKAGES = [
         "G2",
         "PAD keys are not masked out of attention",
         MOD,
-        "attention_mask=mask.long(),",
-        "attention_mask=torch.ones_like(mask).long(),",
+        "visible = (keys <= query_slots[:, None])[None, None] & key_mask[:, None, None, :]  # (B, 1, Q, K)",
+        "visible = (keys <= query_slots[:, None])[None, None] & torch.ones_like(key_mask)[:, None, None, :]",
         ["tests/test_modeling.py::test_pad_invisible_hidden_real_positions_match_unpadded"],
     ),
     Breakage(
@@ -160,8 +160,8 @@ BREAKAGES = [
         "G5",
         "the first response token is sampled from the context's last position even when it is a PAD",
         MOD,
-        "hidden = _gather_positions(output.last_hidden_state, _last_real_index(mask)[:, -1:])  # (B, 1, D)",
-        "hidden = output.last_hidden_state[:, -1:]  # (B, 1, D)",
+        "hidden = _gather_positions(output.last_hidden_state, _last_real_index(mask)[:, -1:])[:, 0]  # (B, D)",
+        "hidden = output.last_hidden_state[:, -1]  # (B, D)",
         ["tests/test_modeling.py::test_sample_matches_full_forward"],
     ),
     Breakage(
@@ -462,8 +462,8 @@ BREAKAGES = [
         "P9",
         "the PPO ratio is taken against the reference policy's log-probs",
         TP,
-        "rollout = Rollout(query_responses, context_length, logprobs, values, rewards)",
-        "rollout = Rollout(query_responses, context_length, ref_logprobs, values, rewards)",
+        "rollout = Rollout(query_responses, context_length, ppo_logprobs, ppo_values, rewards)",
+        "rollout = Rollout(query_responses, context_length, ref_logprobs, ppo_values, rewards)",
         [RATIO],
     ),
     Breakage(
@@ -516,8 +516,8 @@ BREAKAGES = [
         "P13",
         "the sampler's values are not the value head of the sampling pass",
         MOD,
-        "values[:, t] = policy.value_head(hidden[:, 0]).squeeze(-1).float()",
-        "values[:, t] = policy.value_head(hidden[:, 0]).squeeze(-1).float() * 0",
+        "return tokens, logprobs, policy.value_head(hidden).squeeze(-1).float()",
+        "return tokens, logprobs, policy.value_head(hidden).squeeze(-1).float() * 0",
         ["tests/test_modeling.py::test_sample_matches_full_forward"],
     ),
     Breakage(
