@@ -1,6 +1,7 @@
 """lm_human_preference_details.compare and benchmark/compare.py on runs written here (TensorBoard and CSV), offline."""
 
 import csv
+import importlib.util
 import json
 import os
 import subprocess
@@ -9,6 +10,7 @@ import time
 
 import numpy as np
 import pytest
+import tyro
 from torch.utils.tensorboard import SummaryWriter
 
 from lm_human_preference_details import compare
@@ -178,7 +180,7 @@ def test_plot_writes_png_and_svg(runs_root, tmp_path):
     assert b"<svg" in (tmp_path / "out" / "curves.svg").read_bytes()[:2000]
 
 
-def test_kl_panel_draws_the_kl_target_of_the_runs_args_json(tmp_path):
+def test_kl_panel_draws_the_kl_target_of_the_runs_args_json(tmp_path, monkeypatch):
     import matplotlib.lines
 
     for seed, adaptive in ((1, {"enabled": True, "target": 6.0}), (2, {"enabled": False, "target": 6.0})):
@@ -196,6 +198,15 @@ def test_kl_panel_draws_the_kl_target_of_the_runs_args_json(tmp_path):
     assert len(dashed) == 1 and list(dashed[0].get_ydata()) == [6.0, 6.0]
     assert [text.get_text() for text in kl_ax.texts] == ["not logged", "KL target 6 nats"]
     assert not any(line.get_linestyle() == "--" for line in score_ax.lines) and not score_ax.texts
+    # the command line draws the runs' targets, or --kl_target
+    spec = importlib.util.spec_from_file_location("compare_cli", REPO / "benchmark" / "compare.py")
+    cli = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(cli)
+    drawn = []
+    monkeypatch.setattr(cli.compare, "plot_curves", lambda *args: drawn.append(args[-1]) or [])
+    for flags in ([], ["--kl_target", "12"]):
+        cli.main(tyro.cli(cli.Args, args=[f"--runs=ours={tmp_path}/seed*", "--output_dir", str(tmp_path), *flags]))
+    assert drawn == [[6.0], [12.0]]
 
 
 def test_wandb_source_syntax():
