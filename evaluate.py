@@ -34,6 +34,7 @@ from lm_human_preference_details import cli, core, validation
 from lm_human_preference_details.data import load_texts
 from lm_human_preference_details.evaluation import (
     BASE_RUN,
+    FINAL_POLICY,
     GOLD,
     curve_point,
     examples,
@@ -273,8 +274,8 @@ def main(args: Args) -> dict:
         for directory in dict.fromkeys([*checkpoints, *([args.policy] if args.policy else [])]):
             if directory not in episodes:
                 episodes[directory] = run(load_policy(directory, "--checkpoints", device))
-            label = run_label(directory, runs[directory])
-            report["curve"].append(curve_point(label, policy_label(directory), episodes[directory]))
+            name = FINAL_POLICY if directory == args.policy else policy_label(directory)
+            report["curve"].append(curve_point(run_label(directory, runs[directory]), name, episodes[directory]))
 
     # 4. results.json, results.md, gold_vs_kl.png
     core.write_json_atomic(os.path.join(output_dir, "results.json"), report)

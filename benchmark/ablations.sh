@@ -17,8 +17,9 @@ REWARD="accelerate launch --num_processes 8 train_reward.py --task sentiment $QU
 POLICY="accelerate launch --num_processes 8 train_policy.py --task sentiment $QUERY_FLAGS"
 EXTRA=("$@")
 
+# PYTHON is the interpreter that runs the launcher (default python3), e.g. PYTHON=.venv/bin/python
 launch() {
-    python3 benchmark/launch.py \
+    "${PYTHON:-python3}" benchmark/launch.py \
         --num_seeds "${NUM_SEEDS:-3}" \
         --wandb_project "${WANDB_PROJECT:-lm_human_preference_details}" \
         "$@" ${DRY_RUN:+--dry_run} "${EXTRA[@]}"

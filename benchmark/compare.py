@@ -24,8 +24,9 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 import tyro
+from rich import box
 from rich.console import Console
-from rich.table import Table
+from rich.table import Column, Table
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from lm_human_preference_details import compare
@@ -63,6 +64,9 @@ class Args:
     """seed of the bootstrap resampling"""
     title: str | None = None
     """figure title"""
+    kl_target: float | None = None
+    """KL target (nats) drawn on the objective/kl panel; default: the adaptive targets in the local runs' args.json
+    (6 for OAI's books tasks); pass it for wandb runs"""
 
 
 def split_source(source: str, flag: str) -> tuple[str, str]:
@@ -110,7 +114,10 @@ def main(args: Args) -> None:
         console.print(f"[yellow]no run logs {', '.join(missing)}[/yellow]")
 
     stem = os.path.join(args.output_dir, "curves")
-    paths = compare.plot_curves(groups, args.metrics, stem, args.band, args.formats, args.num_points, args.title)
+    targets = [args.kl_target] if args.kl_target is not None else compare.kl_targets(groups)
+    paths = compare.plot_curves(
+        groups, args.metrics, stem, args.band, args.formats, args.num_points, args.title, targets
+    )
     rows = compare.final_value_rows(
         groups, args.metrics, reference, args.last_k, args.bootstrap_samples, args.confidence, args.seed, args.min_runs
     )
@@ -125,13 +132,20 @@ def main(args: Args) -> None:
         )
 
     percent = f"{100 * args.confidence:g}% CI"
-    final_table = Table("metric", "group", "runs", "final", "stderr", f"diff vs {reference}", percent, title="final")
+    final_tables = {}  # one table per metric, its name in the title: whole at any terminal width
     for row in rows:
         diff = "—" if row.diff is None else f"{row.diff:+.4g}"
         ci = compare.confidence_cell(row, args.min_runs)
         cells = [compare.format_number(row.mean), compare.format_number(row.stderr), diff, ci]
-        final_table.add_row(row.metric, row.group, str(row.num_runs), *cells)
-    console.print(final_table)
+        if row.metric not in final_tables:
+            numbers = [Column(header, no_wrap=True) for header in ("runs", "final", "stderr", "diff", percent)]
+            title = f"{row.metric}: final values, diff vs {reference}"
+            final_tables[row.metric] = Table(
+                Column("group", overflow="fold"), *numbers, title=title, title_justify="left", box=box.SIMPLE_HEAD
+            )
+        final_tables[row.metric].add_row(row.group, str(row.num_runs), *cells)
+    for table in final_tables.values():
+        console.print(table)
     few = {group: len(runs) for group, runs in groups.items() if len(runs) < args.min_runs}
     if few and len(groups) > 1:
         listed = ", ".join(f"{group} ({count})" for group, count in few.items())

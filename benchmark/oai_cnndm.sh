@@ -10,10 +10,11 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 # OAI's task settings apply unchanged: HF abisee/cnn_dailymail articles get their paragraph breaks back, so end_text
-# '\n' cuts the query after the last whole paragraph (README, "Query data and label files"); QUERY_FLAGS adds task flags
+# '\n' cuts the query after the last whole paragraph (docs/data.md, "Query data and label files"); QUERY_FLAGS adds task flags
 QUERY_FLAGS=${QUERY_FLAGS-""}
 
-python3 benchmark/launch.py \
+# PYTHON is the interpreter that runs the launcher (default python3), e.g. PYTHON=.venv/bin/python
+"${PYTHON:-python3}" benchmark/launch.py \
     --name oai_cnndm \
     --num_seeds "${NUM_SEEDS:-3}" \
     --wandb_project "${WANDB_PROJECT:-lm_human_preference_details}" \

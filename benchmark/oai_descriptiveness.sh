@@ -9,11 +9,12 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 # OAI's task settings apply unchanged: the texts are OAI's book passages or, where they cannot be fetched, bookcorpus
-# reshaped into passages (README, "Query data and label files"); QUERY_FLAGS adds task flags, e.g.
+# reshaped into passages (docs/data.md, "Query data and label files"); QUERY_FLAGS adds task flags, e.g.
 # QUERY_FLAGS="--task.query_dataset passages.jsonl" for a local file of passages.
 QUERY_FLAGS=${QUERY_FLAGS-""}
 
-python3 benchmark/launch.py \
+# PYTHON is the interpreter that runs the launcher (default python3), e.g. PYTHON=.venv/bin/python
+"${PYTHON:-python3}" benchmark/launch.py \
     --name oai_descriptiveness \
     --num_seeds "${NUM_SEEDS:-3}" \
     --wandb_project "${WANDB_PROJECT:-lm_human_preference_details}" \

@@ -12,7 +12,8 @@ cd "$(dirname "$0")/.."
 # The tldr preset reads CarperAI/openai_summarize_tldr (OAI's subset is unpublished); add
 # `--task.query_dataset FILE.jsonl` to both commands to use another copy.
 
-python3 benchmark/launch.py \
+# PYTHON is the interpreter that runs the launcher (default python3), e.g. PYTHON=.venv/bin/python
+"${PYTHON:-python3}" benchmark/launch.py \
     --name oai_tldr \
     --num_seeds "${NUM_SEEDS:-3}" \
     --wandb_project "${WANDB_PROJECT:-lm_human_preference_details}" \

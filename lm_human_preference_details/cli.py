@@ -5,10 +5,14 @@ overrides one field of it (tyro), and `--debug` shows the traceback that bad inp
 """
 
 import contextlib
+import functools
+import io
 import os
+import re
 import shutil
 import signal
 import sys
+import textwrap
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, TypeVar
 
@@ -150,12 +154,62 @@ def pop_task_flag(argv: Sequence[str], choices: Sequence[str], default: str) -> 
     return task, rest
 
 
+_LABELLED_LINE = re.compile(r"^[A-Z][\w-]*(?: [\w-]+)?:(?:\s|$)")
+"""A docstring line that starts an entry of its own: "Run:", "Steps:", "Held-out queries:"."""
+
+
+def keep_line_breaks(doc: str) -> str:
+    """`doc` with a blank line before each labelled line and after each indented block.
+
+    tyro joins a line to the one before it unless it starts with a non-letter or follows a blank line
+    (`tyro._strings.remove_single_line_breaks`, applied to every description), so "Run: ..." and "Steps: ..." would
+    run together; a blank line is the one break it keeps.
+    """
+    out: list[str] = []
+    for line in doc.strip().splitlines():
+        previous = out[-1] if out else ""
+        after_code = previous.startswith(" ") and line[:1].isalpha()
+        if previous.strip() and (_LABELLED_LINE.match(line) or after_code):
+            out.append("")
+        out.append(line)
+    return "\n".join(out)
+
+
 def describe(doc: str, tasks: Sequence[str], default_task: str) -> str:
-    """The --help text: the script's docstring (usage examples included), then what --task and --debug do."""
+    """The --help text: the script's docstring (usage examples included), then how --task combines with the flags."""
     return (
-        f"{doc.strip()}\n\n--task {{{','.join(tasks)}}} selects the settings of OAI's launch.py for that experiment "
-        f"(default: {default_task}); every flag below then overrides one of them. --debug shows full tracebacks."
+        f"{keep_line_breaks(doc)}\n\n--task {{{','.join(tasks)}}} selects the settings of OAI's launch.py for that "
+        f"experiment (default: {default_task}); every flag below then overrides one of them."
     )
+
+
+def popped_flag_options(tasks: Sequence[str], default_task: str) -> dict[str, str]:
+    """The flags this module takes off argv before tyro parses it, and their help: listed among tyro's options."""
+    return {
+        f"--task {{{','.join(tasks)}}}": f"OAI's launch.py experiment whose settings are the defaults of every flag "
+        f"below (default: {default_task})",
+        "--debug": f"show the full traceback of an error instead of one line (or set {DEBUG_ENV}=1)",
+    }
+
+
+def add_options(help_text: str, options: dict[str, str]) -> str:
+    """tyro's help with `options` (flag -> help) listed after -h/--help, in the layout of its options box."""
+    lines = help_text.split("\n")
+    first = next(i for i, line in enumerate(lines) if "-h, --help" in line)
+    last = first if "show this help" in lines[first] else first + 1
+    left = lines[first][: lines[first].index("-h, --help")]
+    column, width = lines[last].index("show this help"), len(lines[last])
+    border = "│" if lines[last].rstrip().endswith("│") else ""
+    rows = []
+    for flag, text in options.items():
+        parts = textwrap.wrap(text, width=max(20, width - len(border) - column - 1))
+        if len(left) + len(flag) + 2 <= column:
+            rows.append(f"{left}{flag}".ljust(column) + parts.pop(0))
+        else:
+            rows.append(f"{left}{flag}")
+        rows += [" " * column + part for part in parts]
+    rows = [row.ljust(width - len(border)) + border for row in rows]
+    return "\n".join(lines[: last + 1] + rows + lines[last + 1 :])
 
 
 def parse_args(args_type: type[T], presets: dict[str, T], default_task: str, doc: str, argv=None) -> tuple[str, T]:
@@ -163,7 +217,19 @@ def parse_args(args_type: type[T], presets: dict[str, T], default_task: str, doc
     argv = sys.argv[1:] if argv is None else list(argv)
     task, rest = pop_task_flag(pop_flag(argv, "--debug")[1], list(presets), default_task)
     description = describe(doc, list(presets), default_task)
-    return task, tyro.cli(args_type, default=presets[task], args=rest, description=description, use_underscores=True)
+    parse = functools.partial(tyro.cli, args_type, default=presets[task], description=description, use_underscores=True)
+    return task, cli_with_options(parse, rest, popped_flag_options(list(presets), default_task))
+
+
+def cli_with_options(parse: Callable[..., T], rest: list[str], options: dict[str, str]) -> T:
+    """`parse(args=rest)`; when `rest` asks for help, tyro's help with `options` added to it, then exit."""
+    if "-h" not in rest and "--help" not in rest:
+        return parse(args=rest)
+    help_text = io.StringIO()
+    with contextlib.redirect_stdout(help_text), contextlib.suppress(SystemExit):
+        parse(args=rest)
+    print(add_options(help_text.getvalue().rstrip("\n"), options))
+    sys.exit(0)
 
 
 def run(main: Callable[[T], Any], parse: Callable[[list[str]], T], argv: Sequence[str] | None = None) -> None:
@@ -226,7 +292,6 @@ def print_table(console: Console, title: str, rows: dict[str, Any]) -> None:
 
 def parse_subcommands(presets: dict[str, dict[str, Any]], default_task: str, doc: str, argv=None) -> tuple[str, Any]:
     """Parse `SUBCOMMAND flags...`; each subcommand's defaults come from the `--task` preset (presets[task][name])."""
-    import functools
     import operator
     from typing import Annotated
 
@@ -237,4 +302,5 @@ def parse_subcommands(presets: dict[str, dict[str, Any]], default_task: str, doc
     ]
     description = describe(doc, list(presets), default_task)
     union = functools.reduce(operator.or_, commands)
-    return task, tyro.cli(union, args=rest, description=description, use_underscores=True)
+    parse = functools.partial(tyro.cli, union, description=description, use_underscores=True)
+    return task, cli_with_options(parse, rest, popped_flag_options(list(presets), default_task))

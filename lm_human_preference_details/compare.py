@@ -64,6 +64,8 @@ class Run:
 
     name: str
     curves: dict[str, Curve]
+    kl_target: float | None = None
+    """the adaptive KL controller's target in nats, from the run's args.json (None: unknown or a fixed kl_coef)"""
 
 
 MIN_RUNS_FOR_CI = 3
@@ -160,6 +162,16 @@ def read_csv(path: str) -> dict[str, np.ndarray]:
     return rows_to_columns(rows)
 
 
+def kl_target_of(path: str) -> float | None:
+    """The KL target of a train_policy.py run directory, from its args.json; None without one or with a fixed β."""
+    try:
+        with open(os.path.join(path, "args.json")) as f:
+            adaptive = json.load(f)["rewards"]["adaptive_kl"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return float(adaptive["target"]) if adaptive.get("enabled") else None
+
+
 def load_local_runs(pattern: str, episodes_per_step: float | None = None) -> list[Run]:
     """The runs a path or glob names: each match is one run, a .csv file or a directory with TensorBoard events."""
     paths = sorted(glob.glob(pattern)) or ([pattern] if os.path.exists(pattern) else [])
@@ -172,7 +184,9 @@ def load_local_runs(pattern: str, episodes_per_step: float | None = None) -> lis
             raise ValueError(
                 f"'{path}' holds no scalars: expected a .csv export or a directory with TensorBoard events"
             )
-        runs.append(run_from_columns(path, columns, episodes_per_step))
+        run = run_from_columns(path, columns, episodes_per_step)
+        run.kl_target = kl_target_of(path) if os.path.isdir(path) else None
+        runs.append(run)
     return runs
 
 
@@ -379,17 +393,25 @@ def markdown_table(
 
 
 # ---------------------------------------------------------------------------------------------------- plotting
-def plot_curves(
+KL_METRIC = "objective/kl"
+"""the panel that shows the KL controller's target"""
+
+
+def kl_targets(groups: dict[str, list[Run]]) -> list[float]:
+    """The distinct KL targets of the runs (from their args.json), smallest first."""
+    return sorted({run.kl_target for runs in groups.values() for run in runs if run.kl_target is not None})
+
+
+def curves_figure(
     groups: dict[str, list[Run]],
     metrics: Sequence[str],
-    path_stem: str,
     band: Band = "stderr",
-    formats: Sequence[str] = ("png",),
     num_points: int = 256,
     title: str | None = None,
-) -> list[str]:
-    """One panel per metric, one color per group: mean over runs against episodes and a seed band; the figure is
-    written as `path_stem`.<format> for each format (png, svg, pdf); returns the paths."""
+    targets: Sequence[float] = (),
+):
+    """One panel per metric, one color per group: mean over runs against episodes and a seed band; the objective/kl
+    panel draws each KL target as a dashed line."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
@@ -411,6 +433,11 @@ def plot_curves(
             handles.setdefault(group, (line, len(runs)))
         if not ax.lines:
             ax.text(0.5, 0.5, "not logged", ha="center", va="center", transform=ax.transAxes, color="gray")
+        if metric == KL_METRIC:
+            for target in targets:
+                ax.axhline(target, color="gray", linestyle="--", linewidth=1)
+                ax.text(0.01, target, f"KL target {target:g} nats", transform=ax.get_yaxis_transform(),
+                        va="bottom", fontsize=8, color="dimgray")  # fmt: skip
         ax.set_title(metric)
         ax.set_xlabel("episodes")
         ax.grid(alpha=0.3)
@@ -421,6 +448,21 @@ def plot_curves(
         labels = [f"{group} ({n} run{'s' * (n != 1)})" for group, (_, n) in handles.items()]
         figure.legend([line for line, _ in handles.values()], labels, loc="outside lower center", ncols=len(labels))
     figure.suptitle(f"{title + ': ' if title else ''}{band_text} over runs")
+    return figure
+
+
+def plot_curves(
+    groups: dict[str, list[Run]],
+    metrics: Sequence[str],
+    path_stem: str,
+    band: Band = "stderr",
+    formats: Sequence[str] = ("png",),
+    num_points: int = 256,
+    title: str | None = None,
+    targets: Sequence[float] = (),
+) -> list[str]:
+    """`curves_figure` written as `path_stem`.<format> for each format (png, svg, pdf); returns the paths."""
+    figure = curves_figure(groups, metrics, band, num_points, title, targets)
     os.makedirs(os.path.dirname(path_stem) or ".", exist_ok=True)
     paths = [f"{path_stem}.{fmt}" for fmt in formats]
     for path in paths:

@@ -255,6 +255,78 @@ def print_report(console: Console, report: dict) -> None:
         console.print(curve)
 
 
+FINAL_POLICY = "final"
+"""name of the evaluated policy's own point in a gold-vs-KL curve (its checkpoints are named update<N>)"""
+_LABEL_OFFSETS = [(6, 4), (6, -12), (-6, 4), (-6, -12), (8, -4), (-8, -4), (6, 14), (6, -22), (-6, 14), (-6, -22)]
+"""where a point's label may go, in points from the point, tried in order until it overlaps no other label"""
+
+
+def point_label(name: str) -> str:
+    """A point's label on the plot: the number of updates for a checkpoint named update<N>, else its name."""
+    return name[len("update") :] if name.startswith("update") and name[len("update") :].isdigit() else name
+
+
+def place_labels(ax, xs, ys, errors, labels) -> list:
+    """Annotate each point with its label at the first offset whose text overlaps no marker, no error bar and no label
+    placed before it."""
+    from matplotlib.transforms import Bbox
+
+    renderer = ax.figure.canvas.get_renderer()
+    lows = ax.transData.transform(np.column_stack([xs, np.subtract(ys, errors)]))
+    highs = ax.transData.transform(np.column_stack([xs, np.add(ys, errors)]))
+    boxes = [Bbox.from_extents(lo[0] - 5, lo[1] - 5, hi[0] + 5, hi[1] + 5) for lo, hi in zip(lows, highs)]
+    placed = []
+    for x, y, label in zip(xs, ys, labels):
+        for dx, dy in _LABEL_OFFSETS:
+            ha = "left" if dx >= 0 else "right"
+            text = ax.annotate(label, (x, y), textcoords="offset points", xytext=(dx, dy), fontsize=7, ha=ha)
+            box = text.get_window_extent(renderer).expanded(1.05, 1.1)
+            if not any(box.overlaps(other) for other in boxes) or (dx, dy) == _LABEL_OFFSETS[-1]:
+                break
+            text.remove()
+        placed.append(text)
+        boxes.append(box)
+    return placed
+
+
+def gold_vs_kl_figure(points: list[dict], title: str):
+    """The gold-vs-KL figure: one panel per judge, one line per run, each point labelled, error bars explained."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    # sqrt(KL) on the x-axis, as in the reward over-optimisation literature (Gao et al. 2022, arXiv:2210.10760)
+    panels = [(SCORE, "reward-model score (the proxy PPO maximises)"), (GOLD, "gold score (never trained on)")]
+    panels = [(key, label) for key, label in panels if all(key in p for p in points)]
+    fig, axes = plt.subplots(1, len(panels), figsize=(6.5 * len(panels), 4.8), squeeze=False)
+    base = [p for p in points if p["run"] == BASE_RUN]
+    runs = list(dict.fromkeys(p["run"] for p in points if p["run"] != BASE_RUN))
+    labelled = base + [p for p in points if p["run"] != BASE_RUN]  # every point once
+    for ax, (key, label) in zip(axes[0], panels):
+        for run in runs:
+            line = base + [p for p in points if p["run"] == run]
+            x = np.sqrt(np.maximum([p[KL]["mean"] for p in line], 0.0))
+            y = [p[key]["mean"] for p in line]
+            ax.errorbar(x, y, yerr=[p[key]["stderr"] for p in line], marker="o", capsize=3, label=f"run {run}")
+        fig.canvas.draw()
+        place_labels(
+            ax,
+            np.sqrt(np.maximum([p[KL]["mean"] for p in labelled], 0.0)),
+            [p[key]["mean"] for p in labelled],
+            [p[key]["stderr"] for p in labelled],
+            ["base" if p["run"] == BASE_RUN else point_label(p["policy"]) for p in labelled],
+        )
+        ax.set_xlabel("sqrt(KL(policy || base)), sqrt(nats)")
+        ax.set_ylabel("mean over the queries; bars: ± 1 standard error")
+        ax.set_title(label)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8, title="point labels: PPO updates done", title_fontsize=8, loc="best")
+    fig.suptitle(title)
+    fig.tight_layout()
+    return fig
+
+
 def plot_gold_vs_kl(points: list[dict], path: str, title: str) -> None:
     """Gold and reward-model score against sqrt(KL to the base model), one line per run (PNG via matplotlib Agg).
 
@@ -262,32 +334,10 @@ def plot_gold_vs_kl(points: list[dict], path: str, title: str) -> None:
     given (training order for checkpoints named by update), so a KL that falls back shows as the line turning back.
     """
     try:
-        import matplotlib
+        import matplotlib.pyplot as plt
     except ImportError as e:
         raise ImportError("the gold-vs-KL plot needs matplotlib: pip install matplotlib") from e
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    # sqrt(KL) on the x-axis, as in the reward over-optimisation literature (Gao et al. 2022, arXiv:2210.10760)
-    panels = [(SCORE, "reward-model score (the proxy PPO maximises)"), (GOLD, "gold score (never trained on)")]
-    panels = [(key, label) for key, label in panels if all(key in p for p in points)]
-    fig, axes = plt.subplots(1, len(panels), figsize=(6.5 * len(panels), 4.5), squeeze=False)
-    base = [p for p in points if p["run"] == BASE_RUN]
-    runs = list(dict.fromkeys(p["run"] for p in points if p["run"] != BASE_RUN))
-    for ax, (key, label) in zip(axes[0], panels):
-        for run in runs:
-            line = base + [p for p in points if p["run"] == run]
-            x = np.sqrt(np.maximum([p[KL]["mean"] for p in line], 0.0))
-            y = [p[key]["mean"] for p in line]
-            ax.errorbar(x, y, yerr=[p[key]["stderr"] for p in line], marker="o", capsize=3, label=run)
-            for xi, yi, p in zip(x, y, line):
-                ax.annotate(p["policy"], (xi, yi), textcoords="offset points", xytext=(4, 4), fontsize=7)
-        ax.set_xlabel("sqrt(KL(policy || base)), sqrt(nats)")
-        ax.set_title(label)
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
-    fig.suptitle(title)
-    fig.tight_layout()
+    fig = gold_vs_kl_figure(points, title)
     tmp = f"{path}.tmp.png"
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     fig.savefig(tmp, dpi=100)

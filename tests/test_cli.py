@@ -73,6 +73,42 @@ def test_help_shows_a_usage_example_the_task_flag_and_dry_run(script):
     assert "--dry_run" in text
 
 
+@pytest.mark.parametrize("module", [train_reward, train_policy])
+def test_help_keeps_the_usage_lines_and_lists_task_among_the_options(module, capsys):
+    with pytest.raises(SystemExit) as exit:
+        module.parse(["--help"])
+    assert exit.value.code == 0
+    lines = [line.strip() for line in capsys.readouterr().out.splitlines()]
+    if module is train_reward:  # "Run:" and "Steps:" each start a line of their own
+        assert any(line.startswith("Run:   accelerate launch") for line in lines)
+        assert any(line.startswith("Steps: normalize the untrained reward") for line in lines)
+    else:  # each usage example on its own line
+        assert any(line.startswith("python train_policy.py --task sentiment --ppo.whiten") for line in lines)
+    options = lines[next(i for i, line in enumerate(lines) if line.startswith("-h, --help")) :]
+    flags = [line.split()[0] for line in options if line.startswith("--")]
+    assert flags[:3] == ["--task", "--debug", "--exp_name"], flags[:3]
+    assert "--task {sentiment,descriptiveness,tldr,cnndm}" in options and "(default: sentiment)" in " ".join(options)
+
+
+def test_keep_line_breaks_and_add_options_in_both_box_styles():
+    doc = "Title line\nwrapped on.\n\nRun:   a command\nSteps: one, two\n    indented code\nProse after it."
+    assert cli.keep_line_breaks(doc).split("\n") == [
+        "Title line", "wrapped on.", "", "Run:   a command", "", "Steps: one, two", "    indented code", "",
+        "Prose after it.",
+    ]  # fmt: skip
+    boxed = "╭─ options ─╮\n│ -h, --help    show this help message and exit │\n│ --seed INT    seed        │\n╰─╯"
+    out = cli.add_options(boxed, {"--debug": "tracebacks", "--task {alpha,beta}": "preset"}).split("\n")
+    width = len(boxed.split("\n")[1])
+    assert out[2] == "│ --debug".ljust(16) + "tracebacks".ljust(width - 17) + "│"  # the help's column: 16
+    assert (
+        out[3] == "│ --task {alpha,beta}".ljust(width - 1) + "│"
+        and out[4] == " " * 16 + "preset".ljust(width - 17) + "│"
+    )
+    assert out[5].startswith("│ --seed INT") and all(len(line) == width for line in out[1:5])
+    plain = "  -h, --help   show this help message and exit \n  --seed INT   seed"
+    assert cli.add_options(plain, {"--debug": "tracebacks"}).split("\n")[1].rstrip() == "  --debug      tracebacks"
+
+
 def test_dry_run_prints_the_sizes_and_touches_nothing(tmp_path):
     out = tmp_path / "out"
     policy = run("train_policy.py", "--dry_run", "--output_dir", str(out))

@@ -1,6 +1,8 @@
 """lm_human_preference_details.compare and benchmark/compare.py on runs written here (TensorBoard and CSV), offline."""
 
 import csv
+import importlib.util
+import json
 import os
 import subprocess
 import sys
@@ -8,6 +10,7 @@ import time
 
 import numpy as np
 import pytest
+import tyro
 from torch.utils.tensorboard import SummaryWriter
 
 from lm_human_preference_details import compare
@@ -177,6 +180,35 @@ def test_plot_writes_png_and_svg(runs_root, tmp_path):
     assert b"<svg" in (tmp_path / "out" / "curves.svg").read_bytes()[:2000]
 
 
+def test_kl_panel_draws_the_kl_target_of_the_runs_args_json(tmp_path, monkeypatch):
+    import matplotlib.lines
+
+    for seed, adaptive in ((1, {"enabled": True, "target": 6.0}), (2, {"enabled": False, "target": 6.0})):
+        write_tb_run(tmp_path / f"seed{seed}", 1.0, seed)
+        (tmp_path / f"seed{seed}" / "args.json").write_text(json.dumps({"rewards": {"adaptive_kl": adaptive}}))
+    runs = compare.load_local_runs(str(tmp_path / "seed*"))
+    assert [run.kl_target for run in runs] == [6.0, None]  # a fixed kl_coef has no target
+    groups = {"ours": runs}
+    assert compare.kl_targets(groups) == [6.0]
+    figure = compare.curves_figure(groups, ["objective/score", "objective/kl"], targets=compare.kl_targets(groups))
+    score_ax, kl_ax = figure.axes[:2]
+    dashed = [
+        line for line in kl_ax.lines if isinstance(line, matplotlib.lines.Line2D) and line.get_linestyle() == "--"
+    ]
+    assert len(dashed) == 1 and list(dashed[0].get_ydata()) == [6.0, 6.0]
+    assert [text.get_text() for text in kl_ax.texts] == ["not logged", "KL target 6 nats"]
+    assert not any(line.get_linestyle() == "--" for line in score_ax.lines) and not score_ax.texts
+    # the command line draws the runs' targets, or --kl_target
+    spec = importlib.util.spec_from_file_location("compare_cli", REPO / "benchmark" / "compare.py")
+    cli = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(cli)
+    drawn = []
+    monkeypatch.setattr(cli.compare, "plot_curves", lambda *args: drawn.append(args[-1]) or [])
+    for flags in ([], ["--kl_target", "12"]):
+        cli.main(tyro.cli(cli.Args, args=[f"--runs=ours={tmp_path}/seed*", "--output_dir", str(tmp_path), *flags]))
+    assert drawn == [[6.0], [12.0]]
+
+
 def test_wandb_source_syntax():
     path, filters = compare.parse_wandb_source(
         "openrlbenchmark/lm-human-preferences?task_id=sentiment&task.value.policy.initial_model=124M&tag=v1&seed=3"
@@ -228,7 +260,7 @@ def test_cli_offline_on_tensorboard_and_csv_runs(runs_root, tmp_path):
     result = run_cli(
         "--runs", f"low={runs_root}/low/seed*", f"high={runs_root}/high/seed*", f"OAI={runs_root}/oai/*.csv",
         "--reference", "OAI", "--metrics", "objective/score", "ppo/policy/entropy",
-        "--formats", "png", "svg", "--last_k", "5", "--output_dir", str(out),
+        "--formats", "png", "svg", "--last_k", "5", "--output_dir", str(out), env={"COLUMNS": "80"},
     )  # fmt: skip
     assert result.returncode == 0, result.stderr
     assert (out / "curves.png").read_bytes().startswith(b"\x89PNG") and (out / "curves.svg").stat().st_size > 0
@@ -244,6 +276,9 @@ def test_cli_offline_on_tensorboard_and_csv_runs(runs_root, tmp_path):
     assert abs(float(rows["low"][6])) < 1e-5
     assert float(rows["high"][6]) == pytest.approx(1.0, abs=1e-5)
     assert "final" in result.stdout and "curves.png" in result.stdout
+    # an 80-column console keeps every metric name and number whole: one table per metric, named in its title
+    assert "objective/score: final values" in result.stdout and "ppo/policy/entropy: final values" in result.stdout
+    assert "…" not in result.stdout and max(len(line) for line in result.stdout.splitlines()) <= 80
 
 
 def test_cli_wandb_source_offline_is_one_clear_line(runs_root, tmp_path):

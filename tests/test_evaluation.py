@@ -361,7 +361,7 @@ def test_evaluate_command_writes_results_and_the_gold_vs_kl_plot(tiny_run, tiny_
     # the base model's point, the run's checkpoints in natural order (one line: their args.json names the run
     # kl_run), then the policy
     curve = report["curve"]
-    assert [p["policy"] for p in curve] == [os.path.basename(tiny_model_dir), "update8", "update16", "policy"]
+    assert [p["policy"] for p in curve] == [os.path.basename(tiny_model_dir), "update8", "update16", "final"]
     assert [p["run"] for p in curve] == ["base", "kl_run", "kl_run", "policy"]
     assert all(p[KL]["mean"] > 0.01 for p in curve[1:]) and abs(curve[0][KL]["mean"]) < 1e-4
     assert curve[-1][GOLD] == report["metrics"][GOLD]["trained"] and curve[0][SCORE] == report["metrics"][SCORE]["base"]
@@ -369,6 +369,40 @@ def test_evaluate_command_writes_results_and_the_gold_vs_kl_plot(tiny_run, tiny_
     text = (out / "results.md").read_text()
     assert "win rate (trained > base)" in text and "## Gold score vs KL" in text
     assert "reward-model score" in result.stdout and "gold score vs KL" in result.stdout
+
+
+def crowded_curve() -> list[dict]:
+    """The demo's gold-vs-KL points (seed 1): eight checkpoints and the final policy within 0.5 sqrt(nats)."""
+    values = [(4, 1.14, 0.43, 0.63), (8, 1.30, 0.54, 0.70), (12, 1.58, 0.65, 0.79), (16, 1.38, 0.54, 0.65)]
+    values += [(20, 1.65, 0.60, 0.71), (24, 1.66, 0.53, 0.65), (28, 1.62, 0.54, 0.66), ("final", 1.41, 0.52, 0.62)]
+    points = [("base", "base_model", 0.0, -0.06, -0.01)]
+    points += [("policy", f"update{u}" if u != "final" else "final", k, s, g) for u, k, s, g in values]
+    return [
+        {"run": run, "policy": name, KL: {"mean": k * k, "stderr": 0.01}, SCORE: {"mean": s, "stderr": 0.05},
+         GOLD: {"mean": g, "stderr": 0.03}}
+        for run, name, k, s, g in points
+    ]  # fmt: skip
+
+
+def test_gold_vs_kl_plot_labels_every_point_apart_and_explains_the_error_bars(tmp_path):
+    import matplotlib.pyplot as plt
+
+    from lm_human_preference_details.evaluation import gold_vs_kl_figure, plot_gold_vs_kl
+
+    fig = gold_vs_kl_figure(crowded_curve(), "title")
+    renderer = fig.canvas.get_renderer()
+    for ax in fig.axes:
+        labels = [text.get_text() for text in ax.texts]
+        assert labels == ["base", "4", "8", "12", "16", "20", "24", "28", "final"]  # no "policy", no "update"
+        boxes = [text.get_window_extent(renderer) for text in ax.texts]
+        overlapping = [(a, b) for i, a in enumerate(labels) for j, b in enumerate(labels) if i < j
+                       and boxes[i].overlaps(boxes[j])]  # fmt: skip
+        assert not overlapping
+        assert "standard error" in ax.get_ylabel() and "sqrt(KL" in ax.get_xlabel()
+        assert "updates" in ax.get_legend().get_title().get_text()
+    plt.close(fig)
+    plot_gold_vs_kl(crowded_curve(), str(tmp_path / "gold_vs_kl.png"), "title")
+    assert (tmp_path / "gold_vs_kl.png").stat().st_size > 10_000 and not list(tmp_path.glob("*.tmp.png"))
 
 
 def test_train_policy_save_checkpoints_keeps_every_periodic_save(tmp_path, tiny_run, tiny_model_dir):

@@ -229,3 +229,20 @@ def test_sentiment_policy_command_passes_the_scripts_dry_run():
                             check=False, timeout=300)  # fmt: skip
     assert result.returncode == 0, result.stderr
     assert "512 (512 per process)" in result.stdout and "1954" in result.stdout
+
+
+def test_shell_files_run_the_launcher_with_the_interpreter_named_by_python(tmp_path):
+    log = tmp_path / "calls.log"
+    fake = tmp_path / "fake-python"
+    fake.write_text(f'#!/bin/sh\necho "$@" >> {shlex.quote(str(log))}\n')
+    fake.chmod(0o755)
+    for shell_file in SHELL_FILES:
+        log.unlink(missing_ok=True)
+        env = {**os.environ, "PYTHON": str(fake), "DRY_RUN": "1"}
+        result = subprocess.run(["bash", str(REPO / "benchmark" / shell_file)], capture_output=True, text=True,
+                                check=False, env=env, timeout=60)  # fmt: skip
+        assert result.returncode == 0, result.stderr
+        calls = log.read_text().splitlines()
+        launches = (REPO / "benchmark" / shell_file).read_text().count("\nlaunch --name") or 1
+        assert len(calls) == launches and all(call.startswith("benchmark/launch.py --") for call in calls), calls
+        assert all(call.endswith("--dry_run") for call in calls), calls

@@ -1,4 +1,4 @@
-"""The metrics glossary: the README shows it as rendered, and it names exactly what tiny runs of the scripts log."""
+"""The metrics glossary: docs/metrics.md shows it as rendered, it names exactly what tiny runs of the scripts log."""
 
 import dataclasses
 
@@ -9,7 +9,7 @@ import train_policy
 import train_reward
 from lm_human_preference_details import core
 from lm_human_preference_details.labels import save_labels
-from lm_human_preference_details.metrics import GLOSSARY, glossary_names, readme_block, render_glossary
+from lm_human_preference_details.metrics import GLOSSARY, GLOSSARY_DOC, glossary_block, glossary_names, render_glossary
 from tests.planted import REPO, books_task
 from tests.test_train_policy import query_file, save_reward_model, tiny_args, tiny_task  # noqa: F401 (query_file: a fixture)
 
@@ -40,10 +40,10 @@ def names_when(condition: str) -> set[str]:
     return {name for metric in GLOSSARY if metric.when == condition for name in metric.names}
 
 
-def test_readme_glossary_is_the_rendered_glossary():
-    readme = (REPO / "README.md").read_text(encoding="utf-8")
-    assert readme_block(readme) == render_glossary(), (
-        "run: python -m lm_human_preference_details.metrics --readme README.md"
+def test_docs_glossary_is_the_rendered_glossary():
+    page = (REPO / GLOSSARY_DOC).read_text(encoding="utf-8")
+    assert glossary_block(page) == render_glossary(), (
+        f"run: python -m lm_human_preference_details.metrics --write {GLOSSARY_DOC}"
     )
 
 

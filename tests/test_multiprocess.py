@@ -238,11 +238,11 @@ def test_accelerate_configs_parse_with_accelerates_loader():
     }
     files = sorted(os.path.basename(f) for f in glob.glob(str(REPO / "configs" / "accelerate" / "*.yaml")))
     assert files == sorted(expected)
-    readme = (REPO / "README.md").read_text(encoding="utf-8")
+    page = (REPO / "docs" / "multiprocess.md").read_text(encoding="utf-8")
     for name, (kind, processes, machines) in expected.items():
         config = load_config_from_file(str(REPO / "configs" / "accelerate" / name))
         assert isinstance(config, ClusterConfig) and config.distributed_type == kind, name
         assert (config.num_processes, config.num_machines) == (processes, machines), name
         assert config.mixed_precision == "no" and not config.use_cpu, name  # fp32 as OAI
-        assert f"--config_file configs/accelerate/{name}" in readme, name
-    assert "torchrun --nproc_per_node" in readme
+        assert f"--config_file configs/accelerate/{name}" in page, name
+    assert "torchrun --nproc_per_node" in page

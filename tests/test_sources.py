@@ -490,7 +490,7 @@ def test_load_labels_oai_and_hub_unreachable_is_one_line_error(oai_unreachable, 
 
 # ---------------------------------------------------------------- the four presets, unchanged
 
-# queries per 100 texts with each preset's unchanged settings, on the fixtures above (README, "Query data and labels"):
+# queries per 100 texts with each preset's unchanged settings, on the fixtures above (docs/data.md, "Query data"):
 # OAI's own file where it is public, and the HF stand-in used when it cannot be fetched; sentiment and descriptiveness
 # share one task. For contrast, raw HF bookcorpus rows and one-line HF CNN/DM articles give 0 (tests above).
 PRESET_QUERY_RATES = {

@@ -1,5 +1,5 @@
 """Bad input is caught before anything is deleted, overwritten or trained, and non-finite values stop a run before it
-saves: every row of README.md's bad-input table names a test here or in the test files it cites."""
+saves: every row of the bad-input table of docs/reliability.md names a test here or in the test files it cites."""
 
 import dataclasses
 import errno
@@ -376,13 +376,13 @@ def test_disk_full_while_writing_labels_keeps_the_old_file(tmp_path, monkeypatch
     assert tree(tmp_path) == before
 
 
-# ---------------------------------------------------------------- README
+# ---------------------------------------------------------------- docs/reliability.md
 
 
-def test_readme_bad_input_table_names_existing_tests():
+def test_docs_bad_input_table_names_existing_tests():
     from tests.test_readme import defined_tests
 
-    text = (REPO / "README.md").read_text(encoding="utf-8")
+    text = (REPO / "docs" / "reliability.md").read_text(encoding="utf-8")
     section = text.split("\n## Bad input and numerical faults\n", 1)[1].split("\n## ", 1)[0]
     rows = [line for line in section.splitlines() if line.startswith("| ") and not line.startswith("| input")]
     rows = [row for row in rows if not set(row) <= set("|- ")]

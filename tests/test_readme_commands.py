@@ -1,0 +1,144 @@
+"""Every shell command in README.md's code blocks is run by a test or by CI, and its flags are the scripts' own."""
+
+import importlib.util
+import re
+import shlex
+
+import pytest
+import tyro
+
+import evaluate
+import train_policy
+import train_reward
+from tests.planted import REPO
+from tests.test_readme import defined_tests
+
+README = REPO / "README.md"
+
+# README command (its words, quotes and comments dropped) -> the test that runs it: the same script and flags, on tiny
+# models, with --dry_run or DRY_RUN=1, or the same code path (commands that CI runs need no entry)
+RUN_BY_TESTS = {
+    "make demo": "test_run_demo_quick_raises_gold_score",
+    "accelerate launch --num_processes 8 train_reward.py --task sentiment --output_dir models/sentiment_reward": (
+        "test_dry_run_prints_the_sizes_and_touches_nothing"
+    ),
+    "accelerate launch --num_processes 8 train_policy.py --task sentiment --rewards.trained_model "
+    "models/sentiment_reward --output_dir models/sentiment_policy --track": (
+        "test_sentiment_policy_command_passes_the_scripts_dry_run"
+    ),
+    "python train_policy.py --task sentiment --rewards.trained_model models/sentiment_reward "
+    "--ppo.whiten_group_size 64 --ppo.gradient_accumulation_steps 8": (
+        "test_one_process_with_two_virtual_ranks_reproduces_two_processes"
+    ),
+    "python train_policy.py --task sentiment --dry_run": "test_dry_run_prints_the_sizes_and_touches_nothing",
+    "python train_policy.py --help": "test_help_keeps_the_usage_lines_and_lists_task_among_the_options",
+    "bash benchmark/oai_sentiment.sh": "test_shell_file_flags_are_accepted_by_the_scripts",
+    "bash benchmark/oai_descriptiveness.sh": "test_shell_file_flags_are_accepted_by_the_scripts",
+    "bash benchmark/oai_tldr.sh": "test_shell_file_flags_are_accepted_by_the_scripts",
+    "bash benchmark/oai_cnndm.sh": "test_shell_file_flags_are_accepted_by_the_scripts",
+    "python evaluate.py --policy models/sentiment_policy --gold vader": (
+        "test_evaluate_command_writes_results_and_the_gold_vs_kl_plot"
+    ),
+    "python benchmark/compare.py --runs ours=models/oai_sentiment/seed*/train_policy --output_dir compare/sentiment": (
+        "test_cli_offline_on_tensorboard_and_csv_runs"
+    ),
+}
+SHELL_FENCES = ("bash", "sh", "shell", "console")
+
+
+def shell_commands(markdown: str) -> list[str]:
+    """The commands of the shell code blocks of `markdown`: continuation lines joined, comments and quotes dropped."""
+    commands = []
+    for language, body in re.findall(r"^```(\w*)\n(.*?)^```", markdown, re.MULTILINE | re.DOTALL):
+        if language not in SHELL_FENCES:
+            continue
+        for line in body.replace("\\\n", " ").splitlines():
+            words = shlex.split(line, comments=True)
+            if words:
+                commands.append(" ".join(words))
+    return commands
+
+
+def makefile_recipes() -> dict[str, list[str]]:
+    """Makefile target -> its prerequisites' recipe lines, then its own, with $(PYTHON) as python3."""
+    targets, current = {}, None
+    for line in (REPO / "Makefile").read_text(encoding="utf-8").splitlines():
+        rule = re.match(r"^([\w-]+):(.*)$", line)
+        if rule and not line.startswith("\t"):
+            current = rule[1]
+            targets[current] = {"needs": rule[2].split(), "lines": []}
+        elif line.startswith("\t") and current:
+            targets[current]["lines"].append(line.strip().replace("$(PYTHON)", "python3"))
+
+    def expand(target: str) -> list[str]:
+        return [line for need in targets[target]["needs"] for line in expand(need)] + targets[target]["lines"]
+
+    return {target: expand(target) for target in targets}
+
+
+def ci_commands() -> set[str]:
+    """Every command CI runs: the lines of .ci/run, and the recipes of the make targets it calls."""
+    recipes, commands = makefile_recipes(), set()
+    for line in (REPO / ".ci" / "run").read_text(encoding="utf-8").splitlines():
+        words = shlex.split(line, comments=True)
+        if not words:
+            continue
+        commands.add(" ".join(words))
+        if words[0] == "make":
+            commands.update(" ".join(shlex.split(recipe)) for recipe in recipes[words[1]])
+    return commands
+
+
+def test_shell_commands_are_read_as_a_user_types_them():
+    text = '```bash\nmake demo   # a comment\n# only a comment\npython x.py --a "b c" \\\n    --d e\n```\n'
+    text += "```python\nprint('not a shell command')\n```\n"
+    assert shell_commands(text) == ["make demo", "python x.py --a b c --d e"]
+    recipes = makefile_recipes()
+    assert recipes["test"] == ['python3 -m pip install -e ".[test]"', "python3 -m pytest"]
+    assert "make test" in ci_commands() and "python3 -m pytest" in ci_commands()
+
+
+def test_every_readme_command_is_run_by_a_test_or_by_ci():
+    commands, ci, tests = shell_commands(README.read_text(encoding="utf-8")), ci_commands(), defined_tests()
+    assert len(commands) >= 10, commands
+    uncovered = [command for command in commands if command not in ci and command not in RUN_BY_TESTS]
+    assert not uncovered, (
+        "README.md commands that no test and no CI step runs (add each to RUN_BY_TESTS in "
+        "tests/test_readme_commands.py with the test that runs it):\n" + "\n".join(uncovered)
+    )
+    missing = {command: test for command, test in RUN_BY_TESTS.items() if test not in tests}
+    assert not missing, f"RUN_BY_TESTS names tests that do not exist: {missing}"
+    stale = sorted(set(RUN_BY_TESTS) - set(commands))
+    assert not stale, f"RUN_BY_TESTS lists commands that README.md no longer has: {stale}"
+
+
+def compare_args(flags: list[str]):
+    """benchmark/compare.py's flags through its own parser."""
+    spec = importlib.util.spec_from_file_location("compare_cli", REPO / "benchmark" / "compare.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return tyro.cli(module.Args, args=flags, use_underscores=True)
+
+
+PARSERS = {
+    "train_reward.py": train_reward.parse,
+    "train_policy.py": train_policy.parse,
+    "evaluate.py": evaluate.parse,
+    "benchmark/compare.py": compare_args,
+}
+
+
+def test_readme_script_commands_parse_with_the_scripts_own_parsers():
+    parsed = 0
+    for command in shell_commands(README.read_text(encoding="utf-8")):
+        words = command.split(" ")
+        script = next((word for word in words if word in PARSERS), None)
+        flags = words[words.index(script) + 1 :] if script else []
+        if script is None or "--help" in flags:
+            continue
+        try:
+            PARSERS[script](flags)
+        except SystemExit as exit:  # tyro exits on an unknown flag or value
+            pytest.fail(f"README.md: `{command}` does not parse: exit {exit.code}")
+        parsed += 1
+    assert parsed >= 6
