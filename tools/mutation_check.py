@@ -496,10 +496,10 @@ BREAKAGES = [
     Breakage(
         "P11-entropy-formula",
         "P11",
-        "the entropy drops the logsumexp's max term",
+        "the entropy sums exp(z - max) * z instead of exp(z - max) * (z - max) (drops the logsumexp's max term)",
         "lm_human_preference_details/kernels.py",
-        "return maxes + total.log() - expected_logit",
-        "return total.log() - expected_logit",
+        "torch.sub(logits[..., chunk], maxes, out=products)",
+        "torch.sub(logits[..., chunk], 0, out=products)",
         ["tests/test_core.py::test_logprobs_and_entropy_from_logits_match_separate_functions"],
     ),
     Breakage(
@@ -902,6 +902,43 @@ BREAKAGES = [
         "if scores.dim() != 1 or scores.numel() != len(response_texts):",
         "if scores.dim() != 1:",
         [REWARDS + "test_bad_reward_function_is_one_line_naming_the_function_and_the_problem[too-few]"],
+    ),
+    Breakage(
+        "D4-default-one-rank-per-process",
+        "D4",
+        "with no whitening flag each process whitens its whole batch (a plain data-parallel port), not OAI's 8 ranks",
+        TP,
+        "    else:\n        return oai_group, None",
+        "    else:\n        return batch, None",
+        [
+            "tests/test_oai_ranks.py::test_default_sizes_are_oai_ranks_on_any_process_count",
+            "tests/test_oai_ranks.py::test_one_two_and_four_processes_log_oai_eight_rank_whitening",
+            "tests/test_train_policy.py::test_whiten_groups_use_population_moments_per_group",
+        ],
+    ),
+    Breakage(
+        "R8-task-name-unchecked",
+        "R8",
+        "a reward model trained for another --task (sentiment for descriptiveness) trains the policy without a word",
+        TP,
+        "    if saved == task_id:\n        return None",
+        "    if saved is not None:\n        return None",
+        [
+            "tests/test_wrong_experiment.py::test_reward_model_of_the_other_books_task_stops_the_policy",
+            "tests/test_modeling.py::test_reward_model_save_load_roundtrip",
+        ],
+    ),
+    Breakage(
+        "P11-entropy-unshifted-dot",
+        "P11",
+        "the entropy is max + log(total) - (exps . z) / total, one float32 dot over unshifted logits (1.1e-4 off)",
+        "lm_human_preference_details/kernels.py",
+        "    return total.log() - shifted_sum / total",
+        "    return maxes + total.log() - (exps.unsqueeze(-2) @ logits.unsqueeze(-1)).squeeze(-1) / total",
+        [
+            "tests/test_kernels.py::test_fused_entropy_on_full_vocabulary_float32_logits_is_as_accurate_as_the_plain_formula",
+            "tests/test_core.py::test_logprobs_and_entropy_from_logits_match_separate_functions",
+        ],
     ),
 ]
 
