@@ -440,10 +440,15 @@ def resolve_resume(output_dir: str, resume: str | None, overwrite: bool) -> str 
     return None
 
 
+def _distributed(accelerator: Any) -> bool:
+    """Whether several processes share a process group (one process, or a test's pretended world: no)."""
+    return accelerator.num_processes > 1 and dist.is_available() and dist.is_initialized()
+
+
 def _decided_by_main_process(accelerator: Any, decide: Callable[[], T]) -> T:
     """`decide()` on process 0 only, its result given to every process; its ValueError or OSError is raised again
     on every process, so that all stop with the same line."""
-    if accelerator.num_processes == 1:
+    if not _distributed(accelerator):
         return decide()
     outcome: list[Any] = [None]
     if accelerator.is_main_process:
@@ -471,7 +476,7 @@ def _load_on_every_process(path: str, accelerator: Any) -> Resumed:
         except (ValueError, OSError) as e:
             error = str(e)
     errors = [error]
-    if accelerator.num_processes > 1:
+    if _distributed(accelerator):
         errors = [None] * accelerator.num_processes
         dist.all_gather_object(errors, error)
     unseen = [r for r, e in enumerate(errors) if e == "unseen"]

@@ -36,9 +36,11 @@ def _library_of(filename: str) -> str | None:
 
 
 def _is_project_file(filename: str) -> bool:
-    """A file of this repository (package, scripts, tests), conftest.py itself excepted."""
+    """A file of this repository (package, scripts, tests), conftest.py and installed packages (a virtualenv inside the
+    repository) excepted."""
     path = os.path.abspath(filename)
-    return path.startswith(REPO_ROOT + os.sep) and os.path.basename(path) != "conftest.py"
+    inside = path.startswith(REPO_ROOT + os.sep) and _site_package(path) is None
+    return inside and os.path.basename(path) != "conftest.py"
 
 
 def _deprecation_from_project_call() -> str | None:
