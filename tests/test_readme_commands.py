@@ -27,10 +27,29 @@ RUN_BY_TESTS = {
         "test_sentiment_policy_command_passes_the_scripts_dry_run"
     ),
     "python train_policy.py --task sentiment --rewards.trained_model models/sentiment_reward "
-    "--ppo.whiten_group_size 64 --ppo.gradient_accumulation_steps 8": (
-        "test_one_process_with_two_virtual_ranks_reproduces_two_processes"
+    "--ppo.gradient_accumulation_steps 8": "test_one_two_and_four_processes_log_oai_eight_rank_whitening",
+    "python train_policy.py --task sentiment --rewards.trained_model models/sentiment_reward --dry_run "
+    "--dry_run_processes 8": "test_dry_run_checks_inputs_prints_the_settings_and_sizes_for_8_processes",
+    "python train_both.py --task sentiment --output_dir runs/sentiment": (
+        "test_pipeline_runs_on_the_demo_world_and_resumes_after_a_kill"
     ),
-    "python train_policy.py --task sentiment --dry_run": "test_dry_run_prints_the_sizes_and_touches_nothing",
+    "accelerate launch --num_processes 8 train_policy.py --task sentiment --rewards.trained_model "
+    "models/sentiment_reward --tf32 --compile_sampler": (
+        "test_compiled_decoding_samples_exactly_what_eager_decoding_samples"
+    ),
+    "python benchmark/policy_throughput.py --model gpt2-124m --updates 3": (
+        "test_ppo_update_stays_within_the_host_sync_budget"
+    ),
+    "python demo/run_demo.py --quick --reward vader": "test_run_demo_reward_flag_trains_straight_against_that_reward",
+    "python label_generation.py sample --task sentiment --num_queries 500 --output labels/candidates.json": (
+        "test_sample_writes_the_rows_generate_labels"
+    ),
+    "python label_generation.py serve --candidates labels/candidates.json --output labels/human.json": (
+        "test_sigkill_in_the_middle_of_labeling_loses_no_confirmed_judgement"
+    ),
+    "python label_generation.py agreement --judgements labels/human.json.judgements.jsonl": (
+        "test_agreement_command_prints_the_figures"
+    ),
     "python train_policy.py --help": "test_help_keeps_the_usage_lines_and_lists_task_among_the_options",
     "bash benchmark/oai_sentiment.sh": "test_shell_file_flags_are_accepted_by_the_scripts",
     "bash benchmark/oai_descriptiveness.sh": "test_shell_file_flags_are_accepted_by_the_scripts",

@@ -597,8 +597,8 @@ BREAKAGES = [
         "P20",
         "the policy is not saved at the end of training",
         TP,
-        "is_last or (args.save_interval and (update + 1) % args.save_interval == 0)",
-        "(args.save_interval and (update + 1) % args.save_interval == 0)",
+        "is_last or stopping or (args.save_interval and (update + 1) % args.save_interval == 0)",
+        "stopping or (args.save_interval and (update + 1) % args.save_interval == 0)",
         ["tests/test_train_policy.py::test_main_saves_a_loadable_policy"],
     ),
     # ---------------------------------------------------------------- O: optimizer
