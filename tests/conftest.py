@@ -44,7 +44,9 @@ def _is_project_file(filename: str) -> bool:
 
 
 def _deprecation_from_project_call() -> str | None:
-    """When a warning is being shown: the checked library that raised it, if the project called into it; else None."""
+    """When a warning is being shown: the checked library that raised it, if the project called into it; else None.
+    A warning raised while a library imports one of its own modules (a module body on the way up, e.g. torch's
+    compiler importing torch.utils.mkldnn) is the library's own affair, not the project's call."""
     frame = sys._getframe(1)
     while frame is not None and frame.f_code.co_filename in (__file__, warnings.__file__):
         frame = frame.f_back
@@ -54,6 +56,8 @@ def _deprecation_from_project_call() -> str | None:
     while frame is not None:
         if _is_project_file(frame.f_code.co_filename):
             return library
+        if frame.f_code.co_name == "<module>":
+            return None
         frame = frame.f_back
     return None
 
