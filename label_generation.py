@@ -112,8 +112,8 @@ class Generate:
     device: str | None = None
     """torch device for sampling and scoring; None: cuda when available, else cpu"""
     tf32: bool = False
-    """run float32 matmuls on TF32 tensor cores (NVIDIA Ampere or newer: A100, H100): GEMMs ~5-7x faster, each with
-    ~1e-3 relative error (docs/gpu.md); off: full float32, as OAI trained"""
+    """run float32 matmuls on TF32 tensor cores (NVIDIA Ampere or newer: A100, H100): GEMMs ~5-7x faster, with
+    relative errors up to ~1e-3 (docs/gpu.md); off: full float32, as OAI trained"""
     dry_run: bool = False
     """print the settings and the output file, check the labeler spec, and exit without sampling"""
     task_id: tyro.conf.Suppress[str] = DEFAULT_TASK

@@ -168,8 +168,8 @@ class Args:
     """run the transformer of the training forward passes under bfloat16 autocast (weights, optimizer, heads, logits,
     sampling and scoring stay float32): less memory, faster on GPUs with bf16; off: float32 throughout, as OAI"""
     tf32: bool = False
-    """run float32 matmuls on TF32 tensor cores (NVIDIA Ampere or newer: A100, H100): GEMMs ~5-7x faster, each with
-    ~1e-3 relative error (docs/gpu.md); off: full float32, as OAI trained"""
+    """run float32 matmuls on TF32 tensor cores (NVIDIA Ampere or newer: A100, H100): GEMMs ~5-7x faster, with
+    relative errors up to ~1e-3 (docs/gpu.md); off: full float32, as OAI trained"""
     push_to_hub: bool = False
     """upload output_dir (policy, value head, tokenizer, args) to the Hugging Face hub at the end"""
     hf_repo_id: str | None = None
