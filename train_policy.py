@@ -191,8 +191,8 @@ class Args:
     PPO's ratio and value clipping use then come from one more forward with that arithmetic (the KL penalty keeps the
     sampler's float32 ones); off: float32 throughout, as OAI"""
     tf32: bool = False
-    """run float32 matmuls on TF32 tensor cores (NVIDIA Ampere or newer: A100, H100): GEMMs ~5-7x faster, each with
-    ~1e-3 relative error (docs/gpu.md); off: full float32, as OAI trained"""
+    """run float32 matmuls on TF32 tensor cores (NVIDIA Ampere or newer: A100, H100): GEMMs ~5-7x faster, with
+    relative errors up to ~1e-3 (docs/gpu.md); off: full float32, as OAI trained"""
     compile_sampler: bool = False
     """run each decoding step of the rollouts as one torch.compile'd graph (a CUDA graph on GPUs), the same samples
     from the same seed: less Python and kernel-launch time per token, a compile at the first update; off: eager

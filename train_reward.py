@@ -110,8 +110,8 @@ class Args:
     """run the transformer of the training forward passes under bfloat16 autocast (weights, optimizer, heads, logits,
     sampling and scoring stay float32): less memory, faster on GPUs with bf16; off: float32 throughout, as OAI"""
     tf32: bool = False
-    """run float32 matmuls on TF32 tensor cores (NVIDIA Ampere or newer: A100, H100): GEMMs ~5-7x faster, each with
-    ~1e-3 relative error (docs/gpu.md); off: full float32, as OAI trained"""
+    """run float32 matmuls on TF32 tensor cores (NVIDIA Ampere or newer: A100, H100): GEMMs ~5-7x faster, with
+    relative errors up to ~1e-3 (docs/gpu.md); off: full float32, as OAI trained"""
     eval_interval: int = 0
     """evaluate held-out accuracy every this many steps (0: only before and after training)"""
     output_dir: str = "models/reward"
