@@ -1049,7 +1049,7 @@ def main(args: Args) -> list[dict[str, float]]:
     last_time = time.time()
     start_time = last_time - elapsed_before
     # Ctrl-C or SIGTERM during training: the update in progress finishes, a checkpoint is saved, the run stops
-    stop = cli.StopSignal("update", args.output_dir, accelerator.is_main_process)
+    stop = cli.StopSignal("update", args.output_dir, accelerator.is_main_process, args.dist_timeout)
     with progress, stop:
         # OAI's step = number of completed updates, 0 at the first one
         for update in range(first_update, sizes.nupdates):

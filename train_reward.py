@@ -484,7 +484,7 @@ def main(args: Args) -> dict:
     )
     progress = Progress(*columns, disable=not accelerator.is_main_process, console=console)
     # Ctrl-C or SIGTERM during training: the step in progress finishes, a checkpoint is saved, the run stops
-    stop = cli.StopSignal("step", args.output_dir, accelerator.is_main_process)
+    stop = cli.StopSignal("step", args.output_dir, accelerator.is_main_process, args.dist_timeout)
     with progress, stop:
         bar = progress.add_task("train", total=num_steps, stats="", completed=first_step)
         for step, start in enumerate(range(0, args.labels.num_train, args.batch_size)):
