@@ -75,6 +75,15 @@ def wait_for(driver, condition, timeout: float = 15.0):
     return WebDriverWait(driver, timeout).until(lambda d: condition(d))
 
 
+def name_field(driver):
+    """The page's name field once the page shows it (it exists, hidden, while the page's script starts)."""
+    from selenium.webdriver.common.by import By
+
+    return wait_for(
+        driver, lambda d: (field := d.find_element(By.ID, "name")).is_displayed() and field.is_enabled() and field
+    )
+
+
 def shown_row(driver) -> str | None:
     return driver.execute_script("return document.body.dataset.row || null")
 
@@ -100,7 +109,7 @@ def session(driver, served):
 
     seen = {}
     driver.get(served["url"])
-    name = wait_for(driver, lambda d: d.find_element(By.ID, "name"))
+    name = name_field(driver)
     name.send_keys("ann\n")
     wait_for(driver, lambda d: shown_row(d) == "0")
     press(driver, key_for("ann", 0, ANN[0]), "1")
@@ -177,7 +186,7 @@ def test_scalar_compare_page_compares_two_responses(driver, tmp_path, tokenizer,
     server = ThreadedServer(create_app(store, None))
     try:
         driver.get(server.url)  # another port, another origin: no name remembered
-        wait_for(driver, lambda d: d.find_element(By.ID, "name")).send_keys("cat\n")
+        name_field(driver).send_keys("cat\n")
         wait_for(driver, lambda d: shown_row(d) == "0")
         keys = [e.text for e in driver.find_elements(By.CSS_SELECTOR, "#responses .key")]
         scale = [e.text for e in driver.find_elements(By.CSS_SELECTOR, "#scale button")]
