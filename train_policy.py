@@ -242,6 +242,9 @@ def oai_presets() -> dict[str, Args]:
 
 
 # ---------------------------------------------------------------------------------------------------- algorithm
+# in the order an update runs them: the KL controller (steps 4, 7), sizes and virtual ranks (step 0), the PPO epochs'
+# minibatch order, the rollout (step 2), per-token rewards (step 4), whitening and GAE, the PPO losses and epoch loop
+# (step 5), statistics (step 6). The plumbing (checks, tracking, checkpoints, saving) is in ppo_plumbing.py.
 class FixedKLController:
     """kl_coef stays at its initial value (OAI's tldr and cnndm runs)."""
 

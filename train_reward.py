@@ -181,7 +181,9 @@ def oai_presets() -> dict[str, Args]:
     }
 
 
-# ---------------------------------------------------------------- algorithm helpers
+# ---------------------------------------------------------------- algorithm
+# in the order a run uses them: normalization (steps 2 and 4), held-out evaluation and the non-finite counts of a
+# training step (step 3). The plumbing (label checks, tracking, checkpoints, saving) is in reward_plumbing.py.
 @torch.no_grad()
 def reward_moments(args, accelerator, reward_model, ref_policy, query_stream, affixes, pad_id, generator, n) -> tuple:
     """Mean and population std, over all processes, of the rewards of ceil(n / rollout_batch_size) global rollout
