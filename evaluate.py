@@ -90,8 +90,8 @@ class Args:
     device: str | None = None
     """torch device; None: cuda when available, else cpu"""
     tf32: bool = False
-    """run float32 matmuls on TF32 tensor cores (NVIDIA Ampere or newer: A100, H100): GEMMs ~5-7x faster, each with
-    ~1e-3 relative error (docs/gpu.md); off: full float32, as OAI trained"""
+    """run float32 matmuls on TF32 tensor cores (NVIDIA Ampere or newer: A100, H100): GEMMs ~5-7x faster, with
+    relative errors up to ~1e-3 (docs/gpu.md); off: full float32, as OAI trained"""
     dry_run: bool = False
     """print the settings, check that every directory exists, and exit"""
     task_id: tyro.conf.Suppress[str] = "sentiment"

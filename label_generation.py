@@ -127,8 +127,8 @@ class Sample:
     device: str | None = None
     """torch device for sampling and scoring; None: cuda when available, else cpu"""
     tf32: bool = False
-    """run float32 matmuls on TF32 tensor cores (NVIDIA Ampere or newer: A100, H100): GEMMs ~5-7x faster, each with
-    ~1e-3 relative error (docs/gpu.md); off: full float32, as OAI trained"""
+    """run float32 matmuls on TF32 tensor cores (NVIDIA Ampere or newer: A100, H100): GEMMs ~5-7x faster, with
+    relative errors up to ~1e-3 (docs/gpu.md); off: full float32, as OAI trained"""
     task_id: tyro.conf.Suppress[str] = DEFAULT_TASK
     """name of the --task preset the task settings started from (recorded in the metadata)"""
     task: TaskHParams = field(default_factory=lambda: dataclasses.replace(TASKS[DEFAULT_TASK]))

@@ -196,8 +196,8 @@ class Args:
     PPO's ratio and value clipping use then come from one more forward with that arithmetic (the KL penalty keeps the
     sampler's float32 ones); off: float32 throughout, as OAI"""
     tf32: bool = False
-    """run float32 matmuls on TF32 tensor cores (NVIDIA Ampere or newer: A100, H100): GEMMs ~5-7x faster, each with
-    ~1e-3 relative error (docs/gpu.md); off: full float32, as OAI trained"""
+    """run float32 matmuls on TF32 tensor cores (NVIDIA Ampere or newer: A100, H100): GEMMs ~5-7x faster, with
+    relative errors up to ~1e-3 (docs/gpu.md); off: full float32, as OAI trained"""
     compile_sampler: bool = False
     """run each decoding step of the rollouts as one torch.compile'd graph (a CUDA graph on GPUs), the same samples
     from the same seed: less Python and kernel-launch time per token, a compile at the first update; off: eager
@@ -711,7 +711,7 @@ def main(args: Args) -> list[dict[str, float]]:
         save_checkpoint(args, accelerator, updates, sizes.nupdates, state, tokenizer, tracker, meta, start_time, saves)
 
     # Ctrl-C or SIGTERM during training: the update in progress finishes, a checkpoint is saved, the run stops
-    stop = cli.StopSignal("update", args.output_dir, accelerator.is_main_process)
+    stop = cli.StopSignal("update", args.output_dir, accelerator.is_main_process, args.dist_timeout)
     with progress, stop:
         # OAI's step = number of completed updates, 0 at the first one
         for update in range(first_update, sizes.nupdates):

@@ -113,8 +113,8 @@ class Args:
     """run the transformer of the training forward passes under bfloat16 autocast (weights, optimizer, heads, logits,
     sampling and scoring stay float32): less memory, faster on GPUs with bf16; off: float32 throughout, as OAI"""
     tf32: bool = False
-    """run float32 matmuls on TF32 tensor cores (NVIDIA Ampere or newer: A100, H100): GEMMs ~5-7x faster, each with
-    ~1e-3 relative error (docs/gpu.md); off: full float32, as OAI trained"""
+    """run float32 matmuls on TF32 tensor cores (NVIDIA Ampere or newer: A100, H100): GEMMs ~5-7x faster, with
+    relative errors up to ~1e-3 (docs/gpu.md); off: full float32, as OAI trained"""
     eval_interval: int = 0
     """evaluate held-out accuracy every this many steps (0: only before and after training)"""
     output_dir: str = "models/reward"
@@ -399,7 +399,7 @@ def main(args: Args) -> dict:
     seen = []
     progress = progress_bar(console, accelerator)
     # Ctrl-C or SIGTERM during training: the step in progress finishes, a checkpoint is saved, the run stops
-    stop = cli.StopSignal("step", args.output_dir, accelerator.is_main_process)
+    stop = cli.StopSignal("step", args.output_dir, accelerator.is_main_process, args.dist_timeout)
     with progress, stop:
         bar = progress.add_task("train", total=num_steps, stats="", completed=first_step)
         for step, start in enumerate(range(0, args.labels.num_train, args.batch_size)):

@@ -13,6 +13,7 @@ import shutil
 import signal
 import sys
 import textwrap
+import threading
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, TypeVar
 
@@ -55,15 +56,18 @@ class StopSignal:
 
     The first signal sets `signum` and prints one line; the loop folds `flag()` into the statistics it already reduces
     over processes, so every process sees the same decision without an extra host sync. A second signal exits at once
-    (the last checkpoint on disk is whole: checkpoints are written atomically).
+    (the last checkpoint on disk is whole: checkpoints are written atomically), and so does a process that has not
+    stopped `patience` seconds after the first: one whose peers are gone, e.g. torchrun's SIGTERM to the survivors of
+    a failed process, never reaches the next reduction.
     """
 
     SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
-    def __init__(self, what: str, output_dir: str, announce: bool = True):
-        self.what, self.output_dir, self.announce = what, output_dir, announce
+    def __init__(self, what: str, output_dir: str, announce: bool = True, patience: float | None = None):
+        self.what, self.output_dir, self.announce, self.patience = what, output_dir, announce, patience
         self.signum: int | None = None
         self._previous: dict[int, Any] = {}
+        self._deadline: threading.Timer | None = None
 
     def install(self) -> "StopSignal":
         """Catch the signals from now on (again a no-op)."""
@@ -72,7 +76,9 @@ class StopSignal:
         return self
 
     def restore(self) -> None:
-        """Give the signals back to the handlers they had before `install`."""
+        """Give the signals back to the handlers they had before `install`; no deadline any more."""
+        if self._deadline is not None:
+            self._deadline.cancel()
         for signum, handler in self._previous.items():
             signal.signal(signum, handler)
         self._previous = {}
@@ -83,19 +89,28 @@ class StopSignal:
     def __exit__(self, *exc_info) -> None:
         self.restore()
 
+    def _exit_now(self, signum: int, why: str) -> None:
+        """Exit at once with 128 + signal number, after one line naming the last checkpoint's directory."""
+        if self.announce:
+            print(
+                f"{signal.Signals(signum).name} {why}: stopped at once; continue from the last checkpoint in "
+                f"{self.output_dir} with the same command and --resume auto",
+                file=sys.stderr,
+                flush=True,
+            )
+        os._exit(128 + signum)
+
     def _handle(self, signum: int, frame) -> None:
-        """First signal: remember it; second: exit now with 128 + signal number."""
+        """First signal: remember it (and start the patience deadline); second: exit now."""
         name = signal.Signals(signum).name
         if self.signum is not None:
-            if self.announce:
-                print(
-                    f"{name} again: stopped at once; continue from the last checkpoint in {self.output_dir} with the "
-                    "same command and --resume auto",
-                    file=sys.stderr,
-                    flush=True,
-                )
-            os._exit(128 + signum)
+            self._exit_now(signum, "again")
         self.signum = signum
+        if self.patience is not None:
+            why = f"{self.patience:g} s ago, and the {self.what} has not finished (--dist_timeout)"
+            self._deadline = threading.Timer(self.patience, self._exit_now, (signum, why))
+            self._deadline.daemon = True
+            self._deadline.start()
         if self.announce:
             print(
                 f"{name}: stopping after the current {self.what} with a checkpoint; press Ctrl-C again to stop at once",

@@ -69,7 +69,7 @@ def use_tf32(enabled: bool) -> str:
     # torch >= 2.9's per-backend API; torch.get_float32_matmul_precision and the allow_tf32 flags then raise
     torch.backends.cuda.matmul.fp32_precision = "tf32"
     torch.backends.cudnn.conv.fp32_precision = "tf32"
-    return "on (matmuls in TF32: ~1e-3 relative error each)"
+    return "on (matmuls in TF32: relative errors up to ~1e-3)"
 
 
 def exact_div(a: int, b: int, what: str) -> int:

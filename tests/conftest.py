@@ -12,7 +12,9 @@ from transformers import GPT2Config, GPT2LMHeadModel
 
 from lm_human_preference_details.tokenizer import gpt2_tokenizer_offline
 
-torch.set_num_threads(2)
+# two intra-op threads on the 2-core machine; one per worker when pytest-xdist runs the tests in two processes (`make
+# test`), so that the workers do not oversubscribe the cores
+torch.set_num_threads(1 if os.environ.get("PYTEST_XDIST_WORKER") else 2)
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CHECKED_LIBRARIES = ("transformers", "accelerate", "torch", "datasets")

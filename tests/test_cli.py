@@ -83,7 +83,7 @@ def test_help_keeps_the_usage_lines_and_lists_task_among_the_options(module, cap
         assert any(line.startswith("Run:   accelerate launch") for line in lines)
         assert any(line.startswith("Steps: normalize the untrained reward") for line in lines)
     else:  # each usage example on its own line
-        assert any(line.startswith("python train_policy.py --task sentiment --ppo.whiten") for line in lines)
+        assert any(line.startswith("python train_policy.py --task sentiment --ppo.gradient") for line in lines)
     options = lines[next(i for i, line in enumerate(lines) if line.startswith("-h, --help")) :]
     flags = [line.split()[0] for line in options if line.startswith("--")]
     assert flags[:3] == ["--task", "--debug", "--exp_name"], flags[:3]

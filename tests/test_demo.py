@@ -31,7 +31,7 @@ def test_run_demo_quick_raises_gold_score(tmp_path):
     assert "| metric | base | trained | win rate (trained > base) |" in (evaluation / "results.md").read_text()
     assert (evaluation / "gold_vs_kl.png").stat().st_size > 10_000
     curve = json.loads((evaluation / "results.json").read_text())["curve"]
-    assert [point["policy"] for point in curve][1:] == ["update4", "update8", "policy"]
+    assert [point["policy"] for point in curve][1:] == ["update4", "update8", "final"]
     assert abs(curve[0]["kl"]["mean"]) < 1e-3 < 0.3 < curve[-1]["kl"]["mean"]
 
 

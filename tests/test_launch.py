@@ -12,6 +12,7 @@ import train_policy
 import train_reward
 from lm_human_preference_details.tasks import TASKS
 from tests.planted import REPO
+from tests.test_train_policy import save_reward_model
 
 SHELL_FILES = ["oai_sentiment.sh", "oai_descriptiveness.sh", "oai_tldr.sh", "oai_cnndm.sh", "ablations.sh"]
 
@@ -222,11 +223,14 @@ def test_ablations_change_only_what_they_name():
         assert args.use_tensorflow_adam == (name != "ablation_torch_adam")
 
 
-def test_sentiment_policy_command_passes_the_scripts_dry_run():
+def test_sentiment_policy_command_passes_the_scripts_dry_run(tmp_path, tiny_model_dir):
     (_, script, flags) = shell_stages("oai_sentiment.sh")[1]
     assert script == "train_policy.py"
-    result = subprocess.run([sys.executable, script, *flags, "--dry_run"], cwd=REPO, capture_output=True, text=True,
-                            check=False, timeout=300)  # fmt: skip
+    # the dry run checks its inputs: the reward model the shell file's first stage writes, here a tiny stand-in
+    reward_dir = flags[flags.index("--rewards.trained_model") + 1]
+    save_reward_model(tmp_path / reward_dir, tiny_model_dir, TASKS["sentiment"], task_name="sentiment")
+    result = subprocess.run([sys.executable, str(REPO / script), *flags, "--dry_run"], cwd=tmp_path,
+                            capture_output=True, text=True, check=False, timeout=300)  # fmt: skip
     assert result.returncode == 0, result.stderr
     assert "512 (512 per process)" in result.stdout and "1954" in result.stdout
 

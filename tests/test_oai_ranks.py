@@ -53,6 +53,7 @@ def test_sizes_that_rule_out_oai_ranks_whiten_per_process_with_the_reason(world,
 def test_dry_run_prints_oai_ranks_and_warns_when_it_cannot(tmp_path, capsys):
     args = oai_presets()["sentiment"]
     args.output_dir, args.dry_run = str(tmp_path), True
+    args.rewards.trained_model = "vader"  # a dry run checks its inputs: a reward with none to check
     assert main(args) == []
     out = capsys.readouterr().out
     assert "8 x 64 episodes (8 ranks in all), whitened in minibatches of 64" in " ".join(out.split())

@@ -131,6 +131,23 @@ def test_second_ctrl_c_stops_at_once(tmp_path):
     assert seconds < 20
 
 
+def test_a_process_that_cannot_finish_its_step_exits_after_its_patience(tmp_path):
+    # torchrun SIGTERMs the survivors of a failed process: one that never reaches the next reduction (its peers are
+    # gone) must not wait for torchrun's SIGKILL, and exits once --dist_timeout (the patience) has passed
+    code = (
+        "import time; from lm_human_preference_details import cli; "
+        f"cli.StopSignal('update', {str(tmp_path)!r}, patience=1.0).install(); print('training', flush=True); "
+        "time.sleep(120)"
+    )
+    exit_code, output, seconds = signal_after([sys.executable, "-c", code], "training", signal.SIGTERM)
+    assert exit_code == 128 + signal.SIGTERM and "Traceback" not in output, output
+    assert output.splitlines()[-1] == (
+        "SIGTERM 1 s ago, and the update has not finished (--dist_timeout): stopped at once; continue from the last "
+        f"checkpoint in {tmp_path} with the same command and --resume auto"
+    )
+    assert 1.0 <= seconds < 20
+
+
 @pytest.mark.slow
 def test_human_labeler_ctrl_c_at_the_prompt_stops_as_q_does(tmp_path, labels_world):
     output = tmp_path / "human.json"
