@@ -14,8 +14,6 @@ On any number of processes the run whitens and reports statistics as OAI's 8 ran
 
 import copy
 import dataclasses
-import os
-import shlex
 import time
 from dataclasses import dataclass, field
 
@@ -23,9 +21,6 @@ import numpy as np
 import torch
 import tyro
 from accelerate import Accelerator
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
-from rich.table import Table
-from transformers import PreTrainedTokenizerBase
 
 from lm_human_preference_details import checkpoint, cli, core, validation
 from lm_human_preference_details.data import QueryStream, load_texts
@@ -35,18 +30,29 @@ from lm_human_preference_details.labelers import load_labeler
 from lm_human_preference_details.modeling import (
     PolicyWithValueHead,
     load_causal_lm,
-    read_reward_metadata,
     reduce_training_memory,
     sample,
     training_logprobs_and_values,
 )
 from lm_human_preference_details.optim import make_optimizer
-from lm_human_preference_details.rewards import (
-    describe_normalization,
-    load_reward,
-    normalize_reward,
-    reward_model_dir,
+from lm_human_preference_details.ppo_plumbing import (
+    RESUME_IGNORED,
+    PhaseTimer,
+    TrainingState,
+    check_policy_inputs,
+    check_reward_model,
+    print_samples,
+    print_setup,
+    print_summary,
+    progress_bar,
+    progress_text,
+    push_to_hub,
+    sample_table_rows,
+    save_checkpoint,
+    start_tracker,
+    task_from_reward_model,
 )
+from lm_human_preference_details.rewards import describe_normalization, load_reward, normalize_reward
 from lm_human_preference_details.tasks import (
     TASKS,
     PassRateAlarm,
@@ -54,10 +60,9 @@ from lm_human_preference_details.tasks import (
     encode_context_affixes,
     format_contexts,
     passes_filter,
-    task_differences,
     truncate_response,
 )
-from lm_human_preference_details.tokenizer import check_same_tokenizer, load_tokenizer
+from lm_human_preference_details.tokenizer import load_tokenizer
 
 # ---------------------------------------------------------------------------------------------------- hyperparameters
 # Group and field names follow OAI's HParams, so `--ppo.lr` is OAI's `bind('ppo.lr', ...)`. Defaults are launch.py's
@@ -236,7 +241,10 @@ def oai_presets() -> dict[str, Args]:
     return presets
 
 
-# ---------------------------------------------------------------------------------------------------- algorithm helpers
+# ---------------------------------------------------------------------------------------------------- algorithm
+# in the order an update runs them: the KL controller (steps 4, 7), sizes and virtual ranks (step 0), the PPO epochs'
+# minibatch order, the rollout (step 2), per-token rewards (step 4), whitening and GAE, the PPO losses and epoch loop
+# (step 5), statistics (step 6). The plumbing (checks, tracking, checkpoints, saving) is in ppo_plumbing.py.
 class FixedKLController:
     """kl_coef stays at its initial value (OAI's tldr and cnndm runs)."""
 
@@ -262,79 +270,6 @@ class AdaptiveKLController:
         self.value *= 1 + proportional_error * n_steps / self.horizon
 
 
-def compute_rewards(
-    scores: torch.Tensor, logprobs: torch.Tensor, ref_logprobs: torch.Tensor, kl_coef: float
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Rewards -kl_coef * (logprob - ref_logprob) per token, + score at the last; returns rewards, non_score, kl."""
-    # the score always lands on the last position, even when the response was truncated earlier (spec P4)
-    # https://github.com/openai/lm-human-preferences/blob/cbfd210bb8b08f6bc5c26878c10984b90f516c66/lm_human_preferences/train_policy.py#L149-L155
-    kl = logprobs - ref_logprobs  # (B, L)
-    non_score_reward = -kl_coef * kl
-    rewards = non_score_reward.clone()
-    rewards[:, -1] += scores
-    return rewards, non_score_reward, kl
-
-
-def compute_advantages(
-    rewards: torch.Tensor, values: torch.Tensor, gamma: float, lam: float
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """GAE(gamma, lam) backwards over the response (the episode ends after its last token); -> advantages, returns."""
-    # https://github.com/openai/lm-human-preferences/blob/cbfd210bb8b08f6bc5c26878c10984b90f516c66/lm_human_preferences/train_policy.py#L327-L339
-    lastgaelam = torch.zeros_like(values[:, 0])
-    advantages_reversed = []
-    gen_length = rewards.shape[1]
-    for t in reversed(range(gen_length)):
-        nextvalues = values[:, t + 1] if t < gen_length - 1 else 0.0
-        delta = rewards[:, t] + gamma * nextvalues - values[:, t]
-        lastgaelam = delta + gamma * lam * lastgaelam
-        advantages_reversed.append(lastgaelam)
-    advantages = torch.stack(advantages_reversed[::-1], 1)  # (B, L)
-    return advantages, advantages + values
-
-
-def ppo_losses(
-    new_logprobs: torch.Tensor,
-    vpred: torch.Tensor,
-    logprobs: torch.Tensor,
-    values: torch.Tensor,
-    advantages: torch.Tensor,
-    returns: torch.Tensor,
-    cliprange: float,
-    cliprange_value: float,
-    vf_coef: float,
-) -> dict[str, torch.Tensor]:
-    """Clipped PPO policy loss + vf_coef * clipped value loss (means over all tokens), and stats under OAI names."""
-    # value loss: the prediction may move at most cliprange_value from the rollout value (spec P8)
-    # https://github.com/openai/lm-human-preferences/blob/cbfd210bb8b08f6bc5c26878c10984b90f516c66/lm_human_preferences/train_policy.py#L343-L348
-    vpredclipped = torch.clamp(vpred, values - cliprange_value, values + cliprange_value)
-    vf_losses1 = (vpred - returns) ** 2
-    vf_losses2 = (vpredclipped - returns) ** 2
-    vf_loss = 0.5 * torch.max(vf_losses1, vf_losses2).mean()
-    vf_clipfrac = (vf_losses2 > vf_losses1).float().mean()
-    # policy loss (spec P9); no entropy bonus, the KL only enters through the rewards (spec P10)
-    # https://github.com/openai/lm-human-preferences/blob/cbfd210bb8b08f6bc5c26878c10984b90f516c66/lm_human_preferences/train_policy.py#L350-L357
-    logprob_diff = new_logprobs - logprobs
-    ratio = torch.exp(logprob_diff)
-    pg_losses = -advantages * ratio
-    pg_losses2 = -advantages * torch.clamp(ratio, 1.0 - cliprange, 1.0 + cliprange)
-    pg_loss = torch.max(pg_losses, pg_losses2).mean()
-    pg_clipfrac = (pg_losses2 > pg_losses).float().mean()
-    # approxkl = 0.5 * mean(dlogp^2), not the k1/k3 estimators (spec P11)
-    # https://github.com/openai/lm-human-preferences/blob/cbfd210bb8b08f6bc5c26878c10984b90f516c66/lm_human_preferences/train_policy.py#L359-L371
-    return {
-        "loss/total": pg_loss + vf_coef * vf_loss,
-        "loss/policy": pg_loss,
-        "loss/value": vf_loss,
-        "policy/approxkl": 0.5 * (logprob_diff**2).mean(),
-        "policy/clipfrac": pg_clipfrac,
-        "val/vpred": vpred.mean(),
-        "val/error": vf_losses1.mean(),
-        "val/clipfrac": vf_clipfrac,
-        "ratio": ratio,
-    }
-
-
-# ---------------------------------------------------------------------------------------------------- plumbing helpers
 @dataclass
 class Sizes:
     """Per-process sizes derived from the global ones (spec D1)."""
@@ -452,6 +387,19 @@ class Rollout:
     """(B, L) per-token rewards: -kl_coef * kl, + score at the last token"""
 
 
+def compute_rewards(
+    scores: torch.Tensor, logprobs: torch.Tensor, ref_logprobs: torch.Tensor, kl_coef: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Rewards -kl_coef * (logprob - ref_logprob) per token, + score at the last; returns rewards, non_score, kl."""
+    # the score always lands on the last position, even when the response was truncated earlier (spec P4)
+    # https://github.com/openai/lm-human-preferences/blob/cbfd210bb8b08f6bc5c26878c10984b90f516c66/lm_human_preferences/train_policy.py#L149-L155
+    kl = logprobs - ref_logprobs  # (B, L)
+    non_score_reward = -kl_coef * kl
+    rewards = non_score_reward.clone()
+    rewards[:, -1] += scores
+    return rewards, non_score_reward, kl
+
+
 def minibatch_advantages(
     rewards: torch.Tensor, values: torch.Tensor, ppo: PpoHParams, whiten_group: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -462,6 +410,65 @@ def minibatch_advantages(
         rewards = core.whiten(rewards, shift_mean=False, group_size=whiten_group)
     advantages, returns = compute_advantages(rewards, values, ppo.gamma, ppo.lam)
     return rewards, core.whiten(advantages, group_size=whiten_group), returns
+
+
+def compute_advantages(
+    rewards: torch.Tensor, values: torch.Tensor, gamma: float, lam: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """GAE(gamma, lam) backwards over the response (the episode ends after its last token); -> advantages, returns."""
+    # https://github.com/openai/lm-human-preferences/blob/cbfd210bb8b08f6bc5c26878c10984b90f516c66/lm_human_preferences/train_policy.py#L327-L339
+    lastgaelam = torch.zeros_like(values[:, 0])
+    advantages_reversed = []
+    gen_length = rewards.shape[1]
+    for t in reversed(range(gen_length)):
+        nextvalues = values[:, t + 1] if t < gen_length - 1 else 0.0
+        delta = rewards[:, t] + gamma * nextvalues - values[:, t]
+        lastgaelam = delta + gamma * lam * lastgaelam
+        advantages_reversed.append(lastgaelam)
+    advantages = torch.stack(advantages_reversed[::-1], 1)  # (B, L)
+    return advantages, advantages + values
+
+
+def ppo_losses(
+    new_logprobs: torch.Tensor,
+    vpred: torch.Tensor,
+    logprobs: torch.Tensor,
+    values: torch.Tensor,
+    advantages: torch.Tensor,
+    returns: torch.Tensor,
+    cliprange: float,
+    cliprange_value: float,
+    vf_coef: float,
+) -> dict[str, torch.Tensor]:
+    """Clipped PPO policy loss + vf_coef * clipped value loss (means over all tokens), and stats under OAI names."""
+    # value loss: the prediction may move at most cliprange_value from the rollout value (spec P8)
+    # https://github.com/openai/lm-human-preferences/blob/cbfd210bb8b08f6bc5c26878c10984b90f516c66/lm_human_preferences/train_policy.py#L343-L348
+    vpredclipped = torch.clamp(vpred, values - cliprange_value, values + cliprange_value)
+    vf_losses1 = (vpred - returns) ** 2
+    vf_losses2 = (vpredclipped - returns) ** 2
+    vf_loss = 0.5 * torch.max(vf_losses1, vf_losses2).mean()
+    vf_clipfrac = (vf_losses2 > vf_losses1).float().mean()
+    # policy loss (spec P9); no entropy bonus, the KL only enters through the rewards (spec P10)
+    # https://github.com/openai/lm-human-preferences/blob/cbfd210bb8b08f6bc5c26878c10984b90f516c66/lm_human_preferences/train_policy.py#L350-L357
+    logprob_diff = new_logprobs - logprobs
+    ratio = torch.exp(logprob_diff)
+    pg_losses = -advantages * ratio
+    pg_losses2 = -advantages * torch.clamp(ratio, 1.0 - cliprange, 1.0 + cliprange)
+    pg_loss = torch.max(pg_losses, pg_losses2).mean()
+    pg_clipfrac = (pg_losses2 > pg_losses).float().mean()
+    # approxkl = 0.5 * mean(dlogp^2), not the k1/k3 estimators (spec P11)
+    # https://github.com/openai/lm-human-preferences/blob/cbfd210bb8b08f6bc5c26878c10984b90f516c66/lm_human_preferences/train_policy.py#L359-L371
+    return {
+        "loss/total": pg_loss + vf_coef * vf_loss,
+        "loss/policy": pg_loss,
+        "loss/value": vf_loss,
+        "policy/approxkl": 0.5 * (logprob_diff**2).mean(),
+        "policy/clipfrac": pg_clipfrac,
+        "val/vpred": vpred.mean(),
+        "val/error": vf_losses1.mean(),
+        "val/clipfrac": vf_clipfrac,
+        "ratio": ratio,
+    }
 
 
 def ppo_update(
@@ -586,108 +593,6 @@ class PPOStats:
         }
 
 
-def check_reward_model_task(rm_metadata: dict, task: TaskHParams, rewards: RewardHParams) -> str | None:
-    """ValueError listing where the reward model's task settings differ from the policy's, unless
-    --rewards.allow_task_mismatch; -> the differences (None when equal)."""
-    # OAI asserts that the reward model's task hyperparameters equal the policy's, every field
-    # https://github.com/openai/lm-human-preferences/blob/cbfd210bb8b08f6bc5c26878c10984b90f516c66/lm_human_preferences/train_policy.py#L411
-    differences = task_differences(rm_metadata.get("task"), task)
-    if not differences:
-        return None
-    listed = "; ".join(
-        f"{name}: reward model {saved!r}, policy {ours!r}" for name, (saved, ours) in differences.items()
-    )
-    if not rewards.allow_task_mismatch:
-        raise ValueError(
-            f"the reward model '{rewards.trained_model}' was trained for other task settings than this run's: "
-            f"{listed}. Add its settings to the command: {task_flags(differences)} (or pass "
-            "--rewards.task_from_reward_model), train a reward model with this run's, or pass "
-            "--rewards.allow_task_mismatch to use it anyway."
-        )
-    return listed
-
-
-def check_reward_model_task_name(rm_metadata: dict, task_id: str, rewards: RewardHParams) -> str | None:
-    """ValueError when the reward model was trained for another --task (sentiment and descriptiveness have equal task
-    settings, only their labels differ), unless --rewards.allow_task_mismatch; -> a warning, or None when they agree."""
-    saved = rm_metadata.get("task_name")
-    labels = f" on labels '{rm_metadata['label_dataset']}'" if rm_metadata.get("label_dataset") else ""
-    if saved is None:
-        return (
-            f"the reward model '{rewards.trained_model}' records no task name (saved by an older train_reward.py); "
-            f"make sure it was trained for --task {task_id}"
-        )
-    if saved == task_id:
-        return None
-    mismatch = f"the reward model '{rewards.trained_model}' was trained for --task {saved}{labels}"
-    mismatch += f", this run is --task {task_id}"
-    if not rewards.allow_task_mismatch:
-        raise ValueError(
-            f"{mismatch}; pass --rewards.trained_model DIR of a reward model trained with train_reward.py --task "
-            f"{task_id}, or --rewards.allow_task_mismatch to use it anyway."
-        )
-    return f"--rewards.allow_task_mismatch: {mismatch}"
-
-
-def check_policy_inputs(args: Args, accelerator: Accelerator) -> None:
-    """What --dry_run checks beyond the flags: the reward model's files and task, a local query file, a gold reward
-    model's directory, then the tokenizers (from the hub: not checked when it is unreachable); errors name the flag."""
-    if args.task.query_dataset.lower().endswith((".txt", ".jsonl")):
-        load_texts(args.task.query_dataset)
-    gold = args.rewards.gold_model or ""
-    if gold.startswith("reward_model:") and validation.labeler_path(gold) is None:
-        raise FileNotFoundError(f"--rewards.gold_model '{gold}': no such directory; pass reward_model:DIR.")
-    if (reward_dir := reward_model_dir(args.rewards.trained_model)) is None:
-        return  # a programmatic reward: its spec was checked with the flags
-    rm_metadata = read_reward_metadata(reward_dir)
-    checkpoint.check_complete_save(reward_dir, "--rewards.trained_model")
-    if mismatch := check_reward_model_task(rm_metadata, args.task, args.rewards):
-        accelerator.print(f"warning: --rewards.allow_task_mismatch: the reward model's task differs: {mismatch}")
-    if warning := check_reward_model_task_name(rm_metadata, args.task_id, args.rewards):
-        accelerator.print(f"warning: {warning}")
-    with cli.unchecked_when_offline(accelerator.print, "the tokenizers"):
-        check_same_tokenizer(
-            rm_metadata,
-            load_tokenizer(args.base_model),
-            f"the reward model '{args.rewards.trained_model}' (--rewards.trained_model)",
-            f"the policy uses tokenizer '{args.base_model}'",
-        )
-
-
-def task_flags(differences: dict[str, tuple]) -> str:
-    """The `--task.NAME VALUE` flags (quoted for a POSIX shell) that set the saved side of `differences`."""
-
-    def quote(value) -> str:
-        text = str(value)
-        if "\n" in text:  # bash's $'...' keeps the newline as \n on one line
-            return "$'" + text.replace("\\", "\\\\").replace("'", "\\'").replace("\n", "\\n") + "'"
-        return shlex.quote(text)
-
-    recorded = {name: saved for name, (saved, _) in differences.items() if saved != "<not recorded>"}
-    return " ".join(f"--task.{name} {quote(saved)}" for name, saved in recorded.items())
-
-
-def task_from_reward_model(args: Args) -> tuple[Args, list[str]]:
-    """With --rewards.task_from_reward_model, `args` with the reward model's task settings; -> args, what changed."""
-    if not args.rewards.task_from_reward_model:
-        return args, []
-    if (reward_dir := reward_model_dir(args.rewards.trained_model)) is None:
-        raise ValueError(
-            f"--rewards.task_from_reward_model needs a reward-model directory, but --rewards.trained_model is the "
-            f"programmatic reward '{args.rewards.trained_model}'; drop the flag and pass the --task.* flags."
-        )
-    saved = read_reward_metadata(reward_dir).get("task")
-    if not isinstance(saved, dict):
-        raise ValueError(
-            f"--rewards.task_from_reward_model: the reward model '{args.rewards.trained_model}' records no task "
-            "settings; pass its --task.* flags instead."
-        )
-    changed = task_differences(saved, args.task)
-    fields = {f.name for f in dataclasses.fields(TaskHParams)}
-    task = TaskHParams(**{k: v for k, v in saved.items() if k in fields})
-    return dataclasses.replace(args, task=task), [f"{k}: {ours!r} -> {saved!r}" for k, (saved, ours) in changed.items()]
-
-
 def reduce_stats(local: dict[str, torch.Tensor], accelerator: Accelerator) -> dict[str, float]:
     """All statistics in one gather and one device-to-host copy: mean over processes (min/max for the extremes)."""
     # OAI all-reduce-means every statistic over ranks (spec D5)
@@ -718,196 +623,10 @@ def add_elapsed_stats(stats: dict[str, float], update: int, args: Args, start_ti
     stats["elapsed/time"] = now - start_time
 
 
-def check_finite(stats: dict[str, float], update: int) -> None:
-    """ValueError naming the update and every tensor (log-probs, values, scores, rewards, advantages, loss, gradients,
-    weights) that held NaN or infinite entries; runs before the update's save."""
-    validation.check_finite_stats(stats, f"update {update}", "Lower --ppo.lr or check the reward model.")
-
-
-class PhaseTimer:
-    """Time between marks without host syncs: CUDA events on GPU (read after the update's one sync), clock on CPU."""
-
-    def __init__(self, device: torch.device):
-        self.cuda = device.type == "cuda"
-        self.marks: list = []
-
-    def mark(self) -> None:
-        """Record the current point of the (GPU) timeline."""
-        if self.cuda:
-            self.marks.append(torch.cuda.Event(enable_timing=True))
-            self.marks[-1].record()
-        else:
-            self.marks.append(time.perf_counter())
-
-    def durations(self) -> dict[str, float]:
-        """Seconds of each phase between consecutive marks, as `debug/time/<phase>`."""
-        pairs = zip(self.marks, self.marks[1:])
-        seconds = [a.elapsed_time(b) / 1000 if self.cuda else b - a for a, b in pairs]
-        return {f"debug/time/{phase}": s for phase, s in zip(("rollout", "scoring", "optimisation"), seconds)}
-
-
-def sample_table_rows(
-    tokenizer: PreTrainedTokenizerBase,
-    pad_id: int,
-    queries: torch.Tensor,
-    responses: torch.Tensor,
-    scores: torch.Tensor,
-    kl_sums: torch.Tensor,
-    kl_coef: float,
-    n: int,
-) -> list[list]:
-    """(query, truncated response, score, kl, total) for the first n episodes; total uses the initial kl_coef as OAI."""
-
-    # https://github.com/openai/lm-human-preferences/blob/cbfd210bb8b08f6bc5c26878c10984b90f516c66/lm_human_preferences/train_policy.py#L264-L279
-    def text(tokens: torch.Tensor) -> str:
-        """Decoded tokens without PADs, newlines shown as ⏎ (as OAI prints them)."""
-        return tokenizer.decode(tokens[tokens != pad_id].tolist()).replace("\n", "⏎")
-
-    queries, responses, scores, kl_sums = queries[:n].cpu(), responses[:n].cpu(), scores[:n].cpu(), kl_sums[:n].cpu()
-    return [
-        [
-            text(q),
-            text(r),
-            cli.number(s.item(), 4),
-            cli.number(k.item(), 4),
-            cli.number(s.item() - kl_coef * k.item(), 4),
-        ]
-        for q, r, s, k in zip(queries, responses, scores, kl_sums)
-    ]
-
-
-def print_samples(console, tracker: core.Tracker, rows: list[list], update: int) -> None:
-    """The sample table on the console and in the trackers."""
-    columns = ["query", "response (truncated)", "score", "kl", "total"]
-    table = Table(*columns, title=f"update {update}", show_lines=True)
-    for row in rows:
-        table.add_row(*map(str, row))
-    console.print(table)
-    tracker.log_table("samples", columns, rows, step=update)
-
-
-def save_policy(policy: PolicyWithValueHead, tokenizer: PreTrainedTokenizerBase, args: Args, output_dir: str) -> None:
-    """Write the policy (AutoModelForCausalLM-loadable + value_head.safetensors), tokenizer and args.json; a failed
-    save (e.g. disk full) leaves `output_dir` as it was."""
-
-    def write(path: str) -> None:
-        policy.save(path, tokenizer)
-        core.save_args(args, path)
-
-    validation.save_atomically(output_dir, write)
-
-
-RESUME_IGNORED = (
-    *checkpoint.RESUME_IGNORED,
-    "log_interval",
-    "filter_warning_rate",
-    "save_checkpoints",
-    "print_samples",
-    "push_to_hub",
-    "hf_repo_id",
-    "compile_sampler",
-)
-"""settings that may change on --resume: they do not change what the run computes"""
-
-
-@dataclass
-class TrainingState:
-    """Everything that carries over from one update to the next, as checkpoints save and restore it."""
-
-    policy: PolicyWithValueHead
-    optimizer: torch.optim.Optimizer
-    kl_ctl: "FixedKLController | AdaptiveKLController"
-    query_stream: QueryStream
-    generator: torch.Generator
-    order_rngs: list[np.random.RandomState]
-
-    def restore(self, resumed: checkpoint.Resumed) -> None:
-        """Weights, Adam moments and step, kl_coef, query position and every RNG as the checkpoint holds them."""
-        self.policy.load_state_dict(resumed.shared["policy"])
-        self.optimizer.load_state_dict(resumed.shared["optimizer"])
-        self.kl_ctl.value = resumed.shared["kl_coef"]
-        self.query_stream.load_state_dict(resumed.local["query_stream"])
-        checkpoint.restore_rng_states(resumed.local["rng"], self.generator, self.order_rngs)
-
-
-def save_checkpoint(
-    args: Args,
-    accelerator: Accelerator,
-    updates: int,
-    state: TrainingState,
-    tokenizer: PreTrainedTokenizerBase,
-    tracker: core.Tracker,
-    meta: dict,
-    start_time: float,
-    saves: checkpoint.BackgroundSaves,
-) -> None:
-    """After `updates` updates: the training state (every process) in OUTPUT_DIR/training_state/step{updates}, then
-    the policy at the top of OUTPUT_DIR and, with --save_checkpoints, in checkpoints/update{updates}; all atomic.
-    The main process writes them in the background (`saves`) from a copy in host memory taken now."""
-    local = {
-        "query_stream": state.query_stream.state_dict(),
-        "rng": checkpoint.rng_states(state.generator, state.order_rngs),
-    }
-    tracker.flush()
-    shared, write_policies = None, None
-    if accelerator.is_main_process:
-        saves.wait()  # the twin below is still read by the previous write until it ends
-        policy = saves.host_copy(state.policy)
-        shared = {
-            "policy": policy.state_dict(),
-            "optimizer": checkpoint.to_host(state.optimizer.state_dict()),
-            "kl_coef": state.kl_ctl.value,
-            "elapsed_time": time.time() - start_time,
-        }
-        snapshot = args.save_checkpoints and updates < derive_sizes(args, accelerator.num_processes).nupdates
-
-        def write_policies() -> None:
-            save_policy(policy, tokenizer, args, args.output_dir)
-            if snapshot:
-                save_policy(policy, tokenizer, args, os.path.join(args.output_dir, "checkpoints", f"update{updates}"))
-
-    checkpoint.save_training_state(
-        args.output_dir, updates, accelerator, meta, shared, local, args.keep_checkpoints, saves, write_policies
-    )
-
-
-def push_to_hub(args: Args) -> str:
-    """Upload output_dir (policy, value head, tokenizer, args; no logs) to the hub; returns the repo id."""
-    from huggingface_hub import HfApi
-
-    api = HfApi()
-    repo_id = api.create_repo(args.hf_repo_id or f"{args.exp_name}__{args.task_id}__seed{args.seed}", exist_ok=True)
-    api.upload_folder(folder_path=args.output_dir, repo_id=repo_id.repo_id, ignore_patterns=["tb/*", "wandb/*"])
-    return repo_id.repo_id
-
-
-def progress_text(stats: dict[str, float]) -> str:
-    """The progress bar's text after an update: its score, KL and (with a gold judge) gold score."""
-    text = f"score {cli.number(stats['objective/score'])} kl {cli.number(stats['objective/kl'])}"
-    if "objective/gold_score" in stats:
-        text += f" gold {cli.number(stats['objective/gold_score'])}"
-    return text
-
-
-def print_summary(console, args: Args, history: list[dict[str, float]], kl_coef: float, hub: str | None) -> None:
-    """The closing table: updates run, first -> last score and KL, kl_coef, and where the outputs went."""
-    first, final = history[0], history[-1]
-    summary = {
-        "updates": f"{len(history)} ({int(final['elapsed/episodes'])} episodes, {final['elapsed/time']:.0f} s)",
-        "objective/score": f"{cli.number(first['objective/score'])} -> {cli.number(final['objective/score'])}",
-        "objective/kl": f"{cli.number(first['objective/kl'])} -> {cli.number(final['objective/kl'])}",
-        "kl_coef": f"{cli.number(args.rewards.kl_coef, 4)} -> {cli.number(kl_coef, 4)}",
-        "policy, value head, tokenizer": args.output_dir,
-        "TensorBoard": f"{args.output_dir}/tb",
-        **({"hub": hub} if hub else {}),
-    }
-    cli.print_table(console, "policy training done", summary)
-
-
 # ---------------------------------------------------------------------------------------------------- main
 def main(args: Args) -> list[dict[str, float]]:
     """Train the policy; returns the logged statistics of every update."""
-    # 0. sizes: global as in OAI, split over the processes (spec D1); printed, then checked by --dry_run
+    # 0. sizes: global as in OAI, split over the processes (spec D1); printed, then checked by --dry_run; seeds
     args, task_changes = task_from_reward_model(args)
     validation.check_policy_args(args)
     cli.quiet_transformers()
@@ -917,40 +636,7 @@ def main(args: Args) -> list[dict[str, float]]:
     sizes = derive_sizes(args, validation.dry_run_world(args, accelerator.num_processes))
     console = cli.make_console()
     if accelerator.is_main_process:
-        kl = args.rewards.adaptive_kl
-        cli.print_table(
-            console,
-            "policy training (train_policy.py)" + (" - dry run" if args.dry_run else ""),
-            {
-                "task": args.task_id,
-                "base model": args.base_model,
-                "lengths": f"query {task.query_length}, response {task.response_length} tokens",
-                "temperature": task.temperature,
-                "lr": f"{ppo.lr:g}, annealed linearly to 0",
-                "kl_coef": f"{args.rewards.kl_coef:g}, "
-                + (f"adaptive to KL target {kl.target:g} (horizon {kl.horizon})" if kl.enabled else "fixed"),
-                "seeds": f"seed {args.seed} (process r: seed + 100003 r), data_seed {args.data_seed}",
-                "processes": sizes.world,
-                "episodes per update": f"{ppo.batch_size} ({sizes.batch} per process)",
-                "minibatch per process": f"{sizes.minibatch} x {ppo.nminibatches} per epoch, {ppo.noptepochs} epochs",
-                "micro-batch": f"{sizes.micro} x {ppo.gradient_accumulation_steps}",
-                "virtual ranks per process": f"{sizes.virtual_ranks} x {sizes.group} episodes "
-                f"({sizes.world * sizes.virtual_ranks} ranks in all), whitened in minibatches of {sizes.whiten_group}",
-                "updates": sizes.nupdates,
-                "optimizer steps": sizes.nupdates * ppo.noptepochs * ppo.nminibatches,
-                "reward model": args.rewards.trained_model,
-                "TF32": tf32,
-                **({"task from the reward model": "; ".join(task_changes)} if task_changes else {}),
-                "output dir": args.output_dir,
-            },
-        )
-    if sizes.not_oai_ranks and accelerator.is_main_process:
-        console.print(
-            f"warning: each process whitens its {sizes.batch} episodes as one rank, not as OAI's {OAI_RANKS} ranks: "
-            f"{sizes.not_oai_ranks}; --ppo.whiten_group_size 0 chooses this without the warning",
-            style="bold red",
-            markup=False,
-        )
+        print_setup(console, args, sizes, tf32, task_changes, OAI_RANKS)
     if args.dry_run:
         check_policy_inputs(args, accelerator)
         accelerator.print("dry run: inputs checked; nothing trained or written")
@@ -973,17 +659,8 @@ def main(args: Args) -> list[dict[str, float]]:
     tokenizer = load_tokenizer(args.base_model)
     pad_id = tokenizer.pad_token_id
     reward = load_reward(args.rewards.trained_model, tokenizer, pad_id, device)
-    if (rm_metadata := reward.metadata) is not None:  # a reward-model directory, not a programmatic reward
-        check_same_tokenizer(
-            rm_metadata,
-            tokenizer,
-            f"the reward model '{args.rewards.trained_model}' (--rewards.trained_model)",
-            f"the policy uses tokenizer '{args.base_model}'",
-        )
-        if mismatch := check_reward_model_task(rm_metadata, task, args.rewards):
-            accelerator.print(f"warning: --rewards.allow_task_mismatch: the reward model's task differs: {mismatch}")
-        if warning := check_reward_model_task_name(rm_metadata, args.task_id, args.rewards):
-            accelerator.print(f"warning: {warning}")
+    if reward.metadata is not None:  # a reward-model directory, not a programmatic reward
+        check_reward_model(reward.metadata, tokenizer, args, accelerator.print)  # tokenizer, task settings, task name
     # dropout is off everywhere: p=0 in the configs and eval mode (spec G7)
     policy = PolicyWithValueHead(load_causal_lm(args.base_model)).to(device).eval()
     # every process starts from rank 0's weights (spec D6); no DDP: gradients are all-reduced by hand (spec O4)
@@ -1015,39 +692,24 @@ def main(args: Args) -> list[dict[str, float]]:
         reward.gain, reward.bias = args.rewards.normalization["gain"], args.rewards.normalization["bias"]
         accelerator.print(describe_normalization(args.rewards.normalization))
 
+    # plumbing: what a checkpoint saves and --resume restores, the tracker, the progress bar, background saves
     state = TrainingState(policy, optimizer, kl_ctl, query_stream, generator, order_rngs)
-
-    run_name = (
-        resumed.meta["run_name"] if resumed else core.run_name(accelerator, args.task_id, args.exp_name, args.seed)
-    )
-    if resumed is None and args.overwrite_output_dir and accelerator.is_main_process:
-        checkpoint.clear_previous_run(args.output_dir)  # every input has loaded: the old run's outputs can go
-    config = {**dataclasses.asdict(args), "world_size": sizes.world, "nupdates": sizes.nupdates}
-    tracker = core.Tracker(
-        args.output_dir,
-        args.track,
-        args.wandb_project_name,
-        args.wandb_entity,
-        run_name,
-        config,
-        accelerator.is_main_process,
-        purge_step=resumed.step if resumed else 0,
-        wandb_id=resumed.meta["wandb_id"] if resumed else None,
-    )
-    meta = {"settings": settings, "run_name": run_name, "wandb_id": tracker.wandb_id}
-    meta["reward_normalization"] = args.rewards.normalization
+    tracker, meta = start_tracker(args, accelerator, resumed, settings, sizes.nupdates)  # TensorBoard (and wandb)
     first_update, elapsed_before = 0, 0.0
     if resumed is not None:
         state.restore(resumed)
         first_update, elapsed_before = resumed.step, resumed.shared["elapsed_time"]
-    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn())
-    progress = Progress(*columns, console=console, disable=not accelerator.is_main_process)
-    bar = progress.add_task("PPO updates", total=sizes.nupdates, completed=first_update)
+    progress, bar = progress_bar(console, accelerator, sizes.nupdates, first_update)
     pass_rate_alarm = PassRateAlarm(args.filter_warning_rate, args.log_interval)
     history: list[dict[str, float]] = []
     saves = checkpoint.BackgroundSaves()
     last_time = time.time()
     start_time = last_time - elapsed_before
+
+    def save(updates: int) -> None:
+        """The training state and the policy after `updates` updates, written in the background (spec P20)."""
+        save_checkpoint(args, accelerator, updates, sizes.nupdates, state, tokenizer, tracker, meta, start_time, saves)
+
     # Ctrl-C or SIGTERM during training: the update in progress finishes, a checkpoint is saved, the run stops
     stop = cli.StopSignal("update", args.output_dir, accelerator.is_main_process, args.dist_timeout)
     with progress, stop:
@@ -1055,8 +717,8 @@ def main(args: Args) -> list[dict[str, float]]:
         for update in range(first_update, sizes.nupdates):
             timer = PhaseTimer(device)
             timer.mark()
-            # each virtual rank's fresh permutation for each PPO epoch (spec P12, D4), drawn now, while the GPU is
-            # idle, so that the host-to-device copy does not wait for queued kernels
+            # for step 5: each virtual rank's fresh permutation for each PPO epoch (spec P12, D4), drawn now, while
+            # the GPU is idle, so that the host-to-device copy does not wait for queued kernels
             indices = minibatch_indices(order_rngs, sizes.group, ppo.nminibatches, ppo.noptepochs)
             indices = torch.from_numpy(indices).to(device)  # (noptepochs, nminibatches, minibatch)
             with torch.no_grad():
@@ -1140,14 +802,15 @@ def main(args: Args) -> list[dict[str, float]]:
             }
             stats = reduce_stats(local_stats, accelerator)
             stopping = stats.pop("stop/signal") > 0
-            check_finite(stats, update)
+            validation.check_finite_stats(stats, f"update {update}", "Lower --ppo.lr or check the reward model.")
             add_elapsed_stats(stats, update, args, start_time, last_time)
             last_time = time.time()
             stats.update({"objective/kl_coef": kl_coef, "debug/lr": lr_now, **timer.durations()})
             tracker.log(stats, step=update)
             history.append(stats)
 
-            # 7. adaptive KL from the KL of all processes (REF used the rank-local one, spec P14), after PPO training
+            # 7. adaptive KL from the KL of all processes, after PPO training (spec P14; the PyTorch predecessor
+            # vwxyzjn/lm-human-preference-details used the rank-local KL)
             # https://github.com/openai/lm-human-preferences/blob/cbfd210bb8b08f6bc5c26878c10984b90f516c66/lm_human_preferences/train_policy.py#L305
             kl_ctl.update(stats["objective/kl"], ppo.batch_size)
 
@@ -1171,14 +834,14 @@ def main(args: Args) -> list[dict[str, float]]:
             is_last = update == sizes.nupdates - 1
             saves.raise_error()  # a failed background save stops the run at the next update
             if is_last or stopping or (args.save_interval and (update + 1) % args.save_interval == 0):
-                save_checkpoint(args, accelerator, update + 1, state, tokenizer, tracker, meta, start_time, saves)
+                save(update + 1)
             if stopping and not is_last:
                 saves.wait()  # the checkpoint the message names is on disk before the run stops
                 tracker.close()
                 done = f"update {update + 1} of {sizes.nupdates}"
                 raise stop.stopped(done, checkpoint.step_dir(args.output_dir, update + 1), accelerator.is_main_process)
         if first_update == sizes.nupdates:  # a finished run resumed: write its policy again, a kill may have cut it
-            save_checkpoint(args, accelerator, first_update, state, tokenizer, tracker, meta, start_time, saves)
+            save(first_update)
 
     saves.wait()  # the last checkpoint and policy are on disk before the run ends
     accelerator.wait_for_everyone()

@@ -8,25 +8,20 @@ Batch sizes are global (summed over processes), as in OAI.
 """
 
 import dataclasses
-import functools
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 import tyro
 from accelerate.utils import broadcast
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
 from lm_human_preference_details import checkpoint, cli, validation
 from lm_human_preference_details.core import (
     GradientAverager,
-    Tracker,
     broadcast_parameters,
     ceil_div,
     exact_div,
     make_accelerator,
-    run_name,
-    save_args,
     set_seed,
     use_tf32,
 )
@@ -34,12 +29,9 @@ from lm_human_preference_details.data import QueryStream, load_texts
 from lm_human_preference_details.labels import (
     Labels,
     LabelType,
-    check_label_tokenizer,
-    check_label_tokens,
     get_label_type,
     label_loss,
     label_row_errors,
-    load_labels,
     target_scales,
 )
 from lm_human_preference_details.modeling import (
@@ -47,14 +39,25 @@ from lm_human_preference_details.modeling import (
     RewardModel,
     check_finite_weights,
     load_causal_lm,
-    model_vocab_size,
     reduce_training_memory,
     sample,
     score_label_rows,
 )
 from lm_human_preference_details.optim import make_optimizer
+from lm_human_preference_details.reward_plumbing import (
+    check_inputs,
+    print_normalization,
+    print_setup,
+    print_summary,
+    progress_bar,
+    read_labels,
+    restore,
+    save_checkpoint,
+    save_reward_model,
+    start_tracker,
+)
 from lm_human_preference_details.tasks import TASKS, TaskHParams, encode_context_affixes, format_contexts
-from lm_human_preference_details.tokenizer import load_tokenizer, tokenizer_fingerprint
+from lm_human_preference_details.tokenizer import load_tokenizer
 
 
 # ---------------------------------------------------------------- hyperparameters
@@ -178,7 +181,9 @@ def oai_presets() -> dict[str, Args]:
     }
 
 
-# ---------------------------------------------------------------- algorithm helpers
+# ---------------------------------------------------------------- algorithm
+# in the order a run uses them: normalization (steps 2 and 4), held-out evaluation and the non-finite counts of a
+# training step (step 3). The plumbing (label checks, tracking, checkpoints, saving) is in reward_plumbing.py.
 @torch.no_grad()
 def reward_moments(args, accelerator, reward_model, ref_policy, query_stream, affixes, pad_id, generator, n) -> tuple:
     """Mean and population std, over all processes, of the rewards of ceil(n / rollout_batch_size) global rollout
@@ -291,34 +296,10 @@ def nonfinite_stats(
     }
 
 
-def read_labels(args: Args, tokenizer=None) -> Labels:
-    """The label file, checked against the run: its tokenizer, type, lengths, rows (>= num_train), token ids."""
-    tokenizer = tokenizer or load_tokenizer(args.base_model)
-    pad_id = tokenizer.pad_token_id
-    check_label_tokenizer(args.label_dataset, tokenizer_fingerprint(tokenizer), args.base_model)
-    labels = load_labels(
-        args.label_dataset,
-        args.task.query_length,
-        args.task.response_length,
-        pad_id,
-        args.labels.num_train,
-        get_label_type(args.labels.type).name,
-    )
-    check_label_tokens(labels, model_vocab_size(args.base_model), pad_id, args.label_dataset)
-    return labels
-
-
-def save_reward_model(reward_model: RewardModel, tokenizer, args: Args, metadata: dict, output_dir: str) -> None:
-    """The reward model with its metadata, its tokenizer and args.json in `output_dir`."""
-    reward_model.save(output_dir, metadata)
-    tokenizer.save_pretrained(output_dir)
-    save_args(args, output_dir)
-
-
 # ---------------------------------------------------------------- main
 def main(args: Args) -> dict:
     """Train and save a reward model; returns the final figures, this process's label indices and the model."""
-    # 0. processes, derived sizes (spec D1), seeding, tracking
+    # 0. processes, derived sizes (spec D1), printed, then checked by --dry_run; seeds; --resume
     validation.check_reward_args(args)
     cli.quiet_transformers()
     accelerator = make_accelerator(args.dist_timeout)
@@ -333,35 +314,9 @@ def main(args: Args) -> dict:
     num_steps = args.labels.num_train // args.batch_size
     console = cli.make_console()
     if accelerator.is_main_process:
-        normalize_batches = ceil_div(args.normalize_samples, args.rollout_batch_size)
-        cli.print_table(
-            console,
-            "reward training (train_reward.py)" + (" - dry run" if args.dry_run else ""),
-            {
-                "task": args.task_id,
-                "base model": args.base_model,
-                "lengths": f"query {args.task.query_length}, response {args.task.response_length} tokens",
-                "temperature": args.task.temperature,
-                "lr": f"{args.lr:g}, annealed linearly to {args.lr * args.batch_size / args.labels.num_train:g}",
-                "seeds": f"seed {args.seed} (process r: seed + 100003 r), data_seed {args.data_seed}",
-                "processes": world,
-                "labels per step": f"{args.batch_size} ({local_batch_size} per process)",
-                "micro-batch": f"{micro_batch_size} x {accum}",
-                "steps": f"{num_steps} (one epoch over {args.labels.num_train} labels)",
-                "label type": args.labels.type,
-                "normalization samples": f"{normalize_batches} x {args.rollout_batch_size}"
-                if args.normalize_samples
-                else "0 (normalization skipped)",
-                "label file": args.label_dataset,
-                "TF32": tf32,
-                "output dir": args.output_dir,
-            },
-        )
+        print_setup(console, args, world, local_batch_size, micro_batch_size, num_steps, tf32)
     if args.dry_run:
-        if args.task.query_dataset.lower().endswith((".txt", ".jsonl")):
-            load_texts(args.task.query_dataset)
-        with cli.unchecked_when_offline(accelerator.print, "the label file"):
-            accelerator.print(f"dry run: every input checked ({len(read_labels(args))} label rows); nothing written")
+        check_inputs(args, accelerator)
         return {}
     # per-process seeds; rank 0's NumPy RNG draws the label order
     # https://github.com/openai/lm-human-preferences/blob/cbfd210bb8b08f6bc5c26878c10984b90f516c66/lm_human_preferences/utils/core.py#L108-L113
@@ -389,21 +344,9 @@ def main(args: Args) -> dict:
     gradients = GradientAverager(params, accelerator)
     query_stream = QueryStream(load_texts(args.task.query_dataset), tokenizer, args.task, rank, world, args.data_seed)
     affixes = encode_context_affixes(tokenizer, args.task)
-    name = resumed.meta["run_name"] if resumed else run_name(accelerator, args.task_id, args.exp_name, args.seed)
-    if resumed is None and args.overwrite_output_dir and accelerator.is_main_process:
-        checkpoint.clear_previous_run(args.output_dir)  # every input has loaded: the old run's outputs can go
-    tracker = Tracker(
-        args.output_dir,
-        args.track,
-        args.wandb_project_name,
-        args.wandb_entity,
-        name,
-        {**dataclasses.asdict(args), "world_size": world},
-        accelerator.is_main_process,
-        purge_step=resumed.step if resumed else 0,
-        wandb_id=resumed.meta["wandb_id"] if resumed else None,
-    )
-    meta = {"settings": settings, "run_name": name, "wandb_id": tracker.wandb_id}
+
+    # plumbing: the tracker, the checkpoints' metadata
+    tracker, meta = start_tracker(args, accelerator, resumed, settings)  # TensorBoard (and wandb)
 
     def normalize(when: str, step: int, target: tuple[float, float]) -> dict | None:
         """Normalize the reward on fresh samples to `target` (mean, std); log and print what was measured."""
@@ -416,13 +359,7 @@ def main(args: Args) -> dict:
             args, accelerator, reward_model, ref_policy, query_stream, affixes, pad_id, generator, target
         )
         tracker.log({f"normalize_{when}/{k}": v for k, v in result.items()}, step)
-        accelerator.print(
-            f"normalize {when}: mean {cli.number(result['mean'], 4)} +- {cli.number(result['std'], 4)}, target "
-            f"{cli.number(target[0], 4)} +- {cli.number(target[1], 4)}"
-        )
-        if args.debug_normalize:
-            check = f"{cli.number(result['debug_mean'], 4)} +- {cli.number(result['debug_std'], 4)}"
-            accelerator.print(f"normalize {when}: after normalize {check}")
+        print_normalization(accelerator.print, when, result, target, bool(args.debug_normalize))
         return result
 
     def log_eval(step: int) -> dict | None:
@@ -435,23 +372,11 @@ def main(args: Args) -> dict:
 
     saves = checkpoint.BackgroundSaves()
 
-    def save_checkpoint(steps: int) -> None:
-        """The training state after `steps` steps (every process) in OUTPUT_DIR/training_state/step{steps}, atomic;
-        the main process writes it in the background (`saves`) from a copy in host memory taken now."""
-        shared = None
-        if accelerator.is_main_process:
-            saves.wait()  # the twin below is still read by the previous write until it ends
-            shared = {
-                "model": saves.host_copy(reward_model).state_dict(),
-                "optimizer": checkpoint.to_host(optimizer.state_dict()),
-                "permutation": checkpoint.to_host(permutation),
-                "normalization": checkpoint.to_host(norms),
-                "eval_before": eval_before,
-            }
-        local = {"query_stream": query_stream.state_dict(), "rng": checkpoint.rng_states(generator)}
-        tracker.flush()
-        checkpoint.save_training_state(
-            args.output_dir, steps, accelerator, meta, shared, local, args.keep_checkpoints, saves
+    def save(steps: int) -> None:
+        """The training state after `steps` steps, written in the background."""
+        run_state = {"permutation": permutation, "normalization": norms, "eval_before": eval_before}
+        save_checkpoint(
+            args, accelerator, steps, reward_model, optimizer, run_state, query_stream, generator, tracker, meta, saves
         )
 
     # 2. normalize before training (a resumed run takes gain, bias and what was measured from its checkpoint)
@@ -468,21 +393,11 @@ def main(args: Args) -> dict:
         permutation = broadcast(permutation, from_process=0).cpu()
     else:
         first_step, permutation, norms = resumed.step, resumed.shared["permutation"], resumed.shared["normalization"]
-        reward_model.load_state_dict(resumed.shared["model"])
-        optimizer.load_state_dict(resumed.shared["optimizer"])
-        query_stream.load_state_dict(resumed.local["query_stream"])
-        checkpoint.restore_rng_states(resumed.local["rng"], generator)
+        restore(resumed, reward_model, optimizer, query_stream, generator)
         if args.eval_interval and first_step % args.eval_interval == 0:
             log_eval(first_step)  # logged before the checkpoint, hidden by the TensorBoard purge at first_step
     seen = []
-    columns = (
-        TextColumn("reward"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TextColumn("{task.fields[stats]}"),
-        TimeRemainingColumn(),
-    )
-    progress = Progress(*columns, disable=not accelerator.is_main_process, console=console)
+    progress = progress_bar(console, accelerator)
     # Ctrl-C or SIGTERM during training: the step in progress finishes, a checkpoint is saved, the run stops
     stop = cli.StopSignal("step", args.output_dir, accelerator.is_main_process, args.dist_timeout)
     with progress, stop:
@@ -535,7 +450,7 @@ def main(args: Args) -> dict:
             progress.update(bar, advance=1, stats=f"loss {cli.number(loss_value)}{accuracy}")
             saves.raise_error()  # a failed background save stops the run at the next step
             if step + 1 == num_steps or stopping or (args.save_interval and (step + 1) % args.save_interval == 0):
-                save_checkpoint(step + 1)
+                save(step + 1)
             if stopping and step + 1 < num_steps:
                 saves.wait()  # the checkpoint the message names is on disk before the run stops
                 gradients.close()
@@ -553,35 +468,8 @@ def main(args: Args) -> dict:
     # 5. save
     check_finite_weights(reward_model, "the trained reward model", "not saved; try a smaller --lr.")
     if accelerator.is_main_process:
-        held_out = "accuracy" if label_type.label_field == "best" else "loss"
-        metadata = {
-            "base_model": args.base_model,
-            "tokenizer": args.base_model,
-            "tokenizer_fingerprint": tokenizer_fingerprint(tokenizer),
-            "pad_token_id": pad_id,
-            "task_name": args.task_id,
-            "task": dataclasses.asdict(args.task),
-            "label_dataset": args.label_dataset,
-            "label_type": label_type.name,
-            "num_train": args.labels.num_train,
-            "eval_before": eval_before,
-            "eval_after": eval_after,
-        }
-        write = functools.partial(save_reward_model, reward_model, tokenizer, args, metadata)
-        validation.save_atomically(args.output_dir, write)
-        cli.print_table(
-            console,
-            "reward training done",
-            {
-                "held-out rows": len(heldout_labels),
-                f"held-out {held_out}": f"{cli.number(eval_before[held_out])} -> {cli.number(eval_after[held_out])}"
-                if eval_after
-                else "-",
-                "gain, bias": f"{cli.number(reward_model.gain.item(), 4)}, {cli.number(reward_model.bias.item(), 4)}",
-                "reward model, tokenizer": args.output_dir,
-                "TensorBoard": f"{args.output_dir}/tb",
-            },
-        )
+        save_reward_model(reward_model, tokenizer, args, label_type, (eval_before, eval_after))
+        print_summary(console, args, reward_model, label_type, len(heldout_labels), (eval_before, eval_after))
     accelerator.wait_for_everyone()
     tracker.close()
     return {

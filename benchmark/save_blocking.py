@@ -23,7 +23,7 @@ from transformers import GPT2Config, GPT2LMHeadModel
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import train_policy  # noqa: E402
-from lm_human_preference_details import checkpoint, cli  # noqa: E402
+from lm_human_preference_details import checkpoint, cli, ppo_plumbing  # noqa: E402
 from lm_human_preference_details.modeling import PolicyWithValueHead  # noqa: E402
 from lm_human_preference_details.tokenizer import gpt2_tokenizer_offline  # noqa: E402
 
@@ -75,14 +75,14 @@ def main(args: Args) -> None:
                 if saves is None:
                     shared = {"policy": policy.state_dict(), "optimizer": optimizer.state_dict()}
                     checkpoint.save_training_state(output_dir, step, accelerator, {}, shared, local, 2)
-                    train_policy.save_policy(policy, tokenizer, run_args, output_dir)
+                    ppo_plumbing.save_policy(policy, tokenizer, run_args, output_dir)
                 else:
                     saves.wait()
                     twin = saves.host_copy(policy)
                     shared = {"policy": twin.state_dict(), "optimizer": checkpoint.to_host(optimizer.state_dict())}
 
                     def write_policy(twin=twin, output_dir=output_dir) -> None:
-                        train_policy.save_policy(twin, tokenizer, run_args, output_dir)
+                        ppo_plumbing.save_policy(twin, tokenizer, run_args, output_dir)
 
                     checkpoint.save_training_state(
                         output_dir, step, accelerator, {}, shared, local, 2, saves, write_policy

@@ -18,6 +18,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from lm_human_preference_details import core
 from lm_human_preference_details.cli import parse_args
 from lm_human_preference_details.modeling import RewardModel
+from lm_human_preference_details.ppo_plumbing import check_reward_model_task, print_summary, progress_text
 from lm_human_preference_details.tasks import PassRateAlarm, TaskHParams, passes_filter, truncate_response
 from lm_human_preference_details.tokenizer import load_tokenizer, tokenizer_fingerprint
 from tests.planted import REPO, free_port
@@ -27,7 +28,6 @@ from train_policy import (
     FixedKLController,
     PpoHParams,
     RewardHParams,
-    check_reward_model_task,
     compute_advantages,
     compute_rewards,
     derive_sizes,
@@ -36,8 +36,6 @@ from train_policy import (
     minibatch_indices,
     oai_presets,
     ppo_losses,
-    print_summary,
-    progress_text,
     virtual_rank_rngs,
 )
 

@@ -15,7 +15,7 @@ import evaluate
 import label_generation
 import train_policy
 import train_reward
-from lm_human_preference_details import validation
+from lm_human_preference_details import ppo_plumbing, validation
 from lm_human_preference_details.data import QueryStream, load_texts
 from lm_human_preference_details.labels import labels_meta_path, load_labels, save_labels
 from lm_human_preference_details.modeling import PolicyWithValueHead, RewardModel, check_model_dir, load_causal_lm
@@ -104,11 +104,11 @@ def test_reward_flags_that_would_fail_late_or_mean_nothing_stop_first(tmp_path, 
 
 
 def test_policy_task_other_than_the_reward_models_is_refused():
-    # train_policy.check_reward_model_task stops the run (end to end: test_train_policy.py)
+    # ppo_plumbing.check_reward_model_task stops the run (end to end: test_train_policy.py)
     task = books_task(query_dataset="q.txt")
     saved = dataclasses.asdict(dataclasses.replace(task, response_length=16))
     with pytest.raises(ValueError, match="response_length: reward model 16, policy 24"):
-        train_policy.check_reward_model_task({"task": saved}, task, train_policy.RewardHParams(trained_model="rm"))
+        ppo_plumbing.check_reward_model_task({"task": saved}, task, train_policy.RewardHParams(trained_model="rm"))
 
 
 # ---------------------------------------------------------------- outputs never overwrite inputs
@@ -344,7 +344,7 @@ def test_disk_full_while_saving_leaves_the_previous_save_and_nothing_partial(tmp
 
     policy, tokenizer = PolicyWithValueHead(tiny_gpt2()), load_tokenizer(tiny_model_dir)
     args = train_policy.Args(output_dir=str(tmp_path))
-    train_policy.save_policy(policy, tokenizer, args, str(tmp_path))
+    ppo_plumbing.save_policy(policy, tokenizer, args, str(tmp_path))
     before = tree(tmp_path)
 
     def full_disk(tensors, path, *a, **k):
@@ -356,7 +356,7 @@ def test_disk_full_while_saving_leaves_the_previous_save_and_nothing_partial(tmp
     with torch.no_grad():
         policy.value_head.bias.fill_(1.0)
     with pytest.raises(validation.OutputError, match="disk full; the previous files there are unchanged"):
-        train_policy.save_policy(policy, tokenizer, args, str(tmp_path))
+        ppo_plumbing.save_policy(policy, tokenizer, args, str(tmp_path))
     assert tree(tmp_path) == before
 
 

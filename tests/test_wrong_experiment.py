@@ -6,8 +6,9 @@ import shutil
 
 import pytest
 
+from lm_human_preference_details.ppo_plumbing import check_reward_model_task_name
 from tests.test_train_policy import QUERY_TEXTS, save_reward_model, tiny_args, tiny_task
-from train_policy import RewardHParams, check_reward_model_task_name, main
+from train_policy import RewardHParams, main
 
 
 @pytest.fixture(scope="module")

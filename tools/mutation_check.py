@@ -920,7 +920,7 @@ BREAKAGES = [
         "R8-task-name-unchecked",
         "R8",
         "a reward model trained for another --task (sentiment for descriptiveness) trains the policy without a word",
-        TP,
+        "lm_human_preference_details/ppo_plumbing.py",
         "    if saved == task_id:\n        return None",
         "    if saved is not None:\n        return None",
         [

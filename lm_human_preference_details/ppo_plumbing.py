@@ -1,0 +1,395 @@
+"""The plumbing around train_policy.py's algorithm: input checks, the start-up table, tracking, the sample table,
+progress, checkpoints, the policy's save and its upload. Nothing here changes what a PPO update computes."""
+
+import dataclasses
+import os
+import shlex
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+from accelerate import Accelerator
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+from rich.table import Table
+from transformers import PreTrainedTokenizerBase
+
+from lm_human_preference_details import checkpoint, cli, core, validation
+from lm_human_preference_details.data import QueryStream, load_texts
+from lm_human_preference_details.modeling import PolicyWithValueHead, read_reward_metadata
+from lm_human_preference_details.rewards import reward_model_dir
+from lm_human_preference_details.tasks import TaskHParams, task_differences
+from lm_human_preference_details.tokenizer import check_same_tokenizer, load_tokenizer
+
+
+def print_setup(console, args: Any, sizes: Any, tf32: Any, task_changes: list[str], oai_ranks: int) -> None:
+    """The start-up table of resolved settings and per-process sizes, and a warning when the processes cannot whiten
+    as OAI's `oai_ranks` ranks did (main process only)."""
+    ppo, task, kl = args.ppo, args.task, args.rewards.adaptive_kl
+    cli.print_table(
+        console,
+        "policy training (train_policy.py)" + (" - dry run" if args.dry_run else ""),
+        {
+            "task": args.task_id,
+            "base model": args.base_model,
+            "lengths": f"query {task.query_length}, response {task.response_length} tokens",
+            "temperature": task.temperature,
+            "lr": f"{ppo.lr:g}, annealed linearly to 0",
+            "kl_coef": f"{args.rewards.kl_coef:g}, "
+            + (f"adaptive to KL target {kl.target:g} (horizon {kl.horizon})" if kl.enabled else "fixed"),
+            "seeds": f"seed {args.seed} (process r: seed + 100003 r), data_seed {args.data_seed}",
+            "processes": sizes.world,
+            "episodes per update": f"{ppo.batch_size} ({sizes.batch} per process)",
+            "minibatch per process": f"{sizes.minibatch} x {ppo.nminibatches} per epoch, {ppo.noptepochs} epochs",
+            "micro-batch": f"{sizes.micro} x {ppo.gradient_accumulation_steps}",
+            "virtual ranks per process": f"{sizes.virtual_ranks} x {sizes.group} episodes "
+            f"({sizes.world * sizes.virtual_ranks} ranks in all), whitened in minibatches of {sizes.whiten_group}",
+            "updates": sizes.nupdates,
+            "optimizer steps": sizes.nupdates * ppo.noptepochs * ppo.nminibatches,
+            "reward model": args.rewards.trained_model,
+            "TF32": tf32,
+            **({"task from the reward model": "; ".join(task_changes)} if task_changes else {}),
+            "output dir": args.output_dir,
+        },
+    )
+    if sizes.not_oai_ranks:
+        console.print(
+            f"warning: each process whitens its {sizes.batch} episodes as one rank, not as OAI's {oai_ranks} ranks: "
+            f"{sizes.not_oai_ranks}; --ppo.whiten_group_size 0 chooses this without the warning",
+            style="bold red",
+            markup=False,
+        )
+
+
+def check_reward_model(rm_metadata: dict, tokenizer, args: Any, print_fn) -> None:
+    """The reward model's tokenizer, task settings and task name checked against the policy run's (ValueError when
+    they differ, unless --rewards.allow_task_mismatch, which prints a warning instead)."""
+    check_same_tokenizer(
+        rm_metadata,
+        tokenizer,
+        f"the reward model '{args.rewards.trained_model}' (--rewards.trained_model)",
+        f"the policy uses tokenizer '{args.base_model}'",
+    )
+    if mismatch := check_reward_model_task(rm_metadata, args.task, args.rewards):
+        print_fn(f"warning: --rewards.allow_task_mismatch: the reward model's task differs: {mismatch}")
+    if warning := check_reward_model_task_name(rm_metadata, args.task_id, args.rewards):
+        print_fn(f"warning: {warning}")
+
+
+def start_tracker(
+    args: Any, accelerator: Accelerator, resumed: checkpoint.Resumed | None, settings: dict, nupdates: int
+) -> tuple[core.Tracker, dict]:
+    """TensorBoard (and wandb) for this run, continuing a resumed run's; clears a previous run's outputs with
+    --overwrite_output_dir; -> the tracker and the metadata every checkpoint records."""
+    run_name = (
+        resumed.meta["run_name"] if resumed else core.run_name(accelerator, args.task_id, args.exp_name, args.seed)
+    )
+    if resumed is None and args.overwrite_output_dir and accelerator.is_main_process:
+        checkpoint.clear_previous_run(args.output_dir)  # every input has loaded: the old run's outputs can go
+    config = {**dataclasses.asdict(args), "world_size": settings["world_size"], "nupdates": nupdates}
+    tracker = core.Tracker(
+        args.output_dir,
+        args.track,
+        args.wandb_project_name,
+        args.wandb_entity,
+        run_name,
+        config,
+        accelerator.is_main_process,
+        purge_step=resumed.step if resumed else 0,
+        wandb_id=resumed.meta["wandb_id"] if resumed else None,
+    )
+    meta = {"settings": settings, "run_name": run_name, "wandb_id": tracker.wandb_id}
+    meta["reward_normalization"] = args.rewards.normalization
+    return tracker, meta
+
+
+def progress_bar(console, accelerator: Accelerator, nupdates: int, first_update: int) -> tuple[Progress, Any]:
+    """The PPO updates' progress bar (main process only) and its task."""
+    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn())
+    progress = Progress(*columns, console=console, disable=not accelerator.is_main_process)
+    return progress, progress.add_task("PPO updates", total=nupdates, completed=first_update)
+
+
+def check_reward_model_task(rm_metadata: dict, task: TaskHParams, rewards: Any) -> str | None:
+    """ValueError listing where the reward model's task settings differ from the policy's, unless
+    --rewards.allow_task_mismatch; -> the differences (None when equal)."""
+    # OAI asserts that the reward model's task hyperparameters equal the policy's, every field
+    # https://github.com/openai/lm-human-preferences/blob/cbfd210bb8b08f6bc5c26878c10984b90f516c66/lm_human_preferences/train_policy.py#L411
+    differences = task_differences(rm_metadata.get("task"), task)
+    if not differences:
+        return None
+    listed = "; ".join(
+        f"{name}: reward model {saved!r}, policy {ours!r}" for name, (saved, ours) in differences.items()
+    )
+    if not rewards.allow_task_mismatch:
+        raise ValueError(
+            f"the reward model '{rewards.trained_model}' was trained for other task settings than this run's: "
+            f"{listed}. Add its settings to the command: {task_flags(differences)} (or pass "
+            "--rewards.task_from_reward_model), train a reward model with this run's, or pass "
+            "--rewards.allow_task_mismatch to use it anyway."
+        )
+    return listed
+
+
+def check_reward_model_task_name(rm_metadata: dict, task_id: str, rewards: Any) -> str | None:
+    """ValueError when the reward model was trained for another --task (sentiment and descriptiveness have equal task
+    settings, only their labels differ), unless --rewards.allow_task_mismatch; -> a warning, or None when they agree."""
+    saved = rm_metadata.get("task_name")
+    labels = f" on labels '{rm_metadata['label_dataset']}'" if rm_metadata.get("label_dataset") else ""
+    if saved is None:
+        return (
+            f"the reward model '{rewards.trained_model}' records no task name (saved by an older train_reward.py); "
+            f"make sure it was trained for --task {task_id}"
+        )
+    if saved == task_id:
+        return None
+    mismatch = f"the reward model '{rewards.trained_model}' was trained for --task {saved}{labels}"
+    mismatch += f", this run is --task {task_id}"
+    if not rewards.allow_task_mismatch:
+        raise ValueError(
+            f"{mismatch}; pass --rewards.trained_model DIR of a reward model trained with train_reward.py --task "
+            f"{task_id}, or --rewards.allow_task_mismatch to use it anyway."
+        )
+    return f"--rewards.allow_task_mismatch: {mismatch}"
+
+
+def check_policy_inputs(args: Any, accelerator: Accelerator) -> None:
+    """What --dry_run checks beyond the flags: the reward model's files and task, a local query file, a gold reward
+    model's directory, then the tokenizers (from the hub: not checked when it is unreachable); errors name the flag."""
+    if args.task.query_dataset.lower().endswith((".txt", ".jsonl")):
+        load_texts(args.task.query_dataset)
+    gold = args.rewards.gold_model or ""
+    if gold.startswith("reward_model:") and validation.labeler_path(gold) is None:
+        raise FileNotFoundError(f"--rewards.gold_model '{gold}': no such directory; pass reward_model:DIR.")
+    if (reward_dir := reward_model_dir(args.rewards.trained_model)) is None:
+        return  # a programmatic reward: its spec was checked with the flags
+    rm_metadata = read_reward_metadata(reward_dir)
+    checkpoint.check_complete_save(reward_dir, "--rewards.trained_model")
+    if mismatch := check_reward_model_task(rm_metadata, args.task, args.rewards):
+        accelerator.print(f"warning: --rewards.allow_task_mismatch: the reward model's task differs: {mismatch}")
+    if warning := check_reward_model_task_name(rm_metadata, args.task_id, args.rewards):
+        accelerator.print(f"warning: {warning}")
+    with cli.unchecked_when_offline(accelerator.print, "the tokenizers"):
+        check_same_tokenizer(
+            rm_metadata,
+            load_tokenizer(args.base_model),
+            f"the reward model '{args.rewards.trained_model}' (--rewards.trained_model)",
+            f"the policy uses tokenizer '{args.base_model}'",
+        )
+
+
+def task_flags(differences: dict[str, tuple]) -> str:
+    """The `--task.NAME VALUE` flags (quoted for a POSIX shell) that set the saved side of `differences`."""
+
+    def quote(value) -> str:
+        text = str(value)
+        if "\n" in text:  # bash's $'...' keeps the newline as \n on one line
+            return "$'" + text.replace("\\", "\\\\").replace("'", "\\'").replace("\n", "\\n") + "'"
+        return shlex.quote(text)
+
+    recorded = {name: saved for name, (saved, _) in differences.items() if saved != "<not recorded>"}
+    return " ".join(f"--task.{name} {quote(saved)}" for name, saved in recorded.items())
+
+
+def task_from_reward_model(args: Any) -> tuple[Any, list[str]]:
+    """With --rewards.task_from_reward_model, `args` with the reward model's task settings; -> args, what changed."""
+    if not args.rewards.task_from_reward_model:
+        return args, []
+    if (reward_dir := reward_model_dir(args.rewards.trained_model)) is None:
+        raise ValueError(
+            f"--rewards.task_from_reward_model needs a reward-model directory, but --rewards.trained_model is the "
+            f"programmatic reward '{args.rewards.trained_model}'; drop the flag and pass the --task.* flags."
+        )
+    saved = read_reward_metadata(reward_dir).get("task")
+    if not isinstance(saved, dict):
+        raise ValueError(
+            f"--rewards.task_from_reward_model: the reward model '{args.rewards.trained_model}' records no task "
+            "settings; pass its --task.* flags instead."
+        )
+    changed = task_differences(saved, args.task)
+    fields = {f.name for f in dataclasses.fields(TaskHParams)}
+    task = TaskHParams(**{k: v for k, v in saved.items() if k in fields})
+    return dataclasses.replace(args, task=task), [f"{k}: {ours!r} -> {saved!r}" for k, (saved, ours) in changed.items()]
+
+
+class PhaseTimer:
+    """Time between marks without host syncs: CUDA events on GPU (read after the update's one sync), clock on CPU."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.marks: list = []
+
+    def mark(self) -> None:
+        """Record the current point of the (GPU) timeline."""
+        if self.cuda:
+            self.marks.append(torch.cuda.Event(enable_timing=True))
+            self.marks[-1].record()
+        else:
+            self.marks.append(time.perf_counter())
+
+    def durations(self) -> dict[str, float]:
+        """Seconds of each phase between consecutive marks, as `debug/time/<phase>`."""
+        pairs = zip(self.marks, self.marks[1:])
+        seconds = [a.elapsed_time(b) / 1000 if self.cuda else b - a for a, b in pairs]
+        return {f"debug/time/{phase}": s for phase, s in zip(("rollout", "scoring", "optimisation"), seconds)}
+
+
+def sample_table_rows(
+    tokenizer: PreTrainedTokenizerBase,
+    pad_id: int,
+    queries: torch.Tensor,
+    responses: torch.Tensor,
+    scores: torch.Tensor,
+    kl_sums: torch.Tensor,
+    kl_coef: float,
+    n: int,
+) -> list[list]:
+    """(query, truncated response, score, kl, total) for the first n episodes; total uses the initial kl_coef as OAI."""
+
+    # https://github.com/openai/lm-human-preferences/blob/cbfd210bb8b08f6bc5c26878c10984b90f516c66/lm_human_preferences/train_policy.py#L264-L279
+    def text(tokens: torch.Tensor) -> str:
+        """Decoded tokens without PADs, newlines shown as ⏎ (as OAI prints them)."""
+        return tokenizer.decode(tokens[tokens != pad_id].tolist()).replace("\n", "⏎")
+
+    queries, responses, scores, kl_sums = queries[:n].cpu(), responses[:n].cpu(), scores[:n].cpu(), kl_sums[:n].cpu()
+    return [
+        [
+            text(q),
+            text(r),
+            cli.number(s.item(), 4),
+            cli.number(k.item(), 4),
+            cli.number(s.item() - kl_coef * k.item(), 4),
+        ]
+        for q, r, s, k in zip(queries, responses, scores, kl_sums)
+    ]
+
+
+def print_samples(console, tracker: core.Tracker, rows: list[list], update: int) -> None:
+    """The sample table on the console and in the trackers."""
+    columns = ["query", "response (truncated)", "score", "kl", "total"]
+    table = Table(*columns, title=f"update {update}", show_lines=True)
+    for row in rows:
+        table.add_row(*map(str, row))
+    console.print(table)
+    tracker.log_table("samples", columns, rows, step=update)
+
+
+def save_policy(policy: PolicyWithValueHead, tokenizer: PreTrainedTokenizerBase, args: Any, output_dir: str) -> None:
+    """Write the policy (AutoModelForCausalLM-loadable + value_head.safetensors), tokenizer and args.json; a failed
+    save (e.g. disk full) leaves `output_dir` as it was."""
+
+    def write(path: str) -> None:
+        policy.save(path, tokenizer)
+        core.save_args(args, path)
+
+    validation.save_atomically(output_dir, write)
+
+
+RESUME_IGNORED = (
+    *checkpoint.RESUME_IGNORED,
+    "log_interval",
+    "filter_warning_rate",
+    "save_checkpoints",
+    "print_samples",
+    "push_to_hub",
+    "hf_repo_id",
+    "compile_sampler",
+)
+"""settings that may change on --resume: they do not change what the run computes"""
+
+
+@dataclass
+class TrainingState:
+    """Everything that carries over from one update to the next, as checkpoints save and restore it."""
+
+    policy: PolicyWithValueHead
+    optimizer: torch.optim.Optimizer
+    kl_ctl: Any  # train_policy.FixedKLController or AdaptiveKLController
+    query_stream: QueryStream
+    generator: torch.Generator
+    order_rngs: list[np.random.RandomState]
+
+    def restore(self, resumed: checkpoint.Resumed) -> None:
+        """Weights, Adam moments and step, kl_coef, query position and every RNG as the checkpoint holds them."""
+        self.policy.load_state_dict(resumed.shared["policy"])
+        self.optimizer.load_state_dict(resumed.shared["optimizer"])
+        self.kl_ctl.value = resumed.shared["kl_coef"]
+        self.query_stream.load_state_dict(resumed.local["query_stream"])
+        checkpoint.restore_rng_states(resumed.local["rng"], self.generator, self.order_rngs)
+
+
+def save_checkpoint(
+    args: Any,
+    accelerator: Accelerator,
+    updates: int,
+    nupdates: int,
+    state: TrainingState,
+    tokenizer: PreTrainedTokenizerBase,
+    tracker: core.Tracker,
+    meta: dict,
+    start_time: float,
+    saves: checkpoint.BackgroundSaves,
+) -> None:
+    """After `updates` of `nupdates` updates: the training state (every process) in
+    OUTPUT_DIR/training_state/step{updates}, then the policy at the top of OUTPUT_DIR and, with --save_checkpoints (not
+    after the last update), in checkpoints/update{updates}; all atomic.
+    The main process writes them in the background (`saves`) from a copy in host memory taken now."""
+    local = {
+        "query_stream": state.query_stream.state_dict(),
+        "rng": checkpoint.rng_states(state.generator, state.order_rngs),
+    }
+    tracker.flush()
+    shared, write_policies = None, None
+    if accelerator.is_main_process:
+        saves.wait()  # the twin below is still read by the previous write until it ends
+        policy = saves.host_copy(state.policy)
+        shared = {
+            "policy": policy.state_dict(),
+            "optimizer": checkpoint.to_host(state.optimizer.state_dict()),
+            "kl_coef": state.kl_ctl.value,
+            "elapsed_time": time.time() - start_time,
+        }
+        snapshot = args.save_checkpoints and updates < nupdates
+
+        def write_policies() -> None:
+            save_policy(policy, tokenizer, args, args.output_dir)
+            if snapshot:
+                save_policy(policy, tokenizer, args, os.path.join(args.output_dir, "checkpoints", f"update{updates}"))
+
+    checkpoint.save_training_state(
+        args.output_dir, updates, accelerator, meta, shared, local, args.keep_checkpoints, saves, write_policies
+    )
+
+
+def push_to_hub(args: Any) -> str:
+    """Upload output_dir (policy, value head, tokenizer, args; no logs) to the hub; returns the repo id."""
+    from huggingface_hub import HfApi
+
+    api = HfApi()
+    repo_id = api.create_repo(args.hf_repo_id or f"{args.exp_name}__{args.task_id}__seed{args.seed}", exist_ok=True)
+    api.upload_folder(folder_path=args.output_dir, repo_id=repo_id.repo_id, ignore_patterns=["tb/*", "wandb/*"])
+    return repo_id.repo_id
+
+
+def progress_text(stats: dict[str, float]) -> str:
+    """The progress bar's text after an update: its score, KL and (with a gold judge) gold score."""
+    text = f"score {cli.number(stats['objective/score'])} kl {cli.number(stats['objective/kl'])}"
+    if "objective/gold_score" in stats:
+        text += f" gold {cli.number(stats['objective/gold_score'])}"
+    return text
+
+
+def print_summary(console, args: Any, history: list[dict[str, float]], kl_coef: float, hub: str | None) -> None:
+    """The closing table: updates run, first -> last score and KL, kl_coef, and where the outputs went."""
+    first, final = history[0], history[-1]
+    summary = {
+        "updates": f"{len(history)} ({int(final['elapsed/episodes'])} episodes, {final['elapsed/time']:.0f} s)",
+        "objective/score": f"{cli.number(first['objective/score'])} -> {cli.number(final['objective/score'])}",
+        "objective/kl": f"{cli.number(first['objective/kl'])} -> {cli.number(final['objective/kl'])}",
+        "kl_coef": f"{cli.number(args.rewards.kl_coef, 4)} -> {cli.number(kl_coef, 4)}",
+        "policy, value head, tokenizer": args.output_dir,
+        "TensorBoard": f"{args.output_dir}/tb",
+        **({"hub": hub} if hub else {}),
+    }
+    cli.print_table(console, "policy training done", summary)

@@ -1,0 +1,211 @@
+"""The plumbing around train_reward.py's algorithm: the label file's checks, the start-up table, tracking, progress,
+checkpoints and the reward model's save. Nothing here changes what a training step computes."""
+
+import dataclasses
+from typing import Any
+
+import torch
+from accelerate import Accelerator
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+from lm_human_preference_details import checkpoint, cli, validation
+from lm_human_preference_details.core import Tracker, ceil_div, run_name, save_args
+from lm_human_preference_details.data import QueryStream, load_texts
+from lm_human_preference_details.labels import (
+    Labels,
+    LabelType,
+    check_label_tokenizer,
+    check_label_tokens,
+    get_label_type,
+    load_labels,
+)
+from lm_human_preference_details.modeling import RewardModel, model_vocab_size
+from lm_human_preference_details.tokenizer import load_tokenizer, tokenizer_fingerprint
+
+
+def print_setup(
+    console, args: Any, world: int, local_batch_size: int, micro_batch_size: int, num_steps: int, tf32
+) -> None:
+    """The start-up table of resolved settings and per-process sizes (main process only)."""
+    normalize_batches = ceil_div(args.normalize_samples, args.rollout_batch_size)
+    cli.print_table(
+        console,
+        "reward training (train_reward.py)" + (" - dry run" if args.dry_run else ""),
+        {
+            "task": args.task_id,
+            "base model": args.base_model,
+            "lengths": f"query {args.task.query_length}, response {args.task.response_length} tokens",
+            "temperature": args.task.temperature,
+            "lr": f"{args.lr:g}, annealed linearly to {args.lr * args.batch_size / args.labels.num_train:g}",
+            "seeds": f"seed {args.seed} (process r: seed + 100003 r), data_seed {args.data_seed}",
+            "processes": world,
+            "labels per step": f"{args.batch_size} ({local_batch_size} per process)",
+            "micro-batch": f"{micro_batch_size} x {args.gradient_accumulation_steps}",
+            "steps": f"{num_steps} (one epoch over {args.labels.num_train} labels)",
+            "label type": args.labels.type,
+            "normalization samples": f"{normalize_batches} x {args.rollout_batch_size}"
+            if args.normalize_samples
+            else "0 (normalization skipped)",
+            "label file": args.label_dataset,
+            "TF32": tf32,
+            "output dir": args.output_dir,
+        },
+    )
+
+
+def check_inputs(args: Any, accelerator: Accelerator) -> None:
+    """What --dry_run checks beyond the flags: a local query file and the label file (when it can be read)."""
+    if args.task.query_dataset.lower().endswith((".txt", ".jsonl")):
+        load_texts(args.task.query_dataset)
+    with cli.unchecked_when_offline(accelerator.print, "the label file"):
+        accelerator.print(f"dry run: every input checked ({len(read_labels(args))} label rows); nothing written")
+
+
+def read_labels(args: Any, tokenizer=None) -> Labels:
+    """The label file, checked against the run: its tokenizer, type, lengths, rows (>= num_train), token ids."""
+    tokenizer = tokenizer or load_tokenizer(args.base_model)
+    pad_id = tokenizer.pad_token_id
+    check_label_tokenizer(args.label_dataset, tokenizer_fingerprint(tokenizer), args.base_model)
+    labels = load_labels(
+        args.label_dataset,
+        args.task.query_length,
+        args.task.response_length,
+        pad_id,
+        args.labels.num_train,
+        get_label_type(args.labels.type).name,
+    )
+    check_label_tokens(labels, model_vocab_size(args.base_model), pad_id, args.label_dataset)
+    return labels
+
+
+def start_tracker(
+    args: Any, accelerator: Accelerator, resumed: checkpoint.Resumed | None, settings: dict
+) -> tuple[Tracker, dict]:
+    """TensorBoard (and wandb) for this run, continuing a resumed run's; clears a previous run's outputs with
+    --overwrite_output_dir; -> the tracker and the metadata every checkpoint records."""
+    name = resumed.meta["run_name"] if resumed else run_name(accelerator, args.task_id, args.exp_name, args.seed)
+    if resumed is None and args.overwrite_output_dir and accelerator.is_main_process:
+        checkpoint.clear_previous_run(args.output_dir)  # every input has loaded: the old run's outputs can go
+    tracker = Tracker(
+        args.output_dir,
+        args.track,
+        args.wandb_project_name,
+        args.wandb_entity,
+        name,
+        {**dataclasses.asdict(args), "world_size": settings["world_size"]},
+        accelerator.is_main_process,
+        purge_step=resumed.step if resumed else 0,
+        wandb_id=resumed.meta["wandb_id"] if resumed else None,
+    )
+    return tracker, {"settings": settings, "run_name": name, "wandb_id": tracker.wandb_id}
+
+
+def print_normalization(print_fn, when: str, result: dict, target: tuple[float, float], debug: bool) -> None:
+    """What a normalization measured, against its target (and OAI's check on fresh samples with --debug_normalize)."""
+    print_fn(
+        f"normalize {when}: mean {cli.number(result['mean'], 4)} +- {cli.number(result['std'], 4)}, target "
+        f"{cli.number(target[0], 4)} +- {cli.number(target[1], 4)}"
+    )
+    if debug:
+        check = f"{cli.number(result['debug_mean'], 4)} +- {cli.number(result['debug_std'], 4)}"
+        print_fn(f"normalize {when}: after normalize {check}")
+
+
+def restore(resumed: checkpoint.Resumed, reward_model, optimizer, query_stream: QueryStream, generator) -> None:
+    """Weights, Adam moments and step, query position and RNGs as the checkpoint holds them."""
+    reward_model.load_state_dict(resumed.shared["model"])
+    optimizer.load_state_dict(resumed.shared["optimizer"])
+    query_stream.load_state_dict(resumed.local["query_stream"])
+    checkpoint.restore_rng_states(resumed.local["rng"], generator)
+
+
+def progress_bar(console, accelerator: Accelerator) -> Progress:
+    """The training steps' progress bar (main process only), with the step's loss."""
+    columns = (
+        TextColumn("reward"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("{task.fields[stats]}"),
+        TimeRemainingColumn(),
+    )
+    return Progress(*columns, disable=not accelerator.is_main_process, console=console)
+
+
+def save_checkpoint(
+    args: Any,
+    accelerator: Accelerator,
+    steps: int,
+    reward_model: RewardModel,
+    optimizer: torch.optim.Optimizer,
+    run_state: dict,
+    query_stream: QueryStream,
+    generator: torch.Generator,
+    tracker: Tracker,
+    meta: dict,
+    saves: checkpoint.BackgroundSaves,
+) -> None:
+    """The training state after `steps` steps (every process) in OUTPUT_DIR/training_state/step{steps}, atomic;
+    `run_state`: the label order, the normalizations and the first evaluation. The main process writes it in the
+    background (`saves`) from a copy in host memory taken now."""
+    shared = None
+    if accelerator.is_main_process:
+        saves.wait()  # the twin below is still read by the previous write until it ends
+        shared = {
+            "model": saves.host_copy(reward_model).state_dict(),
+            "optimizer": checkpoint.to_host(optimizer.state_dict()),
+            "permutation": checkpoint.to_host(run_state["permutation"]),
+            "normalization": checkpoint.to_host(run_state["normalization"]),
+            "eval_before": run_state["eval_before"],
+        }
+    local = {"query_stream": query_stream.state_dict(), "rng": checkpoint.rng_states(generator)}
+    tracker.flush()
+    checkpoint.save_training_state(
+        args.output_dir, steps, accelerator, meta, shared, local, args.keep_checkpoints, saves
+    )
+
+
+def save_reward_model(
+    reward_model: RewardModel, tokenizer, args: Any, label_type: LabelType, evals: tuple[dict | None, dict | None]
+) -> None:
+    """The reward model with its metadata (tokenizer, task name and settings, label file, held-out figures), its
+    tokenizer and args.json in OUTPUT_DIR, atomically."""
+    eval_before, eval_after = evals
+    metadata = {
+        "base_model": args.base_model,
+        "tokenizer": args.base_model,
+        "tokenizer_fingerprint": tokenizer_fingerprint(tokenizer),
+        "pad_token_id": tokenizer.pad_token_id,
+        "task_name": args.task_id,
+        "task": dataclasses.asdict(args.task),
+        "label_dataset": args.label_dataset,
+        "label_type": label_type.name,
+        "num_train": args.labels.num_train,
+        "eval_before": eval_before,
+        "eval_after": eval_after,
+    }
+
+    def write(output_dir: str) -> None:
+        reward_model.save(output_dir, metadata)
+        tokenizer.save_pretrained(output_dir)
+        save_args(args, output_dir)
+
+    validation.save_atomically(args.output_dir, write)
+
+
+def print_summary(console, args: Any, reward_model: RewardModel, label_type: LabelType, heldout: int, evals) -> None:
+    """The closing table: held-out rows and figure before -> after training, gain and bias, where the outputs went."""
+    eval_before, eval_after = evals
+    held_out = "accuracy" if label_type.label_field == "best" else "loss"
+    cli.print_table(
+        console,
+        "reward training done",
+        {
+            "held-out rows": heldout,
+            f"held-out {held_out}": f"{cli.number(eval_before[held_out])} -> {cli.number(eval_after[held_out])}"
+            if eval_after
+            else "-",
+            "gain, bias": f"{cli.number(reward_model.gain.item(), 4)}, {cli.number(reward_model.bias.item(), 4)}",
+            "reward model, tokenizer": args.output_dir,
+            "TensorBoard": f"{args.output_dir}/tb",
+        },
+    )
