@@ -35,8 +35,8 @@ from transformers import GPT2Config, GPT2LMHeadModel, GPT2Model
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import train_policy  # noqa: E402
+from lm_human_preference_details.host_syncs import HostSyncCounter  # noqa: E402
 from lm_human_preference_details.modeling import RewardModel  # noqa: E402
-from lm_human_preference_details.syncs import count_host_syncs  # noqa: E402
 from lm_human_preference_details.tokenizer import gpt2_tokenizer_offline, tokenizer_fingerprint  # noqa: E402
 
 CONFIGS = {
@@ -316,7 +316,7 @@ class UpdateProbe:
             return stats
 
         with contextlib.ExitStack() as stack:
-            self.counter = stack.enter_context(count_host_syncs()) if self.count_syncs else None
+            self.counter = stack.enter_context(HostSyncCounter()) if self.count_syncs else None
             train_policy.PhaseTimer, train_policy.reduce_stats = ProbedTimer, probed_reduce_stats
             stack.callback(setattr, train_policy, "PhaseTimer", timer)
             stack.callback(setattr, train_policy, "reduce_stats", reduce_stats)

@@ -25,10 +25,10 @@ from rich.table import Table
 from transformers import GPT2Config, GPT2Model
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from lm_human_preference_details.host_syncs import HostSyncCounter  # noqa: E402
 from lm_human_preference_details.labels import best_of_n_loss  # noqa: E402
 from lm_human_preference_details.modeling import RewardModel, score_label_rows  # noqa: E402
 from lm_human_preference_details.optim import AdamTensorFlowStyle  # noqa: E402
-from lm_human_preference_details.syncs import count_host_syncs  # noqa: E402
 
 CONFIGS = {
     "tiny": dict(n_layer=2, n_head=2, n_embd=32),
@@ -114,7 +114,7 @@ def main(args: Args) -> None:
         if cuda:
             torch.cuda.reset_peak_memory_stats()
         timer = StepTimer(cuda)
-        with count_host_syncs() if args.count_syncs else contextlib.nullcontext() as syncs:
+        with HostSyncCounter() if args.count_syncs else contextlib.nullcontext() as syncs:
             start = time.perf_counter()
             step(timer)
             if cuda:
