@@ -301,6 +301,12 @@ def _read_json_rows(path: str, where: str) -> Any:
         return json.loads(text)
     except json.JSONDecodeError as e:
         first = _first_json_line(text)
+        if first is not None and set(PREFERENCE_PAIR_FIELDS) <= set(first):
+            raise ValueError(
+                f"{where} is JSON Lines of text preference pairs ({', '.join(PREFERENCE_PAIR_FIELDS)}, as TRL writes "
+                "them), which need a tokenizer: pass it to train_reward.py --label_dataset with --labels.type "
+                f"best_of_2, or convert it to OAI's label schema, {SCHEMA}, with label_generation.py convert."
+            ) from e
         if first is not None:
             raise ValueError(
                 f"{where} is JSON Lines in neither schema: its first row has fields {sorted(first)[:8]}; expected "
@@ -330,7 +336,7 @@ def read_label_rows(source: str, flag: str = "--label_dataset") -> tuple[list[di
             f"{where} is not in one of OAI's label schemas: expected a non-empty JSON list of objects with fields "
             "query, sample0..sampleN-1 and best (best_of_N), query, sample and score (scalar_rating), or query, "
             f"sample0, sample1 and difference (scalar_compare), or {TEXT_PAIRS_SCHEMA} in a .jsonl file; got "
-            f"{type(rows).__name__} with first row keys {sorted(first)[:8]}."
+            f"{type(rows).__name__} with keys {sorted(first or (rows if isinstance(rows, dict) else {}))[:8]}."
         )
     lengths = _first_row_lengths(first, label_type)
     _check_label_rows(rows, lengths, label_type, where)

@@ -44,13 +44,15 @@ def _is_hub_dataset_name(source: str) -> bool:
     )
 
 
-def _starts_with_json_object(path: str) -> bool:
-    """True when the first non-blank character of the file is `{` (JSON Lines; OAI's files are one JSON list)."""
+def _starts_with_text_pair(path: str) -> bool:
+    """True when the file's first line is a JSON object with prompt, chosen and rejected (JSON Lines of pairs)."""
     with open(path, encoding="utf-8", errors="replace") as f:
-        for line in f:
-            if line.strip():
-                return line.lstrip().startswith("{")
-    return False
+        line = f.readline()
+    try:
+        first = json.loads(line)
+    except json.JSONDecodeError:
+        return False
+    return isinstance(first, dict) and set(PREFERENCE_PAIR_FIELDS) <= set(first)
 
 
 def is_text_preference_source(source: str) -> bool:
@@ -60,7 +62,7 @@ def is_text_preference_source(source: str) -> bool:
             os.path.join(source, "dataset_dict.json")
         )
     if os.path.isfile(source):
-        return source.endswith(".jsonl") or _starts_with_json_object(source)
+        return source.endswith(".jsonl") or _starts_with_text_pair(source)
     return _is_hub_dataset_name(source)
 
 

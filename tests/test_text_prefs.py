@@ -90,7 +90,7 @@ def test_a_hub_dataset_fails_fast_offline(monkeypatch):
 @pytest.mark.parametrize("suffix", [".jsonl", ".json"])
 def test_a_file_in_neither_schema_names_both_and_its_fields(tmp_path, suffix):
     path = tmp_path / f"other{suffix}"
-    path.write_text(json.dumps({"question": "q", "answer": "a"}) + "\n")
+    path.write_text(2 * (json.dumps({"question": "q", "answer": "a"}) + "\n"))
     with pytest.raises(ValueError) as error:
         load_labels(str(path), QUERY_LENGTH, RESPONSE_LENGTH, 0, 1, "best_of_2", tokenizer=object())
     message = str(error.value)
