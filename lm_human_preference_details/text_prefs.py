@@ -56,11 +56,9 @@ def _starts_with_text_pair(path: str) -> bool:
 
 
 def is_text_preference_source(source: str) -> bool:
-    """True when `source` is a JSON Lines file, a `datasets` directory saved with save_to_disk, or a hub dataset id."""
+    """True for a JSON Lines file of pairs, a directory (save_to_disk or data files) or a hub dataset id."""
     if os.path.isdir(source):
-        return os.path.isfile(os.path.join(source, "dataset_info.json")) or os.path.isfile(
-            os.path.join(source, "dataset_dict.json")
-        )
+        return True
     if os.path.isfile(source):
         return source.endswith(".jsonl") or _starts_with_text_pair(source)
     return _is_hub_dataset_name(source)
@@ -82,11 +80,20 @@ def _read_jsonl(path: str, flag: str) -> list[Any]:
 
 
 def _read_dataset(source: str, flag: str) -> list[Any]:
-    """The rows of the `train` split of a saved `datasets` directory or hub dataset (one clear line when offline)."""
+    """The rows of the `train` split of a save_to_disk directory, a directory of data files or a hub dataset (one
+    clear line when offline)."""
     import datasets
 
-    if os.path.isdir(source):
+    if any(os.path.isfile(os.path.join(source, name)) for name in ("dataset_info.json", "dataset_dict.json")):
         dataset = datasets.load_from_disk(source)
+    elif os.path.isdir(source):
+        try:  # data files, e.g. a hub dataset downloaded with `hf download`
+            dataset = datasets.load_dataset(source)
+        except (FileNotFoundError, ValueError) as e:
+            raise ValueError(
+                f"{flag} '{source}' is a directory without a dataset ({str(e).splitlines()[0] if str(e) else e!r}); "
+                f"expected a save_to_disk directory or data files of {TEXT_PAIRS_SCHEMA}."
+            ) from e
     else:
         check_available(source, flag, kind="dataset", filename="README.md")
         dataset = datasets.load_dataset(source)

@@ -71,12 +71,18 @@ def test_load_labels_reads_pairs_as_best_of_2_and_refuses_other_types(tmp_path, 
         load_labels(source, QUERY_LENGTH, RESPONSE_LENGTH, -1, 7, "best_of_2", tokenizer=tokenizer)
 
 
-def test_a_saved_dataset_directory_reads_like_jsonl(tmp_path, corpus):
+def test_dataset_directories_read_like_jsonl(tmp_path, corpus):
     import datasets
 
     pairs = write_pairs(tmp_path / "prefs.jsonl", 5, corpus.read_text().splitlines())
     datasets.Dataset.from_list(pairs).save_to_disk(str(tmp_path / "ds"))
+    (tmp_path / "hub" / "data").mkdir(parents=True)  # a hub dataset as `hf download --local-dir` leaves it
+    datasets.Dataset.from_list(pairs).to_parquet(str(tmp_path / "hub" / "data" / "train-00000-of-00001.parquet"))
     assert read_text_pairs(str(tmp_path / "ds")) == read_text_pairs(str(tmp_path / "prefs.jsonl")) == pairs
+    assert read_text_pairs(str(tmp_path / "hub")) == pairs
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ValueError, match="'.*empty' is a directory without a dataset .*; expected a save_to_disk"):
+        read_text_pairs(str(tmp_path / "empty"))
 
 
 def test_a_hub_dataset_fails_fast_offline(monkeypatch):
