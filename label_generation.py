@@ -729,6 +729,7 @@ def convert_text_pairs(args: Convert, lengths: TokenLengths, lengths_source: str
     tokenized for `args.base_model` (sample0 chosen, best 0); returns the metadata."""
     pairs = text_prefs.read_text_pairs(args.input, flag="--input")
     if args.dry_run:
+        cli.make_console().print(f"dry run: {len(pairs)} text pairs in {args.input} -> best_of_2 labels {args.output}")
         return {"rows": len(pairs), "label_type": "best_of_2", "num_labels": 2}
     target = load_tokenizer(args.base_model)
     target_pad_id = target.pad_token_id
