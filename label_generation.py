@@ -11,6 +11,8 @@ Run:
   python label_generation.py generate --label_type scalar_compare --labeler vader --output labels/compare.json
   python label_generation.py convert --input sentiment/offline_5k.json --base_model EleutherAI/pythia-160m \\
       --output labels/sentiment_pythia.json
+  python label_generation.py convert --input prefs.jsonl --base_model gpt2 --output labels/prefs.json   (text pairs)
+  python label_generation.py convert --input labels/prefs.json --output prefs.jsonl --base_model gpt2  (and back)
 Human labels from a browser (pip install -e ".[label]"; docs/labeling.md):
   python label_generation.py sample --task sentiment --num_queries 500 --output labels/candidates.json
   python label_generation.py serve --candidates labels/candidates.json --output labels/human.json
@@ -36,7 +38,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 from transformers import PreTrainedTokenizerBase
 
-from lm_human_preference_details import cli, core, validation
+from lm_human_preference_details import cli, core, text_prefs, validation
 from lm_human_preference_details.agreement import agreement_report, format_figure
 from lm_human_preference_details.data import QueryStream, load_texts
 from lm_human_preference_details.hub import HubUnavailableError
@@ -195,16 +197,19 @@ class TokenLengths:
 
 @dataclass
 class Convert:
-    """Re-tokenize a label file of any of OAI's label types (e.g. OAI's) for another base model's tokenizer."""
+    """Re-tokenize a label file of any of OAI's label types (e.g. OAI's) for another base model's tokenizer; or turn
+    prompt/chosen/rejected text pairs into best_of_2 labels, and best_of_2 labels into text pairs (.jsonl --output)."""
 
     base_model: str
     """target model (hub id or local directory); its tokenizer encodes the texts"""
     input: str = "sentiment/offline_5k.json"
-    """label file of an OAI label type: a local JSON path or a file of the hub dataset vwxyzjn/lm-human-preferences"""
+    """label file of an OAI label type (a local JSON path or a file of the hub dataset vwxyzjn/lm-human-preferences), or
+    prompt/chosen/rejected text pairs (a .jsonl file, a `datasets` save_to_disk directory or a hub dataset)"""
     source_tokenizer: str = "gpt2"
     """tokenizer of the input's tokens (hub id or directory); gpt2 is built offline when the hub is unreachable"""
     output: str = "labels/converted.json"
-    """converted label file; `<output>.meta.json` is written beside it"""
+    """converted label file; `<output>.meta.json` is written beside it; a .jsonl path writes best_of_2 labels as
+    prompt/chosen/rejected text pairs decoded with --source_tokenizer"""
     task: TokenLengths = field(default_factory=TokenLengths)
     """query and response lengths of the converted file (train_reward.py's --task.query_length/response_length)"""
     dry_run: bool = False
@@ -651,6 +656,8 @@ def convert(args: Convert) -> dict:
     if lengths.query_length < 1 or lengths.response_length < 1:
         raise ValueError("--task.query_length and --task.response_length must be >= 1.")
     validation.check_convert_args(args)
+    if text_prefs.is_text_preference_source(args.input):
+        return convert_text_pairs(args, lengths, lengths_source, start_time)
     try:
         rows, label_type, source_pad_id = read_label_rows(args.input, flag="--input")
     except ValueError as e:
@@ -669,6 +676,8 @@ def convert(args: Convert) -> dict:
             },
         )
         return {"rows": len(rows), "label_type": label_type.name, "num_labels": label_type.num_samples}
+    if args.output.endswith(".jsonl"):
+        return convert_to_text_pairs(args, rows, label_type, source_pad_id)
     source = load_source_tokenizer(args.source_tokenizer)
     target = load_tokenizer(args.base_model)
     target_pad_id = target.pad_token_id
@@ -713,6 +722,57 @@ def convert(args: Convert) -> dict:
         f"{meta['counts']['truncated_queries']} queries, {meta['counts']['truncated_samples']} samples)"
     )
     return meta
+
+
+def convert_text_pairs(args: Convert, lengths: TokenLengths, lengths_source: str, start_time: float) -> dict:
+    """prompt/chosen/rejected pairs (JSONL, `datasets` directory or hub dataset) as best_of_2 rows of OAI's schema,
+    tokenized for `args.base_model` (sample0 chosen, best 0); returns the metadata."""
+    pairs = text_prefs.read_text_pairs(args.input, flag="--input")
+    if args.dry_run:
+        cli.make_console().print(f"dry run: {len(pairs)} text pairs in {args.input} -> best_of_2 labels {args.output}")
+        return {"rows": len(pairs), "label_type": "best_of_2", "num_labels": 2}
+    target = load_tokenizer(args.base_model)
+    target_pad_id = target.pad_token_id
+    file_pad_id = OAI_PAD_TOKEN if oai_pad_compatible(target) else target_pad_id
+    rows, truncated = text_prefs.tokenize_pairs(
+        pairs, target, lengths.query_length, lengths.response_length, target_pad_id, "--input"
+    )
+    label_type = get_label_type("best_of_2")
+    meta = {
+        "format": f"best_of_2 labels in OAI's schema: {', '.join(label_type.fields)} (sample0 is the chosen text)",
+        "label_type": label_type.name,
+        "converted_from": args.input,
+        "source_format": "prompt/chosen/rejected text pairs",
+        "base_model": args.base_model,
+        "tokenizer_fingerprint": tokenizer_fingerprint(target),
+        "tokenizer_pad_token_id": target_pad_id,
+        "pad_id": file_pad_id,
+        "task": dataclasses.asdict(lengths),
+        "num_labels": label_type.num_samples,
+        "counts": {"rows": len(rows), **truncated},
+        "wall_time_s": time.time() - start_time,
+    }
+    save_label_file(args.output, rows, target_pad_id, file_pad_id, meta)
+    cli.make_console().print(
+        f"converted {len(rows)} text pairs of {args.input} to best_of_2 labels {args.output} for {args.base_model}, "
+        f"query length {lengths.query_length} and response length {lengths.response_length} from {lengths_source} "
+        f"(truncated: {truncated['truncated_queries']} queries, {truncated['truncated_samples']} samples)"
+    )
+    return meta
+
+
+def convert_to_text_pairs(args: Convert, rows: list[dict], label_type: LabelType, file_pad_id: int) -> dict:
+    """best_of_2 rows of OAI's schema decoded with --source_tokenizer into prompt/chosen/rejected JSONL (--output)."""
+    if label_type.name != "best_of_2":
+        raise ValueError(
+            f"--input '{args.input}' holds {label_type.name} labels; only best_of_2 rows are chosen/rejected pairs: "
+            "write a .json --output to re-tokenize it instead."
+        )
+    source = load_source_tokenizer(args.source_tokenizer)
+    pairs = text_prefs.label_rows_to_pairs(rows, source, file_pad_id)
+    text_prefs.save_text_pairs(args.output, pairs)
+    cli.make_console().print(f"converted {len(pairs)} best_of_2 rows of {args.input} to text pairs {args.output}")
+    return {"rows": len(pairs), "label_type": label_type.name, "output": args.output}
 
 
 # ---------------------------------------------------------------- sample, serve, agreement (human labels)

@@ -36,7 +36,9 @@ OAI_LABEL_FOLDERS = ("sentiment", "descriptiveness", "tldr", "cnndm")
 """Folders of OAI's label files (sentiment/offline_5k.json, tldr/online_45k.json, ...): a relative name outside them
 is a local file, never downloaded."""
 PREFERENCE_PAIR_FIELDS = ("prompt", "chosen", "rejected")
-"""Fields of the text preference pairs of other libraries (e.g. TRL's JSON Lines), which this project does not read."""
+"""Fields of the text preference pairs of other libraries (e.g. TRL's JSON Lines): best_of_2 labels (text_prefs.py)."""
+TEXT_PAIRS_SCHEMA = "text preference pairs (one JSON object per line with string fields prompt, chosen, rejected)"
+"""The text schema in one line, for error messages."""
 
 
 # ---------------------------------------------------------------- label types
@@ -301,15 +303,14 @@ def _read_json_rows(path: str, where: str) -> Any:
         first = _first_json_line(text)
         if first is not None and set(PREFERENCE_PAIR_FIELDS) <= set(first):
             raise ValueError(
-                f"{where} is JSON Lines of text preference pairs ({', '.join(PREFERENCE_PAIR_FIELDS)}, as TRL "
-                f"writes them); this project reads OAI's label schema, {SCHEMA}. Tokenize each pair into a "
-                "best_of_2 row (query: prompt, sample0: chosen, sample1: rejected, best: 0; padded to "
-                "--task.query_length/--task.response_length) and pass --labels.type best_of_2, or write labels with "
-                "label_generation.py generate."
+                f"{where} is JSON Lines of text preference pairs ({', '.join(PREFERENCE_PAIR_FIELDS)}, as TRL writes "
+                "them), which need a tokenizer: pass it to train_reward.py --label_dataset with --labels.type "
+                f"best_of_2, or convert it to OAI's label schema, {SCHEMA}, with label_generation.py convert."
             ) from e
         if first is not None:
             raise ValueError(
-                f"{where} holds one JSON value per line (JSON Lines); this project reads one JSON list, {SCHEMA}."
+                f"{where} is JSON Lines in neither schema: its first row has fields {sorted(first)[:8]}; expected "
+                f"{TEXT_PAIRS_SCHEMA} (a .jsonl file), or OAI's label schema, {SCHEMA}."
             ) from e
         raise ValueError(f"{where}: invalid JSON ({e}); expected {SCHEMA}.") from e
 
@@ -334,8 +335,8 @@ def read_label_rows(source: str, flag: str = "--label_dataset") -> tuple[list[di
         raise ValueError(
             f"{where} is not in one of OAI's label schemas: expected a non-empty JSON list of objects with fields "
             "query, sample0..sampleN-1 and best (best_of_N), query, sample and score (scalar_rating), or query, "
-            f"sample0, sample1 and difference (scalar_compare); got {type(rows).__name__} with first row keys "
-            f"{sorted(first)[:8]}."
+            f"sample0, sample1 and difference (scalar_compare), or {TEXT_PAIRS_SCHEMA} in a .jsonl file; got "
+            f"{type(rows).__name__} with keys {sorted(first or (rows if isinstance(rows, dict) else {}))[:8]}."
         )
     lengths = _first_row_lengths(first, label_type)
     _check_label_rows(rows, lengths, label_type, where)
@@ -385,11 +386,19 @@ def load_labels(
     num_train: int,
     label_type: str = "best_of_4",
     flag: str = "--label_dataset",
+    tokenizer: PreTrainedTokenizerBase | None = None,
 ) -> Labels:
     """A label file of `label_type` (local JSON or a file of the HF mirror), validated, the file's PAD mapped to pad_id.
 
     The file's PAD is OAI's 50259, or the `pad_id` of a `<file>.meta.json` beside it (label_generation.py writes one).
+    Text preference pairs (a .jsonl file, a `datasets` directory or a hub dataset) are tokenized with `tokenizer`.
     """
+    from lm_human_preference_details import text_prefs
+
+    if tokenizer is not None and text_prefs.is_text_preference_source(source):
+        return text_prefs.load_text_labels(
+            source, tokenizer, query_length, response_length, pad_id, num_train, label_type, flag
+        )
     # OAI: a JSON list of rows of the label type's schema; at least num_train rows, the first num_train are trained on
     # https://github.com/openai/lm-human-preferences/blob/cbfd210bb8b08f6bc5c26878c10984b90f516c66/lm_human_preferences/train_reward.py#L64-L96
     kind = get_label_type(label_type)

@@ -73,6 +73,7 @@ def read_labels(args: Any, tokenizer=None) -> Labels:
         pad_id,
         args.labels.num_train,
         get_label_type(args.labels.type).name,
+        tokenizer=tokenizer,
     )
     check_label_tokens(labels, model_vocab_size(args.base_model), pad_id, args.label_dataset)
     return labels

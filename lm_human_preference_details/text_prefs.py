@@ -1,0 +1,204 @@
+"""Text preference pairs (`prompt`, `chosen`, `rejected`), the format other libraries exchange (TRL publishes OAI's
+sentiment and descriptiveness labels that way): read from JSON Lines, a `datasets` directory or a hub dataset, and
+tokenized into best_of_2 label rows of OAI's schema, and back.
+
+Convention: `sample0` is the chosen response and `sample1` the rejected one, so `best` is always 0. The prompt is
+already a query (as in OAI's label files, whose queries were built from the corpus text): it is encoded as plain BPE,
+truncated to its first query_length tokens and right-padded; responses are truncated to response_length and
+right-padded, as OAI's label files hold them (spec R7, G1, G3).
+"""
+
+import json
+import os
+from typing import Any
+
+import torch
+from transformers import PreTrainedTokenizerBase
+
+from lm_human_preference_details.core import write_atomic
+from lm_human_preference_details.hub import check_available
+from lm_human_preference_details.labels import (
+    OAI_LABEL_FOLDERS,
+    PREFERENCE_PAIR_FIELDS,
+    SCHEMA,
+    TEXT_PAIRS_SCHEMA,
+    Labels,
+    get_label_type,
+)
+from lm_human_preference_details.tasks import build_query, encode_texts
+
+CHOSEN_INDEX = 0
+"""Index of the chosen response in a best_of_2 row (sample0); the rejected one is sample1."""
+
+
+def _is_hub_dataset_name(source: str) -> bool:
+    """True for a hub dataset id such as `trl-lib/tldr-preference` (not a local path, not one of OAI's files)."""
+    parts = source.split("/")
+    return (
+        len(parts) == 2
+        and all(parts)
+        and not source.startswith((".", "/", "~", "http://", "https://"))
+        and not source.endswith((".json", ".jsonl"))
+        and parts[0] not in OAI_LABEL_FOLDERS
+        and not os.path.exists(source)
+    )
+
+
+def _starts_with_text_pair(path: str) -> bool:
+    """True when the file's first line is a JSON object with prompt, chosen and rejected (JSON Lines of pairs)."""
+    with open(path, encoding="utf-8", errors="replace") as f:
+        line = f.readline()
+    try:
+        first = json.loads(line)
+    except json.JSONDecodeError:
+        return False
+    return isinstance(first, dict) and set(PREFERENCE_PAIR_FIELDS) <= set(first)
+
+
+def is_text_preference_source(source: str) -> bool:
+    """True for a JSON Lines file of pairs, a directory (save_to_disk or data files) or a hub dataset id."""
+    if os.path.isdir(source):
+        return True
+    if os.path.isfile(source):
+        return source.endswith(".jsonl") or _starts_with_text_pair(source)
+    return _is_hub_dataset_name(source)
+
+
+def _read_jsonl(path: str, flag: str) -> list[Any]:
+    """The JSON value of every non-blank line of `path`; ValueError naming the line that is not JSON."""
+    rows = []
+    with open(path, encoding="utf-8") as f:
+        for number, line in enumerate(f, 1):
+            if line.strip():
+                try:
+                    rows.append(json.loads(line))
+                except json.JSONDecodeError as e:
+                    raise ValueError(
+                        f"{flag} '{path}': line {number} is not JSON ({e}); expected {TEXT_PAIRS_SCHEMA}."
+                    ) from e
+    return rows
+
+
+def _read_dataset(source: str, flag: str) -> list[Any]:
+    """The rows of the `train` split of a save_to_disk directory, a directory of data files or a hub dataset (one
+    clear line when offline)."""
+    import datasets
+
+    if any(os.path.isfile(os.path.join(source, name)) for name in ("dataset_info.json", "dataset_dict.json")):
+        dataset = datasets.load_from_disk(source)
+    elif os.path.isdir(source):
+        try:  # data files, e.g. a hub dataset downloaded with `hf download`
+            dataset = datasets.load_dataset(source)
+        except (FileNotFoundError, ValueError) as e:
+            raise ValueError(
+                f"{flag} '{source}' is a directory without a dataset ({str(e).splitlines()[0] if str(e) else e!r}); "
+                f"expected a save_to_disk directory or data files of {TEXT_PAIRS_SCHEMA}."
+            ) from e
+    else:
+        check_available(source, flag, kind="dataset", filename="README.md")
+        dataset = datasets.load_dataset(source)
+    if isinstance(dataset, datasets.DatasetDict):
+        if "train" not in dataset:
+            raise ValueError(f"{flag} '{source}' has splits {list(dataset)} but no 'train' split; save one.")
+        dataset = dataset["train"]
+    return dataset.to_list()
+
+
+def read_text_pairs(source: str, flag: str = "--label_dataset") -> list[dict[str, str]]:
+    """The (prompt, chosen, rejected) rows of a JSONL file, `datasets` directory or hub dataset, validated."""
+    rows = _read_jsonl(source, flag) if os.path.isfile(source) else _read_dataset(source, flag)
+    if not rows:
+        raise ValueError(f"{flag} '{source}' holds no rows; expected {TEXT_PAIRS_SCHEMA}.")
+    for i, row in enumerate(rows):
+        found = sorted(row)[:8] if isinstance(row, dict) else type(row).__name__
+        if not isinstance(row, dict) or not set(PREFERENCE_PAIR_FIELDS) <= set(row):
+            raise ValueError(
+                f"{flag} '{source}' is in neither schema: row {i} has fields {found}; expected {TEXT_PAIRS_SCHEMA}, or "
+                f"OAI's label schema, {SCHEMA}."
+            )
+        bad = next((name for name in PREFERENCE_PAIR_FIELDS if not isinstance(row[name], str)), None)
+        if bad is not None:
+            raise ValueError(f"{flag} '{source}': row {i} field '{bad}' is {type(row[bad]).__name__}, not a string.")
+    return [{name: row[name] for name in PREFERENCE_PAIR_FIELDS} for row in rows]
+
+
+def _pad_tokens(rows: list[list[int]], length: int, pad_id: int) -> list[list[int]]:
+    """Each row truncated to its first `length` tokens and right-padded with `pad_id`."""
+    return [row[:length] + [pad_id] * (length - len(row[:length])) for row in rows]
+
+
+def tokenize_pairs(
+    pairs: list[dict[str, str]],
+    tokenizer: PreTrainedTokenizerBase,
+    query_length: int,
+    response_length: int,
+    pad_id: int,
+    where: str = "--label_dataset",
+) -> tuple[list[dict], dict[str, int]]:
+    """best_of_2 rows of OAI's schema (tokenizer PAD): query = prompt, sample0 = chosen, sample1 = rejected, best 0;
+    -> the rows and how many queries and samples were truncated."""
+    prompts, chosen, rejected = (encode_texts(tokenizer, [p[name] for p in pairs]) for name in PREFERENCE_PAIR_FIELDS)
+    rows = []
+    for i, prompt in enumerate(prompts):
+        if pad_id in prompt or pad_id in chosen[i] or pad_id in rejected[i]:
+            raise ValueError(f"{where}: row {i} contains the text of the PAD token, which would read as padding.")
+        query = build_query(list(prompt), query_length, None, None, pad_id)
+        if query is None:
+            raise ValueError(f"{where}: row {i} has an empty prompt; a query needs a real first token.")
+        rows.append({"query": query})
+    responses = _pad_tokens(chosen, response_length, pad_id), _pad_tokens(rejected, response_length, pad_id)
+    for row, first, second in zip(rows, *responses):
+        row.update(sample0=first, sample1=second, best=CHOSEN_INDEX)
+    truncated = {
+        "truncated_queries": sum(len(prompt) > query_length for prompt in prompts),
+        "truncated_samples": sum(len(tokens) > response_length for tokens in [*chosen, *rejected]),
+    }
+    return rows, truncated
+
+
+def load_text_labels(
+    source: str,
+    tokenizer: PreTrainedTokenizerBase,
+    query_length: int,
+    response_length: int,
+    pad_id: int,
+    num_train: int,
+    label_type: str,
+    flag: str = "--label_dataset",
+) -> Labels:
+    """Text preference pairs as best_of_2 Labels tokenized for this run; ValueError for another --labels.type."""
+    if get_label_type(label_type).name != "best_of_2":
+        raise ValueError(
+            f"{flag} '{source}' holds text preference pairs, which are best_of_2 labels (chosen vs rejected), not "
+            f"{label_type}; pass --labels.type best_of_2."
+        )
+    rows, _ = tokenize_pairs(read_text_pairs(source, flag), tokenizer, query_length, response_length, pad_id, flag)
+    if len(rows) < num_train:
+        raise ValueError(
+            f"{flag} '{source}' has {len(rows)} rows but num_train is {num_train}; lower --labels.num_train."
+        )
+    query = torch.tensor([row["query"] for row in rows], dtype=torch.long)  # (N, Lq)
+    samples = torch.tensor([[row["sample0"], row["sample1"]] for row in rows], dtype=torch.long)  # (N, 2, L)
+    label = torch.full((len(rows),), CHOSEN_INDEX, dtype=torch.long)  # (N,)
+    return Labels(query=query, samples=samples, label=label)
+
+
+def label_rows_to_pairs(rows: list[dict], tokenizer: PreTrainedTokenizerBase, pad_id: int) -> list[dict[str, str]]:
+    """best_of_2 rows of token ids (file PAD `pad_id`) as prompt/chosen/rejected texts (chosen: sample[best])."""
+    fields = {"prompt": [row["query"] for row in rows]}
+    fields["chosen"] = [row[f"sample{row['best']}"] for row in rows]
+    fields["rejected"] = [row[f"sample{1 - row['best']}"] for row in rows]
+    texts = {
+        name: tokenizer.batch_decode(
+            [[t for t in tokens if t != pad_id] for tokens in values], skip_special_tokens=False
+        )
+        for name, values in fields.items()
+    }
+    return [{name: texts[name][i] for name in fields} for i in range(len(rows))]
+
+
+def save_text_pairs(path: str, pairs: list[dict[str, str]]) -> None:
+    """Write prompt/chosen/rejected rows as JSON Lines, atomically."""
+    write_atomic(
+        path, lambda f: f.writelines(json.dumps(pair, ensure_ascii=False) + "\n" for pair in pairs), "--output"
+    )
