@@ -47,6 +47,9 @@ RUN_BY_TESTS = {
     "python label_generation.py serve --candidates labels/candidates.json --output labels/human.json": (
         "test_sigkill_in_the_middle_of_labeling_loses_no_confirmed_judgement"
     ),
+    "python train_reward.py --task sentiment --label_dataset prefs.jsonl --labels.type best_of_2": (
+        "test_a_text_preference_file_trains_a_reward_model"
+    ),
     "python label_generation.py agreement --judgements labels/human.json.judgements.jsonl": (
         "test_agreement_command_prints_the_figures"
     ),
