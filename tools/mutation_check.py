@@ -940,6 +940,27 @@ BREAKAGES = [
             "tests/test_core.py::test_logprobs_and_entropy_from_logits_match_separate_functions",
         ],
     ),
+    Breakage(
+        "R7-text-pairs-rejected-first",
+        "R7",
+        "a text preference pair becomes a best_of_2 row with the rejected response as the better one",
+        "lm_human_preference_details/text_prefs.py",
+        "row.update(sample0=first, sample1=second, best=CHOSEN_INDEX)",
+        "row.update(sample0=second, sample1=first, best=CHOSEN_INDEX)",
+        [
+            "tests/test_text_prefs.py::test_pairs_tokenize_like_oai_label_rows_chosen_first",
+            "tests/test_text_prefs.py::test_text_pairs_convert_to_oai_schema_and_back_without_loss",
+        ],
+    ),
+    Breakage(
+        "R7-text-pairs-back-swapped",
+        "R7",
+        "converting best_of_2 rows back to text pairs takes the other sample as the chosen response",
+        "lm_human_preference_details/text_prefs.py",
+        """fields["chosen"] = [row[f"sample{row['best']}"] for row in rows]""",
+        """fields["chosen"] = [row[f"sample{1 - row['best']}"] for row in rows]""",
+        ["tests/test_text_prefs.py::test_text_pairs_convert_to_oai_schema_and_back_without_loss"],
+    ),
 ]
 
 
