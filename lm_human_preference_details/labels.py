@@ -386,19 +386,12 @@ def load_labels(
     num_train: int,
     label_type: str = "best_of_4",
     flag: str = "--label_dataset",
-    tokenizer: PreTrainedTokenizerBase | None = None,
 ) -> Labels:
     """A label file of `label_type` (local JSON or a file of the HF mirror), validated, the file's PAD mapped to pad_id.
 
     The file's PAD is OAI's 50259, or the `pad_id` of a `<file>.meta.json` beside it (label_generation.py writes one).
-    Text preference pairs (a .jsonl file, a `datasets` directory or a hub dataset) are tokenized with `tokenizer`.
+    Text preference pairs are read by text_prefs.load_labels_or_pairs.
     """
-    from lm_human_preference_details import text_prefs
-
-    if tokenizer is not None and text_prefs.is_text_preference_source(source):
-        return text_prefs.load_text_labels(
-            source, tokenizer, query_length, response_length, pad_id, num_train, label_type, flag
-        )
     # OAI: a JSON list of rows of the label type's schema; at least num_train rows, the first num_train are trained on
     # https://github.com/openai/lm-human-preferences/blob/cbfd210bb8b08f6bc5c26878c10984b90f516c66/lm_human_preferences/train_reward.py#L64-L96
     kind = get_label_type(label_type)

@@ -17,9 +17,9 @@ from lm_human_preference_details.labels import (
     check_label_tokenizer,
     check_label_tokens,
     get_label_type,
-    load_labels,
 )
 from lm_human_preference_details.modeling import RewardModel, model_vocab_size
+from lm_human_preference_details.text_prefs import load_labels_or_pairs
 from lm_human_preference_details.tokenizer import load_tokenizer, tokenizer_fingerprint
 
 
@@ -66,14 +66,14 @@ def read_labels(args: Any, tokenizer=None) -> Labels:
     tokenizer = tokenizer or load_tokenizer(args.base_model)
     pad_id = tokenizer.pad_token_id
     check_label_tokenizer(args.label_dataset, tokenizer_fingerprint(tokenizer), args.base_model)
-    labels = load_labels(
+    labels = load_labels_or_pairs(
         args.label_dataset,
         args.task.query_length,
         args.task.response_length,
         pad_id,
         args.labels.num_train,
         get_label_type(args.labels.type).name,
-        tokenizer=tokenizer,
+        tokenizer,
     )
     check_label_tokens(labels, model_vocab_size(args.base_model), pad_id, args.label_dataset)
     return labels

@@ -24,6 +24,7 @@ from lm_human_preference_details.labels import (
     TEXT_PAIRS_SCHEMA,
     Labels,
     get_label_type,
+    load_labels,
 )
 from lm_human_preference_details.tasks import build_query, encode_texts
 
@@ -181,6 +182,22 @@ def load_text_labels(
     samples = torch.tensor([[row["sample0"], row["sample1"]] for row in rows], dtype=torch.long)  # (N, 2, L)
     label = torch.full((len(rows),), CHOSEN_INDEX, dtype=torch.long)  # (N,)
     return Labels(query=query, samples=samples, label=label)
+
+
+def load_labels_or_pairs(
+    source: str,
+    query_length: int,
+    response_length: int,
+    pad_id: int,
+    num_train: int,
+    label_type: str,
+    tokenizer: PreTrainedTokenizerBase,
+    flag: str = "--label_dataset",
+) -> Labels:
+    """--label_dataset as Labels: text pairs tokenized with `tokenizer`, else a label file of OAI's schema."""
+    if is_text_preference_source(source):
+        return load_text_labels(source, tokenizer, query_length, response_length, pad_id, num_train, label_type, flag)
+    return load_labels(source, query_length, response_length, pad_id, num_train, label_type, flag)
 
 
 def label_rows_to_pairs(rows: list[dict], tokenizer: PreTrainedTokenizerBase, pad_id: int) -> list[dict[str, str]]:

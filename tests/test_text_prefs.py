@@ -10,8 +10,8 @@ import torch
 import label_generation
 import train_reward
 from lm_human_preference_details.hub import HubUnavailableError
-from lm_human_preference_details.labels import OAI_PAD_TOKEN, load_labels, read_label_rows
-from lm_human_preference_details.text_prefs import read_text_pairs, tokenize_pairs
+from lm_human_preference_details.labels import OAI_PAD_TOKEN, read_label_rows
+from lm_human_preference_details.text_prefs import load_labels_or_pairs, read_text_pairs, tokenize_pairs
 from tests.planted import books_task, write_query_file
 
 QUERY_LENGTH, RESPONSE_LENGTH = 16, 8
@@ -60,15 +60,15 @@ def test_pairs_tokenize_like_oai_label_rows_chosen_first(tokenizer):
 def test_load_labels_reads_pairs_as_best_of_2_and_refuses_other_types(tmp_path, tokenizer, corpus):
     pairs = write_pairs(tmp_path / "prefs.jsonl", 6, corpus.read_text().splitlines())
     source = str(tmp_path / "prefs.jsonl")
-    labels = load_labels(source, QUERY_LENGTH, RESPONSE_LENGTH, -1, 4, "best_of_2", tokenizer=tokenizer)
+    labels = load_labels_or_pairs(source, QUERY_LENGTH, RESPONSE_LENGTH, -1, 4, "best_of_2", tokenizer)
     assert labels.samples.shape == (6, 2, RESPONSE_LENGTH) and labels.label.tolist() == [0] * 6
     assert tokenizer.decode([t for t in labels.samples[1, 0].tolist() if t != -1]) == pairs[1]["chosen"]
     assert tokenizer.decode([t for t in labels.samples[1, 1].tolist() if t != -1]) == pairs[1]["rejected"]
     assert labels.query[0, -1] == -1  # the query is padded with the run's PAD
     with pytest.raises(ValueError, match=r"holds text preference pairs.*not best_of_4; pass --labels.type best_of_2"):
-        load_labels(source, QUERY_LENGTH, RESPONSE_LENGTH, -1, 4, "best_of_4", tokenizer=tokenizer)
+        load_labels_or_pairs(source, QUERY_LENGTH, RESPONSE_LENGTH, -1, 4, "best_of_4", tokenizer)
     with pytest.raises(ValueError, match="has 6 rows but num_train is 7"):
-        load_labels(source, QUERY_LENGTH, RESPONSE_LENGTH, -1, 7, "best_of_2", tokenizer=tokenizer)
+        load_labels_or_pairs(source, QUERY_LENGTH, RESPONSE_LENGTH, -1, 7, "best_of_2", tokenizer)
 
 
 def test_dataset_directories_read_like_jsonl(tmp_path, corpus):
@@ -98,7 +98,7 @@ def test_a_file_in_neither_schema_names_both_and_its_fields(tmp_path, suffix):
     path = tmp_path / f"other{suffix}"
     path.write_text(2 * (json.dumps({"question": "q", "answer": "a"}) + "\n"))
     with pytest.raises(ValueError) as error:
-        load_labels(str(path), QUERY_LENGTH, RESPONSE_LENGTH, 0, 1, "best_of_2", tokenizer=object())
+        load_labels_or_pairs(str(path), QUERY_LENGTH, RESPONSE_LENGTH, 0, 1, "best_of_2", object())
     message = str(error.value)
     assert "neither schema" in message and "['answer', 'question']" in message
     assert "prompt, chosen" in message and "OAI's label schema" in message and "\n" not in message
