@@ -29,6 +29,7 @@ from lm_human_preference_details.host_syncs import HostSyncCounter  # noqa: E402
 from lm_human_preference_details.labels import best_of_n_loss  # noqa: E402
 from lm_human_preference_details.modeling import RewardModel, score_label_rows  # noqa: E402
 from lm_human_preference_details.optim import AdamTensorFlowStyle  # noqa: E402
+from lm_human_preference_details.ppo_plumbing import PhaseTimer  # noqa: E402
 
 CONFIGS = {
     "tiny": dict(n_layer=2, n_head=2, n_embd=32),
@@ -57,25 +58,6 @@ class Args:
 PHASES = ("forward", "backward", "adam")
 
 
-class StepTimer:
-    """Seconds between marks without host syncs: CUDA events on GPU (read after the run), the clock on CPU."""
-
-    def __init__(self, cuda: bool):
-        self.cuda = cuda
-        self.marks: list = []
-
-    def mark(self) -> None:
-        if self.cuda:
-            self.marks.append(torch.cuda.Event(enable_timing=True))
-            self.marks[-1].record()
-        else:
-            self.marks.append(time.perf_counter())
-
-    def seconds(self) -> list[float]:
-        pairs = zip(self.marks, self.marks[1:])
-        return [a.elapsed_time(b) / 1000 if self.cuda else b - a for a, b in pairs]
-
-
 def peak_memory_gib(cuda: bool) -> float:
     """Peak device memory allocated since the last reset (GPU) or peak RSS of this process (CPU), in GiB."""
     if cuda:
@@ -99,7 +81,7 @@ def main(args: Args) -> None:
     samples = torch.randint(0, 50257, (args.per_process_batch, 4, args.response_length), device=device)
     best = torch.randint(0, 4, (args.per_process_batch,), device=device)
 
-    def step(timer: StepTimer) -> None:
+    def step(timer: PhaseTimer) -> None:
         timer.mark()
         loss = best_of_n_loss(score_label_rows(reward_model, query, samples, pad), best)
         timer.mark()
@@ -113,7 +95,7 @@ def main(args: Args) -> None:
     for index in range(2 + args.steps):
         if cuda:
             torch.cuda.reset_peak_memory_stats()
-        timer = StepTimer(cuda)
+        timer = PhaseTimer(torch.device("cuda" if cuda else "cpu"))
         with HostSyncCounter() if args.count_syncs else contextlib.nullcontext() as syncs:
             start = time.perf_counter()
             step(timer)

@@ -228,11 +228,14 @@ class PhaseTimer:
         else:
             self.marks.append(time.perf_counter())
 
+    def seconds(self) -> list[float]:
+        """Seconds between consecutive marks."""
+        pairs = zip(self.marks, self.marks[1:])
+        return [a.elapsed_time(b) / 1000 if self.cuda else b - a for a, b in pairs]
+
     def durations(self) -> dict[str, float]:
         """Seconds of each phase between consecutive marks, as `debug/time/<phase>`."""
-        pairs = zip(self.marks, self.marks[1:])
-        seconds = [a.elapsed_time(b) / 1000 if self.cuda else b - a for a, b in pairs]
-        return {f"debug/time/{phase}": s for phase, s in zip(("rollout", "scoring", "optimisation"), seconds)}
+        return {f"debug/time/{phase}": s for phase, s in zip(("rollout", "scoring", "optimisation"), self.seconds())}
 
 
 def sample_table_rows(
