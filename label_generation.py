@@ -696,25 +696,14 @@ def convert(args: Convert) -> dict:
     out_rows = [
         {name: converted[name][i] for name in fields} | {label_field: row[label_field]} for i, row in enumerate(rows)
     ]
-    meta = {
-        "format": f"{label_type.name} labels in OAI's schema: {', '.join(label_type.fields)}",
-        "label_type": label_type.name,
-        "converted_from": args.input,
-        "source_tokenizer": args.source_tokenizer,
-        "source_pad_id": source_pad_id,
-        "base_model": args.base_model,
-        "tokenizer_fingerprint": tokenizer_fingerprint(target),
-        "tokenizer_pad_token_id": target_pad_id,
-        "pad_id": file_pad_id,
-        "task": dataclasses.asdict(lengths),
-        "num_labels": label_type.num_samples,
-        "counts": {
-            "rows": len(out_rows),
-            "truncated_queries": truncated["query"],
-            "truncated_samples": sum(v for k, v in truncated.items() if k != "query"),
-        },
-        "wall_time_s": time.time() - start_time,
+    counts = {
+        "rows": len(out_rows),
+        "truncated_queries": truncated["query"],
+        "truncated_samples": sum(v for k, v in truncated.items() if k != "query"),
     }
+    source = {"source_tokenizer": args.source_tokenizer, "source_pad_id": source_pad_id}
+    meta = converted_meta(args, target, file_pad_id, lengths, label_type, counts, start_time, source)
+    meta["format"] = f"{label_type.name} labels in OAI's schema: {', '.join(label_type.fields)}"
     save_label_file(args.output, out_rows, target_pad_id, file_pad_id, meta)
     cli.make_console().print(
         f"converted {len(out_rows)} rows of {args.input} to {args.output} for {args.base_model}, query length "
@@ -722,6 +711,33 @@ def convert(args: Convert) -> dict:
         f"{meta['counts']['truncated_queries']} queries, {meta['counts']['truncated_samples']} samples)"
     )
     return meta
+
+
+def converted_meta(
+    args: Convert,
+    target: PreTrainedTokenizerBase,
+    file_pad_id: int,
+    lengths: TokenLengths,
+    label_type: LabelType,
+    counts: dict[str, int],
+    start_time: float,
+    source: dict,
+) -> dict:
+    """The .meta.json of a converted label file: its label type, where it came from (`source`), the tokenizer and
+    lengths it was tokenized for, and the counts."""
+    return {
+        "label_type": label_type.name,
+        "converted_from": args.input,
+        **source,
+        "base_model": args.base_model,
+        "tokenizer_fingerprint": tokenizer_fingerprint(target),
+        "tokenizer_pad_token_id": target.pad_token_id,
+        "pad_id": file_pad_id,
+        "task": dataclasses.asdict(lengths),
+        "num_labels": label_type.num_samples,
+        "counts": counts,
+        "wall_time_s": time.time() - start_time,
+    }
 
 
 def convert_text_pairs(args: Convert, lengths: TokenLengths, lengths_source: str, start_time: float) -> dict:
@@ -738,20 +754,10 @@ def convert_text_pairs(args: Convert, lengths: TokenLengths, lengths_source: str
         pairs, target, lengths.query_length, lengths.response_length, target_pad_id, "--input"
     )
     label_type = get_label_type("best_of_2")
-    meta = {
-        "format": f"best_of_2 labels in OAI's schema: {', '.join(label_type.fields)} (sample0 is the chosen text)",
-        "label_type": label_type.name,
-        "converted_from": args.input,
-        "source_format": "prompt/chosen/rejected text pairs",
-        "base_model": args.base_model,
-        "tokenizer_fingerprint": tokenizer_fingerprint(target),
-        "tokenizer_pad_token_id": target_pad_id,
-        "pad_id": file_pad_id,
-        "task": dataclasses.asdict(lengths),
-        "num_labels": label_type.num_samples,
-        "counts": {"rows": len(rows), **truncated},
-        "wall_time_s": time.time() - start_time,
-    }
+    counts = {"rows": len(rows), **truncated}
+    source = {"source_format": "prompt/chosen/rejected text pairs"}
+    meta = converted_meta(args, target, file_pad_id, lengths, label_type, counts, start_time, source)
+    meta["format"] = f"best_of_2 labels in OAI's schema: {', '.join(label_type.fields)} (sample0 is the chosen text)"
     save_label_file(args.output, rows, target_pad_id, file_pad_id, meta)
     cli.make_console().print(
         f"converted {len(rows)} text pairs of {args.input} to best_of_2 labels {args.output} for {args.base_model}, "
