@@ -1,0 +1,111 @@
+"""Tiny offline stand-ins for the supported base-model families: a random config and a tokenizer like the family's.
+
+Each tokenizer is a byte-level BPE trained in-process (with the `tokenizers` library) on text of the demo's world, with
+its special tokens set like the family's real tokenizer:
+
+| family | like | BOS added to every encoding | EOS | PAD |
+|---|---|---|---|---|
+| gpt2 | GPT-2 | no | `<|endoftext|>` | none |
+| gpt_neox | Pythia | no | `<|endoftext|>` (also BOS) | none |
+| llama | Llama 3 | yes, `<|begin_of_text|>` | `<|end_of_text|>` | none |
+| qwen2 | Qwen2 base | no (no BOS token) | `<|endoftext|>` | `<|endoftext|>`, i.e. EOS |
+"""
+
+import functools
+import random
+
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+from transformers import (
+    GPT2Config,
+    GPT2LMHeadModel,
+    GPTNeoXConfig,
+    GPTNeoXForCausalLM,
+    LlamaConfig,
+    LlamaForCausalLM,
+    PreTrainedModel,
+    PreTrainedTokenizerFast,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+)
+
+from demo import world
+
+FAMILIES = ("gpt2", "gpt_neox", "llama", "qwen2")
+VOCAB_SIZE = 600
+"""BPE vocabulary size, special tokens included: enough for every word of the demo's world to be one token"""
+
+_SPECIALS = {
+    # family: (bos, eos, pad, tokens added to every encoding's front)
+    "gpt2": ("<|endoftext|>", "<|endoftext|>", None, False),
+    "gpt_neox": ("<|endoftext|>", "<|endoftext|>", None, False),
+    "llama": ("<|begin_of_text|>", "<|end_of_text|>", None, True),
+    "qwen2": (None, "<|endoftext|>", "<|endoftext|>", False),
+}
+
+
+def world_text(passages: int = 400, seed: int = 0) -> list[str]:
+    """Passages of the demo's world: the training text of the tokenizers and of the tests' queries."""
+    rng = random.Random(seed)
+    args = world.Args()
+    return [world.passage(rng, args) for _ in range(passages)]
+
+
+@functools.cache
+def _trained_bpe(specials: tuple[str, ...]) -> str:
+    """A byte-level BPE trained on the world's text, serialized (cached: training takes about a second)."""
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=VOCAB_SIZE,
+        special_tokens=list(specials),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    bpe.train_from_iterator(world_text(), trainer=trainer)
+    return bpe.to_str()
+
+
+def family_tokenizer(family: str) -> PreTrainedTokenizerFast:
+    """A tokenizer with the family's special-token conventions (see the module's table), as its hub files would give."""
+    bos, eos, pad, adds_bos = _SPECIALS[family]
+    specials = tuple(dict.fromkeys(t for t in (bos, eos, pad) if t is not None))
+    backend = Tokenizer.from_str(_trained_bpe(specials))
+    if adds_bos:
+        backend.post_processor = processors.TemplateProcessing(
+            single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, backend.token_to_id(bos))]
+        )
+    else:
+        backend.post_processor = processors.ByteLevel(trim_offsets=False)
+    kwargs = {"bos_token": bos, "eos_token": eos, "pad_token": pad, "model_max_length": 256}
+    return PreTrainedTokenizerFast(tokenizer_object=backend, **{k: v for k, v in kwargs.items() if v is not None})
+
+
+def family_model(family: str, tokenizer: PreTrainedTokenizerFast, seed: int = 0) -> PreTrainedModel:
+    """A 2-layer, 32-wide random model of the family over the tokenizer's vocabulary, with dropout off, in eval mode."""
+    torch.manual_seed(seed)
+    common = dict(vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
+    rotary = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4)
+    if family == "gpt2":
+        config = GPT2Config(n_layer=2, n_head=2, n_embd=32, n_positions=256, **common)
+        config.attn_pdrop = config.embd_pdrop = config.resid_pdrop = config.summary_first_dropout = 0.0
+        return GPT2LMHeadModel(config).eval()
+    if family == "gpt_neox":
+        config = GPTNeoXConfig(**rotary, rotary_pct=0.25, max_position_embeddings=256, **common)
+        return GPTNeoXForCausalLM(config).eval()
+    if family == "llama":
+        config = LlamaConfig(**rotary, num_key_value_heads=2, max_position_embeddings=256, **common)
+        return LlamaForCausalLM(config).eval()
+    if family == "qwen2":
+        config = Qwen2Config(**rotary, num_key_value_heads=2, max_position_embeddings=256, **common)
+        return Qwen2ForCausalLM(config).eval()
+    raise ValueError(f"unknown family {family!r}; one of {FAMILIES}")
+
+
+def save_family(family: str, directory: str, seed: int = 0) -> str:
+    """Write a tiny random model of the family and its tokenizer to `directory` (a --base_model); returns it."""
+    tokenizer = family_tokenizer(family)
+    family_model(family, tokenizer, seed).save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    return directory
