@@ -5,7 +5,7 @@ import dataclasses
 
 import pytest
 import torch
-from transformers import OPTConfig, OPTForCausalLM
+from transformers import OPTConfig, OPTForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 import train_policy
 from lm_human_preference_details.checkpoint import RESUME_IGNORED, setting_differences
@@ -13,6 +13,7 @@ from lm_human_preference_details.data import QueryStream
 from lm_human_preference_details.modeling import (
     PolicyWithValueHead,
     RewardModel,
+    _uses_4d_mask,
     load_causal_lm,
     load_reward_model,
     sample,
@@ -216,3 +217,31 @@ def test_task_check_compares_the_resolved_truncation_id(family_dirs, tokenizer):
     assert setting_differences(before, {"task": dataclasses.asdict(gpt2_task), "seed": 1}, RESUME_IGNORED) == {}
     changed = {"task": dataclasses.asdict(resolve_truncation(TASKS["sentiment"], llama)), "seed": 1}
     assert setting_differences(before, changed, RESUME_IGNORED) == {"task.truncate_token": (13, 15)}
+
+
+def test_qwen2_sliding_window_layers_and_a_pad_inside_the_embedding(one_thread):
+    # a Qwen2 with sliding-window layers takes the 2-D PAD mask (its window longer than the sequence), and its
+    # embedding has spare rows (as Qwen2's checkpoints do), so the added PAD 600 is inside it: pads stay invisible,
+    # PAD is never sampled, and the sampler's log-probs equal a full forward's
+    torch.manual_seed(0)
+    sizes = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4)
+    sizes.update(num_key_value_heads=2)
+    window = dict(use_sliding_window=True, sliding_window=64, max_window_layers=0)
+    lm = Qwen2ForCausalLM(Qwen2Config(vocab_size=640, **sizes, **window)).eval()
+    assert "sliding_attention" in lm.config.layer_types and not _uses_4d_mask(lm)
+    policy = PolicyWithValueHead(lm)
+    torch.nn.init.normal_(policy.value_head.weight)
+    pad, ids = archs.VOCAB_SIZE, [40, 41, 42, 43, 44]
+    with torch.no_grad():
+        logits_pad, values_pad = policy(torch.tensor([ids[:2] + [pad, pad] + ids[2:]]), 4, pad, 0.7)
+        logits_plain, values_plain = policy(torch.tensor([ids]), 2, pad, 0.7)
+    torch.testing.assert_close(logits_pad, logits_plain, atol=4e-6, rtol=0)
+    torch.testing.assert_close(values_pad, values_plain, atol=4e-6, rtol=0)
+    assert (logits_pad[..., pad] == torch.finfo(torch.float32).min).all()
+    contexts = torch.tensor([ids[:3] + [pad, pad], ids])
+    responses, logprobs, _ = sample(policy, contexts, 6, 1.0, pad, torch.Generator().manual_seed(0))
+    assert not (responses == pad).any()
+    with torch.no_grad():
+        logits, _ = policy(torch.cat([contexts, responses], 1), 5, pad, 1.0)
+    expected = torch.log_softmax(logits, -1).gather(-1, responses[..., None])[..., 0]
+    torch.testing.assert_close(logprobs, expected, atol=4e-6, rtol=0)
