@@ -1034,6 +1034,24 @@ BREAKAGES = [
         "    skipped = set()\n",
         ["tests/test_architectures.py::test_task_check_compares_the_resolved_truncation_id"],
     ),
+    Breakage(
+        "G1-bos-not-given-to-reward-training",
+        "G1",
+        "train_reward.py builds the reward model without its tokenizer's BOS",
+        TR,
+        "RewardModel.from_base(args.base_model, bos_token_id=added_bos_id(tokenizer))",
+        "RewardModel.from_base(args.base_model, bos_token_id=None)",
+        ["tests/test_architectures.py::test_train_reward_on_llama_records_its_bos_and_truncation_id"],
+    ),
+    Breakage(
+        "P2-truncate-text-not-resolved",
+        "P2",
+        "train_reward.py saves the task without resolving its truncation text to the tokenizer's id",
+        TR,
+        "args = dataclasses.replace(args, task=resolve_truncation(args.task, tokenizer))",
+        "args = args",
+        ["tests/test_architectures.py::test_train_reward_on_llama_records_its_bos_and_truncation_id"],
+    ),
 ]
 
 
