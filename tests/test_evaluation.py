@@ -29,6 +29,7 @@ from lm_human_preference_details.evaluation import (
 )
 from lm_human_preference_details.labelers import Labeler
 from lm_human_preference_details.modeling import PolicyWithValueHead, RewardModel
+from lm_human_preference_details.rewards import RewardModelReward
 from lm_human_preference_details.tasks import TaskHParams
 from lm_human_preference_details.tokenizer import tokenizer_fingerprint
 from tests.conftest import small_vocab_gpt2, tiny_gpt2
@@ -91,7 +92,7 @@ def random_queries(generator_seed: int, n: int, length: int, pad_tail: bool) -> 
 
 def test_kl_of_a_policy_against_itself_is_zero(tokenizer):
     policy = PolicyWithValueHead(tiny_gpt2(0))
-    reward_model = RewardModel(tiny_gpt2(2).transformer)
+    reward_model = RewardModelReward(RewardModel(tiny_gpt2(2).transformer), PAD)
     queries = random_queries(0, 6, 6, pad_tail=True)
     episodes = sample_and_score(
         policy, policy, queries, task(), tokenizer, reward_model, {}, torch.Generator().manual_seed(1), batch_size=4
@@ -111,7 +112,7 @@ def test_kl_matches_a_direct_recomputation(tokenizer):
         queries,
         settings,
         tokenizer,
-        RewardModel(tiny_gpt2(2).transformer),
+        RewardModelReward(RewardModel(tiny_gpt2(2).transformer), PAD),
         {},
         torch.Generator().manual_seed(0),
         batch_size=2,
@@ -128,7 +129,7 @@ def test_kl_matches_a_direct_recomputation(tokenizer):
 
 def test_sampling_is_paired_by_seed(tokenizer):
     policy = PolicyWithValueHead(tiny_gpt2(0))
-    reward_model = RewardModel(tiny_gpt2(2).transformer)
+    reward_model = RewardModelReward(RewardModel(tiny_gpt2(2).transformer), PAD)
     queries = random_queries(0, 4, 6, pad_tail=False)
     runs = [
         sample_and_score(
@@ -154,7 +155,15 @@ def test_scores_are_the_reward_model_on_truncated_responses_with_the_filter_pena
     queries = random_queries(1, 24, 6, pad_tail=True)
     judges = {GOLD: TruncatedLength()}
     episodes = sample_and_score(
-        policy, policy, queries, settings, tokenizer, reward_model, judges, torch.Generator().manual_seed(0), 8
+        policy,
+        policy,
+        queries,
+        settings,
+        tokenizer,
+        RewardModelReward(reward_model, PAD),
+        judges,
+        torch.Generator().manual_seed(0),
+        8,
     )
     expected_score, expected_pass, expected_length = [], [], []
     for query, response in zip(queries.tolist(), episodes.responses.tolist()):
