@@ -206,7 +206,7 @@ def normalization_note(report: dict) -> str:
     if not n:
         return ""
     return (
-        f"The reward is normalized as the training run normalized it (its args.json): gain {n['gain']:.6g} * score + "
+        f"The reward is normalized as in training ({n['args_json']}): gain {n['gain']:.6g} * score + "
         f"bias {n['bias']:.6g}, measured on {n['samples']} samples of the initial policy (mean {n['mean']:.4g}, std "
         f"{n['std']:.4g}); the filter penalty is not normalized."
     )
@@ -332,7 +332,9 @@ def gold_vs_kl_figure(points: list[dict], title: str, score_label: str = METRIC_
     import matplotlib.pyplot as plt
 
     # sqrt(KL) on the x-axis, as in the reward over-optimisation literature (Gao et al. 2022, arXiv:2210.10760)
-    panels = [(SCORE, f"{score_label} (the proxy PPO maximises)"), (GOLD, "gold score (never trained on)")]
+    wrap = " " if len(score_label) < 25 else "\n"  # a programmatic reward's longer name
+    proxy = f"{score_label}{wrap}(the proxy PPO maximises)"
+    panels = [(SCORE, proxy), (GOLD, "gold score (never trained on)")]
     panels = [(key, label) for key, label in panels if all(key in p for p in points)]
     fig, axes = plt.subplots(1, len(panels), figsize=(6.5 * len(panels), 4.8), squeeze=False)
     base = [p for p in points if p["run"] == BASE_RUN]
