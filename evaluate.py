@@ -21,7 +21,7 @@ dataset with the same data_seed; --skip_queries N starts at query N instead, and
 the stream wrapped around: a small dataset repeats).
 
 Writes OUTPUT_DIR/results.json and results.md (OUTPUT_DIR defaults to POLICY/eval) and, with --checkpoints,
-gold_vs_kl.png: the gold and reward-model scores of every checkpoint against sqrt(KL), one line per training run.
+gold_vs_kl.png: the gold and reward scores of every checkpoint against sqrt(KL), one line per training run.
 """
 
 import dataclasses
