@@ -961,6 +961,42 @@ BREAKAGES = [
         """fields["chosen"] = [row[f"sample{1 - row['best']}"] for row in rows]""",
         ["tests/test_text_prefs.py::test_text_pairs_convert_to_oai_schema_and_back_without_loss"],
     ),
+    Breakage(
+        "RS1-evaluate-normalization-ignored",
+        "RS1",
+        "evaluate.py scores a normalized programmatic reward raw, without the run's gain and bias",
+        "evaluate.py",
+        'reward.gain, reward.bias = normalization["gain"], normalization["bias"]',
+        "reward.gain, reward.bias = 1.0, 0.0",
+        ["tests/test_evaluation.py::test_vader_run_is_scored_by_vader_with_its_normalization_and_the_filter_penalty"],
+    ),
+    Breakage(
+        "RS1-evaluate-no-penalty-for-programmatic",
+        "RS1",
+        "evaluate.py gives a programmatic reward's score to responses that fail the filter, not the penalty",
+        "lm_human_preference_details/evaluation.py",
+        "metrics = {SCORE: torch.where(passed, scores, task.penalty_reward_value)}",
+        "metrics = {SCORE: torch.where(passed | (reward.metadata is None), scores, task.penalty_reward_value)}",
+        ["tests/test_evaluation.py::test_vader_run_is_scored_by_vader_with_its_normalization_and_the_filter_penalty"],
+    ),
+    Breakage(
+        "RS1-evaluate-untruncated-for-programmatic",
+        "RS1",
+        "evaluate.py's programmatic reward scores the untruncated response",
+        "lm_human_preference_details/evaluation.py",
+        "scores = reward(batch, truncated)",
+        "scores = reward(batch, truncated if reward.metadata else responses)",
+        ["tests/test_evaluation.py::test_vader_run_is_scored_by_vader_with_its_normalization_and_the_filter_penalty"],
+    ),
+    Breakage(
+        "RS1-evaluate-normalization-of-another-reward",
+        "RS1",
+        "evaluate.py applies a run's normalization to a --reward_model other than the one the run trained against",
+        "evaluate.py",
+        'if run is not None and run["rewards"]["trained_model"] == reward:',
+        "if run is not None:",
+        ["tests/test_evaluation.py::test_normalization_comes_from_the_first_run_trained_against_the_evaluated_reward"],
+    ),
 ]
 
 
