@@ -73,13 +73,13 @@ def _config_without_dropout(name_or_dir: str):
     return config
 
 
-def check_supported_architecture(config, name_or_dir: str, flag: str, kind: str = "model") -> None:
+def check_supported_architecture(model_type: str, name_or_dir: str, flag: str, kind: str = "model") -> None:
     """ValueError unless the model's architecture (config.model_type) is one of SUPPORTED_MODEL_TYPES."""
     # pads are invisible (spec G2) only where the attention takes the project's mask and position ids: tested for
-    # these architectures alone (tests/test_architectures.py)
-    if config.model_type not in SUPPORTED_MODEL_TYPES:
+    # these architectures alone (tests/test_modeling.py, tests/test_architectures.py)
+    if model_type not in SUPPORTED_MODEL_TYPES:
         raise ValueError(
-            f"{kind} '{name_or_dir}' ({flag}) is a '{config.model_type}' model, an untested architecture; the "
+            f"{kind} '{name_or_dir}' ({flag}) is a '{model_type}' model, an untested architecture; the "
             f"supported model types are {', '.join(SUPPORTED_MODEL_TYPES)} (docs/architectures.md): pass {flag} a "
             "model of one of them."
         )
@@ -114,7 +114,8 @@ def _check_safetensors_complete(path: str) -> None:
 
 def check_model_dir(name_or_dir: str, flag: str, kind: str = "model", tokenizer: bool = False) -> None:
     """ValueError when a local `name_or_dir` is not a save_pretrained directory: a file, no config.json, no or
-    truncated weights, or (`tokenizer`) no tokenizer files. Hub ids (no such local path) pass."""
+    truncated weights, (`tokenizer`) no tokenizer files, or an unsupported architecture. Hub ids (no such local path)
+    pass."""
     path = os.path.expanduser(name_or_dir)
     if not os.path.exists(path):
         return
@@ -133,6 +134,20 @@ def check_model_dir(name_or_dir: str, flag: str, kind: str = "model", tokenizer:
             f"{kind} directory '{name_or_dir}' has no tokenizer files (tokenizer.json or tokenizer_config.json); "
             f"save the tokenizer there too (tokenizer.save_pretrained(DIR)) or {fix}."
         )
+    if (model_type := _config_model_type(path)) is not None:
+        check_supported_architecture(model_type, name_or_dir, flag, kind)
+
+
+def _config_model_type(directory: str) -> str | None:
+    """The model_type of a directory's config.json; None when it is not a JSON object naming one (transformers then
+    names the problem when it loads the model)."""
+    try:
+        with open(os.path.join(directory, "config.json"), encoding="utf-8") as f:
+            config = json.load(f)
+    except ValueError:
+        return None
+    model_type = config.get("model_type") if isinstance(config, dict) else None
+    return model_type if isinstance(model_type, str) else None
 
 
 def model_vocab_size(name_or_dir: str) -> int:
@@ -155,7 +170,7 @@ def _load_pretrained(auto_cls, name_or_dir: str, flag: str, kind: str, strict: b
     check_model_dir(name_or_dir, flag, kind)
     check_available(name_or_dir, flag, kind=kind)
     config = _config_without_dropout(name_or_dir)
-    check_supported_architecture(config, name_or_dir, flag, kind)
+    check_supported_architecture(config.model_type, name_or_dir, flag, kind)
     use_fused_gelu(config)  # same formula as GPT-2's gelu_new, one fused kernel
     model, info = auto_cls.from_pretrained(name_or_dir, config=config, dtype=torch.float32, output_loading_info=True)
     if strict and info["missing_keys"]:

@@ -17,6 +17,7 @@ from lm_human_preference_details.modeling import (
     PolicyWithValueHead,
     RewardModel,
     _uses_4d_mask,
+    check_model_dir,
     load_causal_lm,
     load_reward_model,
     sample,
@@ -154,6 +155,9 @@ def test_unsupported_architecture_is_refused_in_one_line(tmp_path):
     assert "--base_model" in str(error.value) and "\n" not in str(error.value)
     with pytest.raises(ValueError, match=match):
         RewardModel.from_base(str(tmp_path))
+    archs.family_tokenizer("gpt2").save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match=match):  # the scripts' checks of their flags, before any model loads
+        check_model_dir(str(tmp_path), "--base_model", tokenizer=True)
 
 
 # ---------------------------------------------------------------- the truncation token, by text
