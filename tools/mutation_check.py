@@ -1030,7 +1030,7 @@ BREAKAGES = [
         "G2",
         "a model of an untested architecture loads (its attention may not take the pads-invisible mask)",
         MOD,
-        "if config.model_type not in SUPPORTED_MODEL_TYPES:",
+        "if model_type not in SUPPORTED_MODEL_TYPES:",
         "if False:",
         ["tests/test_architectures.py::test_unsupported_architecture_is_refused_in_one_line"],
     ),
