@@ -106,10 +106,12 @@ def check_model_dir(name_or_dir: str, flag: str, kind: str = "model", tokenizer:
     fix = f"pass {flag} DIR with a directory written by save_pretrained (model and tokenizer), or a hub id"
     if not os.path.isdir(path):
         raise ValueError(f"{kind} '{name_or_dir}' is a file, not a model directory; {fix}.")
-    if not os.path.isfile(os.path.join(path, "config.json")):
+    adapters = os.path.isfile(os.path.join(path, "adapter_config.json"))  # peft adapters of a base model (LoRA)
+    if not adapters and not os.path.isfile(os.path.join(path, "config.json")):
         raise ValueError(f"{kind} directory '{name_or_dir}' has no config.json, so it is not a model; {fix}.")
-    if not any(os.path.isfile(os.path.join(path, name)) for name in WEIGHT_FILES):
-        raise ValueError(f"{kind} directory '{name_or_dir}' has no weights ({WEIGHT_FILES[0]}); {fix}.")
+    weight_files = ("adapter_model.safetensors",) if adapters else WEIGHT_FILES
+    if not any(os.path.isfile(os.path.join(path, name)) for name in weight_files):
+        raise ValueError(f"{kind} directory '{name_or_dir}' has no weights ({weight_files[0]}); {fix}.")
     for name in sorted(os.listdir(path)):
         if name.endswith(".safetensors"):
             _check_safetensors_complete(os.path.join(path, name))
@@ -163,7 +165,12 @@ def check_finite_weights(
 
 
 def load_causal_lm(name_or_dir: str, flag: str = "--base_model") -> PreTrainedModel:
-    """A causal LM (e.g. GPT-2 with its tied LM head) from a local dir or hub id, float32, dropout off, eval mode."""
+    """A causal LM (e.g. GPT-2 with its tied LM head) from a local dir or hub id, float32, dropout off, eval mode; a
+    directory of peft adapters (a LoRA run's OUTPUT_DIR/adapter) gives its base model with the adapters merged."""
+    from lm_human_preference_details import lora  # lora imports this module
+
+    if lora.is_adapter_dir(name_or_dir):
+        return lora.load_adapter_lm(os.path.expanduser(name_or_dir), flag)
     return _load_pretrained(AutoModelForCausalLM, name_or_dir, flag, kind="model")
 
 
