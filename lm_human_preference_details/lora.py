@@ -102,7 +102,12 @@ class GradientDropout(nn.Dropout):
 def apply_lora(policy: nn.Module, lora: Any, base_model: str) -> None:
     """Wrap `policy.lm` with peft LoRA adapters in place (B = 0: the policy is unchanged); only the adapters and the
     value head keep requires_grad. `base_model` (the --base_model) is recorded in the saved adapter config."""
-    from peft import LoraConfig, get_peft_model
+    try:
+        from peft import LoraConfig, get_peft_model
+    except ImportError as e:
+        raise ValueError(
+            "--lora.rank needs the peft library: pip install 'lm-human-preference-details[lora]' (or peft)."
+        ) from e
 
     lm = policy.lm
     targets = target_modules(lm, lora.target_modules)
@@ -116,10 +121,11 @@ def apply_lora(policy: nn.Module, lora: Any, base_model: str) -> None:
         fan_in_fan_out=conv1d,  # GPT-2's Conv1D stores its weight transposed
         bias="none",
         task_type="CAUSAL_LM",
-        base_model_name_or_path=os.path.abspath(os.path.expanduser(base_model)) if local else base_model,
     )
     with _quiet_peft():
         peft_model = get_peft_model(lm, config)  # injects the adapters into `lm` and freezes its base weights
+    base = os.path.abspath(os.path.expanduser(base_model)) if local else base_model
+    peft_model.peft_config["default"].base_model_name_or_path = base  # what the saved adapters load onto
     for module in lm.modules():
         dropouts = getattr(module, "lora_dropout", None)
         if isinstance(dropouts, nn.ModuleDict):
