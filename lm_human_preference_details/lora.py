@@ -183,9 +183,7 @@ def merged_lm(policy: nn.Module) -> PreTrainedModel:
 def save_policy(policy: nn.Module, tokenizer: PreTrainedTokenizerBase | None, output_dir: str) -> None:
     """The merged model as `PolicyWithValueHead.save` writes a policy (plain transformers loads it), and in
     OUTPUT_DIR/adapter the adapters in peft's format with the value head and tokenizer."""
-    from lm_human_preference_details.modeling import PolicyWithValueHead
-
-    merged = PolicyWithValueHead(merged_lm(policy))
+    merged = type(policy)(merged_lm(policy))  # a PolicyWithValueHead (whose module imports this one)
     merged.value_head.load_state_dict(policy.value_head.state_dict())
     merged.save(output_dir, tokenizer)
     adapter_dir = os.path.join(output_dir, ADAPTER_DIR)
@@ -197,12 +195,8 @@ def save_policy(policy: nn.Module, tokenizer: PreTrainedTokenizerBase | None, ou
             shutil.copy2(path, os.path.join(adapter_dir, name))
 
 
-def load_adapter_lm(directory: str, flag: str) -> PreTrainedModel:
-    """The base model of a peft adapter directory with its adapters merged in (float32, dropout off, eval mode)."""
-    from peft import PeftModel
-
-    from lm_human_preference_details.modeling import load_causal_lm
-
+def adapter_base_model(directory: str, flag: str) -> str:
+    """The base model that a peft adapter directory adapts (its adapter_config.json); ValueError when it names none."""
     with open(os.path.join(directory, ADAPTER_CONFIG), encoding="utf-8") as f:
         base = json.load(f).get("base_model_name_or_path")
     if not base:
@@ -210,6 +204,12 @@ def load_adapter_lm(directory: str, flag: str) -> PreTrainedModel:
             f"adapter directory '{directory}' ({flag}) names no base model (base_model_name_or_path in "
             f"{ADAPTER_CONFIG}); set it there, or pass the directory of a merged model."
         )
+    return base
+
+
+def merge_adapters(base: PreTrainedModel, directory: str) -> PreTrainedModel:
+    """`base` with the peft adapters of `directory` merged into its weights: a plain transformers model."""
+    from peft import PeftModel
+
     with _quiet_peft():
-        model = PeftModel.from_pretrained(load_causal_lm(base, flag), directory).merge_and_unload()
-    return model.eval()
+        return PeftModel.from_pretrained(base, directory).merge_and_unload().eval()

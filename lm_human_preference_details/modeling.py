@@ -24,6 +24,7 @@ from transformers import (
 )
 from transformers.modeling_layers import GradientCheckpointingLayer
 
+from lm_human_preference_details import lora
 from lm_human_preference_details.checkpoint import check_complete_save
 from lm_human_preference_details.hub import check_available
 from lm_human_preference_details.kernels import (
@@ -167,10 +168,9 @@ def check_finite_weights(
 def load_causal_lm(name_or_dir: str, flag: str = "--base_model") -> PreTrainedModel:
     """A causal LM (e.g. GPT-2 with its tied LM head) from a local dir or hub id, float32, dropout off, eval mode; a
     directory of peft adapters (a LoRA run's OUTPUT_DIR/adapter) gives its base model with the adapters merged."""
-    from lm_human_preference_details import lora  # lora imports this module
-
     if lora.is_adapter_dir(name_or_dir):
-        return lora.load_adapter_lm(os.path.expanduser(name_or_dir), flag)
+        directory = os.path.expanduser(name_or_dir)
+        return lora.merge_adapters(load_causal_lm(lora.adapter_base_model(directory, flag), flag), directory)
     return _load_pretrained(AutoModelForCausalLM, name_or_dir, flag, kind="model")
 
 
