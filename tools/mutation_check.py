@@ -997,6 +997,68 @@ BREAKAGES = [
         "if run is not None:",
         ["tests/test_evaluation.py::test_normalization_comes_from_the_first_run_trained_against_the_evaluated_reward"],
     ),
+    # ---------------------------------------------------------------- LoRA (--lora.rank, docs/lora.md)
+    Breakage(
+        "P4-lora-reference-adapters-on",
+        "P4",
+        "under LoRA the reference policy keeps its adapters: the KL is measured against the policy itself",
+        "lm_human_preference_details/lora.py",
+        "    with peft_model_of(policy).disable_adapter():",
+        "    with _quiet_peft():",
+        ["tests/test_lora.py::test_reference_is_exactly_the_base_model_at_init_and_after_an_update"],
+    ),
+    Breakage(
+        "G9-lora-base-weights-trainable",
+        "G9",
+        "under LoRA the trunk's base weights stay trainable and go to the optimizer",
+        "lm_human_preference_details/lora.py",
+        '    policy.__dict__["peft_model"] = peft_model',
+        '    policy.__dict__["peft_model"] = peft_model.requires_grad_(True)',
+        [
+            "tests/test_lora.py::test_reference_is_exactly_the_base_model_at_init_and_after_an_update",
+            "tests/test_lora.py::test_lora_run_trains_adapters_and_value_head_only_from_the_exact_reference",
+        ],
+    ),
+    Breakage(
+        "G8-lora-value-head-frozen",
+        "G8",
+        "under LoRA the value head is frozen with the trunk",
+        "lm_human_preference_details/lora.py",
+        '    policy.__dict__["peft_model"] = peft_model',
+        '    policy.value_head.requires_grad_(False)\n    policy.__dict__["peft_model"] = peft_model',
+        ["tests/test_lora.py::test_reference_is_exactly_the_base_model_at_init_and_after_an_update"],
+    ),
+    Breakage(
+        "P20-lora-merged-save-not-merged",
+        "P20",
+        "the LoRA policy's merged model is the base model: the adapters are dropped instead of merged",
+        "lm_human_preference_details/lora.py",
+        "return copy.deepcopy(peft_model_of(policy)).merge_and_unload()",
+        "return copy.deepcopy(peft_model_of(policy)).unload()",
+        ["tests/test_lora.py::test_lora_policy_saves_adapters_and_a_merged_model_for_plain_transformers"],
+    ),
+    Breakage(
+        "G7-lora-dropout-when-sampling",
+        "G7",
+        "--lora.dropout also drops in sampling and scoring, not only in the PPO loss's forward",
+        "lm_human_preference_details/lora.py",
+        "return F.dropout(x, self.p, training=torch.is_grad_enabled())",
+        "return F.dropout(x, self.p, training=True)",
+        ["tests/test_lora.py::test_lora_dropout_acts_only_in_forwards_that_record_gradients"],
+    ),
+    Breakage(
+        "D6-lora-adapters-not-broadcast",
+        "D6",
+        "the adapters are added after rank 0's weights are broadcast: each process starts from its own random A",
+        TP,
+        "        lora.apply_lora(policy, args.lora, args.base_model)\n    # every process starts from rank 0's weights "
+        "(spec D6); no DDP: gradients are all-reduced by hand (spec O4)\n    # https://github.com/openai/"
+        "lm-human-preferences/blob/cbfd210bb8b08f6bc5c26878c10984b90f516c66/lm_human_preferences/train_policy.py"
+        "#L482-L485\n    core.broadcast_parameters(policy, accelerator)",
+        "        pass\n    core.broadcast_parameters(policy, accelerator)\n"
+        "    if args.lora.rank:\n        lora.apply_lora(policy, args.lora, args.base_model)",
+        ["tests/test_lora.py::test_two_processes_keep_identical_adapters"],
+    ),
 ]
 
 
