@@ -69,7 +69,8 @@ def target_modules(lm: PreTrainedModel, names: tuple[str, ...] | list[str]) -> l
     --lora.target_modules when a name matches no module or peft has no default."""
     from peft.utils import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING
 
-    layer_names = sorted({n.rsplit(".", 1)[-1] for n, m in lm.named_modules() if isinstance(m, (nn.Linear, Conv1D))})
+    linear = [n for n, m in lm.named_modules() if isinstance(m, (nn.Linear, Conv1D))]
+    layer_names = sorted({n.rsplit(".", 1)[-1] for n in linear})
     model_type = lm.config.model_type
     if not names:
         names = TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING.get(model_type) or ()
@@ -78,12 +79,11 @@ def target_modules(lm: PreTrainedModel, names: tuple[str, ...] | list[str]) -> l
                 f"peft has no default LoRA target modules for model type '{model_type}'; pass --lora.target_modules "
                 f"with some of its linear layers: {' '.join(layer_names)}."
             )
-    module_names = [n for n, _ in lm.named_modules()]
-    missing = [t for t in names if not any(n == t or n.endswith("." + t) for n in module_names)]
+    missing = [t for t in names if not any(n == t or n.endswith("." + t) for n in linear)]
     if missing:
         raise ValueError(
-            f"--lora.target_modules {' '.join(missing)}: no such module in the base model ({model_type}); pass some "
-            f"of its linear layers: {' '.join(layer_names)}, or leave the flag out for peft's default."
+            f"--lora.target_modules {' '.join(missing)}: no such linear layer in the base model ({model_type}); pass "
+            f"some of its linear layers: {' '.join(layer_names)}, or leave the flag out for peft's default."
         )
     return list(names)
 

@@ -12,7 +12,7 @@ import warnings
 import pytest
 import torch
 from safetensors.torch import load_file
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoModelForCausalLM, AutoTokenizer, GPT2Config, GPTNeoXConfig, LlamaConfig, Qwen2Config
 
 import train_policy
 from lm_human_preference_details import checkpoint, lora
@@ -112,13 +112,34 @@ def test_lora_dropout_acts_only_in_forwards_that_record_gradients():
     assert not torch.equal(logprobs(policy, tokens), logprobs(policy, tokens))
 
 
+SIZES = dict(num_hidden_layers=1, num_attention_heads=2, hidden_size=8, intermediate_size=16)
+
+
+@pytest.mark.parametrize(
+    "config, default, other",
+    [
+        (GPT2Config(n_layer=1, n_head=2, n_embd=8), ["c_attn"], "c_fc"),
+        (GPTNeoXConfig(**SIZES), ["query_key_value"], "dense_h_to_4h"),
+        (LlamaConfig(**SIZES), ["q_proj", "v_proj"], "up_proj"),
+        (Qwen2Config(**SIZES), ["q_proj", "v_proj"], "up_proj"),
+    ],
+)
+def test_default_target_modules_are_peft_defaults_of_each_supported_architecture(config, default, other):
+    with torch.device("meta"):
+        lm = AutoModelForCausalLM.from_config(config)
+    assert lora.target_modules(lm, ()) == default
+    assert lora.target_modules(lm, (other,)) == [other]
+
+
 def test_bad_lora_flags_name_the_flag(tmp_path):
     with pytest.raises(ValueError, match=r"--lora\.rank must be >= 0.*--lora\.rank 8"):
         lora.check_lora_args(train_policy.LoraHParams(rank=-1))
     with pytest.raises(ValueError, match=r"--lora\.dropout must be in \[0, 1\)"):
         lora.check_lora_args(train_policy.LoraHParams(rank=8, dropout=1.0))
-    with pytest.raises(ValueError, match=r"--lora\.target_modules nope: no such module.*c_attn"):
+    with pytest.raises(ValueError, match=r"--lora\.target_modules nope: no such linear layer.*c_attn"):
         lora_policy(target_modules=("nope",))
+    with pytest.raises(ValueError, match=r"--lora\.target_modules ln_f: no such linear layer"):
+        lora_policy(target_modules=("ln_f",))
     args = train_policy.parse(["--lora.rank", "-2", "--output_dir", str(tmp_path)])
     with pytest.raises(ValueError, match="--lora.rank"):
         train_policy.main(args)
