@@ -85,6 +85,15 @@ def target_modules(lm: PreTrainedModel, names: tuple[str, ...] | list[str]) -> l
             f"--lora.target_modules {' '.join(missing)}: no such linear layer in the base model ({model_type}); pass "
             f"some of its linear layers: {' '.join(layer_names)}, or leave the flag out for peft's default."
         )
+    embedding = lm.get_input_embeddings().weight
+    tied = [
+        n for n, m in lm.named_modules() if getattr(m, "weight", None) is embedding and n.rsplit(".", 1)[-1] in names
+    ]
+    if tied:
+        raise ValueError(
+            f"--lora.target_modules {tied[0]}: that layer shares its weight with the token embeddings, so merging an "
+            "adapter into it would change the embeddings too; pass other layers (e.g. the attention projections)."
+        )
     return list(names)
 
 

@@ -140,6 +140,8 @@ def test_bad_lora_flags_name_the_flag(tmp_path):
         lora_policy(target_modules=("nope",))
     with pytest.raises(ValueError, match=r"--lora\.target_modules ln_f: no such linear layer"):
         lora_policy(target_modules=("ln_f",))
+    with pytest.raises(ValueError, match=r"--lora\.target_modules lm_head: that layer shares its weight"):
+        lora_policy(target_modules=("c_attn", "lm_head"))  # GPT-2's LM head is tied to the token embeddings
     args = train_policy.parse(["--lora.rank", "-2", "--output_dir", str(tmp_path)])
     with pytest.raises(ValueError, match="--lora.rank"):
         train_policy.main(args)
