@@ -21,6 +21,15 @@ from lm_human_preference_details.modeling import PolicyWithValueHead, load_causa
 from lm_human_preference_details.optim import make_optimizer
 from tests.conftest import tiny_gpt2
 from tests.planted import REPO, free_port, run_script
+from tests.test_resume import (
+    final_training_state,
+    max_metric_difference,
+    max_weight_difference,
+    saved_files,
+    scalars,
+    script_command,
+    start_and_kill,
+)
 from tests.test_train_policy import QUERY_TEXTS, save_reward_model, tiny_task
 
 PAD = 50257
@@ -222,6 +231,21 @@ def test_lora_resume_continues_exactly(lora_run, world, tmp_path):
     for name in ("model.safetensors", "value_head.safetensors", "adapter/adapter_model.safetensors"):
         saved, again = load_file(output_dir / name), load_file(resumed_dir / name)
         assert saved.keys() == again.keys() and all(torch.equal(saved[k], again[k]) for k in saved), name
+
+
+@pytest.mark.slow
+def test_lora_run_killed_and_resumed_equals_uninterrupted(lora_run, world, tmp_path):
+    whole, _ = lora_run
+    killed = tmp_path / "killed"
+    flags = run_flags(world, killed)
+    # SIGKILLed right after checkpoint 2 is on disk (while the policy and its adapters are written beside it)
+    resumed_from = start_and_kill(script_command("train_policy.py", flags), killed, kill_after=2, delay=0.0)
+    assert resumed_from == 2
+    run_script("train_policy.py", *flags, "--resume", "auto")
+    assert max_metric_difference(scalars(killed), scalars(whole), resumed_from) <= 1e-6
+    assert max_weight_difference(final_training_state(killed), final_training_state(whole)) <= 1e-6
+    names = ("model.safetensors", "value_head.safetensors", "adapter/adapter_model.safetensors")
+    assert max_weight_difference(saved_files(killed, names), saved_files(whole, names)) <= 1e-6
 
 
 def test_lora_policy_saves_adapters_and_a_merged_model_for_plain_transformers(lora_run, tiny_model_dir):
