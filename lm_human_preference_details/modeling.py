@@ -45,8 +45,9 @@ REWARD_CONFIG_FILE = "reward_model.json"
 REWARD_TRUNK_DIR = "trunk"
 REWARD_MODEL_FLAG = "--rewards.trained_model"
 # trunks whose reward model is saved as a standard `*ForSequenceClassification` checkpoint (a bias-free `score`
-# layer): model type -> the final LayerNorm, whose bias absorbs the reward's constant term
-CLASSIFIER_EXPORT = {"gpt2": "ln_f"}
+# layer): model type -> the final LayerNorm, whose bias absorbs the reward's constant term. Llama and Qwen2 end in an
+# RMSNorm without bias, so no weight of their classifiers can hold the constant: they keep the trunk format.
+CLASSIFIER_EXPORT = {"gpt2": "ln_f", "gpt_neox": "final_layer_norm"}
 
 
 # ---------------------------------------------------------------- loading
@@ -583,9 +584,10 @@ class RewardModel(nn.Module):
     def save(self, output_dir: str, metadata: dict) -> None:
         """The reward model and `reward_model.json` (metadata, gain, bias); `metadata["pad_token_id"]` is the PAD id.
 
-        GPT-2 trunks are saved as a standard `GPT2ForSequenceClassification` checkpoint that computes this reward
-        exactly (see `classifier_checkpoint`); other trunks as `trunk/` (save_pretrained) plus head, gain and bias in
-        `reward_head.safetensors`, with no config.json at the top, so that standard classification loaders fail.
+        GPT-2 and GPT-NeoX trunks are saved as a standard `*ForSequenceClassification` checkpoint that computes this
+        reward exactly (see `classifier_checkpoint`); other trunks as `trunk/` (save_pretrained) plus head, gain and
+        bias in `reward_head.safetensors`, with no config.json at the top, so that standard classification loaders
+        fail.
         """
         # OAI checkpoints trunk, head, gain and bias together
         # https://github.com/openai/lm-human-preferences/blob/cbfd210bb8b08f6bc5c26878c10984b90f516c66/lm_human_preferences/rewards.py#L161-L167
