@@ -57,7 +57,7 @@ from lm_human_preference_details.reward_plumbing import (
     start_tracker,
 )
 from lm_human_preference_details.tasks import TASKS, TaskHParams, encode_context_affixes, format_contexts
-from lm_human_preference_details.tokenizer import load_tokenizer
+from lm_human_preference_details.tokenizer import added_bos_id, load_tokenizer
 
 
 # ---------------------------------------------------------------- hyperparameters
@@ -332,7 +332,8 @@ def main(args: Args) -> dict:
     pad_id = tokenizer.pad_token_id
     labels = read_labels(args, tokenizer)
     train_labels, heldout_labels = labels[: args.labels.num_train], labels[args.labels.num_train :]
-    reward_model = RewardModel.from_base(args.base_model).to(accelerator.device)
+    # the reward model's inputs get the BOS that the tokenizer adds (Llama), recorded in its reward_model.json
+    reward_model = RewardModel.from_base(args.base_model, bos_token_id=added_bos_id(tokenizer)).to(accelerator.device)
     broadcast_parameters(reward_model, accelerator)  # rank 0's random head everywhere (OAI train_reward.py#L316-L318)
     reduce_training_memory(reward_model, args.gradient_checkpointing, args.bf16)  # the label loss's forward only
     ref_policy = PolicyWithValueHead(load_causal_lm(args.base_model)).to(accelerator.device).requires_grad_(False)

@@ -11,6 +11,8 @@ from dataclasses import dataclass
 import torch
 from transformers import PreTrainedTokenizerBase
 
+from lm_human_preference_details.tokenizer import added_bos_id
+
 
 @dataclass(kw_only=True)
 class TaskHParams:
@@ -151,9 +153,13 @@ def build_query(
 
 
 def encode_context_affixes(tokenizer: PreTrainedTokenizerBase, task: TaskHParams) -> tuple[list[int], list[int]]:
-    """Token ids of the task's query_prefix and query_suffix (empty lists when unset)."""
+    """Token ids put before and after every query in the policy's context: the tokenizer's BOS (when it adds one by
+    default) and the task's query_prefix, and the query_suffix (empty lists when unset)."""
     prefix, suffix = encode_texts(tokenizer, [task.query_prefix, task.query_suffix])
-    return list(prefix), list(suffix)
+    # DEVIATION: OAI's GPT-2 encoder adds no BOS, nor does this for GPT-2; a model whose tokenizer adds one (Llama)
+    # was pretrained with it in front of every text, so every context gets exactly one, here
+    bos = added_bos_id(tokenizer)
+    return ([bos] if bos is not None else []) + list(prefix), list(suffix)
 
 
 def format_contexts(queries: torch.Tensor, prefix: list[int], suffix: list[int]) -> torch.Tensor:
