@@ -15,7 +15,7 @@ from transformers import AutoModelForCausalLM, AutoModelForSequenceClassificatio
 import label_generation
 from demo import world as demo_world
 from lm_human_preference_details.labels import OAI_PAD_TOKEN
-from lm_human_preference_details.modeling import CLASSIFIER_EXPORT, PolicyWithValueHead, load_reward_model
+from lm_human_preference_details.modeling import CLASSIFIER_EXPORT, PolicyWithValueHead, load_reward_model, sample
 from lm_human_preference_details.tokenizer import load_tokenizer, tokenizer_fingerprint
 from tests import archs
 from tests.planted import run_script
@@ -62,7 +62,9 @@ def save_word_sampler(family: str, directory: str) -> str:
 def passes_filter_and_is_truncated(sample: list[int], truncate_id: int) -> bool:
     """`truncate_id` at index >= TRUNCATE_AFTER, only OAI's PAD after its first such occurrence, no PAD before."""
     cuts = [i for i, token in enumerate(sample) if token == truncate_id and i >= TRUNCATE_AFTER]
-    return bool(cuts) and all(t == OAI_PAD_TOKEN for t in sample[cuts[0] + 1 :]) and OAI_PAD_TOKEN not in sample[:1]
+    if not cuts:
+        return False
+    return all(t == OAI_PAD_TOKEN for t in sample[cuts[0] + 1 :]) and OAI_PAD_TOKEN not in sample[: cuts[0] + 1]
 
 
 def read_json(path) -> dict | list:
@@ -86,23 +88,23 @@ def queries(tmp_path_factory) -> str:
     return demo_world.main(demo_world.Args(output_dir=str(root), num_pretrain=1, num_heldout=1))["queries"]
 
 
-def check_label_rows(rows: list[dict], meta: dict, tokenizer, family: str) -> None:
-    """Rows of QUERY_LENGTH queries (with the family's BOS where its tokenizer adds one) and responses cut after the
-    family's own '.', written with its tokenizer."""
+def added_bos(family: str, tokenizer) -> int | None:
+    """The BOS id that the family's tokenizer adds in front of every text (Llama's), else None."""
+    return tokenizer.bos_token_id if family == "llama" else None
+
+
+def check_label_rows(rows: list[dict], meta: dict, tokenizer) -> None:
+    """Rows in OAI's schema written with the family's tokenizer: QUERY_LENGTH queries (a BOS is no part of them) and
+    responses cut after the family's own '.'."""
     period = word_ids(tokenizer, ["."])[0]
     assert meta["tokenizer_fingerprint"] == tokenizer_fingerprint(tokenizer)
-    assert all(len(row["query"]) == QUERY_LENGTH for row in rows)
+    assert all(len(row["query"]) == QUERY_LENGTH and row["query"][0] != tokenizer.bos_token_id for row in rows)
     assert all(passes_filter_and_is_truncated(row[f"sample{i}"], period) for row in rows for i in range(4))
-    starts = {row["query"][0] for row in rows}
-    if family == "llama":  # Llama's tokenizer adds BOS: every query starts with it
-        assert starts == {tokenizer.bos_token_id}
-    else:
-        assert tokenizer.bos_token_id not in starts
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("family", ["gpt_neox", "llama", "qwen2"])
-def test_family_runs_label_generation_training_and_evaluation(tmp_path, queries, family):
+def test_family_runs_label_generation_training_and_evaluation(tmp_path, queries, family, monkeypatch):
     base = save_word_sampler(family, str(tmp_path / "base"))
     tokenizer = load_tokenizer(base)
     assert tokenizer.pad_token_id not in (tokenizer.eos_token_id, None)
@@ -115,7 +117,7 @@ def test_family_runs_label_generation_training_and_evaluation(tmp_path, queries,
         *("--base_model", base, "--task.query_dataset", queries, *TASK_FLAGS, "--labeler", "vader"),
         *("--num_queries", "16", "--batch_size", "16", "--output", str(labels)),
     )
-    check_label_rows(read_json(labels), read_json(f"{labels}.meta.json"), tokenizer, family)
+    check_label_rows(read_json(labels), read_json(f"{labels}.meta.json"), tokenizer)
 
     # 2. the reward model on them, then 2 PPO updates against it
     run = tmp_path / "run"
@@ -132,6 +134,7 @@ def test_family_runs_label_generation_training_and_evaluation(tmp_path, queries,
     assert reward_meta["tokenizer_fingerprint"] == tokenizer_fingerprint(tokenizer)
     assert reward_meta["pad_token_id"] == tokenizer.pad_token_id and all_finite(reward_meta)
     assert reward_meta["checkpoint"] == ("classifier" if family in CLASSIFIER_EXPORT else "trunk")
+    assert reward_meta["bos_token_id"] == added_bos(family, tokenizer)  # the reward model reads BOS ⊕ query ⊕ response
     policy_metrics = scalars(policy_dir)
     assert len(policy_metrics["objective/kl"]) == 2 and all_finite([v for s in policy_metrics.values() for _, v in s])
 
@@ -141,16 +144,29 @@ def test_family_runs_label_generation_training_and_evaluation(tmp_path, queries,
     assert (results["base_model"], results["reward_model"]) == (base, reward_dir)
     assert set(results["metrics"]) >= {"score", "gold_score", "kl"} and all_finite(results["metrics"])
 
-    # 4. label generation samples the saved policy and labels with the saved reward model
+    # 4. label generation samples the saved policy, from contexts that start with the family's BOS where its tokenizer
+    # adds one, and labels with the saved reward model
+    contexts = []
+
+    def recording_sample(policy, batch_contexts, *args, **kwargs):
+        contexts.append(batch_contexts)
+        return sample(policy, batch_contexts, *args, **kwargs)
+
+    monkeypatch.setattr(label_generation, "sample", recording_sample)
     more = tmp_path / "more.json"
-    meta = label_generation.main(
+    label_generation.main(
         label_generation.parse(
             ["generate", "--base_model", policy_dir, "--task.query_dataset", queries, *TASK_FLAGS]
             + ["--labeler", f"reward_model:{reward_dir}", "--num_queries", "4", "--batch_size", "4"]
             + ["--output", str(more)]
         )
     )
-    check_label_rows(read_json(more), meta, tokenizer, family)
+    check_label_rows(read_json(more), read_json(f"{more}.meta.json"), tokenizer)
+    first_tokens = set(torch.cat(contexts)[:, 0].tolist())
+    if family == "llama":
+        assert first_tokens == {tokenizer.bos_token_id}
+    else:
+        assert tokenizer.bos_token_id not in first_tokens
 
     # 5. the saved artifacts in plain transformers
     check_plain_transformers(policy_dir, reward_dir, family)
@@ -177,4 +193,5 @@ def check_plain_transformers(policy_dir: str, reward_dir: str, family: str) -> N
     inputs = tok(["Sadly, the cat felt sad.", "Luckily, the dog"], padding=True, return_tensors="pt")
     with torch.no_grad():
         expected = project(inputs["input_ids"], tok.pad_token_id)
-        torch.testing.assert_close(classifier.eval()(**inputs).logits[:, 0], expected, atol=1e-5, rtol=0)
+        # the same sums in another order: float32 rounding of the folded constant (the planted trunk's states are large)
+        torch.testing.assert_close(classifier.eval()(**inputs).logits[:, 0], expected, atol=1e-4, rtol=1e-4)
