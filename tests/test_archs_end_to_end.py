@@ -15,7 +15,7 @@ from transformers import AutoModelForCausalLM, AutoModelForSequenceClassificatio
 import label_generation
 from demo import world as demo_world
 from lm_human_preference_details.labels import OAI_PAD_TOKEN
-from lm_human_preference_details.modeling import CLASSIFIER_EXPORT, PolicyWithValueHead, load_reward_model, sample
+from lm_human_preference_details.modeling import PolicyWithValueHead, load_reward_model, sample
 from lm_human_preference_details.tokenizer import load_tokenizer, tokenizer_fingerprint
 from tests import archs
 from tests.planted import run_script
@@ -31,6 +31,9 @@ TASK_FLAGS = [
     *("--task.response_length", str(RESPONSE_LENGTH), "--task.truncate_after", str(TRUNCATE_AFTER)),
 ]
 """the sentiment preset at tiny lengths: its start, end and truncation texts are resolved by each family's tokenizer"""
+REWARD_CHECKPOINT = {"gpt_neox": "classifier", "llama": "trunk", "qwen2": "trunk"}
+"""how each family's reward model is saved: a standard classifier where a final-norm bias can hold the reward's
+constant term (GPT-NeoX's LayerNorm), else the trunk and the head (Llama's and Qwen2's RMSNorm have no bias)"""
 
 
 def word_ids(tokenizer, words: list[str]) -> list[int]:
@@ -133,7 +136,7 @@ def test_family_runs_label_generation_training_and_evaluation(tmp_path, queries,
     reward_meta = read_json(os.path.join(reward_dir, "reward_model.json"))
     assert reward_meta["tokenizer_fingerprint"] == tokenizer_fingerprint(tokenizer)
     assert reward_meta["pad_token_id"] == tokenizer.pad_token_id and all_finite(reward_meta)
-    assert reward_meta["checkpoint"] == ("classifier" if family in CLASSIFIER_EXPORT else "trunk")
+    assert reward_meta["checkpoint"] == REWARD_CHECKPOINT[family]
     assert reward_meta["bos_token_id"] == added_bos(family, tokenizer)  # the reward model reads BOS ⊕ query ⊕ response
     policy_metrics = scalars(policy_dir)
     assert len(policy_metrics["objective/kl"]) == 2 and all_finite([v for s in policy_metrics.values() for _, v in s])
@@ -174,7 +177,7 @@ def test_family_runs_label_generation_training_and_evaluation(tmp_path, queries,
 
 def check_plain_transformers(policy_dir: str, reward_dir: str, family: str) -> None:
     """The policy batch-generates with AutoModelForCausalLM; the reward model is a standard classifier giving the
-    project's reward where the family allows it (CLASSIFIER_EXPORT), else the standard loader refuses it."""
+    project's reward where the family allows it, else the standard loader refuses it."""
     tok = AutoTokenizer.from_pretrained(policy_dir)
     model = AutoModelForCausalLM.from_pretrained(policy_dir).eval()
     inputs = tok(["Sadly, the cat", "Luckily, the old man and the dog were"], padding=True, return_tensors="pt")
@@ -183,7 +186,7 @@ def check_plain_transformers(policy_dir: str, reward_dir: str, family: str) -> N
     assert generated.shape == (2, inputs["input_ids"].shape[1] + 3)
     PolicyWithValueHead.load(policy_dir)  # and with the project's loader, value head included
     project, _ = load_reward_model(reward_dir)
-    if family not in CLASSIFIER_EXPORT:
+    if REWARD_CHECKPOINT[family] == "trunk":
         with pytest.raises((OSError, ValueError)):
             AutoModelForSequenceClassification.from_pretrained(reward_dir)
         return
