@@ -49,7 +49,7 @@ from lm_human_preference_details.evaluation import (
 from lm_human_preference_details.labelers import load_labeler
 from lm_human_preference_details.modeling import PolicyWithValueHead, load_causal_lm, load_reward_model, saved_kind
 from lm_human_preference_details.sources import OAI_TEXT_SOURCES
-from lm_human_preference_details.tasks import TASKS, TaskHParams
+from lm_human_preference_details.tasks import TASKS, TaskHParams, resolve_truncation
 from lm_human_preference_details.tokenizer import check_same_tokenizer, load_tokenizer
 
 RUN_PRESET = "policy"
@@ -214,6 +214,7 @@ def main(args: Args) -> dict:
     # 1. models and judges, all loaded before anything is written
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     tokenizer = load_tokenizer(args.base_model)
+    args = dataclasses.replace(args, task=resolve_truncation(args.task, tokenizer))  # the truncation token's id
     pad_id = tokenizer.pad_token_id
     reward_model, rm_metadata = load_reward_model(args.reward_model, flag="--reward_model")
     check_same_tokenizer(

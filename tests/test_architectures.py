@@ -5,18 +5,28 @@ import dataclasses
 
 import pytest
 import torch
-from transformers import OPTConfig, OPTForCausalLM
+from transformers import OPTConfig, OPTForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
+import train_policy
+from lm_human_preference_details.checkpoint import RESUME_IGNORED, setting_differences
 from lm_human_preference_details.data import QueryStream
 from lm_human_preference_details.modeling import (
     PolicyWithValueHead,
     RewardModel,
+    _uses_4d_mask,
     load_causal_lm,
     load_reward_model,
     sample,
     score_label_rows,
 )
-from lm_human_preference_details.tasks import TASKS, encode_context_affixes, encode_texts, format_contexts
+from lm_human_preference_details.tasks import (
+    TASKS,
+    encode_context_affixes,
+    encode_texts,
+    format_contexts,
+    resolve_truncation,
+    task_differences,
+)
 from lm_human_preference_details.tokenizer import added_bos_id, generation_tokenizer, load_tokenizer
 from tests import archs
 
@@ -141,3 +151,97 @@ def test_unsupported_architecture_is_refused_in_one_line(tmp_path):
     assert "--base_model" in str(error.value) and "\n" not in str(error.value)
     with pytest.raises(ValueError, match=match):
         RewardModel.from_base(str(tmp_path))
+
+
+# ---------------------------------------------------------------- the truncation token, by text
+
+
+@pytest.mark.parametrize("family", archs.FAMILIES)
+def test_preset_truncation_text_resolves_to_each_tokenizers_own_id(family, family_dirs):
+    tokenizer = load_tokenizer(family_dirs[family])
+    for name, text in (("sentiment", "."), ("tldr", "\n")):
+        task = resolve_truncation(TASKS[name], tokenizer)
+        assert (
+            task.truncate_text == text
+            and task.truncate_token == tokenizer.convert_tokens_to_ids(tokenizer.tokenize(text))[0]
+            and encode_texts(tokenizer, [text]) == [[task.truncate_token]]
+        )
+        assert resolve_truncation(task, tokenizer) == task  # once: resolving a resolved task changes nothing
+    dot = resolve_truncation(TASKS["sentiment"], tokenizer).truncate_token
+    assert dot == (15 if family == "llama" else 14)  # not GPT-2's 13
+
+
+def test_truncation_text_of_several_tokens_or_naming_another_token_is_refused(family_dirs, tokenizer):
+    llama = load_tokenizer(family_dirs["llama"])
+    with pytest.raises(ValueError, match=r"--task.truncate_text 'TL;DR:' must be exactly one token") as error:
+        resolve_truncation(dataclasses.replace(TASKS["sentiment"], truncate_text="TL;DR:"), llama)
+    assert "\n" not in str(error.value)
+    conflict = dataclasses.replace(TASKS["sentiment"], truncate_token=13)  # GPT-2's "." with the llama tokenizer
+    with pytest.raises(ValueError, match=r"--task.truncate_token 13 and --task.truncate_text '.' \(token 15 in"):
+        resolve_truncation(conflict, llama)
+    assert resolve_truncation(conflict, tokenizer).truncate_token == 13  # the same token in GPT-2's: no conflict
+    by_id = dataclasses.replace(TASKS["sentiment"], truncate_token=198, truncate_text=None)
+    assert resolve_truncation(by_id, llama) == by_id  # an explicit id is used as it is
+
+
+@pytest.mark.parametrize(
+    ("flags", "expected"),
+    [
+        ([], (None, ".")),
+        (["--task.truncate_token", "198"], (198, None)),  # an explicit id replaces the preset's text
+        (["--task.truncate_token", "None"], (None, None)),  # no filter, as before the text form
+        (["--task.truncate_text", "\n"], (None, "\n")),
+        (["--task.truncate_token=13", "--task.truncate_text=."], (13, ".")),  # both: checked when resolved
+    ],
+)
+def test_one_truncation_flag_unsets_the_others_preset_value(flags, expected):
+    args = train_policy.parse(["--task", "sentiment", *flags])
+    assert (args.task.truncate_token, args.task.truncate_text) == expected
+
+
+def test_task_check_compares_the_resolved_truncation_id(family_dirs, tokenizer):
+    llama = load_tokenizer(family_dirs["llama"])
+    gpt2_task = resolve_truncation(TASKS["sentiment"], tokenizer)
+    old_saved = {k: v for k, v in dataclasses.asdict(gpt2_task).items() if k != "truncate_text"}  # saved before it
+    assert old_saved["truncate_token"] == 13 and task_differences(old_saved, gpt2_task) == {}
+    assert task_differences(old_saved, TASKS["sentiment"]) == {}  # not resolved yet (a dry run): decided later
+    assert task_differences(old_saved, resolve_truncation(TASKS["sentiment"], llama)) == {"truncate_token": (13, 15)}
+    saved = dataclasses.asdict(gpt2_task)
+    assert task_differences(saved, TASKS["sentiment"]) == {}
+    newline = dataclasses.replace(TASKS["sentiment"], truncate_text="\n")
+    assert task_differences(saved, newline) == {"truncate_text": (".", "\n")}
+    by_id = dataclasses.replace(gpt2_task, truncate_text=None)  # the same token named by id: the same task
+    assert task_differences(saved, by_id) == {}
+    # a checkpoint written before truncate_text resumes: its settings hold the same (resolved) id
+    before = {"task": old_saved, "seed": 1}
+    assert setting_differences(before, {"task": dataclasses.asdict(gpt2_task), "seed": 1}, RESUME_IGNORED) == {}
+    changed = {"task": dataclasses.asdict(resolve_truncation(TASKS["sentiment"], llama)), "seed": 1}
+    assert setting_differences(before, changed, RESUME_IGNORED) == {"task.truncate_token": (13, 15)}
+
+
+def test_qwen2_sliding_window_layers_and_a_pad_inside_the_embedding(one_thread):
+    # a Qwen2 with sliding-window layers takes the 2-D PAD mask (its window longer than the sequence), and its
+    # embedding has spare rows (as Qwen2's checkpoints do), so the added PAD 600 is inside it: pads stay invisible,
+    # PAD is never sampled, and the sampler's log-probs equal a full forward's
+    torch.manual_seed(0)
+    sizes = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4)
+    sizes.update(num_key_value_heads=2)
+    window = dict(use_sliding_window=True, sliding_window=64, max_window_layers=0)
+    lm = Qwen2ForCausalLM(Qwen2Config(vocab_size=640, **sizes, **window)).eval()
+    assert "sliding_attention" in lm.config.layer_types and not _uses_4d_mask(lm)
+    policy = PolicyWithValueHead(lm)
+    torch.nn.init.normal_(policy.value_head.weight)
+    pad, ids = archs.VOCAB_SIZE, [40, 41, 42, 43, 44]
+    with torch.no_grad():
+        logits_pad, values_pad = policy(torch.tensor([ids[:2] + [pad, pad] + ids[2:]]), 4, pad, 0.7)
+        logits_plain, values_plain = policy(torch.tensor([ids]), 2, pad, 0.7)
+    torch.testing.assert_close(logits_pad, logits_plain, atol=4e-6, rtol=0)
+    torch.testing.assert_close(values_pad, values_plain, atol=4e-6, rtol=0)
+    assert (logits_pad[..., pad] == torch.finfo(torch.float32).min).all()
+    contexts = torch.tensor([ids[:3] + [pad, pad], ids])
+    responses, logprobs, _ = sample(policy, contexts, 6, 1.0, pad, torch.Generator().manual_seed(0))
+    assert not (responses == pad).any()
+    with torch.no_grad():
+        logits, _ = policy(torch.cat([contexts, responses], 1), 5, pad, 1.0)
+    expected = torch.log_softmax(logits, -1).gather(-1, responses[..., None])[..., 0]
+    torch.testing.assert_close(logprobs, expected, atol=4e-6, rtol=0)
