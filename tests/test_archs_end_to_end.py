@@ -101,6 +101,7 @@ def check_label_rows(rows: list[dict], meta: dict, tokenizer) -> None:
     responses cut after the family's own '.'."""
     period = word_ids(tokenizer, ["."])[0]
     assert meta["tokenizer_fingerprint"] == tokenizer_fingerprint(tokenizer)
+    assert (meta["task"]["truncate_text"], meta["task"]["truncate_token"]) == (".", period)  # the preset's, resolved
     assert all(len(row["query"]) == QUERY_LENGTH and row["query"][0] != tokenizer.bos_token_id for row in rows)
     assert all(passes_filter_and_is_truncated(row[f"sample{i}"], period) for row in rows for i in range(4))
 
@@ -137,6 +138,7 @@ def test_family_runs_label_generation_training_and_evaluation(tmp_path, queries,
     assert reward_meta["tokenizer_fingerprint"] == tokenizer_fingerprint(tokenizer)
     assert reward_meta["pad_token_id"] == tokenizer.pad_token_id and all_finite(reward_meta)
     assert reward_meta["checkpoint"] == REWARD_CHECKPOINT[family]
+    assert reward_meta["task"]["truncate_token"] == word_ids(tokenizer, ["."])[0]
     assert reward_meta["bos_token_id"] == added_bos(family, tokenizer)  # the reward model reads BOS ⊕ query ⊕ response
     policy_metrics = scalars(policy_dir)
     assert len(policy_metrics["objective/kl"]) == 2 and all_finite([v for s in policy_metrics.values() for _, v in s])
