@@ -1,8 +1,13 @@
-"""Evaluate a policy written by train_policy.py against its base model: held-out samples scored by the reward model and
-a gold judge, the KL to the base model, win rates, example texts; and gold score vs KL over saved checkpoints.
+"""Evaluate a policy written by train_policy.py against its base model: held-out samples scored by the reward it was
+trained against and a gold judge, the KL to the base model, win rates, example texts; and gold score vs KL over saved
+checkpoints.
 
-Settings default to the policy's training run (its args.json: task, base model, reward model, gold judge, data_seed),
-so the policy samples exactly as it did in training; every flag overrides one of them.
+Settings default to the policy's training run (its args.json: task, base model, reward, gold judge, data_seed), so the
+policy samples and is scored exactly as in training; every flag overrides one of them. The reward is a reward-model
+directory or a programmatic reward (vader, classifier:..., python:FILE.py:FUNCTION), as --rewards.trained_model of
+train_policy.py names it; a programmatic reward that the run normalized (--rewards.normalize_samples) gets the run's
+gain and bias, as in training. Relative paths in args.json (base model, query file, reward file) are read from the
+working directory, as train_policy.py read them: run evaluate.py where the training ran, or pass the flag.
 
     python evaluate.py --policy models/policy --gold vader
     python evaluate.py --policy models/policy --gold classifier:lvwerra/distilbert-imdb#POSITIVE --num_queries 1024
@@ -16,7 +21,7 @@ dataset with the same data_seed; --skip_queries N starts at query N instead, and
 the stream wrapped around: a small dataset repeats).
 
 Writes OUTPUT_DIR/results.json and results.md (OUTPUT_DIR defaults to POLICY/eval) and, with --checkpoints,
-gold_vs_kl.png: the gold and reward-model scores of every checkpoint against sqrt(KL), one line per training run.
+gold_vs_kl.png: the gold and reward scores of every checkpoint against sqrt(KL), one line per training run.
 """
 
 import dataclasses
@@ -43,11 +48,18 @@ from lm_human_preference_details.evaluation import (
     plot_gold_vs_kl,
     print_report,
     sample_and_score,
+    score_title,
     summarize,
     write_text_atomic,
 )
 from lm_human_preference_details.labelers import load_labeler
-from lm_human_preference_details.modeling import PolicyWithValueHead, load_causal_lm, load_reward_model, saved_kind
+from lm_human_preference_details.modeling import PolicyWithValueHead, load_causal_lm, saved_kind
+from lm_human_preference_details.rewards import (
+    describe_normalization,
+    load_reward,
+    python_file_and_function,
+    reward_input_path,
+)
 from lm_human_preference_details.sources import OAI_TEXT_SOURCES
 from lm_human_preference_details.tasks import TASKS, TaskHParams, resolve_truncation
 from lm_human_preference_details.tokenizer import check_same_tokenizer, load_tokenizer
@@ -66,7 +78,10 @@ class Args:
     base_model: str = "gpt2"
     """the base (reference) model the policy started from: hub id or local directory"""
     reward_model: str = "models/reward"
-    """reward-model directory (train_reward.py --output_dir): the proxy score, with the task's filter penalty"""
+    """the proxy score, as train_policy.py's --rewards.trained_model names it (default: the run's): a reward-model
+    DIR (train_reward.py --output_dir; also reward_model:DIR), vader, classifier:NAME_OR_DIR[#LABEL] or
+    python:FILE.py:FUNCTION; scored on the truncated response with the task's filter penalty, and with the run's
+    normalization gain and bias when the run normalized this reward (args.json rewards.normalization)"""
     gold: str | None = None
     """gold judge, never trained on: reward_model:DIR | classifier:NAME_OR_DIR[#LABEL] | vader (label_generation's
     syntax); None: no gold score"""
@@ -189,6 +204,7 @@ def main(args: Args) -> dict:
     runs = {d: read_run_args(d) for d in [args.policy, *checkpoints] if d is not None}
     known_runs = [r for r in runs.values() if r is not None]
     skip = query_offset(args, known_runs)
+    normalization = run_normalization(args.reward_model, runs)
     tf32 = core.use_tf32(args.tf32)
     cli.print_table(
         console,
@@ -198,16 +214,17 @@ def main(args: Args) -> dict:
             "policy": args.policy or "-",
             "checkpoints": ", ".join(checkpoints) or "-",
             "base model": args.base_model,
-            "reward model": args.reward_model,
+            "reward": args.reward_model,
+            "reward normalization": describe_normalization(normalization) if normalization else "-",
             "gold judge": args.gold or "-",
             "queries": f"{args.num_queries} of {args.task.query_dataset} ({args.split}), from query {skip}",
             "TF32": tf32,
             "output dir": output_dir,
         },
     )
-    for flag, directory in (("--policy", args.policy), ("--reward_model", args.reward_model)):
-        if directory is not None and not os.path.isdir(directory):
-            raise FileNotFoundError(f"{flag} directory '{directory}' does not exist; pass the --output_dir of a run")
+    if args.policy is not None and not os.path.isdir(args.policy):
+        raise FileNotFoundError(f"--policy directory '{args.policy}' does not exist; pass the --output_dir of a run")
+    check_reward_input(args.reward_model, runs)
     if args.dry_run:
         return {}
 
@@ -216,11 +233,16 @@ def main(args: Args) -> dict:
     tokenizer = load_tokenizer(args.base_model)
     args = dataclasses.replace(args, task=resolve_truncation(args.task, tokenizer))  # the truncation token's id
     pad_id = tokenizer.pad_token_id
-    reward_model, rm_metadata = load_reward_model(args.reward_model, flag="--reward_model")
-    check_same_tokenizer(
-        rm_metadata, tokenizer, f"the reward model '{args.reward_model}'", f"the base model uses '{args.base_model}'"
-    )
-    reward_model = reward_model.to(device).eval().requires_grad_(False)
+    reward = load_reward(args.reward_model, tokenizer, pad_id, device, flag="--reward_model")
+    if reward.metadata is not None:  # a reward-model directory, not a programmatic reward
+        check_same_tokenizer(
+            reward.metadata,
+            tokenizer,
+            f"the reward model '{args.reward_model}'",
+            f"the base model uses '{args.base_model}'",
+        )
+    if normalization is not None:  # the gain and bias the run trained with (spec RS1)
+        reward.gain, reward.bias = normalization["gain"], normalization["bias"]
     judges = {GOLD: load_labeler(args.gold, tokenizer, pad_id, device, flag="--gold")} if args.gold else {}
     if any(judge.interactive for judge in judges.values()):
         raise ValueError("--gold human is interactive; pass reward_model:DIR, classifier:NAME_OR_DIR[#LABEL] or vader")
@@ -241,9 +263,7 @@ def main(args: Args) -> dict:
     def run(policy: PolicyWithValueHead):
         """Episodes of one policy on the queries, from a fresh generator with the evaluation seed."""
         generator = torch.Generator(device=device).manual_seed(args.seed)
-        return sample_and_score(
-            policy, base, queries, args.task, tokenizer, reward_model, judges, generator, args.batch_size
-        )
+        return sample_and_score(policy, base, queries, args.task, tokenizer, reward, judges, generator, args.batch_size)
 
     # 3. base vs trained; every checkpoint for the curve
     base_episodes = run(base)
@@ -251,6 +271,7 @@ def main(args: Args) -> dict:
         "policy": args.policy,
         "base_model": args.base_model,
         "reward_model": args.reward_model,
+        "reward_normalization": normalization,
         "gold": args.gold,
         "seed": args.seed,
         "task_id": args.task_id,
@@ -286,10 +307,37 @@ def main(args: Args) -> dict:
     if checkpoints:
         plot_path = os.path.join(output_dir, "gold_vs_kl.png")
         title = f"scores vs sqrt(KL to {policy_label(args.base_model)}), {args.num_queries} queries, gold: {args.gold}"
-        plot_gold_vs_kl(report["curve"], plot_path, title)
+        plot_gold_vs_kl(report["curve"], plot_path, title, score_title(report))
         written.append(plot_path)
     console.print("wrote " + ", ".join(written))
     return report
+
+
+def run_normalization(reward: str, runs: dict[str, dict | None]) -> dict | None:
+    """The normalization (args.json rewards.normalization: gain, bias, mean, std, samples) of the first run trained
+    against `reward`, with the args.json it came from; None when that run used raw scores or no run trained on it."""
+    for directory, run in runs.items():
+        if run is not None and run["rewards"]["trained_model"] == reward:
+            saved = run["rewards"].get("normalization")
+            return {**saved, "args_json": os.path.join(directory, "args.json")} if saved else None
+    return None
+
+
+def check_reward_input(spec: str, runs: dict[str, dict | None]) -> None:
+    """One line when --reward_model is malformed or names a local file or directory that does not exist."""
+    if spec.startswith("python:"):
+        python_file_and_function(spec, "--reward_model")
+    path = reward_input_path(spec)
+    if path is None or spec.startswith("classifier:") or os.path.exists(path):
+        return  # vader; a classifier may be a hub name (its loader names a missing one)
+    trained = [directory for directory, run in runs.items() if run and run["rewards"]["trained_model"] == spec]
+    origin = f" (the --rewards.trained_model of {os.path.join(trained[0], 'args.json')})" if trained else ""
+    what = "reward file" if spec.startswith("python:") else "reward-model directory"
+    raise FileNotFoundError(
+        f"--reward_model '{spec}'{origin}: the {what} '{path}' does not exist in the working directory {os.getcwd()}; "
+        "run evaluate.py where the training ran (relative paths are read from there) or pass --reward_model DIR | "
+        "vader | classifier:NAME_OR_DIR[#LABEL] | python:FILE.py:FUNCTION with an existing path."
+    )
 
 
 def stream_runs(args: Args, runs: list[dict]) -> list[dict]:

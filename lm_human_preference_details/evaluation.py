@@ -1,11 +1,13 @@
-"""Evaluation of a trained policy against its base model: fresh samples on held-out queries, scored by the reward model
-(the proxy PPO maximised) and a gold judge (never trained on), their KL to the base model, and win rates.
+"""Evaluation of a trained policy against its base model: fresh samples on held-out queries, scored by the reward (the
+proxy PPO maximised: a reward model or a programmatic reward) and a gold judge (never trained on), their KL to the base
+model, and win rates.
 
 Each episode is processed exactly as one of train_policy.py's rollouts (OAI train_policy.py#L281-L316): the policy
 samples a response to prefix ⊕ query ⊕ suffix at the task temperature; the KL is the sum over the raw response's tokens
 of logprob(policy) - logprob(base), tempered, as `objective/kl` (spec P4, G6); the response is truncated; the reward
-model scores raw query ⊕ truncated response, and responses failing the filter get `task.penalty_reward_value` as
-`objective/score` (spec P2, P3); a gold judge sees the same truncated response, as `objective/gold_score`.
+scores raw query and truncated response (with the training run's normalization, spec RS1), and responses failing the
+filter get `task.penalty_reward_value` as `objective/score` (spec P2, P3); a gold judge sees the same truncated
+response, as `objective/gold_score`.
 https://github.com/openai/lm-human-preferences/blob/cbfd210bb8b08f6bc5c26878c10984b90f516c66/lm_human_preferences/train_policy.py#L281-L316
 """
 
@@ -22,7 +24,8 @@ from transformers import PreTrainedTokenizerBase
 from lm_human_preference_details.data import QueryStream
 from lm_human_preference_details.kernels import logprobs_from_logits
 from lm_human_preference_details.labelers import Labeler, decode_without_pad
-from lm_human_preference_details.modeling import PolicyWithValueHead, RewardModel, sample
+from lm_human_preference_details.modeling import PolicyWithValueHead, sample
+from lm_human_preference_details.rewards import Reward, is_programmatic
 from lm_human_preference_details.tasks import (
     TaskHParams,
     encode_context_affixes,
@@ -82,7 +85,7 @@ def sample_and_score(
     queries: torch.Tensor,
     task: TaskHParams,
     tokenizer: PreTrainedTokenizerBase,
-    reward_model: RewardModel,
+    reward: Reward,
     judges: dict[str, Labeler],
     generator: torch.Generator,
     batch_size: int = 64,
@@ -99,10 +102,10 @@ def sample_and_score(
         # the base model's tempered log-probs of the same tokens, from one forward (spec G6, P4)
         ref_logits = ref_policy(torch.cat([contexts, responses], 1), contexts.shape[1], pad_id, task.temperature)[0]
         kl = (logprobs - logprobs_from_logits(ref_logits, responses)).sum(1)  # (b,)
-        # truncate -> reward model on raw query ⊕ truncated response -> filter penalty (spec P2, P3)
+        # truncate -> the reward of raw query and truncated response -> filter penalty (spec P2, P3, RS1)
         # https://github.com/openai/lm-human-preferences/blob/cbfd210bb8b08f6bc5c26878c10984b90f516c66/lm_human_preferences/train_policy.py#L378-L390
         truncated = truncate_response(responses, task.truncate_token, task.truncate_after, pad_id)
-        scores = reward_model(torch.cat([batch, truncated], 1), pad_id)
+        scores = reward(batch, truncated)
         passed = passes_filter(truncated, task.truncate_token, task.truncate_after)
         metrics = {SCORE: torch.where(passed, scores, task.penalty_reward_value)}
         for name, judge in judges.items():
@@ -181,11 +184,39 @@ def _cell(text: str) -> str:
     return text.strip().replace("|", "\\|").replace("\n", "⏎")
 
 
+def reward_label(spec: str) -> str:
+    """A programmatic reward's name, short: python:FILE.py:FUNCTION names the file without its directory."""
+    if not spec.startswith("python:"):
+        return spec
+    path, _, function = spec.removeprefix("python:").rpartition(":")
+    return f"python:{os.path.basename(path)}:{function}"
+
+
+def score_title(report: dict) -> str:
+    """What the score metric is: the reward-model score, or the programmatic reward's; ', normalized' with a gain and
+    bias."""
+    spec = report.get("reward_model")
+    title = f"reward score ({reward_label(spec)})" if spec and is_programmatic(spec) else METRIC_TITLES[SCORE]
+    return title + (", normalized" if report.get("reward_normalization") else "")
+
+
+def normalization_note(report: dict) -> str:
+    """One sentence on the gain and bias applied to the reward, or '' when none was."""
+    n = report.get("reward_normalization")
+    if not n:
+        return ""
+    return (
+        f"The reward is normalized as in training ({n['args_json']}): gain {n['gain']:.6g} * score + "
+        f"bias {n['bias']:.6g}, measured on {n['samples']} samples of the initial policy (mean {n['mean']:.4g}, std "
+        f"{n['std']:.4g}); the filter penalty is not normalized."
+    )
+
+
 def metric_rows(report: dict) -> list[tuple[str, str, str, str]]:
     """(metric, base, trained, win rate) rows of the report's comparison table."""
     rows = []
     for name, stats in report["metrics"].items():
-        title = METRIC_TITLES.get(name, name)
+        title = score_title(report) if name == SCORE else METRIC_TITLES.get(name, name)
         if name == GOLD and report.get("gold"):
             title = f"gold score ({report['gold']})"
         win = report["win_rate"].get(name)
@@ -204,6 +235,8 @@ def markdown(report: dict) -> str:
         f"{report['task']['temperature']}. Mean ± standard error over queries; win rate = fraction of queries where "
         "the trained policy's response scores higher than the base model's (ties count 1/2).",
     ]
+    if note := normalization_note(report):
+        lines += ["", note]
     if report.get("metrics"):
         lines += ["", "| metric | base | trained | win rate (trained > base) |", "|---|---|---|---|"]
         lines += ["| " + " | ".join(_cell(c) for c in row) + " |" for row in metric_rows(report)]
@@ -245,6 +278,8 @@ def print_report(console: Console, report: dict) -> None:
         for row in metric_rows(report):
             table.add_row(*row)
         console.print(table)
+    if note := normalization_note(report):
+        console.print(note)
     if report.get("curve"):
         curve = Table(title="gold score vs KL", title_justify="left")
         for column in ("run", "policy", "sqrt(KL)", "score", "gold score"):
@@ -289,7 +324,7 @@ def place_labels(ax, xs, ys, errors, labels) -> list:
     return placed
 
 
-def gold_vs_kl_figure(points: list[dict], title: str):
+def gold_vs_kl_figure(points: list[dict], title: str, score_label: str = METRIC_TITLES[SCORE]):
     """The gold-vs-KL figure: one panel per judge, one line per run, each point labelled, error bars explained."""
     import matplotlib
 
@@ -297,7 +332,9 @@ def gold_vs_kl_figure(points: list[dict], title: str):
     import matplotlib.pyplot as plt
 
     # sqrt(KL) on the x-axis, as in the reward over-optimisation literature (Gao et al. 2022, arXiv:2210.10760)
-    panels = [(SCORE, "reward-model score (the proxy PPO maximises)"), (GOLD, "gold score (never trained on)")]
+    wrap = " " if len(score_label) < 25 else "\n"  # a programmatic reward's longer name
+    proxy = f"{score_label}{wrap}(the proxy PPO maximises)"
+    panels = [(SCORE, proxy), (GOLD, "gold score (never trained on)")]
     panels = [(key, label) for key, label in panels if all(key in p for p in points)]
     fig, axes = plt.subplots(1, len(panels), figsize=(6.5 * len(panels), 4.8), squeeze=False)
     base = [p for p in points if p["run"] == BASE_RUN]
@@ -327,8 +364,9 @@ def gold_vs_kl_figure(points: list[dict], title: str):
     return fig
 
 
-def plot_gold_vs_kl(points: list[dict], path: str, title: str) -> None:
-    """Gold and reward-model score against sqrt(KL to the base model), one line per run (PNG via matplotlib Agg).
+def plot_gold_vs_kl(points: list[dict], path: str, title: str, score_label: str = METRIC_TITLES[SCORE]) -> None:
+    """Gold and proxy score (titled `score_label`) against sqrt(KL to the base model), one line per run (PNG via
+    matplotlib Agg).
 
     A point of run BASE_RUN (the base model, KL 0) starts every run's line; a line joins its points in the order
     given (training order for checkpoints named by update), so a KL that falls back shows as the line turning back.
@@ -337,7 +375,7 @@ def plot_gold_vs_kl(points: list[dict], path: str, title: str) -> None:
         import matplotlib.pyplot as plt
     except ImportError as e:
         raise ImportError("the gold-vs-KL plot needs matplotlib: pip install matplotlib") from e
-    fig = gold_vs_kl_figure(points, title)
+    fig = gold_vs_kl_figure(points, title, score_label)
     tmp = f"{path}.tmp.png"
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     fig.savefig(tmp, dpi=100)

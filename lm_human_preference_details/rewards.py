@@ -19,7 +19,7 @@ from transformers import PreTrainedTokenizerBase
 
 from lm_human_preference_details.core import ceil_div
 from lm_human_preference_details.labelers import Labeler, decode_without_pad, load_labeler
-from lm_human_preference_details.modeling import load_reward_model, sample
+from lm_human_preference_details.modeling import RewardModel, load_reward_model, sample
 from lm_human_preference_details.tasks import TaskHParams, format_contexts, truncate_response
 
 FLAG = "--rewards.trained_model"
@@ -91,10 +91,9 @@ class Reward:
 class RewardModelReward(Reward):
     """A reward model of train_reward.py on raw query ⊕ truncated response; it holds its own gain and bias."""
 
-    def __init__(self, directory: str, device: torch.device, pad_id: int):
-        model, self.metadata = load_reward_model(directory, flag=FLAG)
-        self.model = model.to(device).eval().requires_grad_(False)
-        self.pad_id, self.name = pad_id, directory
+    def __init__(self, model: RewardModel, pad_id: int, name: str = "reward model", metadata: dict | None = None):
+        self.model = model.eval().requires_grad_(False)
+        self.pad_id, self.name, self.metadata = pad_id, name, metadata
 
     def raw(self, queries: torch.Tensor, responses: torch.Tensor) -> torch.Tensor:
         """One forward; the rollout's queries start with a real token, so the check and its host sync are skipped."""
@@ -117,8 +116,12 @@ class LabelerReward(Reward):
 class PythonReward(Reward):
     """FUNCTION(queries, responses) of a Python file on the decoded raw queries and truncated responses."""
 
-    def __init__(self, spec: str, function: Callable, tokenizer: PreTrainedTokenizerBase, pad_id: int, device):
+    def __init__(
+        self, spec: str, function: Callable, tokenizer: PreTrainedTokenizerBase, pad_id: int, device, flag: str = FLAG
+    ):
         self.name, self.function = spec, function
+        self.who = f"reward function {spec} ({flag})"
+        """how errors name the function"""
         self.tokenizer, self.pad_id, self.device = tokenizer, pad_id, device
 
     def raw(self, queries: torch.Tensor, responses: torch.Tensor) -> torch.Tensor:
@@ -129,7 +132,7 @@ class PythonReward(Reward):
             result = self.function(query_texts, response_texts)
         except Exception as e:
             raise ValueError(
-                f"reward function {self.name} ({FLAG}) raised {type(e).__name__}: {one_line(str(e))}; fix the function "
+                f"{self.who} raised {type(e).__name__}: {one_line(str(e))}; fix the function "
                 "(run with --debug for its traceback)."
             ) from e
         return self.check_scores(result, response_texts).to(self.device)
@@ -141,12 +144,11 @@ class PythonReward(Reward):
             scores = torch.as_tensor(result, dtype=torch.float64, device="cpu")
         except (TypeError, ValueError, RuntimeError) as e:
             raise ValueError(
-                f"reward function {self.name} ({FLAG}) returned {type(result).__name__} {one_line(repr(result))[:80]}, "
-                f"not numbers; {fix}."
+                f"{self.who} returned {type(result).__name__} {one_line(repr(result))[:80]}, not numbers; {fix}."
             ) from e
         if scores.dim() != 1 or scores.numel() != len(response_texts):
             raise ValueError(
-                f"reward function {self.name} ({FLAG}) returned {scores.numel()} scores of shape {tuple(scores.shape)} "
+                f"{self.who} returned {scores.numel()} scores of shape {tuple(scores.shape)} "
                 f"for {len(response_texts)} episodes; {fix}."
             )
         bad = (~torch.isfinite(scores)).nonzero()
@@ -154,7 +156,7 @@ class PythonReward(Reward):
             i = int(bad[0, 0])
             more = f" and {len(bad) - 1} more" if len(bad) > 1 else ""
             raise ValueError(
-                f"reward function {self.name} ({FLAG}) returned the non-finite score {scores[i].item()} for episode "
+                f"{self.who} returned the non-finite score {scores[i].item()} for episode "
                 f"{i} (response {response_texts[i][:60]!r}){more}; {fix}."
             )
         return scores.float()
@@ -165,15 +167,24 @@ def one_line(text: str) -> str:
     return " ".join(text.split())
 
 
-def load_python_function(spec: str) -> Callable:
-    """FUNCTION of FILE.py for `python:FILE.py:FUNCTION`; FileNotFoundError or ValueError in one line otherwise."""
+def python_file_and_function(spec: str, flag: str = FLAG) -> tuple[str, str]:
+    """FILE.py and FUNCTION of `python:FILE.py:FUNCTION`; ValueError in one line for another form."""
     path, _, name = spec.removeprefix("python:").rpartition(":")
-    usage = f"pass {FLAG} python:FILE.py:FUNCTION"
     if not path or not name or not path.endswith(".py"):
-        raise ValueError(f"{FLAG} '{spec}' is not of the form python:FILE.py:FUNCTION; {usage}.")
+        raise ValueError(
+            f"{flag} '{spec}' is not of the form python:FILE.py:FUNCTION; pass {flag} python:FILE.py:FUNCTION."
+        )
+    return path, name
+
+
+def load_python_function(spec: str, flag: str = FLAG) -> Callable:
+    """FUNCTION of FILE.py for `python:FILE.py:FUNCTION`; FileNotFoundError or ValueError in one line otherwise."""
+    path, name = python_file_and_function(spec, flag)
+    usage = f"pass {flag} python:FILE.py:FUNCTION"
     if not os.path.isfile(path):
         raise FileNotFoundError(
-            f"reward file '{path}' of {FLAG} '{spec}' does not exist; {usage} with an existing file."
+            f"reward file '{path}' of {flag} '{spec}' does not exist (a relative path is read from the working "
+            f"directory, {os.getcwd()}); {usage} with an existing file."
         )
     module_name = f"_reward_{abs(hash(os.path.realpath(path)))}"
     module_spec = importlib.util.spec_from_file_location(module_name, path)
@@ -183,7 +194,7 @@ def load_python_function(spec: str) -> Callable:
         module_spec.loader.exec_module(module)
     except Exception as e:
         raise ValueError(
-            f"reward file '{path}' of {FLAG} failed to import: {type(e).__name__}: {one_line(str(e))}"
+            f"reward file '{path}' of {flag} failed to import: {type(e).__name__}: {one_line(str(e))}"
         ) from e
     function = getattr(module, name, None)
     if not callable(function):
@@ -191,23 +202,26 @@ def load_python_function(spec: str) -> Callable:
             k for k, v in vars(module).items() if callable(v) and getattr(v, "__module__", "") == module_name
         )
         raise ValueError(
-            f"reward file '{path}' has no function '{name}' ({FLAG} '{spec}'); its functions: "
+            f"reward file '{path}' has no function '{name}' ({flag} '{spec}'); its functions: "
             f"{', '.join(found) or 'none'}. {usage}."
         )
     return function
 
 
-def load_reward(spec: str, tokenizer: PreTrainedTokenizerBase, pad_id: int, device: torch.device) -> Reward:
-    """The reward that `spec` names (REWARD_FORMS), on `device`, with gain 1 and bias 0."""
+def load_reward(
+    spec: str, tokenizer: PreTrainedTokenizerBase, pad_id: int, device: torch.device, flag: str = FLAG
+) -> Reward:
+    """The reward that `spec` names (REWARD_FORMS), on `device`, with gain 1 and bias 0; errors name `flag`."""
     if spec.startswith("python:"):
-        return PythonReward(spec, load_python_function(spec), tokenizer, pad_id, device)
+        return PythonReward(spec, load_python_function(spec, flag), tokenizer, pad_id, device, flag)
     if is_programmatic(spec):
-        return LabelerReward(load_labeler(spec, tokenizer, pad_id, device, flag=FLAG), device)
+        return LabelerReward(load_labeler(spec, tokenizer, pad_id, device, flag=flag), device)
     directory = reward_model_dir(spec)
     if not os.path.isdir(directory):
         forms = "; ".join(REWARD_FORMS)
-        raise FileNotFoundError(f"reward model directory '{directory}' ({FLAG}) does not exist; valid forms: {forms}.")
-    return RewardModelReward(directory, device, pad_id)
+        raise FileNotFoundError(f"reward model directory '{directory}' ({flag}) does not exist; valid forms: {forms}.")
+    model, metadata = load_reward_model(directory, flag=flag)
+    return RewardModelReward(model.to(device), pad_id, directory, metadata)
 
 
 # ---------------------------------------------------------------- normalization on the initial policy's samples

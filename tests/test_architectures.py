@@ -2,14 +2,17 @@
 on the offline stand-ins of tests/archs.py. The pads-invisible tests per architecture are in tests/test_modeling.py."""
 
 import dataclasses
+import json
 
 import pytest
 import torch
 from transformers import OPTConfig, OPTForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 import train_policy
+import train_reward
 from lm_human_preference_details.checkpoint import RESUME_IGNORED, setting_differences
 from lm_human_preference_details.data import QueryStream
+from lm_human_preference_details.labels import save_labels
 from lm_human_preference_details.modeling import (
     PolicyWithValueHead,
     RewardModel,
@@ -245,3 +248,38 @@ def test_qwen2_sliding_window_layers_and_a_pad_inside_the_embedding(one_thread):
         logits, _ = policy(torch.cat([contexts, responses], 1), 5, pad, 1.0)
     expected = torch.log_softmax(logits, -1).gather(-1, responses[..., None])[..., 0]
     torch.testing.assert_close(logprobs, expected, atol=4e-6, rtol=0)
+
+
+def test_train_reward_on_llama_records_its_bos_and_truncation_id(family_dirs, tmp_path, one_thread):
+    # train_reward.py on the Llama stand-in: the reward model gets the tokenizer's BOS (recorded in reward_model.json,
+    # so the policy run and evaluation score with it) and the saved task holds the resolved id of "." (15, not 13)
+    base = family_dirs["llama"]
+    tokenizer = load_tokenizer(base)
+    corpus = tmp_path / "world.txt"
+    corpus.write_text("\n".join(archs.world_text(60)))
+    task = dataclasses.replace(TASKS["sentiment"], query_dataset=str(corpus), query_length=12, response_length=4)
+    queries = QueryStream(archs.world_text(60), tokenizer, task, 0, 1, 0).next_batch(12).tolist()
+    rng = torch.Generator().manual_seed(0)
+    rows = [
+        {"query": q, **{f"sample{j}": torch.randint(20, 500, (4,), generator=rng).tolist() for j in range(4)}}
+        | {"best": i % 4}
+        for i, q in enumerate(queries)
+    ]
+    labels = tmp_path / "labels.json"
+    save_labels(str(labels), rows, pad_id=tokenizer.pad_token_id)  # OAI's schema: PAD written as 50259
+    args = train_reward.Args(
+        base_model=base,
+        label_dataset=str(labels),
+        output_dir=str(tmp_path / "reward"),
+        task=task,
+        labels=train_reward.LabelHParams(num_train=8),
+        batch_size=4,
+        rollout_batch_size=4,
+        normalize_samples=4,
+    )
+    train_reward.main(args)
+    metadata = json.loads((tmp_path / "reward" / "reward_model.json").read_text())
+    assert metadata["bos_token_id"] == added_bos_id(tokenizer) == 0
+    assert (metadata["task"]["truncate_text"], metadata["task"]["truncate_token"]) == (".", 15)
+    saved_args = json.loads((tmp_path / "reward" / "args.json").read_text())
+    assert saved_args["task"]["truncate_token"] == 15

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from evaluate import consumed_queries, held_out, main, parse, query_offset
+from evaluate import consumed_queries, held_out, main, parse, query_offset, run_normalization
 from lm_human_preference_details import core
 from lm_human_preference_details.data import QueryStream
 from lm_human_preference_details.evaluation import (
@@ -28,11 +28,13 @@ from lm_human_preference_details.evaluation import (
     win_rate,
 )
 from lm_human_preference_details.labelers import Labeler
-from lm_human_preference_details.modeling import PolicyWithValueHead, RewardModel
+from lm_human_preference_details.modeling import PolicyWithValueHead, RewardModel, load_causal_lm
+from lm_human_preference_details.rewards import RewardModelReward
 from lm_human_preference_details.tasks import TaskHParams
-from lm_human_preference_details.tokenizer import tokenizer_fingerprint
+from lm_human_preference_details.tokenizer import load_tokenizer, tokenizer_fingerprint
 from tests.conftest import small_vocab_gpt2, tiny_gpt2
 from tests.planted import run_script, write_query_file
+from tests.test_train_policy import tiny_task
 from train_policy import Args as PolicyArgs
 from train_policy import main as policy_main
 
@@ -91,7 +93,7 @@ def random_queries(generator_seed: int, n: int, length: int, pad_tail: bool) -> 
 
 def test_kl_of_a_policy_against_itself_is_zero(tokenizer):
     policy = PolicyWithValueHead(tiny_gpt2(0))
-    reward_model = RewardModel(tiny_gpt2(2).transformer)
+    reward_model = RewardModelReward(RewardModel(tiny_gpt2(2).transformer), PAD)
     queries = random_queries(0, 6, 6, pad_tail=True)
     episodes = sample_and_score(
         policy, policy, queries, task(), tokenizer, reward_model, {}, torch.Generator().manual_seed(1), batch_size=4
@@ -111,7 +113,7 @@ def test_kl_matches_a_direct_recomputation(tokenizer):
         queries,
         settings,
         tokenizer,
-        RewardModel(tiny_gpt2(2).transformer),
+        RewardModelReward(RewardModel(tiny_gpt2(2).transformer), PAD),
         {},
         torch.Generator().manual_seed(0),
         batch_size=2,
@@ -128,7 +130,7 @@ def test_kl_matches_a_direct_recomputation(tokenizer):
 
 def test_sampling_is_paired_by_seed(tokenizer):
     policy = PolicyWithValueHead(tiny_gpt2(0))
-    reward_model = RewardModel(tiny_gpt2(2).transformer)
+    reward_model = RewardModelReward(RewardModel(tiny_gpt2(2).transformer), PAD)
     queries = random_queries(0, 4, 6, pad_tail=False)
     runs = [
         sample_and_score(
@@ -154,7 +156,15 @@ def test_scores_are_the_reward_model_on_truncated_responses_with_the_filter_pena
     queries = random_queries(1, 24, 6, pad_tail=True)
     judges = {GOLD: TruncatedLength()}
     episodes = sample_and_score(
-        policy, policy, queries, settings, tokenizer, reward_model, judges, torch.Generator().manual_seed(0), 8
+        policy,
+        policy,
+        queries,
+        settings,
+        tokenizer,
+        RewardModelReward(reward_model, PAD),
+        judges,
+        torch.Generator().manual_seed(0),
+        8,
     )
     expected_score, expected_pass, expected_length = [], [], []
     for query, response in zip(queries.tolist(), episodes.responses.tolist()):
@@ -431,3 +441,150 @@ def test_train_policy_save_checkpoints_keeps_every_periodic_save(tmp_path, tiny_
         weights.append(policy.lm.transformer.h[0].attn.c_attn.weight)
     final = PolicyWithValueHead.load(str(tmp_path / "run")).lm.transformer.h[0].attn.c_attn.weight
     assert not torch.equal(weights[0], weights[1]) and not torch.equal(weights[1], final)
+
+
+# ---------------------------------------------------------------- programmatic rewards as the proxy score
+
+SMALL_VOCAB_REWARD = """
+def score(queries, responses):
+    # the query's word count shows that the function sees the raw query of each episode
+    return [r.count(" happy") - r.count(" sad") + len(q.split()) / 100 for q, r in zip(queries, responses)]
+"""
+
+
+def passes_the_filter(response: str, truncate_after: int) -> bool:
+    """Whether a truncated response of small-vocabulary words (one token each) has ' the' at index >= truncate_after."""
+    return "the" in response.split()[truncate_after:]
+
+
+def expected_scores(report: dict, side: str, reward, gain: float, bias: float) -> tuple[list[float], list[bool]]:
+    """Every example's score on one side as training computes it: gain * reward + bias, or the filter penalty; and
+    whether each response passed the filter."""
+    examples, task = report["examples"], report["task"]
+    passed = [passes_the_filter(e[side]["response"], task["truncate_after"]) for e in examples]
+    raw = reward([e["query"] for e in examples], [e[side]["response"] for e in examples])
+    scores = [gain * r + bias if ok else task["penalty_reward_value"] for r, ok in zip(raw, passed)]
+    return scores, passed
+
+
+def save_small_vocab_run(path, model_dir: str, query_file: str, spec: str, normalization: dict | None, the: int) -> str:
+    """A policy directory as train_policy.py writes it after training against `spec` (with `normalization`): the
+    small-vocabulary model, whose responses are words, and a task that truncates after ' the'."""
+    PolicyWithValueHead(load_causal_lm(model_dir)).save(str(path), load_tokenizer(model_dir))
+    args = PolicyArgs(base_model=model_dir, output_dir=str(path), data_seed=0)
+    args.task = dataclasses.replace(tiny_task(query_file), truncate_token=the)
+    args.rewards.trained_model, args.rewards.normalization = spec, normalization
+    args.ppo.total_episodes, args.ppo.batch_size = 8, 8
+    core.save_args(args, str(path))
+    return str(path)
+
+
+def test_vader_run_is_scored_by_vader_with_its_normalization_and_the_filter_penalty(
+    tmp_path, small_vocab_model_dir, small_vocab_words
+):
+    from vaderSentiment.vaderSentiment import SentimentIntensityAnalyzer
+
+    query_file = str(write_query_file(tmp_path / "queries.txt", n=40))
+    normalization = {"gain": 2.0, "bias": -0.5, "mean": 0.25, "std": 0.5, "samples": 64}
+    policy = save_small_vocab_run(
+        tmp_path / "policy", small_vocab_model_dir, query_file, "vader", normalization, small_vocab_words["the"]
+    )
+    out = tmp_path / "eval"
+    main(parse(["--policy", policy, "--num_queries", "16", "--batch_size", "16", "--examples", "16"]
+               + ["--output_dir", str(out)]))  # fmt: skip
+    report = json.loads((out / "results.json").read_text())
+    assert report["reward_model"] == "vader"  # from args.json: no --reward_model flag
+    assert report["reward_normalization"] == {**normalization, "args_json": os.path.join(policy, "args.json")}
+    analyzer = SentimentIntensityAnalyzer()
+
+    def vader(queries, responses):
+        return [analyzer.polarity_scores(r)["compound"] for r in responses]
+
+    for side in ("base", "trained"):
+        expected, passed = expected_scores(report, side, vader, gain=2.0, bias=-0.5)
+        assert 0 < sum(passed) < len(passed)  # both the reward and the penalty occur
+        assert any(abs(s) > 0.1 for s, ok in zip(expected, passed) if ok)  # VADER is not 0 on every response
+        assert [e[side][SCORE] for e in report["examples"]] == pytest.approx(expected, abs=1e-5)
+        assert report["metrics"][SCORE][side]["mean"] == pytest.approx(sum(expected) / 16, abs=1e-5)
+    text = (out / "results.md").read_text()
+    assert "| reward score (vader), normalized |" in text and "gain 2 * score + bias -0.5" in text
+
+
+def test_normalization_comes_from_the_first_run_trained_against_the_evaluated_reward():
+    normalized = {"gain": 2.0, "bias": -0.5}
+    runs = {
+        "raw": None,
+        "a": {"rewards": {"trained_model": "models/reward", "normalization": None}},
+        "b": {"rewards": {"trained_model": "vader", "normalization": normalized}},
+        "c": {"rewards": {"trained_model": "vader", "normalization": {"gain": 3.0, "bias": 0.0}}},
+    }
+    assert run_normalization("vader", runs) == {**normalized, "args_json": os.path.join("b", "args.json")}
+    assert run_normalization("models/reward", runs) is None  # a reward model: train_reward.py normalized it
+    assert run_normalization("python:r.py:f", runs) is None  # another reward than the runs were trained against
+    assert run_normalization("vader", {"old": {"rewards": {"trained_model": "vader"}}}) is None  # before the field
+
+
+def test_bad_reward_model_is_one_line(tmp_path, monkeypatch, tiny_run):
+    _, policy, _, _ = tiny_run
+    bad = {
+        "models/nothing": r"--reward_model 'models/nothing': the reward-model directory 'models/nothing' does not "
+        r"exist in the working directory .*; run evaluate.py where the training ran .*python:FILE.py:FUNCTION",
+        "python:reward.txt:score": r"--reward_model 'python:reward.txt:score' is not of the form python:FILE.py:FUNC",
+        "python:reward.py": r"is not of the form python:FILE.py:FUNCTION",
+    }
+    for spec, problem in bad.items():
+        with pytest.raises((ValueError, FileNotFoundError), match=problem) as info:
+            main(parse(["--policy", policy, "--reward_model", spec, "--dry_run"]))
+        assert "\n" not in str(info.value)
+    # a run trained against a reward file named relative to its working directory, evaluated from elsewhere
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.chdir(tmp_path / "elsewhere")
+    run = json.loads(open(os.path.join(policy, "args.json")).read())
+    run["rewards"]["trained_model"] = "python:rewards/mine.py:score"
+    relative = tmp_path / "relative"
+    relative.mkdir()
+    (relative / "args.json").write_text(json.dumps(run))
+    with pytest.raises(FileNotFoundError) as info:
+        main(parse(["--policy", str(relative)]))
+    assert str(info.value) == (
+        f"--reward_model 'python:rewards/mine.py:score' (the --rewards.trained_model of {relative}/args.json): the "
+        f"reward file 'rewards/mine.py' does not exist in the working directory {tmp_path / 'elsewhere'}; run "
+        "evaluate.py where the training ran (relative paths are read from there) or pass --reward_model DIR | vader "
+        "| classifier:NAME_OR_DIR[#LABEL] | python:FILE.py:FUNCTION with an existing path."
+    )
+    assert os.listdir(relative) == ["args.json"]  # nothing written
+
+
+@pytest.mark.slow
+def test_policy_trained_against_a_python_reward_is_evaluated_by_that_reward(
+    tmp_path, small_vocab_model_dir, small_vocab_words
+):
+    # the user's way: in one working directory, train against python:FILE.py:FUNCTION (a path relative to it, as
+    # args.json records it) with normalization, then evaluate with no --reward_model
+    (tmp_path / "reward.py").write_text(SMALL_VOCAB_REWARD)
+    write_query_file(tmp_path / "queries.txt", n=40)
+    task = ["--task.query_dataset", "queries.txt", "--task.query_length", "16", "--task.response_length", "8"]
+    task += ["--task.start_text", "None", "--task.end_text", "None", "--task.truncate_after", "2"]
+    task += ["--task.truncate_token", str(small_vocab_words["the"])]
+    run_script(
+        "train_policy.py",
+        *("--base_model", small_vocab_model_dir, "--rewards.trained_model", "python:reward.py:score", *task),
+        *("--rewards.normalize_samples", "16", "--ppo.total_episodes", "8", "--ppo.batch_size", "8"),
+        *("--output_dir", "policy"),
+        cwd=tmp_path,
+    )
+    flags = ["--policy", "policy", "--num_queries", "16", "--batch_size", "16", "--examples", "16"]
+    result = run_script("evaluate.py", *flags, "--output_dir", "eval", cwd=tmp_path)
+    report = json.loads((tmp_path / "eval" / "results.json").read_text())
+    saved = json.loads((tmp_path / "policy" / "args.json").read_text())["rewards"]["normalization"]
+    assert report["reward_model"] == "python:reward.py:score" and saved["samples"] == 16
+    assert report["reward_normalization"] == {**saved, "args_json": os.path.join("policy", "args.json")}
+    namespace = {}
+    exec(SMALL_VOCAB_REWARD, namespace)
+    for side in ("base", "trained"):
+        expected, passed = expected_scores(report, side, namespace["score"], saved["gain"], saved["bias"])
+        assert 0 < sum(passed) < len(passed)  # both the reward and the penalty occur
+        assert [e[side][SCORE] for e in report["examples"]] == pytest.approx(expected, abs=1e-4)
+        assert report["metrics"][SCORE][side]["mean"] == pytest.approx(sum(expected) / 16, abs=1e-4)
+    assert "reward score (python:reward.py:score), normalized" in result.stdout
+    assert f"The reward is normalized as in training ({os.path.join('policy', 'args.json')}): gain" in result.stdout
