@@ -150,7 +150,7 @@ def test_family_runs_label_generation_training_and_evaluation(tmp_path, queries,
     assert set(results["metrics"]) >= {"score", "gold_score", "kl"} and all_finite(results["metrics"])
 
     # 4. label generation samples the saved policy, from contexts that start with the family's BOS where its tokenizer
-    # adds one, and labels with the saved reward model
+    # adds one, and labels with the saved reward model (generate), or leaves the rows unlabelled (sample)
     contexts = []
 
     def recording_sample(policy, batch_contexts, *args, **kwargs):
@@ -167,6 +167,13 @@ def test_family_runs_label_generation_training_and_evaluation(tmp_path, queries,
         )
     )
     check_label_rows(read_json(more), read_json(f"{more}.meta.json"), tokenizer)
+    candidates = label_generation.main(
+        label_generation.parse(
+            ["sample", "--base_model", policy_dir, "--task.query_dataset", queries, *TASK_FLAGS]
+            + ["--num_queries", "2", "--batch_size", "2", "--output", str(tmp_path / "candidates.json")]
+        )
+    )  # the unlabelled rows that people label in their browsers
+    assert candidates["counts"]["rows"] == 2 and candidates["tokenizer_fingerprint"] == tokenizer_fingerprint(tokenizer)
     first_tokens = set(torch.cat(contexts)[:, 0].tolist())
     if family == "llama":
         assert first_tokens == {tokenizer.bos_token_id}
