@@ -20,18 +20,29 @@ from tests import archs
 
 PAD, EOS = 50257, 50256
 PROMPTS = ["Hello", "The old man walked slowly down the road", "She opened the window and"]
+SPARE_ROWS = 40
+POLICY_FAMILIES = [*archs.FAMILIES, "gpt_neox+rows", "qwen2+rows"]
+"""the stand-ins, and two whose embedding has a row for the project's PAD"""
 
 
 @pytest.fixture(scope="module")
 def family_dirs(tmp_path_factory):
     """family -> the directory of a tiny random base model of the family with its own tokenizer (tests/archs.py),
-    written on first use."""
+    written on first use; FAMILY+rows: with SPARE_ROWS embedding rows beyond the tokenizer, so that the project's PAD
+    has one (as in Pythia's and Qwen2's checkpoints)."""
     root, dirs = tmp_path_factory.mktemp("families"), {}
 
-    def base_dir(family: str) -> str:
-        if family not in dirs:
-            dirs[family] = archs.save_family(family, str(root / family))
-        return dirs[family]
+    def base_dir(name: str) -> str:
+        if name not in dirs:
+            family, _, rows = name.partition("+")
+            tokenizer = archs.family_tokenizer(family)
+            model = archs.family_model(family, tokenizer)
+            if rows:
+                model.resize_token_embeddings(len(tokenizer) + SPARE_ROWS, mean_resizing=False)
+            model.save_pretrained(root / name)
+            tokenizer.save_pretrained(root / name)
+            dirs[name] = str(root / name)
+        return dirs[name]
 
     return base_dir
 
@@ -65,23 +76,27 @@ def policy_dir(tmp_path_factory, tiny_model_dir, tokenizer):
     return str(path)
 
 
-@pytest.mark.parametrize("family", archs.FAMILIES)
+def generation_pad(base_dir: str) -> int:
+    """The PAD of a saved policy's tokenizer: the project's PAD where the embedding has a row for it, else EOS."""
+    tokenizer = load_tokenizer(base_dir)
+    has_row = tokenizer.pad_token_id < load_causal_lm(base_dir).get_input_embeddings().num_embeddings
+    return tokenizer.pad_token_id if has_row else tokenizer.eos_token_id
+
+
+@pytest.mark.parametrize("family", POLICY_FAMILIES)
 def test_saved_policy_generates_padded_batches_with_plain_transformers(family_policy_dirs, family):
-    _, policy_dir = family_policy_dirs(family)
+    base_dir, policy_dir = family_policy_dirs(family)
     tok = AutoTokenizer.from_pretrained(policy_dir)
     model = AutoModelForCausalLM.from_pretrained(policy_dir).eval()
-    assert len(tok) == model.get_input_embeddings().num_embeddings  # every token id has an embedding row
-    assert (tok.pad_token_id, tok.padding_side, model.generation_config.pad_token_id) == (
-        tok.eos_token_id,
-        "left",
-        tok.eos_token_id,
-    )
+    assert len(tok) <= model.get_input_embeddings().num_embeddings  # every token id has an embedding row
+    pad = generation_pad(base_dir)
+    assert (tok.pad_token_id, tok.padding_side, model.generation_config.pad_token_id) == (pad, "left", pad)
     inputs = tok(PROMPTS, padding=True, return_tensors="pt")
     assert int((inputs["attention_mask"] == 0).sum()) > 0  # the batch is padded
     first_real = inputs["input_ids"].gather(1, inputs["attention_mask"].argmax(1, keepdim=True))[:, 0]
     # a tokenizer that adds BOS (Llama) still adds it, after the left padding
     adds_bos = tok.bos_token_id is not None and bool((first_real == tok.bos_token_id).all())
-    assert adds_bos == (family == "llama")
+    assert adds_bos == family.startswith("llama")
     kwargs = dict(max_new_tokens=5, do_sample=False, output_scores=True, return_dict_in_generate=True)
     batched = model.generate(**inputs, **kwargs)
     # each row continues exactly as its prompt alone would: same tokens and same next-token logits
@@ -109,7 +124,7 @@ def test_saved_policy_logprobs_match_project_forward(policy_dir, tokenizer):
     assert policy.value_head.bias.item() == pytest.approx(0.2) and values.abs().sum() > 0
 
 
-@pytest.mark.parametrize("family", archs.FAMILIES)
+@pytest.mark.parametrize("family", POLICY_FAMILIES)
 def test_saved_policy_tokenizer_gives_back_the_project_tokenizer(family_policy_dirs, family):
     base_dir, policy_dir = family_policy_dirs(family)
     base, reloaded = load_tokenizer(base_dir), load_tokenizer(policy_dir)
@@ -117,10 +132,10 @@ def test_saved_policy_tokenizer_gives_back_the_project_tokenizer(family_policy_d
     assert reloaded.pad_token_id not in (reloaded.eos_token_id, None)
     # reward models record the base tokenizer's fingerprint: a policy directory matches it
     assert tokenizer_fingerprint(reloaded) == tokenizer_fingerprint(base)
-    tok = AutoTokenizer.from_pretrained(policy_dir)
-    assert (tok.pad_token_id, tok.padding_side) == (base.eos_token_id, "left")
+    tok, pad = AutoTokenizer.from_pretrained(policy_dir), generation_pad(base_dir)
+    assert (tok.pad_token_id, tok.padding_side) == (pad, "left")
     with open(os.path.join(policy_dir, "generation_config.json"), encoding="utf-8") as f:
-        assert json.load(f)["pad_token_id"] == base.eos_token_id
+        assert json.load(f)["pad_token_id"] == pad
 
 
 # ---------------------------------------------------------------- reward model
@@ -179,7 +194,7 @@ def family_reward_dirs(tmp_path_factory, family_dirs, reward_dir):
     return reward_dirs
 
 
-@pytest.mark.parametrize("family", ["gpt2", "gpt_neox"])
+@pytest.mark.parametrize("family", ["gpt2", "gpt_neox", "gpt_neox+rows"])
 def test_reward_model_loads_with_standard_classifier_and_gives_project_scores(family_reward_dirs, family):
     path, model = family_reward_dirs(family)
     classifier, info = AutoModelForSequenceClassification.from_pretrained(path, output_loading_info=True)
