@@ -369,6 +369,12 @@ def test_generate_refuses_to_resume_with_other_settings(vader_labels, world, tmp
     # the same settings find the file complete and leave its rows unchanged
     before = output.read_text()
     assert run_label_generation(flags)["counts"]["rows"] == 16 and output.read_text() == before
+    # so does a file written before --task.truncate_text: its task records the truncation id (13) alone
+    meta = read_meta(output)
+    assert (meta["task"].pop("truncate_text"), meta["task"]["truncate_token"]) == (".", 13)
+    with open(f"{output}.meta.json", "w", encoding="utf-8") as f:
+        json.dump(meta, f)
+    assert run_label_generation(flags)["counts"]["rows"] == 16 and output.read_text() == before
     os.remove(f"{output}.meta.json")
     with pytest.raises(ValueError, match="not written by"):
         run_label_generation(flags)
