@@ -61,7 +61,7 @@ from lm_human_preference_details.rewards import (
     reward_input_path,
 )
 from lm_human_preference_details.sources import OAI_TEXT_SOURCES
-from lm_human_preference_details.tasks import TASKS, TaskHParams
+from lm_human_preference_details.tasks import TASKS, TaskHParams, resolve_truncation
 from lm_human_preference_details.tokenizer import check_same_tokenizer, load_tokenizer
 
 RUN_PRESET = "policy"
@@ -231,6 +231,7 @@ def main(args: Args) -> dict:
     # 1. models and judges, all loaded before anything is written
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     tokenizer = load_tokenizer(args.base_model)
+    args = dataclasses.replace(args, task=resolve_truncation(args.task, tokenizer))  # the truncation token's id
     pad_id = tokenizer.pad_token_id
     reward = load_reward(args.reward_model, tokenizer, pad_id, device, flag="--reward_model")
     if reward.metadata is not None:  # a reward-model directory, not a programmatic reward

@@ -70,6 +70,8 @@ from lm_human_preference_details.tasks import (
     filter_flags,
     format_contexts,
     passes_filter,
+    resolve_truncation,
+    task_differences,
     truncate_response,
 )
 from lm_human_preference_details.tokenizer import gpt2_tokenizer_offline, load_tokenizer, tokenizer_fingerprint
@@ -401,6 +403,8 @@ def _resume(args: Generate, meta: dict, pad_id: int) -> tuple[list[dict], dict, 
     saved.setdefault("label_type", f"best_of_{saved.get('num_labels')}")  # files written before the scalar types
     current = json.loads(json.dumps(meta))
     different = {k: (saved.get(k), current[k]) for k in RESUME_SETTINGS if saved.get(k) != current[k]}
+    if "task" in different and not task_differences(saved.get("task"), args.task):
+        del different["task"]  # the same task; saved before truncate_text, it records the truncation id alone
     if different:
         raise ValueError(
             f"'{args.output}' was generated with other settings (saved, now): {different}. Re-run with the same "
@@ -421,7 +425,6 @@ def _resume(args: Generate, meta: dict, pad_id: int) -> tuple[list[dict], dict, 
 def generate(args: Generate) -> dict:
     """Write `args.num_queries` best-of-N label rows and their metadata; returns the metadata."""
     start_time = time.time()
-    task = args.task
     check_sample_args(args)
     label_type = generated_label_type(args)
     validation.check_generate_args(args)
@@ -429,8 +432,11 @@ def generate(args: Generate) -> dict:
     tf32 = core.use_tf32(args.tf32)
     console = cli.make_console()
 
-    # 1. tokenizer, labeler (fails fast on a bad spec), resume state, model, query stream
+    # 1. tokenizer (and the truncation token's id in it), labeler (fails fast on a bad spec), resume state, model,
+    # query stream
     tokenizer = load_tokenizer(args.base_model)
+    args = dataclasses.replace(args, task=resolve_truncation(args.task, tokenizer))
+    task = args.task
     pad_id = tokenizer.pad_token_id
     file_pad_id = OAI_PAD_TOKEN if oai_pad_compatible(tokenizer) else pad_id
     labeler = load_labeler(args.labeler, tokenizer, pad_id, device)
@@ -803,6 +809,7 @@ def sample_candidates(args: Sample) -> dict:
     core.use_tf32(args.tf32)
     console = cli.make_console()
     tokenizer = load_tokenizer(args.base_model)
+    args = dataclasses.replace(args, task=resolve_truncation(args.task, tokenizer))  # the truncation token's id
     pad_id = tokenizer.pad_token_id
     file_pad_id = OAI_PAD_TOKEN if oai_pad_compatible(tokenizer) else pad_id
     sampler = start_sampler(args, tokenizer, device, None)

@@ -60,6 +60,7 @@ from lm_human_preference_details.tasks import (
     encode_context_affixes,
     format_contexts,
     passes_filter,
+    resolve_truncation,
     truncate_response,
 )
 from lm_human_preference_details.tokenizer import load_tokenizer
@@ -660,6 +661,10 @@ def main(args: Args) -> list[dict[str, float]]:
         return []
     if args.push_to_hub and not hub_reachable():
         raise HubUnavailableError("--push_to_hub needs the Hugging Face hub, which is unreachable; drop the flag")
+    # the truncation token's id in the base model's tokenizer, once: in args.json, the checkpoints and the task check
+    tokenizer = load_tokenizer(args.base_model)
+    args = dataclasses.replace(args, task=resolve_truncation(args.task, tokenizer))
+    task = args.task
     # a killed run continues from its checkpoint (--resume); a fresh one never writes into another run's output_dir
     settings = {**dataclasses.asdict(args), "world_size": sizes.world}
     resumed = checkpoint.start_or_resume(args, settings, RESUME_IGNORED, accelerator, f"{sizes.nupdates} updates")
@@ -672,8 +677,8 @@ def main(args: Args) -> list[dict[str, float]]:
     # the PPO epochs' permutations: one NumPy RNG per virtual rank, seeded like the OAI rank it stands for (spec D4)
     order_rngs = virtual_rank_rngs(args.seed, accelerator.process_index, sizes.world, sizes.virtual_ranks)
 
-    # 1. tokenizer, policy (+ value head on the shared trunk), frozen reference policy and reward model, optimizer, data
-    tokenizer = load_tokenizer(args.base_model)
+    # 1. tokenizer (loaded above), policy (+ value head on the shared trunk), frozen reference policy and reward model,
+    # optimizer, data
     pad_id = tokenizer.pad_token_id
     reward = load_reward(args.rewards.trained_model, tokenizer, pad_id, device)
     if reward.metadata is not None:  # a reward-model directory, not a programmatic reward

@@ -56,8 +56,14 @@ from lm_human_preference_details.reward_plumbing import (
     save_reward_model,
     start_tracker,
 )
-from lm_human_preference_details.tasks import TASKS, TaskHParams, encode_context_affixes, format_contexts
-from lm_human_preference_details.tokenizer import load_tokenizer
+from lm_human_preference_details.tasks import (
+    TASKS,
+    TaskHParams,
+    encode_context_affixes,
+    format_contexts,
+    resolve_truncation,
+)
+from lm_human_preference_details.tokenizer import added_bos_id, load_tokenizer
 
 
 # ---------------------------------------------------------------- hyperparameters
@@ -322,17 +328,20 @@ def main(args: Args) -> dict:
     # https://github.com/openai/lm-human-preferences/blob/cbfd210bb8b08f6bc5c26878c10984b90f516c66/lm_human_preferences/utils/core.py#L108-L113
     set_seed(args.seed + rank * 100003)
     generator = torch.Generator(accelerator.device).manual_seed(args.seed + rank * 100003)
+    # the truncation token's id in the base model's tokenizer, once: in args.json, the checkpoints and the reward model
+    tokenizer = load_tokenizer(args.base_model)
+    args = dataclasses.replace(args, task=resolve_truncation(args.task, tokenizer))
     # a killed run continues from its checkpoint (--resume); a fresh one never writes into another run's output_dir
     settings = {**dataclasses.asdict(args), "world_size": world}
     resumed = checkpoint.start_or_resume(args, settings, checkpoint.RESUME_IGNORED, accelerator, f"{num_steps} steps")
 
-    # 1. tokenizer, labels (validated before any model is loaded), models, optimizer, query stream
+    # 1. labels (validated before any model is loaded), models, optimizer, query stream
     label_type = get_label_type(args.labels.type)
-    tokenizer = load_tokenizer(args.base_model)
     pad_id = tokenizer.pad_token_id
     labels = read_labels(args, tokenizer)
     train_labels, heldout_labels = labels[: args.labels.num_train], labels[args.labels.num_train :]
-    reward_model = RewardModel.from_base(args.base_model).to(accelerator.device)
+    # the reward model's inputs get the BOS that the tokenizer adds (Llama), recorded in its reward_model.json
+    reward_model = RewardModel.from_base(args.base_model, bos_token_id=added_bos_id(tokenizer)).to(accelerator.device)
     broadcast_parameters(reward_model, accelerator)  # rank 0's random head everywhere (OAI train_reward.py#L316-L318)
     reduce_training_memory(reward_model, args.gradient_checkpointing, args.bf16)  # the label loss's forward only
     ref_policy = PolicyWithValueHead(load_causal_lm(args.base_model)).to(accelerator.device).requires_grad_(False)

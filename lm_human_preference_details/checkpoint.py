@@ -50,6 +50,9 @@ RESUME_IGNORED = (
     "resume",
     "allow_resume_changes",
     "overwrite_output_dir",
+    # the truncation token's name: the settings hold its resolved id, task.truncate_token, which is compared (and
+    # checkpoints written before truncate_text record the id alone)
+    "task.truncate_text",
 )
 """settings of both scripts that may change on --resume: naming, logging, saving and waiting, not what is computed"""
 _STEP_DIR = re.compile(r"^step(\d+)$")

@@ -227,10 +227,23 @@ def add_options(help_text: str, options: dict[str, str]) -> str:
     return "\n".join(lines[: last + 1] + rows + lines[last + 1 :])
 
 
+def explicit_truncation_flag(argv: list[str]) -> list[str]:
+    """argv where passing only one of --task.truncate_token and --task.truncate_text also unsets the other (a preset's
+    or a saved run's value): an explicit id replaces the presets' text, and `--task.truncate_token None` turns the
+    filter off, as before the text form existed."""
+    names = {arg.split("=", 1)[0] for arg in argv}
+    flags = ("--task.truncate_token", "--task.truncate_text")
+    for given, other in (flags, flags[::-1]):
+        if given in names and other not in names:
+            return [*argv, other, "None"]
+    return argv
+
+
 def parse_args(args_type: type[T], presets: dict[str, T], default_task: str, doc: str, argv=None) -> tuple[str, T]:
     """Parse argv into `args_type`, starting from the `--task` preset (any field can still be overridden)."""
     argv = sys.argv[1:] if argv is None else list(argv)
     task, rest = pop_task_flag(pop_flag(argv, "--debug")[1], list(presets), default_task)
+    rest = explicit_truncation_flag(rest)
     description = describe(doc, list(presets), default_task)
     parse = functools.partial(tyro.cli, args_type, default=presets[task], description=description, use_underscores=True)
     return task, cli_with_options(parse, rest, popped_flag_options(list(presets), default_task))
@@ -312,6 +325,7 @@ def parse_subcommands(presets: dict[str, dict[str, Any]], default_task: str, doc
 
     argv = sys.argv[1:] if argv is None else list(argv)
     task, rest = pop_task_flag(pop_flag(argv, "--debug")[1], list(presets), default_task)
+    rest = explicit_truncation_flag(rest)
     commands = [
         Annotated[type(default), tyro.conf.subcommand(name, default=default)] for name, default in presets[task].items()
     ]

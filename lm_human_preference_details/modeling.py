@@ -46,8 +46,12 @@ REWARD_CONFIG_FILE = "reward_model.json"
 REWARD_TRUNK_DIR = "trunk"
 REWARD_MODEL_FLAG = "--rewards.trained_model"
 # trunks whose reward model is saved as a standard `*ForSequenceClassification` checkpoint (a bias-free `score`
-# layer): model type -> the final LayerNorm, whose bias absorbs the reward's constant term
-CLASSIFIER_EXPORT = {"gpt2": "ln_f"}
+# layer): model type -> the final LayerNorm, whose bias absorbs the reward's constant term. Llama and Qwen2 end in an
+# RMSNorm without bias, so no weight of their classifiers can hold the constant: they keep the trunk format.
+CLASSIFIER_EXPORT = {"gpt2": "ln_f", "gpt_neox": "final_layer_norm"}
+SUPPORTED_MODEL_TYPES = ("gpt2", "gpt_neox", "llama", "qwen2")
+"""config.model_type of the architectures whose pad semantics (spec G2) and tokenizers are tested
+(docs/architectures.md); other models are refused when loaded"""
 
 
 # ---------------------------------------------------------------- loading
@@ -69,6 +73,18 @@ def _config_without_dropout(name_or_dir: str):
         if key.endswith(("dropout", "pdrop")) and is_prob:
             setattr(config, key, 0.0)
     return config
+
+
+def check_supported_architecture(config, name_or_dir: str, flag: str, kind: str = "model") -> None:
+    """ValueError unless the model's architecture (config.model_type) is one of SUPPORTED_MODEL_TYPES."""
+    # pads are invisible (spec G2) only where the attention takes the project's mask and position ids: tested for
+    # these architectures alone (tests/test_architectures.py)
+    if config.model_type not in SUPPORTED_MODEL_TYPES:
+        raise ValueError(
+            f"{kind} '{name_or_dir}' ({flag}) is a '{config.model_type}' model, an untested architecture; the "
+            f"supported model types are {', '.join(SUPPORTED_MODEL_TYPES)} (docs/architectures.md): pass {flag} a "
+            "model of one of them."
+        )
 
 
 WEIGHT_FILES = (
@@ -143,6 +159,7 @@ def _load_pretrained(auto_cls, name_or_dir: str, flag: str, kind: str, strict: b
     check_model_dir(name_or_dir, flag, kind)
     check_available(name_or_dir, flag, kind=kind)
     config = _config_without_dropout(name_or_dir)
+    check_supported_architecture(config, name_or_dir, flag, kind)
     use_fused_gelu(config)  # same formula as GPT-2's gelu_new, one fused kernel
     model, info = auto_cls.from_pretrained(name_or_dir, config=config, dtype=torch.float32, output_loading_info=True)
     if strict and info["missing_keys"]:
@@ -279,6 +296,13 @@ def _transformer_hidden(
             use_cache=False,
         )
     return output.last_hidden_state.float(), mask
+
+
+def with_bos(tokens: torch.Tensor, bos_token_id: int | None) -> torch.Tensor:
+    """(B, T) tokens with `bos_token_id` put in front of every row, (B, 1 + T); unchanged when it is None."""
+    if bos_token_id is None:
+        return tokens
+    return torch.cat([tokens.new_full((tokens.shape[0], 1), bos_token_id), tokens], dim=1)
 
 
 def pad_invisible_hidden(model: PreTrainedModel, tokens: torch.Tensor, pad_id: int) -> torch.Tensor:
@@ -555,11 +579,16 @@ def reward_head_std(hidden_size: int) -> float:
 
 
 class RewardModel(nn.Module):
-    """reward = gain * head(h at the last real token of query ⊕ response) + bias (spec R1-R3)."""
+    """reward = gain * head(h at the last real token of query ⊕ response) + bias (spec R1-R3).
 
-    def __init__(self, trunk: PreTrainedModel):
+    `bos_token_id`: the BOS that the trunk's tokenizer adds in front of every encoding (`added_bos_id`; None for
+    GPT-2): the forward puts it in front of every query ⊕ response, the one place where reward inputs get it.
+    """
+
+    def __init__(self, trunk: PreTrainedModel, bos_token_id: int | None = None):
         super().__init__()
         self.trunk = trunk
+        self.bos_token_id = bos_token_id
         hidden_size = trunk.config.hidden_size
         # reward head: weight ~ N(0, 1/sqrt(n_embd+1)), bias 0
         # https://github.com/openai/lm-human-preferences/blob/cbfd210bb8b08f6bc5c26878c10984b90f516c66/lm_human_preferences/language/model.py#L248-L258
@@ -576,23 +605,28 @@ class RewardModel(nn.Module):
     def forward(self, query_responses: torch.Tensor, pad_id: int, check_first_token: bool = True) -> torch.Tensor:
         """Rewards (B,) read at position -1, i.e. at the last real token after the PAD replacement."""
         bf16 = self.bf16_autocast and torch.is_grad_enabled()
-        hidden, mask = _transformer_hidden(self.trunk, query_responses, pad_id, check_first_token, bf16)
+        if check_first_token:
+            _check_first_token_real(query_responses != pad_id, pad_id)
+        tokens = with_bos(query_responses, self.bos_token_id)
+        hidden, mask = _transformer_hidden(self.trunk, tokens, pad_id, check_first_token=False, bf16=bf16)
         # the head output at index -1 of query ⊕ response (a trailing PAD holds the last real token's state)
         # https://github.com/openai/lm-human-preferences/blob/cbfd210bb8b08f6bc5c26878c10984b90f516c66/lm_human_preferences/rewards.py#L130-L138
         last = _gather_positions(hidden, _last_real_index(mask)[:, -1:])[:, 0]  # (B, D)
         return self.gain * self.head(last).squeeze(-1) + self.bias
 
     @classmethod
-    def from_base(cls, name_or_dir: str, flag: str = "--base_model") -> "RewardModel":
-        """A fresh reward model on a pretrained trunk (AutoModel, no LM head), float32, dropout off, eval mode."""
-        return cls(_load_pretrained(AutoModel, name_or_dir, flag, kind="model"))
+    def from_base(cls, name_or_dir: str, flag: str = "--base_model", bos_token_id: int | None = None) -> "RewardModel":
+        """A fresh reward model on a pretrained trunk (AutoModel, no LM head), float32, dropout off, eval mode;
+        `bos_token_id`: `added_bos_id` of the base model's tokenizer."""
+        return cls(_load_pretrained(AutoModel, name_or_dir, flag, kind="model"), bos_token_id)
 
     def save(self, output_dir: str, metadata: dict) -> None:
         """The reward model and `reward_model.json` (metadata, gain, bias); `metadata["pad_token_id"]` is the PAD id.
 
-        GPT-2 trunks are saved as a standard `GPT2ForSequenceClassification` checkpoint that computes this reward
-        exactly (see `classifier_checkpoint`); other trunks as `trunk/` (save_pretrained) plus head, gain and bias in
-        `reward_head.safetensors`, with no config.json at the top, so that standard classification loaders fail.
+        GPT-2 and GPT-NeoX trunks are saved as a standard `*ForSequenceClassification` checkpoint that computes this
+        reward exactly (see `classifier_checkpoint`); other trunks as `trunk/` (save_pretrained) plus head, gain and
+        bias in `reward_head.safetensors`, with no config.json at the top, so that standard classification loaders
+        fail.
         """
         # OAI checkpoints trunk, head, gain and bias together
         # https://github.com/openai/lm-human-preferences/blob/cbfd210bb8b08f6bc5c26878c10984b90f516c66/lm_human_preferences/rewards.py#L161-L167
@@ -614,6 +648,7 @@ class RewardModel(nn.Module):
         info = {
             **metadata,
             "checkpoint": "classifier" if classifier is not None else "trunk",
+            "bos_token_id": self.bos_token_id,
             "gain": self.gain.item(),
             "bias": self.bias.item(),
             "hidden_size": self.trunk.config.hidden_size,
@@ -724,17 +759,19 @@ def load_reward_model(output_dir: str, flag: str = REWARD_MODEL_FLAG) -> tuple[R
     """
     check_complete_save(output_dir, flag)
     metadata = read_reward_metadata(output_dir, flag)
+    # reward models saved before BOS handling record none: they were trained, and are scored, without one
+    bos_token_id = metadata.get("bos_token_id")
     if metadata.get("checkpoint") == "trunk":
-        return _load_trunk_checkpoint(output_dir, flag), metadata
+        return _load_trunk_checkpoint(output_dir, flag, bos_token_id), metadata
     classifier = _load_pretrained(AutoModelForSequenceClassification, output_dir, flag, "reward model", strict=True)
-    model = RewardModel(classifier.base_model)
+    model = RewardModel(classifier.base_model, bos_token_id)
     with torch.no_grad():
         model.head.weight.copy_(classifier.score.weight)
         model.head.bias.zero_()
     return model, metadata
 
 
-def _load_trunk_checkpoint(output_dir: str, flag: str) -> RewardModel:
+def _load_trunk_checkpoint(output_dir: str, flag: str, bos_token_id: int | None) -> RewardModel:
     """A reward model saved as `trunk/` plus `reward_head.safetensors`."""
     path = os.path.join(output_dir, REWARD_HEAD_FILE)
     if not os.path.isfile(path):
@@ -747,7 +784,7 @@ def _load_trunk_checkpoint(output_dir: str, flag: str) -> RewardModel:
             f"reward head in '{output_dir}' expects hidden size {head_size} but the trunk has hidden size "
             f"{trunk_size}; the checkpoint is inconsistent, re-save it with RewardModel.save."
         )
-    model = RewardModel(trunk)
+    model = RewardModel(trunk, bos_token_id)
     with torch.no_grad():
         model.head.weight.copy_(tensors["head.weight"])
         model.head.bias.copy_(tensors["head.bias"])

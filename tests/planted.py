@@ -20,8 +20,8 @@ ENDINGS = ["in the morning", "after dinner", "with a smile", "for a while", "bef
 
 
 def books_task(**fields) -> TaskHParams:
-    """OAI's books task (the sentiment preset) with some fields replaced."""
-    return dataclasses.replace(TASKS["sentiment"], **fields)
+    """OAI's books task (the sentiment preset, its truncation text resolved for GPT-2: 13), some fields replaced."""
+    return dataclasses.replace(TASKS["sentiment"], **{"truncate_token": 13, **fields})
 
 
 def write_query_file(path: Path, n: int = 300, seed: int = 0) -> Path:

@@ -21,6 +21,7 @@ from lm_human_preference_details.tasks import (
     encode_context_affixes,
     encode_texts,
     format_contexts,
+    resolve_truncation,
     text_to_token,
 )
 
@@ -80,13 +81,22 @@ def test_encode_texts_treats_special_strings_as_text(tokenizer):
 # ---------------------------------------------------------------- presets and contexts
 
 
-def test_tasks_match_launch_presets():
+def test_tasks_match_launch_presets(tokenizer):
+    # launch.py's truncate_token 13 and 198 are GPT-2's "." and "\n": the presets name the text, which GPT-2's
+    # tokenizer resolves to OAI's ids
+    tasks = {name: resolve_truncation(task, tokenizer) for name, task in TASKS.items()}
+    assert {name: (task.truncate_text, task.truncate_token) for name, task in tasks.items()} == {
+        "sentiment": (".", 13),
+        "descriptiveness": (".", 13),
+        "tldr": ("\n", 198),
+        "cnndm": ("\n", 198),
+    }
     for name in ("sentiment", "descriptiveness"):
-        task = TASKS[name]
+        task = tasks[name]
         assert (task.query_dataset, task.query_length, task.response_length) == ("books", 64, 24)
         assert (task.start_text, task.end_text, task.truncate_token, task.truncate_after) == (".", ".", 13, 16)
         assert (task.query_prefix, task.query_suffix, task.temperature) == ("", "", 0.7)
-    tldr, cnndm = TASKS["tldr"], TASKS["cnndm"]
+    tldr, cnndm = tasks["tldr"], tasks["cnndm"]
     assert (tldr.query_length, tldr.response_length) == (500, 75)
     assert (tldr.query_prefix, tldr.query_suffix) == ("", "\n\nTL;DR:")
     assert (tldr.start_text, tldr.end_text, tldr.truncate_token, tldr.truncate_after, tldr.temperature) == (

@@ -99,6 +99,7 @@ def run(tmp_path_factory, tokenizer) -> Run:
         start_text=None,
         end_text=None,
         truncate_token=the,
+        truncate_text=None,
         truncate_after=TRUNCATE_AFTER,
     )
     rm_dir = save_reward_model(root / "reward", model_dir, args.task)

@@ -25,6 +25,7 @@ from lm_human_preference_details.modeling import (
     score_label_rows,
 )
 from lm_human_preference_details.tokenizer import gpt2_tokenizer_offline
+from tests import archs
 from tests.conftest import tiny_gpt2
 from tests.planted import REPO, books_task, run_script
 from tests.test_labelers import make_reward_model_dir
@@ -368,6 +369,12 @@ def test_generate_refuses_to_resume_with_other_settings(vader_labels, world, tmp
     # the same settings find the file complete and leave its rows unchanged
     before = output.read_text()
     assert run_label_generation(flags)["counts"]["rows"] == 16 and output.read_text() == before
+    # so does a file written before --task.truncate_text: its task records the truncation id (13) alone
+    meta = read_meta(output)
+    assert (meta["task"].pop("truncate_text"), meta["task"]["truncate_token"]) == (".", 13)
+    with open(f"{output}.meta.json", "w", encoding="utf-8") as f:
+        json.dump(meta, f)
+    assert run_label_generation(flags)["counts"]["rows"] == 16 and output.read_text() == before
     os.remove(f"{output}.meta.json")
     with pytest.raises(ValueError, match="not written by"):
         run_label_generation(flags)
@@ -517,6 +524,29 @@ def test_convert_to_other_tokenizer_decodes_to_same_texts(source_labels, tokeniz
     assert labels.samples.max() < len(target)
 
 
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_convert_gpt2_labels_to_a_family_with_bos_or_pad_eos(family, source_labels, tokenizer, tmp_path):
+    # OAI's GPT-2 file -> the Llama stand-in (adds a BOS, no PAD) or the Qwen2 one (PAD = EOS): no BOS inside the
+    # rows (model inputs get it), the target's own distinct PAD, the task's lengths, the same texts
+    target_dir = archs.save_family(family, str(tmp_path / family))
+    output = tmp_path / "converted.json"
+    meta = run_label_generation(convert_flags(source_labels, target_dir, output, 40, 24))
+    target = label_generation.load_tokenizer(target_dir)
+    assert meta["counts"]["truncated_queries"] == meta["counts"]["truncated_samples"] == 0
+    labels = load_labels(str(output), 40, 24, target.pad_token_id, 12)
+    assert labels.query.shape == (12, 40) and labels.samples.shape == (12, 4, 24)
+    tokens = torch.cat([labels.query.flatten(), labels.samples.flatten()])
+    assert target.bos_token_id is None or not (tokens == target.bos_token_id).any()
+    # the source's one sampled GPT-2 EOS, "<|endoftext|>", is Qwen2's EOS too, but plain text to Llama 3
+    assert int((tokens == target.eos_token_id).sum()) == (1 if family == "qwen2" else 0)
+    assert (labels.query[:, 0] != target.pad_token_id).all() and (labels.query == target.pad_token_id).any()
+    assert target.pad_token_id != target.eos_token_id and tokens.max() <= target.pad_token_id
+    converted, source = read_rows(output), read_rows(source_labels)
+    assert [row["best"] for row in converted] == [row["best"] for row in source]
+    pad = meta["pad_id"]
+    assert decoded_rows(target, converted, pad) == decoded_rows(tokenizer, source, OAI_PAD_TOKEN)
+
+
 def test_convert_takes_the_lengths_its_input_meta_records_unless_flags_give_them(
     source_labels, tiny_model_dir, tmp_path
 ):
@@ -584,7 +614,7 @@ def test_cli_subcommands_and_task_presets():
     argv = ["generate", "--task", "tldr", "--task.temperature", "0.3", "--labeler", "human"]
     args = label_generation.parse(argv)
     assert isinstance(args, label_generation.Generate) and args.task_id == "tldr" and args.labeler == "human"
-    assert (args.task.query_length, args.task.truncate_token, args.task.temperature) == (500, 198, 0.3)
+    assert (args.task.query_length, args.task.truncate_text, args.task.temperature) == (500, "\n", 0.3)
     args = label_generation.parse(["convert", "--base_model", "m", "--task", "cnndm"])
     assert isinstance(args, label_generation.Convert)
     lengths, source = label_generation.convert_lengths(args)  # no .meta.json to read them from: the preset's

@@ -21,10 +21,27 @@ from lm_human_preference_details.modeling import (
     reward_head_std,
     sample,
 )
+from lm_human_preference_details.tokenizer import load_tokenizer
+from tests import archs
 from tests.conftest import tiny_gpt2
 
 PAD = 50257
 EOS = 50256
+ROUNDING = 4e-6
+"""float32 rounding of the tiny models' logits, values and rewards; pads made visible change them by > 1e-3"""
+
+
+def _family_lm(family: str, tmp_path) -> tuple:
+    """A tiny random causal LM of the family, its PAD id and eight real token ids: GPT-2 over the real vocabulary
+    (PAD 50257), the other families over their stand-in tokenizers (tests/archs.py) with the PAD that
+    `load_tokenizer` adds (outside the embedding), as the scripts get them."""
+    if family == "gpt2":
+        return tiny_gpt2(), PAD, [23073, 8, 11, 339, 561, 7091, 1807, 546]
+    tokenizer = load_tokenizer(archs.save_family(family, str(tmp_path)))
+    lm = archs.family_model(family, archs.family_tokenizer(family))
+    assert tokenizer.pad_token_id >= lm.config.vocab_size
+    ids = tokenizer("the old man saw the cat by the river", add_special_tokens=False)["input_ids"]
+    return lm, tokenizer.pad_token_id, ids[:8]
 
 
 def _random_value_head(policy: PolicyWithValueHead) -> PolicyWithValueHead:
@@ -75,16 +92,19 @@ def test_pad_invisible_hidden_pad_rows_copy_previous_real(tiny_lm):
     assert not torch.allclose(hidden[0, 3], hidden[0, 0])
 
 
-def test_policy_forward_internal_pads_same_response_logits(tiny_lm):
-    # TV3 (c): a context with pads inside gives the same response logits and values as the unpadded context
-    policy = _random_value_head(PolicyWithValueHead(tiny_lm))
-    response = [11, 339, 561]
+@pytest.mark.parametrize("family", archs.FAMILIES)
+def test_policy_forward_internal_pads_same_response_logits(family, tmp_path):
+    # TV3 (c): a context with pads inside gives the same response logits and values as the unpadded context, on
+    # every supported architecture (rotary positions included: positions skip the pads)
+    lm, pad, ids = _family_lm(family, tmp_path)
+    policy = _random_value_head(PolicyWithValueHead(lm))
+    context, response = ids[:2], ids[2:5]
     with torch.no_grad():
-        logits_pad, values_pad = policy(torch.tensor([[23073, 8, PAD, PAD] + response]), 4, PAD, 0.7)
-        logits_plain, values_plain = policy(torch.tensor([[23073, 8] + response]), 2, PAD, 0.7)
-    assert logits_pad.shape == (1, 3, 50257)
-    torch.testing.assert_close(logits_pad, logits_plain, atol=1e-5, rtol=0)
-    torch.testing.assert_close(values_pad, values_plain, atol=1e-5, rtol=0)
+        logits_pad, values_pad = policy(torch.tensor([context + [pad, pad] + response]), 4, pad, 0.7)
+        logits_plain, values_plain = policy(torch.tensor([context + response]), 2, pad, 0.7)
+    assert logits_pad.shape == (1, 3, lm.config.vocab_size)
+    torch.testing.assert_close(logits_pad, logits_plain, atol=ROUNDING, rtol=0)
+    torch.testing.assert_close(values_pad, values_plain, atol=ROUNDING, rtol=0)
 
 
 def test_pad_invisible_hidden_rejects_leading_pad(tiny_lm):
@@ -192,15 +212,19 @@ def test_sample_categorical_frequencies_match_softmax():
     torch.testing.assert_close(logprobs, torch.log_softmax(logits, -1)[tokens], rtol=0, atol=1e-6)
 
 
-def test_sample_matches_full_forward(tiny_lm):
-    policy = _random_value_head(PolicyWithValueHead(tiny_lm))
-    contexts = torch.tensor([[23073, 11, PAD, PAD, 13], [7091, 1807, 546, 340, 13], [13, PAD, PAD, PAD, PAD]])
-    responses, logprobs, values = sample(policy, contexts, 6, 0.7, PAD, torch.Generator().manual_seed(3))
+@pytest.mark.parametrize("family", archs.FAMILIES)
+def test_sample_matches_full_forward(family, tmp_path):
+    # the KV-cached sampler's log-probs and values equal a full forward's, pads inside the contexts, on every
+    # supported architecture
+    lm, pad, (a, b, c, d, e, *_) = _family_lm(family, tmp_path)
+    policy = _random_value_head(PolicyWithValueHead(lm))
+    contexts = torch.tensor([[a, c, pad, pad, e], [b, c, d, a, e], [e, pad, pad, pad, pad]])
+    responses, logprobs, values = sample(policy, contexts, 6, 0.7, pad, torch.Generator().manual_seed(3))
     with torch.no_grad():
-        logits, values_forward = policy(torch.cat([contexts, responses], 1), contexts.shape[1], PAD, 0.7)
+        logits, values_forward = policy(torch.cat([contexts, responses], 1), contexts.shape[1], pad, 0.7)
     logprobs_forward = logits.gather(-1, responses[..., None])[..., 0] - torch.logsumexp(logits, -1)
-    torch.testing.assert_close(logprobs, logprobs_forward, atol=1e-5, rtol=0)
-    torch.testing.assert_close(values, values_forward, atol=1e-5, rtol=0)
+    torch.testing.assert_close(logprobs, logprobs_forward, atol=ROUNDING, rtol=0)
+    torch.testing.assert_close(values, values_forward, atol=ROUNDING, rtol=0)
     assert not torch.allclose(values[:, 0], values[:, 1])
 
 
@@ -246,14 +270,17 @@ def test_reward_head_init_matches_oai():
     assert {"gain", "bias", "head.weight", "head.bias"} <= names
 
 
-def test_reward_model_reads_last_real_token(tiny_lm):
-    reward_model = RewardModel(tiny_lm.transformer)
+@pytest.mark.parametrize("family", archs.FAMILIES)
+def test_reward_model_reads_last_real_token(family, tmp_path):
+    # a padded and an unpadded copy of query ⊕ response get the same reward, on every supported architecture
+    lm, pad, (a, b, c, d, *_) = _family_lm(family, tmp_path)
+    reward_model = RewardModel(lm.base_model)
     with torch.no_grad():
-        padded = reward_model(torch.tensor([[23073, PAD, 11, 339, 13, PAD, PAD]]), PAD)
-        plain = reward_model(torch.tensor([[23073, 11, 339, 13]]), PAD)
-        shorter = reward_model(torch.tensor([[23073, 11, 339]]), PAD)
+        padded = reward_model(torch.tensor([[a, pad, b, c, d, pad, pad]]), pad)
+        plain = reward_model(torch.tensor([[a, b, c, d]]), pad)
+        shorter = reward_model(torch.tensor([[a, b, c]]), pad)
     assert padded.shape == (1,)
-    torch.testing.assert_close(padded, plain, atol=1e-5, rtol=0)
+    torch.testing.assert_close(padded, plain, atol=ROUNDING, rtol=0)
     assert not torch.allclose(plain, shorter)
 
 

@@ -44,6 +44,7 @@ def policy_world(tmp_path_factory, tiny_model_dir):
         start_text=None,
         end_text=None,
         truncate_token=None,
+        truncate_text=None,
         truncate_after=0,
     )
     return {"queries": str(queries), "reward": save_reward_model(root / "reward", tiny_model_dir, task)}

@@ -46,7 +46,7 @@ def reward_file(tmp_path, body: str, name: str = "reward.py") -> str:
 def no_filter_args(output_dir, model_dir: str, query_file: str, spec: str, **ppo):
     """tiny_args without truncation (the small-vocabulary model never samples '.'): every score is the reward's."""
     args = tiny_args(output_dir, model_dir, spec, query_file, **ppo)
-    args.task = dataclasses.replace(args.task, truncate_token=None, truncate_after=0)
+    args.task = dataclasses.replace(args.task, truncate_token=None, truncate_text=None, truncate_after=0)
     return args
 
 
@@ -110,7 +110,7 @@ def test_python_reward_sees_raw_queries_and_truncated_responses_and_failing_ones
     args = tiny_args(tmp_path / "policy", small_vocab_model_dir, spec, query_file, total_episodes=16, batch_size=16)
     # truncate after the first ' the' at index >= 2; the policy sees a prefix that the reward never does (spec G4)
     args.task = dataclasses.replace(
-        args.task, truncate_token=small_vocab_words["the"], truncate_after=2, query_prefix="PREFIX:"
+        args.task, truncate_token=small_vocab_words["the"], truncate_text=None, truncate_after=2, query_prefix="PREFIX:"
     )
     (stats,) = main(args)
     seen = json.loads(record.read_text())

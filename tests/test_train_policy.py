@@ -468,7 +468,7 @@ def tiny_task(query_file: str, preset: str = "sentiment") -> TaskHParams:
     """A preset's task shrunk to 16-token queries and 8-token responses of the test corpus."""
     task = oai_presets()[preset].task
     shrunk = dict(query_length=16, response_length=8, start_text=None, end_text=None, truncate_after=2)
-    return dataclasses.replace(task, query_dataset=query_file, truncate_token=13, **shrunk)
+    return dataclasses.replace(task, query_dataset=query_file, truncate_token=13, truncate_text=None, **shrunk)
 
 
 def save_reward_model(path, model_dir: str, task: TaskHParams, **metadata_overrides) -> str:
@@ -722,7 +722,7 @@ def test_main_warns_when_no_response_passes_the_filter(
 
 def test_main_raises_on_non_finite_scores(tmp_path, tiny_model_dir, query_file):
     # every response passes the filter without a truncate token, so the NaN score is not replaced
-    task = dataclasses.replace(tiny_task(query_file), truncate_token=None)
+    task = dataclasses.replace(tiny_task(query_file), truncate_token=None, truncate_text=None)
     rm_dir = save_reward_model(tmp_path / "reward", tiny_model_dir, task)
     weights = load_file(os.path.join(rm_dir, "model.safetensors"))
     # finite weights (NaN weights are refused at load) whose output overflows: every score is infinite or NaN
