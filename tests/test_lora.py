@@ -339,3 +339,31 @@ def test_two_processes_keep_identical_adapters(world, tmp_path):
     assert all(ranks[0][n].abs().sum() > 0 for n in ranks[0] if "lora_B" in n)
     saved = load_file(output_dir / lora.ADAPTER_DIR / "adapter_model.safetensors")
     assert len(saved) == 4
+
+
+@pytest.mark.parametrize("family", ["gpt_neox", "llama", "qwen2"])
+def test_lora_on_each_family_against_vader_trains_only_adapters_and_saves_a_merged_model(family, tmp_path):
+    from tests import archs
+
+    base_dir = archs.save_family(family, str(tmp_path / "base"))
+    queries = tmp_path / "queries.txt"
+    queries.write_text("\n".join(archs.world_text(64)) + "\n", encoding="utf-8")
+    output_dir = tmp_path / "policy"
+    flags = [
+        *("--base_model", base_dir, "--rewards.trained_model", "vader", "--task", "sentiment"),
+        *("--task.query_dataset", str(queries), "--task.query_length", "16", "--task.response_length", "8"),
+        *("--task.truncate_after", "2", "--ppo.total_episodes", "16", "--ppo.batch_size", "8", "--ppo.lr", "1e-2"),
+        *("--ppo.noptepochs", "1", "--ppo.whiten_group_size", "0", "--log_interval", "100", "--lora.rank", "4"),
+        *("--output_dir", str(output_dir)),
+    ]
+    history = train_policy.main(train_policy.parse(flags))
+    assert len(history) == 2 and abs(history[0]["objective/kl"]) < 1e-5  # the reference is the base model
+    policy = PolicyWithValueHead.load(str(output_dir))
+    base = load_causal_lm(base_dir).state_dict()
+    merged = policy.lm.state_dict()
+    targets = json.loads((output_dir / lora.ADAPTER_DIR / lora.ADAPTER_CONFIG).read_text())["target_modules"]
+    changed = {name for name, value in base.items() if not torch.equal(merged[name], value)}
+    # the merge changes exactly the target layers' weights (B moved off 0), nothing else of the frozen base
+    assert changed and all(any(f".{t}.weight" in name for t in targets) for name in changed), sorted(changed)
+    adapter = load_file(output_dir / lora.ADAPTER_DIR / "adapter_model.safetensors")
+    assert adapter and all("lora_" in name for name in adapter)
