@@ -95,6 +95,7 @@ def test_run_demo_reward_flag_trains_straight_against_that_reward(tmp_path, monk
     assert value["--rewards.trained_model"] == f"python:{tmp_path / 'mine.py'}:score"
     assert value["--rewards.normalize_samples"] == "256" and value["--rewards.gold_model"] == "vader"
     assert value["--ppo.total_episodes"] == str(64 * 12) and value["--ppo.lr"] == "0.0003"  # the quick settings
+    assert value["--ppo.whiten_group_size"] == "0"  # the batch of 64 whitened as one group, not 8 groups of 8
     # evaluate.py reads the reward (the absolute path above), its normalization and the gold judge from the policy's
     # args.json: no --reward_model or --gold overrides them; the queries are the world's held-out texts
     run_dir = tmp_path / "demo" / "quick-seed1-score"
