@@ -17,7 +17,7 @@ Each stage runs one of the project's scripts in a subprocess with the flags a us
  4. train_reward.py      a reward model trained on those labels
  5. train_policy.py      PPO against the reward model; VADER, never seen by the policy, is the gold judge
  6. evaluate.py          base policy, trained policy and the policy's checkpoints sample the same held-out queries;
-                         the reward model and VADER score them; KL to the base model; gold score vs KL
+                         the reward PPO maximized and VADER score them; KL to the base model; gold score vs KL
 Results go to OUTPUT_DIR/seed{SEED}/ (quick-seed{SEED}/ with --quick): results.json, curves.png, evaluation/
 (results.md: the evaluation table; gold_vs_kl.png; results.json), the stage logs, the labels, the reward model and the
 policy with its checkpoints.
