@@ -22,7 +22,7 @@ import torch
 import tyro
 from accelerate import Accelerator
 
-from lm_human_preference_details import checkpoint, cli, core, validation
+from lm_human_preference_details import checkpoint, cli, core, lora, validation
 from lm_human_preference_details.data import QueryStream, load_texts
 from lm_human_preference_details.hub import HubUnavailableError, hub_reachable
 from lm_human_preference_details.kernels import logprobs_and_entropy_from_logits, logprobs_from_logits
@@ -140,6 +140,20 @@ class PpoHParams:
 
 
 @dataclass
+class LoraHParams:
+    rank: int = 0
+    """rank R of the LoRA adapters (peft) on the policy's trunk: the trunk's base weights stay frozen and the
+    reference policy is the policy with its adapters disabled (no second copy); 0: every weight trains, as OAI"""
+    alpha: float = 16.0
+    """LoRA scaling: an adapter adds (alpha / rank) B A to its layer's weight (peft's lora_alpha)"""
+    dropout: float = 0.0
+    """dropout on the adapters' input in the PPO loss's forward passes (never in sampling or scoring)"""
+    target_modules: tuple[str, ...] = ()
+    """names of the layers that get adapters, e.g. c_attn c_proj; empty: peft's default for the architecture
+    (gpt2: c_attn, gpt_neox: query_key_value, llama and qwen2: q_proj v_proj)"""
+
+
+@dataclass
 class Args:
     exp_name: str = "train_policy"
     """experiment name, part of the run name"""
@@ -220,6 +234,8 @@ class Args:
     """reward model and KL penalty"""
     ppo: PpoHParams = field(default_factory=PpoHParams)
     """PPO optimisation"""
+    lora: LoraHParams = field(default_factory=LoraHParams)
+    """LoRA adapters instead of full fine-tuning (docs/lora.md)"""
 
 
 def oai_presets() -> dict[str, Args]:
@@ -630,6 +646,7 @@ def main(args: Args) -> list[dict[str, float]]:
     # 0. sizes: global as in OAI, split over the processes (spec D1); printed, then checked by --dry_run; seeds
     args, task_changes = task_from_reward_model(args)
     validation.check_policy_args(args)
+    lora.check_lora_args(args.lora)
     cli.quiet_transformers()
     accelerator = core.make_accelerator(args.dist_timeout)
     tf32 = core.use_tf32(args.tf32)
@@ -668,10 +685,13 @@ def main(args: Args) -> list[dict[str, float]]:
         check_reward_model(reward.metadata, tokenizer, args, accelerator.print)  # tokenizer, task settings, task name
     # dropout is off everywhere: p=0 in the configs and eval mode (spec G7)
     policy = PolicyWithValueHead(load_causal_lm(args.base_model)).to(device).eval()
+    if args.lora.rank:  # DEVIATION: OAI fine-tunes every weight; LoRA trains adapters and the value head only
+        lora.apply_lora(policy, args.lora, args.base_model)
     # every process starts from rank 0's weights (spec D6); no DDP: gradients are all-reduced by hand (spec O4)
     # https://github.com/openai/lm-human-preferences/blob/cbfd210bb8b08f6bc5c26878c10984b90f516c66/lm_human_preferences/train_policy.py#L482-L485
     core.broadcast_parameters(policy, accelerator)
-    ref_policy = copy.deepcopy(policy).requires_grad_(False)
+    # the frozen reference policy: a copy of the initial policy, or under LoRA the policy with its adapters disabled
+    reference = lora.ReferencePolicy(policy)
     reduce_training_memory(policy, args.gradient_checkpointing, args.bf16)  # the PPO forward only
     gold_labeler = None
     if args.rewards.gold_model:
@@ -691,9 +711,17 @@ def main(args: Args) -> list[dict[str, float]]:
     if args.rewards.normalize_samples:  # a programmatic reward's gain and bias (spec R4); a resumed run keeps its own
         stream = copy.deepcopy(query_stream)  # the queries that the first updates draw
         normalization = resumed.meta.get("reward_normalization") if resumed else None
-        args.rewards.normalization = normalization or normalize_reward(
-            reward, ref_policy, stream, (prefix, suffix), task, args.rewards.normalize_samples, local_seed, accelerator
-        )  # in the run config, in args.json beside the policy and in the training state
+        with reference() as ref_policy:
+            args.rewards.normalization = normalization or normalize_reward(
+                reward,
+                ref_policy,
+                stream,
+                (prefix, suffix),
+                task,
+                args.rewards.normalize_samples,
+                local_seed,
+                accelerator,
+            )  # in the run config, in args.json beside the policy and in the training state
         reward.gain, reward.bias = args.rewards.normalization["gain"], args.rewards.normalization["bias"]
         accelerator.print(describe_normalization(args.rewards.normalization))
 
@@ -755,9 +783,10 @@ def main(args: Args) -> list[dict[str, float]]:
                         policy, query_responses, context_length, pad_id, task.temperature, sizes.micro
                     )
                 # one forward of the frozen reference policy; its (B, L, V) logits are freed right away
-                ref_logprobs = logprobs_from_logits(
-                    ref_policy(query_responses, context_length, pad_id, task.temperature)[0], responses
-                )  # (B, L)
+                with reference() as ref_policy:
+                    ref_logprobs = logprobs_from_logits(
+                        ref_policy(query_responses, context_length, pad_id, task.temperature)[0], responses
+                    )  # (B, L)
                 timer.mark()
 
                 # 3. response processing: truncate -> score (raw query, no prefix/suffix, spec G4) -> filter penalty

@@ -17,14 +17,16 @@ Each stage runs one of the project's scripts in a subprocess with the flags a us
  4. train_reward.py      a reward model trained on those labels
  5. train_policy.py      PPO against the reward model; VADER, never seen by the policy, is the gold judge
  6. evaluate.py          base policy, trained policy and the policy's checkpoints sample the same held-out queries;
-                         the reward model and VADER score them; KL to the base model; gold score vs KL
+                         the reward PPO maximized and VADER score them; KL to the base model; gold score vs KL
 Results go to OUTPUT_DIR/seed{SEED}/ (quick-seed{SEED}/ with --quick): results.json, curves.png, evaluation/
 (results.md: the evaluation table; gold_vs_kl.png; results.json), the stage logs, the labels, the reward model and the
 policy with its checkpoints.
 
-With --reward vader (or classifier:... or python:FILE.py:FUNCTION, docs/rewards.md) stages 3, 4 and 6 are skipped:
-PPO maximizes that reward itself, normalized on the base model's samples, and VADER still scores every rollout as the
-gold judge. Results go to OUTPUT_DIR/seed{SEED}-{REWARD}/: results.json (first and last updates' scores) and the policy.
+With --reward vader (or classifier:... or python:FILE.py:FUNCTION, docs/rewards.md) stages 3 and 4 are skipped: PPO
+maximizes that reward itself, normalized on the base model's samples, and VADER still scores every rollout as the gold
+judge; stage 6 scores the held-out samples with that reward (the run's normalization) and VADER. Results go to
+OUTPUT_DIR/seed{SEED}-{REWARD}/: results.json (first and last updates' scores, the evaluation's figures), evaluation/
+and the policy.
 """
 
 import dataclasses
@@ -80,7 +82,7 @@ class Args:
     reward: str = REWARD_MODEL
     """what PPO maximizes: reward_model (labels from VADER -> a reward model; the full story) or a programmatic reward
     that train_policy.py's --rewards.trained_model takes, e.g. vader or python:demo/word_reward.py:word_count (stages
-    3, 4 and 6 skipped)"""
+    3 and 4 skipped)"""
 
 
 @dataclass
@@ -444,6 +446,10 @@ def run_policy(
                 "--ppo.total_episodes": settings.ppo_episodes,
                 "--ppo.batch_size": settings.ppo_batch_size,
                 "--ppo.lr": settings.ppo_lr,
+                # the whole 64-episode batch is one whitening group, as each of OAI's 8 ranks whitened its own 64
+                # episodes (512 / 8); the default, 8 virtual ranks of 64 / 8 = 8 episodes, whitens rewards and
+                # advantages over 8 episodes: measured on seed 1, gold +0.41 instead of +0.77 (docs/demo.md)
+                "--ppo.whiten_group_size": 0,
                 "--log_interval": 8,
                 "--save_interval": settings.checkpoint_interval,
                 "--seed": args.seed,
@@ -458,8 +464,8 @@ def run_policy(
 
 def run_evaluation(args: Args, settings: Settings, world_dir: Path, run_dir: Path) -> tuple[dict, float]:
     """Stage 6, evaluate.py: base vs trained policy and the gold-vs-KL curve; its results.json and the seconds."""
-    # the task, the base model, the reward model and the gold judge (VADER) come from the policy's args.json; the
-    # queries come from texts the policy never saw
+    # the task, the base model, the reward (a reward model, or a programmatic reward with its normalization) and the
+    # gold judge (VADER) come from the policy's args.json; the queries come from texts the policy never saw
     output_dir = run_dir / "evaluation"
     flags = {
         "--policy": run_dir / "policy",
@@ -475,17 +481,11 @@ def run_evaluation(args: Args, settings: Settings, world_dir: Path, run_dir: Pat
         return json.load(f), seconds
 
 
-def summarize(
-    args: Args, settings: Settings, evaluation: dict, policy_scalars: dict, reward_meta: dict, timings: dict[str, float]
-) -> dict:
-    """The figures written to results.json; `evaluation` is evaluate.py's results.json."""
+def evaluation_figures(evaluation: dict) -> dict:
+    """Base vs trained policy on the held-out queries, from evaluate.py's results.json."""
     metrics = evaluation["metrics"]
     gold = metrics["gold_score"]
-    kl = [value for _, value in policy_scalars["objective/kl"]]
     return {
-        "seed": args.seed,
-        "mode": "quick" if args.quick else "full",
-        "guaranteed_margin": QUICK_MIN_GOLD_MARGIN if args.quick else FULL_MIN_GOLD_MARGIN,
         "gold": {
             "queries": evaluation["queries"]["num"],
             "base": gold["base"]["mean"],
@@ -498,6 +498,29 @@ def summarize(
         "filter_pass_rate": {k: metrics["filter_pass_rate"][k]["mean"] for k in ("base", "trained")},
         "eval_kl": {k: metrics["kl"][k]["mean"] for k in ("base", "trained")},
         "win_rate": evaluation["win_rate"],
+        "samples": [
+            {
+                "query": e["query"].strip(),
+                "base": e["base"]["response"].strip(),
+                "base_gold": e["base"]["gold_score"],
+                "trained": e["trained"]["response"].strip(),
+                "trained_gold": e["trained"]["gold_score"],
+            }
+            for e in evaluation["examples"]
+        ],
+    }
+
+
+def summarize(
+    args: Args, settings: Settings, evaluation: dict, policy_scalars: dict, reward_meta: dict, timings: dict[str, float]
+) -> dict:
+    """The figures written to results.json; `evaluation` is evaluate.py's results.json."""
+    kl = [value for _, value in policy_scalars["objective/kl"]]
+    return {
+        "seed": args.seed,
+        "mode": "quick" if args.quick else "full",
+        "guaranteed_margin": QUICK_MIN_GOLD_MARGIN if args.quick else FULL_MIN_GOLD_MARGIN,
+        **evaluation_figures(evaluation),
         "reward_model": {
             "heldout_rows": reward_meta["eval_after"]["rows"],
             "accuracy_before": reward_meta["eval_before"]["accuracy"],
@@ -522,16 +545,6 @@ def summarize(
             "kl_target": KL_TARGET,
             "kl_horizon": KL_HORIZON,
         },
-        "samples": [
-            {
-                "query": e["query"].strip(),
-                "base": e["base"]["response"].strip(),
-                "base_gold": e["base"]["gold_score"],
-                "trained": e["trained"]["response"].strip(),
-                "trained_gold": e["trained"]["gold_score"],
-            }
-            for e in evaluation["examples"]
-        ],
     }
 
 
@@ -541,12 +554,13 @@ def slug(spec: str) -> str:
 
 
 def main_direct(args: Args, settings: Settings, root: Path, run_dir: Path, start: float) -> dict:
-    """World, base model and PPO straight against a programmatic reward; results.json with its first and last
-    updates' scores (normalized on the base model's samples) and the VADER gold score."""
+    """World, base model, PPO straight against a programmatic reward and the evaluation; results.json with the first
+    and last updates' scores (normalized on the base model's samples), the VADER gold score and the held-out figures."""
     if args.reward.startswith("python:"):  # the stages run from the repository: FILE relative to the caller's cwd
         path, _, function = args.reward.removeprefix("python:").rpartition(":")
         args = dataclasses.replace(args, reward=f"python:{Path(path).resolve()}:{function}")
-    _, _, timings = run_stages(args, settings, root, run_dir)
+    world_dir, _, timings = run_stages(args, settings, root, run_dir)
+    evaluation, timings["evaluation"] = run_evaluation(args, settings, world_dir, run_dir)
     timings["total"] = time.time() - start
     scalars = read_scalars(run_dir / "policy" / "tb")
     series = {tag: [value for _, value in scalars[tag]] for tag in ("objective/score", "objective/gold_score")}
@@ -560,16 +574,20 @@ def main_direct(args: Args, settings: Settings, root: Path, run_dir: Path, start
             for tag, values in series.items()
         },
         "policy": {"updates": len(kl), "final_kl": kl[-1], "kl_target": KL_TARGET},
+        **evaluation_figures(evaluation),
         "timings": {k: round(v, 1) for k, v in timings.items()},
     }
     with open(run_dir / "results.json", "w", encoding="utf-8") as f:
         json.dump(results, f, indent=2)
-    score, gold = results["score"], results["gold_score"]
+    score, gold, heldout = results["score"], results["gold_score"], results["gold"]
     print(
         f"\nPPO against {args.reward} (normalized: mean 0, std 1 on the base model's samples): score "
         f"{score['first']:+.3f} at the first update -> {score['last5']:+.3f} over the last 5; VADER gold score "
         f"{gold['first']:+.3f} -> {gold['last5']:+.3f}; final KL {kl[-1]:.2f} nats (target {KL_TARGET:g})\n"
-        f"wrote {run_dir / 'results.json'} and the policy in {run_dir / 'policy'}"
+        f"held-out queries ({heldout['queries']}): VADER gold score base {heldout['base']:+.3f} -> trained "
+        f"{heldout['trained']:+.3f}, win rate {results['win_rate']['gold_score']:.3f}; {args.reward} score base "
+        f"{results['reward_score']['base']:+.3f} -> trained {results['reward_score']['trained']:+.3f}\n"
+        f"wrote {run_dir / 'results.json'}, {run_dir / 'evaluation'} and the policy in {run_dir / 'policy'}"
     )
     return results
 

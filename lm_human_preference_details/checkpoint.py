@@ -13,6 +13,7 @@ by a rename, under a marker file that the project's loaders refuse, so a half-re
 
 import contextlib
 import copy
+import dataclasses
 import json
 import os
 import random
@@ -387,17 +388,31 @@ def _flatten(settings: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     return flat
 
 
-def setting_differences(saved: dict[str, Any], current: dict[str, Any], ignored: Sequence[str]) -> dict[str, tuple]:
-    """{name: (saved, current)} of every setting that differs, except those in `ignored` (dotted names)."""
-    saved, current = _flatten(saved), _flatten(current)
+def setting_differences(
+    saved: dict[str, Any], current: dict[str, Any], ignored: Sequence[str], defaults: dict[str, Any] | None = None
+) -> dict[str, tuple]:
+    """{name: (saved, current)} of every setting that differs, except those in `ignored` (dotted names) and those the
+    saved settings predate (absent there) that `current` leaves at their value in `defaults`."""
+    saved, current, defaults = _flatten(saved), _flatten(current), _flatten(defaults or {})
+    missing = object()
     names = [k for k in dict.fromkeys([*saved, *current]) if k not in ignored]
+    names = [k for k in names if k in saved or current.get(k) != defaults.get(k, missing)]
     # JSON turns tuples into lists: compare through it
     return {k: (saved.get(k), current.get(k)) for k in names if json.loads(json.dumps(saved.get(k))) != current.get(k)}
 
 
-def check_resume_settings(resumed: Resumed, current: dict[str, Any], ignored: Sequence[str], allow: bool) -> str | None:
-    """ValueError listing the settings that differ from the checkpoint's, unless `allow`; -> the list (None: none)."""
-    differences = setting_differences(resumed.meta["settings"], json.loads(json.dumps(current)), ignored)
+def check_resume_settings(
+    resumed: Resumed,
+    current: dict[str, Any],
+    ignored: Sequence[str],
+    allow: bool,
+    defaults: dict[str, Any] | None = None,
+) -> str | None:
+    """ValueError listing the settings that differ from the checkpoint's, unless `allow`; -> the list (None: none).
+    A setting newer than the checkpoint passes when the run leaves it at its value in `defaults` (what the code that
+    wrote the checkpoint did)."""
+    current, defaults = json.loads(json.dumps(current)), json.loads(json.dumps(defaults or {}))
+    differences = setting_differences(resumed.meta["settings"], current, ignored, defaults)
     if not differences:
         return None
     listed = "; ".join(f"{name}: checkpoint {old!r}, now {new!r}" for name, (old, new) in differences.items())
@@ -512,7 +527,8 @@ def start_or_resume(
             )
         return None
     resumed = _load_on_every_process(path, accelerator)
-    changes = check_resume_settings(resumed, settings, ignored, args.allow_resume_changes)
+    defaults = dataclasses.asdict(type(args)()) if dataclasses.is_dataclass(args) else None
+    changes = check_resume_settings(resumed, settings, ignored, args.allow_resume_changes, defaults)
     if changes:
         accelerator.print(f"warning: --allow_resume_changes: the checkpoint's settings differ: {changes}")
     accelerator.print(f"resuming from {resumed.path} after {resumed.step} of {total}")

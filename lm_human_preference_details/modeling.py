@@ -24,6 +24,7 @@ from transformers import (
 )
 from transformers.modeling_layers import GradientCheckpointingLayer
 
+from lm_human_preference_details import lora
 from lm_human_preference_details.checkpoint import check_complete_save
 from lm_human_preference_details.hub import check_available
 from lm_human_preference_details.kernels import (
@@ -45,8 +46,9 @@ REWARD_CONFIG_FILE = "reward_model.json"
 REWARD_TRUNK_DIR = "trunk"
 REWARD_MODEL_FLAG = "--rewards.trained_model"
 # trunks whose reward model is saved as a standard `*ForSequenceClassification` checkpoint (a bias-free `score`
-# layer): model type -> the final LayerNorm, whose bias absorbs the reward's constant term
-CLASSIFIER_EXPORT = {"gpt2": "ln_f"}
+# layer): model type -> the final LayerNorm, whose bias absorbs the reward's constant term. Llama and Qwen2 end in an
+# RMSNorm without bias, so no weight of their classifiers can hold the constant: they keep the trunk format.
+CLASSIFIER_EXPORT = {"gpt2": "ln_f", "gpt_neox": "final_layer_norm"}
 SUPPORTED_MODEL_TYPES = ("gpt2", "gpt_neox", "llama", "qwen2")
 """config.model_type of the architectures whose pad semantics (spec G2) and tokenizers are tested
 (docs/architectures.md); other models are refused when loaded"""
@@ -122,10 +124,12 @@ def check_model_dir(name_or_dir: str, flag: str, kind: str = "model", tokenizer:
     fix = f"pass {flag} DIR with a directory written by save_pretrained (model and tokenizer), or a hub id"
     if not os.path.isdir(path):
         raise ValueError(f"{kind} '{name_or_dir}' is a file, not a model directory; {fix}.")
-    if not os.path.isfile(os.path.join(path, "config.json")):
+    adapters = os.path.isfile(os.path.join(path, "adapter_config.json"))  # peft adapters of a base model (LoRA)
+    if not adapters and not os.path.isfile(os.path.join(path, "config.json")):
         raise ValueError(f"{kind} directory '{name_or_dir}' has no config.json, so it is not a model; {fix}.")
-    if not any(os.path.isfile(os.path.join(path, name)) for name in WEIGHT_FILES):
-        raise ValueError(f"{kind} directory '{name_or_dir}' has no weights ({WEIGHT_FILES[0]}); {fix}.")
+    weight_files = ("adapter_model.safetensors",) if adapters else WEIGHT_FILES
+    if not any(os.path.isfile(os.path.join(path, name)) for name in weight_files):
+        raise ValueError(f"{kind} directory '{name_or_dir}' has no weights ({weight_files[0]}); {fix}.")
     for name in sorted(os.listdir(path)):
         if name.endswith(".safetensors"):
             _check_safetensors_complete(os.path.join(path, name))
@@ -194,7 +198,11 @@ def check_finite_weights(
 
 
 def load_causal_lm(name_or_dir: str, flag: str = "--base_model") -> PreTrainedModel:
-    """A causal LM (e.g. GPT-2 with its tied LM head) from a local dir or hub id, float32, dropout off, eval mode."""
+    """A causal LM (e.g. GPT-2 with its tied LM head) from a local dir or hub id, float32, dropout off, eval mode; a
+    directory of peft adapters (a LoRA run's OUTPUT_DIR/adapter) gives its base model with the adapters merged."""
+    if lora.is_adapter_dir(name_or_dir):
+        directory = os.path.expanduser(name_or_dir)
+        return lora.merge_adapters(load_causal_lm(lora.adapter_base_model(directory, flag), flag), directory)
     return _load_pretrained(AutoModelForCausalLM, name_or_dir, flag, kind="model")
 
 
@@ -630,9 +638,10 @@ class RewardModel(nn.Module):
     def save(self, output_dir: str, metadata: dict) -> None:
         """The reward model and `reward_model.json` (metadata, gain, bias); `metadata["pad_token_id"]` is the PAD id.
 
-        GPT-2 trunks are saved as a standard `GPT2ForSequenceClassification` checkpoint that computes this reward
-        exactly (see `classifier_checkpoint`); other trunks as `trunk/` (save_pretrained) plus head, gain and bias in
-        `reward_head.safetensors`, with no config.json at the top, so that standard classification loaders fail.
+        GPT-2 and GPT-NeoX trunks are saved as a standard `*ForSequenceClassification` checkpoint that computes this
+        reward exactly (see `classifier_checkpoint`); other trunks as `trunk/` (save_pretrained) plus head, gain and
+        bias in `reward_head.safetensors`, with no config.json at the top, so that standard classification loaders
+        fail.
         """
         # OAI checkpoints trunk, head, gain and bias together
         # https://github.com/openai/lm-human-preferences/blob/cbfd210bb8b08f6bc5c26878c10984b90f516c66/lm_human_preferences/rewards.py#L161-L167

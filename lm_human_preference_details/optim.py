@@ -71,7 +71,9 @@ class AdamTensorFlowStyle(torch.optim.Optimizer):
 
 
 def make_optimizer(params: list[torch.nn.Parameter], lr: float, use_tensorflow_adam: bool) -> torch.optim.Optimizer:
-    """OAI's optimizer, TF1-style Adam with eps 1e-5 (spec O1-O3); or torch.optim.Adam with the same eps (ablation)."""
+    """OAI's optimizer, TF1-style Adam with eps 1e-5 (spec O1-O3); or torch.optim.Adam with the same eps (ablation).
+    Frozen parameters (requires_grad off: LoRA's base weights) get no optimizer state."""
     # https://github.com/openai/lm-human-preferences/blob/cbfd210bb8b08f6bc5c26878c10984b90f516c66/lm_human_preferences/utils/core.py#L621-L629
     optimizer_class = AdamTensorFlowStyle if use_tensorflow_adam else torch.optim.Adam
+    params = [p for p in params if p.requires_grad]  # frozen ones (LoRA's base weights) get no state
     return optimizer_class(params, lr=lr, eps=1e-5)

@@ -15,7 +15,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 from transformers import PreTrainedTokenizerBase
 
-from lm_human_preference_details import checkpoint, cli, core, validation
+from lm_human_preference_details import checkpoint, cli, core, lora, validation
 from lm_human_preference_details.data import QueryStream, load_texts
 from lm_human_preference_details.modeling import PolicyWithValueHead, read_reward_metadata
 from lm_human_preference_details.rewards import reward_model_dir
@@ -48,6 +48,7 @@ def print_setup(console, args: Any, sizes: Any, tf32: Any, task_changes: list[st
             "updates": sizes.nupdates,
             "optimizer steps": sizes.nupdates * ppo.noptepochs * ppo.nminibatches,
             "reward model": args.rewards.trained_model,
+            **({"LoRA": lora.describe(args.lora)} if args.lora.rank else {}),
             "TF32": tf32,
             **({"task from the reward model": "; ".join(task_changes)} if task_changes else {}),
             "output dir": args.output_dir,
@@ -285,7 +286,11 @@ def save_policy(policy: PolicyWithValueHead, tokenizer: PreTrainedTokenizerBase,
     save (e.g. disk full) leaves `output_dir` as it was."""
 
     def write(path: str) -> None:
-        policy.save(path, tokenizer)
+        if lora.peft_model_of(policy) is None:
+            policy.save(path, tokenizer)
+        else:  # the merged model in the same layout, the adapters in adapter/
+            lora.save_policy(policy, tokenizer, path)
+            core.save_args(args, os.path.join(path, lora.ADAPTER_DIR))
         core.save_args(args, path)
 
     validation.save_atomically(output_dir, write)

@@ -5,13 +5,7 @@ import os
 
 import pytest
 import torch
-from transformers import (
-    AutoModelForCausalLM,
-    AutoModelForSequenceClassification,
-    AutoTokenizer,
-    GPTNeoXConfig,
-    GPTNeoXModel,
-)
+from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 
 from lm_human_preference_details.kernels import logprobs_from_logits
 from lm_human_preference_details.modeling import (
@@ -22,9 +16,51 @@ from lm_human_preference_details.modeling import (
     load_reward_model,
 )
 from lm_human_preference_details.tokenizer import load_tokenizer, tokenizer_fingerprint
+from tests import archs
 
 PAD, EOS = 50257, 50256
 PROMPTS = ["Hello", "The old man walked slowly down the road", "She opened the window and"]
+SPARE_ROWS = 40
+POLICY_FAMILIES = [*archs.FAMILIES, "gpt_neox+rows", "qwen2+rows"]
+"""the stand-ins, and two whose embedding has a row for the project's PAD"""
+
+
+@pytest.fixture(scope="module")
+def family_dirs(tmp_path_factory):
+    """family -> the directory of a tiny random base model of the family with its own tokenizer (tests/archs.py),
+    written on first use; FAMILY+rows: with SPARE_ROWS embedding rows beyond the tokenizer, so that the project's PAD
+    has one (as in Pythia's and Qwen2's checkpoints)."""
+    root, dirs = tmp_path_factory.mktemp("families"), {}
+
+    def base_dir(name: str) -> str:
+        if name not in dirs:
+            family, _, rows = name.partition("+")
+            tokenizer = archs.family_tokenizer(family)
+            model = archs.family_model(family, tokenizer)
+            if rows:
+                model.resize_token_embeddings(len(tokenizer) + SPARE_ROWS, mean_resizing=False)
+            model.save_pretrained(root / name)
+            tokenizer.save_pretrained(root / name)
+            dirs[name] = str(root / name)
+        return dirs[name]
+
+    return base_dir
+
+
+@pytest.fixture(scope="module")
+def family_policy_dirs(tmp_path_factory, family_dirs, tiny_model_dir, policy_dir):
+    """family -> (base model directory, the policy saved as train_policy.py saves it): GPT-2 with its real tokenizer
+    (`policy_dir`), the other families with their stand-ins."""
+    saved = {"gpt2": (tiny_model_dir, policy_dir)}
+
+    def policy_dirs(family: str) -> tuple[str, str]:
+        if family not in saved:
+            base, path = family_dirs(family), str(tmp_path_factory.mktemp(f"policy-{family}"))
+            PolicyWithValueHead(load_causal_lm(base)).save(path, load_tokenizer(base))
+            saved[family] = base, path
+        return saved[family]
+
+    return policy_dirs
 
 
 @pytest.fixture(scope="module")
@@ -40,12 +76,27 @@ def policy_dir(tmp_path_factory, tiny_model_dir, tokenizer):
     return str(path)
 
 
-def test_saved_policy_generates_padded_batches_with_plain_transformers(policy_dir):
+def generation_pad(base_dir: str) -> int:
+    """The PAD of a saved policy's tokenizer: the project's PAD where the embedding has a row for it, else EOS."""
+    tokenizer = load_tokenizer(base_dir)
+    has_row = tokenizer.pad_token_id < load_causal_lm(base_dir).get_input_embeddings().num_embeddings
+    return tokenizer.pad_token_id if has_row else tokenizer.eos_token_id
+
+
+@pytest.mark.parametrize("family", POLICY_FAMILIES)
+def test_saved_policy_generates_padded_batches_with_plain_transformers(family_policy_dirs, family):
+    base_dir, policy_dir = family_policy_dirs(family)
     tok = AutoTokenizer.from_pretrained(policy_dir)
     model = AutoModelForCausalLM.from_pretrained(policy_dir).eval()
-    assert len(tok) == model.get_input_embeddings().num_embeddings == 50257  # every token id has an embedding row
+    assert len(tok) <= model.get_input_embeddings().num_embeddings  # every token id has an embedding row
+    pad = generation_pad(base_dir)
+    assert (tok.pad_token_id, tok.padding_side, model.generation_config.pad_token_id) == (pad, "left", pad)
     inputs = tok(PROMPTS, padding=True, return_tensors="pt")
     assert int((inputs["attention_mask"] == 0).sum()) > 0  # the batch is padded
+    first_real = inputs["input_ids"].gather(1, inputs["attention_mask"].argmax(1, keepdim=True))[:, 0]
+    # a tokenizer that adds BOS (Llama) still adds it, after the left padding
+    adds_bos = tok.bos_token_id is not None and bool((first_real == tok.bos_token_id).all())
+    assert adds_bos == family.startswith("llama")
     kwargs = dict(max_new_tokens=5, do_sample=False, output_scores=True, return_dict_in_generate=True)
     batched = model.generate(**inputs, **kwargs)
     # each row continues exactly as its prompt alone would: same tokens and same next-token logits
@@ -73,15 +124,18 @@ def test_saved_policy_logprobs_match_project_forward(policy_dir, tokenizer):
     assert policy.value_head.bias.item() == pytest.approx(0.2) and values.abs().sum() > 0
 
 
-def test_saved_policy_tokenizer_gives_back_the_project_tokenizer(policy_dir, tokenizer):
-    reloaded = load_tokenizer(policy_dir)
-    assert (reloaded.pad_token_id, reloaded.padding_side) == (PAD, "right")
+@pytest.mark.parametrize("family", POLICY_FAMILIES)
+def test_saved_policy_tokenizer_gives_back_the_project_tokenizer(family_policy_dirs, family):
+    base_dir, policy_dir = family_policy_dirs(family)
+    base, reloaded = load_tokenizer(base_dir), load_tokenizer(policy_dir)
+    assert (reloaded.pad_token_id, reloaded.padding_side) == (base.pad_token_id, "right")
+    assert reloaded.pad_token_id not in (reloaded.eos_token_id, None)
     # reward models record the base tokenizer's fingerprint: a policy directory matches it
-    assert tokenizer_fingerprint(reloaded) == tokenizer_fingerprint(tokenizer)
-    tok = AutoTokenizer.from_pretrained(policy_dir)
-    assert (tok.pad_token_id, tok.padding_side) == (EOS, "left")
+    assert tokenizer_fingerprint(reloaded) == tokenizer_fingerprint(base)
+    tok, pad = AutoTokenizer.from_pretrained(policy_dir), generation_pad(base_dir)
+    assert (tok.pad_token_id, tok.padding_side) == (pad, "left")
     with open(os.path.join(policy_dir, "generation_config.json"), encoding="utf-8") as f:
-        assert json.load(f)["pad_token_id"] == EOS
+        assert json.load(f)["pad_token_id"] == pad
 
 
 # ---------------------------------------------------------------- reward model
@@ -113,27 +167,51 @@ def reward_dir(tmp_path_factory, tiny_model_dir, tokenizer):
     return path, model
 
 
-def unpadded_rewards(model: RewardModel, rows: list[list[int]]) -> torch.Tensor:
+def unpadded_rewards(model: RewardModel, rows: list[list[int]], pad_id: int = PAD) -> torch.Tensor:
     """The reward of each token row on its own (no padding anywhere)."""
     with torch.no_grad():
-        return torch.cat([model(torch.tensor([row]), PAD) for row in rows])
+        return torch.cat([model(torch.tensor([row]), pad_id) for row in rows])
 
 
-def test_reward_model_loads_with_standard_classifier_and_gives_project_scores(reward_dir):
-    path, model = reward_dir
+@pytest.fixture(scope="module")
+def family_reward_dirs(tmp_path_factory, family_dirs, reward_dir):
+    """family -> (the reward model saved as train_reward.py saves it, the model): GPT-2 with its real tokenizer
+    (`reward_dir`), the other families with their stand-ins."""
+    saved = {"gpt2": reward_dir}
+
+    def reward_dirs(family: str) -> tuple[str, RewardModel]:
+        if family not in saved:
+            base, path = family_dirs(family), str(tmp_path_factory.mktemp(f"reward-{family}"))
+            model, tokenizer = trained_looking_reward_model(base), load_tokenizer(base)
+            model.save(
+                path,
+                {"tokenizer_fingerprint": tokenizer_fingerprint(tokenizer), "pad_token_id": tokenizer.pad_token_id},
+            )
+            tokenizer.save_pretrained(path)
+            saved[family] = path, model
+        return saved[family]
+
+    return reward_dirs
+
+
+@pytest.mark.parametrize("family", ["gpt2", "gpt_neox", "gpt_neox+rows"])
+def test_reward_model_loads_with_standard_classifier_and_gives_project_scores(family_reward_dirs, family):
+    path, model = family_reward_dirs(family)
     classifier, info = AutoModelForSequenceClassification.from_pretrained(path, output_loading_info=True)
     assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"]  # no random head
     tok = AutoTokenizer.from_pretrained(path)
-    texts = ["Hello world", "The quick brown fox jumps over the dog<|endoftext|>", "One"]  # EOS is a real token
+    pad = tok.pad_token_id
+    assert pad not in (tok.eos_token_id, None) and tok.padding_side == "right"
+    texts = ["Hello world", f"The quick brown fox jumps over the dog{tok.eos_token}", "One"]  # EOS is a real token
     inputs = tok(texts, padding=True, return_tensors="pt")
-    assert int((inputs["input_ids"] == PAD).sum()) > 0
+    assert int((inputs["input_ids"] == pad).sum()) > 0
     with torch.no_grad():
         scores = classifier.eval()(**inputs).logits[:, 0]
-    expected = unpadded_rewards(model, tok(texts)["input_ids"])
+    expected = unpadded_rewards(model, tok(texts)["input_ids"], pad)
     torch.testing.assert_close(scores, expected, atol=1e-5, rtol=0)
     loaded, metadata = load_reward_model(path)
     with torch.no_grad():
-        torch.testing.assert_close(loaded(inputs["input_ids"], PAD), expected, atol=1e-5, rtol=0)
+        torch.testing.assert_close(loaded(inputs["input_ids"], pad), expected, atol=1e-5, rtol=0)
     assert metadata["checkpoint"] == "classifier"
     assert (metadata["gain"], metadata["bias"]) == (pytest.approx(1.7), pytest.approx(-0.6))
 
@@ -150,33 +228,28 @@ def test_reward_scorer_scores_raw_text_with_the_task_lengths(reward_dir, tokeniz
         RewardScorer.from_pretrained(path)([""], ["text"])
 
 
-def tiny_gpt_neox_trunk() -> GPTNeoXModel:
-    """A 2-layer GPT-NeoX trunk (an architecture without a classifier export)."""
-    torch.manual_seed(0)
-    config = GPTNeoXConfig(
-        vocab_size=50304,
-        hidden_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        intermediate_size=64,
-        max_position_embeddings=64,
-    )
-    return GPTNeoXModel(config).eval()
-
-
-@pytest.mark.parametrize("case", ["other_architecture", "zero_head"])
-def test_reward_model_without_classifier_export_fails_standard_loader_loudly(tmp_path, tiny_lm, case):
-    model = RewardModel(tiny_gpt_neox_trunk() if case == "other_architecture" else tiny_lm.transformer)
+@pytest.mark.parametrize("case", ["llama", "qwen2", "zero_head"])
+def test_reward_model_without_classifier_export_fails_standard_loader_loudly(tmp_path, tiny_lm, family_dirs, case):
+    # Llama and Qwen2 end in an RMSNorm without bias, and their classifiers' score layer has no bias either: no
+    # weights of a standard classifier hold the reward's constant term
+    if case == "zero_head":
+        model, tokens, pad = RewardModel(tiny_lm.transformer), [[23073, 11, 339], [7091, 1807, 546, 340]], PAD
+    else:
+        tokenizer = load_tokenizer(family_dirs(case))
+        model, pad = RewardModel.from_base(family_dirs(case)), tokenizer.pad_token_id
+        tokens = tokenizer(["The cat walked home", "A dog"])["input_ids"]
     with torch.no_grad():
         model.gain.fill_(1.3)
         model.bias.fill_(0.4)
         if case == "zero_head":  # the constant cannot be folded along a zero score direction
             model.head.weight.zero_()
-    model.save(str(tmp_path), {"pad_token_id": PAD})
+    model.save(str(tmp_path), {"pad_token_id": pad})
     with pytest.raises((OSError, ValueError)):
         AutoModelForSequenceClassification.from_pretrained(str(tmp_path))
     loaded, metadata = load_reward_model(str(tmp_path))
     assert metadata["checkpoint"] == "trunk"
-    tokens = torch.tensor([[23073, 11, 339, PAD], [7091, 1807, 546, 340]])
+    width = max(map(len, tokens))
+    padded = torch.tensor([row + [pad] * (width - len(row)) for row in tokens])  # right-padded, as the scripts pad
     with torch.no_grad():
-        assert torch.equal(loaded(tokens, PAD), model(tokens, PAD))
+        assert torch.equal(loaded(padded, pad), model(padded, pad))
+        torch.testing.assert_close(loaded(padded, pad), unpadded_rewards(model, tokens, pad), atol=1e-5, rtol=0)

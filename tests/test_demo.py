@@ -1,4 +1,5 @@
-"""demo/run_demo.py: the quick pipeline end to end (world, pretraining, labels, reward model, PPO, evaluation)."""
+"""demo/run_demo.py: the quick pipeline end to end (world, pretraining, labels, reward model, PPO, evaluation); the
+stages of --reward SPEC."""
 
 import importlib.util
 import json
@@ -35,8 +36,28 @@ def test_run_demo_quick_raises_gold_score(tmp_path):
     assert abs(curve[0]["kl"]["mean"]) < 1e-3 < 0.3 < curve[-1]["kl"]["mean"]
 
 
+def fake_evaluation(gold_base: float, gold_trained: float) -> dict:
+    """The part of evaluate.py's results.json that run_demo.py reads."""
+    metrics = {
+        "gold_score": {"base": {"mean": gold_base, "stderr": 0.01}, "trained": {"mean": gold_trained, "stderr": 0.02}},
+        **{name: {"base": {"mean": 0.0}, "trained": {"mean": 0.5}} for name in ("score", "filter_pass_rate", "kl")},
+    }
+    example = {
+        "query": " q",
+        "base": {"response": " a", "gold_score": -0.1},
+        "trained": {"response": " b", "gold_score": 0.6},
+    }
+    return {
+        "metrics": metrics,
+        "queries": {"num": 128},
+        "win_rate": {"gold_score": 0.8, "score": 0.9},
+        "examples": [example],
+    }
+
+
 def test_run_demo_reward_flag_trains_straight_against_that_reward(tmp_path, monkeypatch):
-    # the stages are recorded, not run: world and base model count as present; no labels, reward model or evaluation
+    # the stages are recorded, not run: world and base model count as present; no labels or reward model, then the
+    # evaluation of the policy (with the reward of its args.json) against VADER
     monkeypatch.syspath_prepend(str(REPO / "demo"))
     spec = importlib.util.spec_from_file_location("run_demo_under_test", REPO / "demo" / "run_demo.py")
     run_demo = importlib.util.module_from_spec(spec)
@@ -46,6 +67,10 @@ def test_run_demo_reward_flag_trains_straight_against_that_reward(tmp_path, monk
     def record_stage(name, script, flags, log_dir):
         log_dir.mkdir(parents=True, exist_ok=True)
         stages.append((name, script.name, [str(flag) for flag in flags]))
+        if name == "evaluation":
+            output_dir = Path(flags[flags.index("--output_dir") + 1])
+            output_dir.mkdir(parents=True)
+            (output_dir / "results.json").write_text(json.dumps(fake_evaluation(-0.05, 0.7)))
         return 1.0
 
     curve = [(step, 0.1 * step) for step in range(12)]
@@ -61,11 +86,26 @@ def test_run_demo_reward_flag_trains_straight_against_that_reward(tmp_path, monk
     )  # a python: FILE is relative to the caller's directory, the stages run in the repository
     args = run_demo.Args(output_dir=str(tmp_path / "demo"), quick=True, reward="python:mine.py:score")
     results = run_demo.main(args)
-    assert [(name, script) for name, script, _ in stages] == [("policy", "train_policy.py")]
+    assert [(name, script) for name, script, _ in stages] == [
+        ("policy", "train_policy.py"),
+        ("evaluation", "evaluate.py"),
+    ]
     flags = stages[0][2]
     value = {flag: flags[i + 1] for i, flag in enumerate(flags[:-1]) if flag.startswith("--")}
     assert value["--rewards.trained_model"] == f"python:{tmp_path / 'mine.py'}:score"
     assert value["--rewards.normalize_samples"] == "256" and value["--rewards.gold_model"] == "vader"
     assert value["--ppo.total_episodes"] == str(64 * 12) and value["--ppo.lr"] == "0.0003"  # the quick settings
-    written = json.loads((tmp_path / "demo" / "quick-seed1-score" / "results.json").read_text())
+    assert value["--ppo.whiten_group_size"] == "0"  # the batch of 64 whitened as one group, not 8 groups of 8
+    # evaluate.py reads the reward (the absolute path above), its normalization and the gold judge from the policy's
+    # args.json: no --reward_model or --gold overrides them; the queries are the world's held-out texts
+    run_dir = tmp_path / "demo" / "quick-seed1-score"
+    flags = stages[1][2]
+    value = {flag: flags[i + 1] for i, flag in enumerate(flags[:-1]) if flag.startswith("--")}
+    assert "--reward_model" not in value and "--gold" not in value
+    assert value["--policy"] == str(run_dir / "policy") and value["--output_dir"] == str(run_dir / "evaluation")
+    assert value["--task.query_dataset"] == str(tmp_path / "demo" / "world" / "heldout.txt")
+    assert value["--num_queries"] == "128"
+    written = json.loads((run_dir / "results.json").read_text())
     assert written == results and results["score"] == {"first": 0.0, "last5": pytest.approx(0.9)}
+    assert results["gold"]["base"] == -0.05 and results["gold"]["margin"] == pytest.approx(0.75)
+    assert results["win_rate"]["gold_score"] == 0.8 and results["samples"][0]["trained"] == "b"

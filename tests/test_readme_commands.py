@@ -41,14 +41,13 @@ RUN_BY_TESTS = {
         "test_ppo_update_stays_within_the_host_sync_budget"
     ),
     "python demo/run_demo.py --quick --reward vader": "test_run_demo_reward_flag_trains_straight_against_that_reward",
+    "python train_policy.py --task sentiment --base_model EleutherAI/pythia-410m --rewards.trained_model vader "
+    "--lora.rank 8": "test_lora_on_each_family_against_vader_trains_only_adapters_and_saves_a_merged_model",
     "python label_generation.py sample --task sentiment --num_queries 500 --output labels/candidates.json": (
         "test_sample_writes_the_rows_generate_labels"
     ),
     "python label_generation.py serve --candidates labels/candidates.json --output labels/human.json": (
         "test_sigkill_in_the_middle_of_labeling_loses_no_confirmed_judgement"
-    ),
-    "python train_reward.py --task sentiment --label_dataset prefs.jsonl --labels.type best_of_2": (
-        "test_a_text_preference_file_trains_a_reward_model"
     ),
     "python label_generation.py agreement --judgements labels/human.json.judgements.jsonl": (
         "test_agreement_command_prints_the_figures"

@@ -289,6 +289,26 @@ def test_resume_with_changed_settings_lists_them_and_override_continues(finished
     assert checkpoint.latest_checkpoint(str(run_dir)) == checkpoint.step_dir(str(run_dir), 2)
 
 
+def test_checkpoint_older_than_a_setting_resumes_while_the_run_leaves_it_at_its_default(finished_run, tmp_path):
+    # a checkpoint written before --lora.* and --task.truncate_text existed records neither
+    output_dir, flags = finished_run
+    run_dir = tmp_path / "run"
+    shutil.copytree(output_dir, run_dir)
+    shutil.rmtree(checkpoint.step_dir(str(run_dir), 2))
+    meta_path = os.path.join(checkpoint.step_dir(str(run_dir), 1), checkpoint.META_FILE)
+    with open(meta_path) as f:
+        meta = json.load(f)
+    del meta["settings"]["lora"]
+    with open(meta_path, "w") as f:
+        json.dump(meta, f)
+    resume = [*flags[:-2], "--output_dir", str(run_dir), "--resume", "auto"]
+    with pytest.raises(ValueError, match="other settings") as stop:  # a new setting away from its default is a change
+        train_policy.main(train_policy.parse([*resume, "--lora.alpha", "8"]))
+    assert "lora.alpha: checkpoint None, now 8" in str(stop.value) and "lora.rank" not in str(stop.value)
+    history = train_policy.main(train_policy.parse(resume))
+    assert len(history) == 1 and history[0]["elapsed/updates"] == 2
+
+
 def test_failed_checkpoint_write_leaves_the_previous_one_whole(finished_run, tmp_path, monkeypatch):
     output_dir, flags = finished_run
     run_dir = tmp_path / "run"
