@@ -143,12 +143,12 @@ def check_model_dir(name_or_dir: str, flag: str, kind: str = "model", tokenizer:
 
 
 def _config_model_type(directory: str) -> str | None:
-    """The model_type of a directory's config.json; None when it is not a JSON object naming one (transformers then
-    names the problem when it loads the model)."""
+    """The model_type of a directory's config.json; None without one (LoRA adapters: their base model is checked when
+    it loads) or when it is not a JSON object naming one (transformers then names the problem)."""
     try:
         with open(os.path.join(directory, "config.json"), encoding="utf-8") as f:
             config = json.load(f)
-    except ValueError:
+    except (OSError, ValueError):
         return None
     model_type = config.get("model_type") if isinstance(config, dict) else None
     return model_type if isinstance(model_type, str) else None
