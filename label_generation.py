@@ -66,6 +66,7 @@ from lm_human_preference_details.tasks import (
     TASKS,
     TaskHParams,
     check_task,
+    check_truncation_resolved,
     encode_context_affixes,
     filter_flags,
     format_contexts,
@@ -241,6 +242,7 @@ def sample_passing_responses(
     max_oversample: int,
 ) -> tuple[torch.Tensor, torch.Tensor, int, int]:
     """num_labels truncated responses per context that pass the filter -> (B, N, L), done (B,), sampled, passed."""
+    check_truncation_resolved(task)
     batch_size, n, length = contexts.shape[0], num_labels, task.response_length
     device = contexts.device
     collected = torch.full((batch_size, n, length), pad_id, dtype=torch.long, device=device)  # (B, N, L)

@@ -28,6 +28,7 @@ from lm_human_preference_details.modeling import PolicyWithValueHead, sample
 from lm_human_preference_details.rewards import Reward, is_programmatic
 from lm_human_preference_details.tasks import (
     TaskHParams,
+    check_truncation_resolved,
     encode_context_affixes,
     format_contexts,
     passes_filter,
@@ -91,6 +92,7 @@ def sample_and_score(
     batch_size: int = 64,
 ) -> Episodes:
     """Sample one response per query (n, Lq) and score it as train_policy.py's rollout does, in batches."""
+    check_truncation_resolved(task)
     pad_id = tokenizer.pad_token_id
     prefix, suffix = encode_context_affixes(tokenizer, task)
     device = next(policy.parameters()).device

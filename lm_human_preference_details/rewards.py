@@ -20,7 +20,7 @@ from transformers import PreTrainedTokenizerBase
 from lm_human_preference_details.core import ceil_div
 from lm_human_preference_details.labelers import Labeler, decode_without_pad, load_labeler
 from lm_human_preference_details.modeling import RewardModel, load_reward_model, sample
-from lm_human_preference_details.tasks import TaskHParams, format_contexts, truncate_response
+from lm_human_preference_details.tasks import TaskHParams, check_truncation_resolved, format_contexts, truncate_response
 
 FLAG = "--rewards.trained_model"
 REWARD_FORMS = (
@@ -244,6 +244,7 @@ def normalize_reward(
     # what it scores in training, the raw query and the truncated response; the filter penalty (a fixed value) is not
     # part of what is normalized.
     # https://github.com/openai/lm-human-preferences/blob/cbfd210bb8b08f6bc5c26878c10984b90f516c66/lm_human_preferences/train_reward.py#L149-L219
+    check_truncation_resolved(task)
     generator = torch.Generator(device=accelerator.device).manual_seed(seed)
     pad_id = query_stream.pad_id
     scores, remaining = [], ceil_div(num_samples, accelerator.num_processes)  # this process's share

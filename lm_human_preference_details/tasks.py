@@ -132,6 +132,16 @@ def resolve_truncation(task: TaskHParams, tokenizer: PreTrainedTokenizerBase) ->
     return dataclasses.replace(task, truncate_token=token)
 
 
+def check_truncation_resolved(task: TaskHParams) -> None:
+    """ValueError when the task names its truncation token by text but no id was resolved: its filter would silently
+    do nothing (a preset used from Python without `resolve_truncation`)."""
+    if task.truncate_text and task.truncate_token is None:
+        raise ValueError(
+            f"the task's truncation text {task.truncate_text!r} has no token id: call "
+            "tasks.resolve_truncation(task, tokenizer) first, or set truncate_text=None for no truncation."
+        )
+
+
 # ---------------------------------------------------------------- tokens
 
 

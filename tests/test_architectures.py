@@ -25,6 +25,7 @@ from lm_human_preference_details.modeling import (
 )
 from lm_human_preference_details.tasks import (
     TASKS,
+    check_truncation_resolved,
     encode_context_affixes,
     encode_texts,
     format_contexts,
@@ -287,3 +288,21 @@ def test_train_reward_on_llama_records_its_bos_and_truncation_id(family_dirs, tm
     assert (metadata["task"]["truncate_text"], metadata["task"]["truncate_token"]) == (".", 15)
     saved_args = json.loads((tmp_path / "reward" / "args.json").read_text())
     assert saved_args["task"]["truncate_token"] == 15
+
+
+def test_a_preset_whose_truncation_text_was_not_resolved_is_refused_where_the_filter_applies(tokenizer):
+    import label_generation
+    from lm_human_preference_details.evaluation import sample_and_score
+    from lm_human_preference_details.rewards import normalize_reward
+
+    unresolved = TASKS["sentiment"]  # truncate_text '.', no id yet: its filter would silently pass every response
+    calls = [
+        lambda: sample_and_score(None, None, None, unresolved, tokenizer, None, {}, None),
+        lambda: normalize_reward(None, None, None, None, unresolved, 8, 0, None),
+        lambda: label_generation.sample_passing_responses(None, None, unresolved, 4, 0, None, 1.0, 1, 1),
+    ]
+    for call in calls:
+        with pytest.raises(ValueError, match=r"truncation text '\.' has no token id: call tasks.resolve_truncation"):
+            call()
+    check_truncation_resolved(resolve_truncation(unresolved, tokenizer))  # resolved: passes
+    check_truncation_resolved(dataclasses.replace(unresolved, truncate_text=None))  # no truncation at all: passes

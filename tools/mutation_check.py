@@ -1204,6 +1204,39 @@ BREAKAGES = [
         'different["task"] = different["task"]  # the same task',
         ["tests/test_label_generation.py::test_generate_refuses_to_resume_with_other_settings"],
     ),
+    Breakage(
+        "P2-unresolved-truncation-evaluated",
+        "P2",
+        "evaluation.sample_and_score filters with an unresolved preset task (no truncation id: no filter)",
+        "lm_human_preference_details/evaluation.py",
+        "    check_truncation_resolved(task)\n    pad_id = tokenizer.pad_token_id",
+        "    pad_id = tokenizer.pad_token_id",
+        [
+            "tests/test_architectures.py::test_a_preset_whose_truncation_text_was_not_resolved_is_refused_where_the_filter_applies"
+        ],
+    ),
+    Breakage(
+        "P2-unresolved-truncation-normalized",
+        "P2",
+        "a programmatic reward is normalized with an unresolved preset task (no truncation)",
+        "lm_human_preference_details/rewards.py",
+        "    check_truncation_resolved(task)\n    generator = torch.Generator(",
+        "    generator = torch.Generator(",
+        [
+            "tests/test_architectures.py::test_a_preset_whose_truncation_text_was_not_resolved_is_refused_where_the_filter_applies"
+        ],
+    ),
+    Breakage(
+        "P2-unresolved-truncation-labeled",
+        "P2",
+        "label generation samples with an unresolved preset task (no truncation, no filter)",
+        "label_generation.py",
+        "    check_truncation_resolved(task)\n    batch_size, n, length",
+        "    batch_size, n, length",
+        [
+            "tests/test_architectures.py::test_a_preset_whose_truncation_text_was_not_resolved_is_refused_where_the_filter_applies"
+        ],
+    ),
 ]
 
 
