@@ -175,7 +175,9 @@ def test_sample_passing_responses_drops_failing_and_truncates(world, tokenizer):
     kept = torch.where(responses == pad, OAI_PAD_TOKEN, responses).reshape(-1, RESPONSE_LENGTH)
     assert all(passes_filter_and_is_truncated(row) for row in kept.tolist())
     # without a truncate token every response passes: one round of exactly N per query
-    no_filter = books_task(query_length=QUERY_LENGTH, response_length=RESPONSE_LENGTH, truncate_token=None)
+    no_filter = books_task(
+        query_length=QUERY_LENGTH, response_length=RESPONSE_LENGTH, truncate_token=None, truncate_text=None
+    )
     responses, done, sampled, passed = label_generation.sample_passing_responses(
         policy, contexts[:6], no_filter, 3, pad, torch.Generator().manual_seed(0), 1.0, 8, 8
     )
