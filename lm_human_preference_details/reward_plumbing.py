@@ -19,6 +19,7 @@ from lm_human_preference_details.labels import (
     get_label_type,
 )
 from lm_human_preference_details.modeling import RewardModel, model_vocab_size
+from lm_human_preference_details.tasks import resolve_truncation
 from lm_human_preference_details.text_prefs import load_labels_or_pairs
 from lm_human_preference_details.tokenizer import load_tokenizer, tokenizer_fingerprint
 
@@ -58,7 +59,10 @@ def check_inputs(args: Any, accelerator: Accelerator) -> None:
     if args.task.query_dataset.lower().endswith((".txt", ".jsonl")):
         load_texts(args.task.query_dataset)
     with cli.unchecked_when_offline(accelerator.print, "the label file"):
-        accelerator.print(f"dry run: every input checked ({len(read_labels(args))} label rows); nothing written")
+        tokenizer = load_tokenizer(args.base_model)
+        resolve_truncation(args.task, tokenizer)  # --task.truncate_text is one token of it, the id agrees
+        rows = len(read_labels(args, tokenizer))
+        accelerator.print(f"dry run: every input checked ({rows} label rows); nothing written")
 
 
 def read_labels(args: Any, tokenizer=None) -> Labels:

@@ -151,6 +151,11 @@ def test_reward_dry_run_checks_the_label_file(tmp_path, tiny_model_dir, world, c
     code, out, err = run_cli(train_reward, [*argv, "--labels.num_train", "16"], capsys)
     assert code == 0 and "16 (2 per process)" in out and "best_of_4" in out and "24 label rows" in out, err
     assert not (tmp_path / "rm").exists()
+    # the truncation text must be one token of the base model's tokenizer, as the real run checks
+    line = one_error_line(
+        *run_cli(train_reward, [*argv, "--labels.num_train", "16", "--task.truncate_text", "TL;DR:"], capsys)[::2]
+    )
+    assert "--task.truncate_text 'TL;DR:' must be exactly one token" in line
 
 
 def test_label_file_of_other_lengths_names_the_lengths_its_meta_records(tmp_path, tiny_model_dir, world, capsys):
