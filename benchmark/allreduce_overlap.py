@@ -21,16 +21,12 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import tyro
-from transformers import GPT2Config, GPT2LMHeadModel
+from transformers import GPT2LMHeadModel
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from benchmark.shapes import gpt2_config  # noqa: E402
 from lm_human_preference_details import core  # noqa: E402
 from lm_human_preference_details.optim import AdamTensorFlowStyle  # noqa: E402
-
-CONFIGS = {
-    "tiny": dict(n_layer=2, n_head=2, n_embd=32),
-    "gpt2-124m": dict(n_layer=12, n_head=12, n_embd=768),
-}
 
 
 @dataclass
@@ -107,10 +103,7 @@ def main(args: Args) -> None:
     if accelerator.num_processes < 2:
         raise ValueError("run it under torchrun (or accelerate launch) with --nproc_per_node 2 or more")
     torch.manual_seed(0)
-    config = GPT2Config(
-        vocab_size=50257, n_positions=1024, attn_pdrop=0.0, embd_pdrop=0.0, resid_pdrop=0.0, **CONFIGS[args.model]
-    )
-    model = GPT2LMHeadModel(config).to(accelerator.device)
+    model = GPT2LMHeadModel(gpt2_config(args.model)).to(accelerator.device)
     optimizer = AdamTensorFlowStyle(model.parameters(), lr=1e-5, eps=1e-5)
     generator = torch.Generator().manual_seed(accelerator.process_index)
     tokens = torch.randint(0, 50257, (args.rows, args.tokens), generator=generator).to(accelerator.device)

@@ -19,19 +19,17 @@ import torch
 import tyro
 from rich.console import Console
 from rich.table import Table
-from transformers import GPT2Config, GPT2LMHeadModel
+from transformers import GPT2LMHeadModel
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import train_policy  # noqa: E402
+from benchmark.shapes import gpt2_config  # noqa: E402
 from lm_human_preference_details import cli, lora  # noqa: E402
 from lm_human_preference_details.modeling import PolicyWithValueHead  # noqa: E402
 from lm_human_preference_details.optim import make_optimizer  # noqa: E402
 
-SHAPES = {
-    "gpt2 (124M)": dict(n_layer=12, n_head=12, n_embd=768),
-    "gpt2-medium (355M)": dict(n_layer=24, n_head=16, n_embd=1024),
-}
-"""the GPT-2 shapes of OAI's 124M policy and of gpt2-medium (vocabulary 50257, 1024 positions)"""
+MODELS = {"gpt2 (124M)": "gpt2-124m", "gpt2-medium (355M)": "gpt2-355m"}
+"""the table's rows: OAI's 124M policy and gpt2-medium (benchmark/shapes.py)"""
 BYTES = 4  # float32
 
 
@@ -50,10 +48,10 @@ def count(params) -> int:
     return sum(p.numel() for p in {id(p): p for p in params}.values())
 
 
-def footprint(shape: dict, lora_params: train_policy.LoraHParams | None) -> dict[str, int]:
+def footprint(shape: str, lora_params: train_policy.LoraHParams | None) -> dict[str, int]:
     """Floats held by the policy, its reference, its gradients and Adam's state, built as train_policy.py does."""
     with torch.device("meta"):
-        policy = PolicyWithValueHead(GPT2LMHeadModel(GPT2Config(vocab_size=50257, n_positions=1024, **shape))).eval()
+        policy = PolicyWithValueHead(GPT2LMHeadModel(gpt2_config(shape))).eval()
         if lora_params is not None:
             lora.apply_lora(policy, lora_params, "gpt2")
         reference = lora.ReferencePolicy(policy)
@@ -83,7 +81,7 @@ def main(args: Args) -> None:
         size = n * BYTES
         return f"{size / 2**30:.2f} GiB" if size >= 2**30 else f"{size / 2**20:.1f} MiB"
 
-    for name, shape in SHAPES.items():
+    for name, shape in MODELS.items():
         full, adapted = footprint(shape, None), footprint(shape, lora_params)
         totals = {}
         for setup, f in (("full + reference copy", full), ("LoRA + adapters off", adapted)):

@@ -31,20 +31,15 @@ import torch
 import tyro
 from rich.console import Console
 from rich.table import Table
-from transformers import GPT2Config, GPT2LMHeadModel, GPT2Model
+from transformers import GPT2LMHeadModel, GPT2Model
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import train_policy  # noqa: E402
+from benchmark.shapes import SHAPES, gpt2_config  # noqa: E402
 from lm_human_preference_details.host_syncs import HostSyncCounter  # noqa: E402
 from lm_human_preference_details.modeling import RewardModel  # noqa: E402
 from lm_human_preference_details.tokenizer import gpt2_tokenizer_offline, tokenizer_fingerprint  # noqa: E402
 
-CONFIGS = {
-    # tests/conftest.py's tiny_gpt2_config
-    "tiny": dict(n_layer=2, n_head=2, n_embd=32, n_positions=256),
-    # GPT-2 124M (OAI's policy and reward trunk)
-    "gpt2-124m": dict(n_layer=12, n_head=12, n_embd=768, n_positions=1024),
-}
 PHASES = ("rollout", "scoring", "optimisation")
 # CPU allocator knobs (see benchmark/README.md): glibc's malloc returns large freed blocks to the OS, so every fresh
 # tensor over its thresholds is paid again in page faults; PyTorch's THP_MEM_ALLOC_ENABLE backs large ones by huge pages
@@ -98,9 +93,7 @@ class Args:
 def write_models(work_dir: str, model: str) -> tuple[str, str]:
     """A random GPT-2 LM (policy) and a reward model on the same trunk shape, saved as the scripts expect."""
     tokenizer = gpt2_tokenizer_offline()
-    config = GPT2Config(
-        vocab_size=50257, attn_pdrop=0.0, embd_pdrop=0.0, resid_pdrop=0.0, summary_first_dropout=0.0, **CONFIGS[model]
-    )
+    config = gpt2_config(model)
     policy_dir, reward_dir = os.path.join(work_dir, "policy_init"), os.path.join(work_dir, "reward")
     torch.manual_seed(0)
     GPT2LMHeadModel(config).save_pretrained(policy_dir)
@@ -374,13 +367,13 @@ def run(args: Args, work_dir: str) -> None:
     fps = [h["elapsed/fps"] for h in timed]
     memory = peak_memory_gib(device)
 
-    config = {**CONFIGS[args.model]}
+    config = SHAPES[args.model]
     gemms = update_gemms(args, config, vocab=50257)
     flops, bound, per_shape = lower_bound(gemms, args.gemm_repeats)
 
     load = os.getloadavg()
     tuning = {k: os.environ[k] for k in ALLOCATOR_ENV if k in os.environ}
-    params = sum(p.numel() for p in GPT2LMHeadModel(GPT2Config(vocab_size=50257, **config)).parameters())
+    params = sum(p.numel() for p in GPT2LMHeadModel(gpt2_config(args.model)).parameters())
     console.print(
         f"model {args.model} ({params / 1e6:.1f}M params) on {device}, {torch.get_num_threads()} threads, "
         f"{args.batch} episodes of {args.query_length}+{args.response_length} tokens, {args.noptepochs} epochs x "

@@ -22,19 +22,15 @@ import torch
 import tyro
 from rich.console import Console
 from rich.table import Table
-from transformers import GPT2Config, GPT2Model
+from transformers import GPT2Model
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from benchmark.shapes import gpt2_config  # noqa: E402
 from lm_human_preference_details.host_syncs import HostSyncCounter  # noqa: E402
 from lm_human_preference_details.labels import best_of_n_loss  # noqa: E402
 from lm_human_preference_details.modeling import RewardModel, score_label_rows  # noqa: E402
 from lm_human_preference_details.optim import AdamTensorFlowStyle  # noqa: E402
 from lm_human_preference_details.ppo_plumbing import PhaseTimer  # noqa: E402
-
-CONFIGS = {
-    "tiny": dict(n_layer=2, n_head=2, n_embd=32),
-    "gpt2-124m": dict(n_layer=12, n_head=12, n_embd=768),
-}
 
 
 @dataclass
@@ -71,10 +67,7 @@ def main(args: Args) -> None:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     cuda = device == "cuda"
     torch.manual_seed(0)
-    config = GPT2Config(
-        vocab_size=50257, n_positions=1024, attn_pdrop=0.0, embd_pdrop=0.0, resid_pdrop=0.0, **CONFIGS[args.model]
-    )
-    reward_model = RewardModel(GPT2Model(config).eval()).to(device)
+    reward_model = RewardModel(GPT2Model(gpt2_config(args.model)).eval()).to(device)
     optimizer = AdamTensorFlowStyle(reward_model.parameters(), lr=1e-5, eps=1e-5)
     pad = 50257
     query = torch.randint(0, 50257, (args.per_process_batch, args.query_length), device=device)

@@ -19,18 +19,14 @@ from typing import Literal
 
 import torch
 import tyro
-from transformers import GPT2Config, GPT2LMHeadModel
+from transformers import GPT2LMHeadModel
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import train_policy  # noqa: E402
+from benchmark.shapes import gpt2_config  # noqa: E402
 from lm_human_preference_details import checkpoint, cli, ppo_plumbing  # noqa: E402
 from lm_human_preference_details.modeling import PolicyWithValueHead  # noqa: E402
 from lm_human_preference_details.tokenizer import gpt2_tokenizer_offline  # noqa: E402
-
-CONFIGS = {
-    "tiny": dict(n_layer=2, n_head=2, n_embd=32, n_positions=256),
-    "gpt2-124m": dict(n_layer=12, n_head=12, n_embd=768, n_positions=1024),
-}
 
 
 @dataclass
@@ -55,7 +51,7 @@ class OneProcess:
 def main(args: Args) -> None:
     cli.quiet_transformers()
     torch.manual_seed(0)
-    policy = PolicyWithValueHead(GPT2LMHeadModel(GPT2Config(vocab_size=50257, **CONFIGS[args.model]))).eval()
+    policy = PolicyWithValueHead(GPT2LMHeadModel(gpt2_config(args.model))).eval()
     optimizer = torch.optim.Adam(policy.parameters(), lr=1e-5)
     for p in policy.parameters():
         p.grad = torch.randn_like(p) * 1e-3
