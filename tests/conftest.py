@@ -167,6 +167,36 @@ def single_thread():
         yield
 
 
+QUERY_TEXTS = [
+    "The old man walked slowly down the road, thinking about the letter he had received that morning.",
+    "She opened the window and the cold air rushed into the small room.",
+    "Nobody in the village knew where the stranger had come from.",
+    "He laughed, but his eyes were sad.",
+    "The train was late again, and the platform was crowded with tired people.",
+    "I never expected to see her again after that summer.",
+    "The dog barked twice and then fell silent.",
+    "Rain hammered on the roof all night long.",
+    "They argued about money, as they always did on Sundays.",
+    "The letter was short: come home, everything is forgiven.",
+    "A single candle burned on the table.",
+    "Her brother had left for the city years ago.",
+]
+"""short literary sentences: the query texts of the tiny policy and reward runs"""
+
+
+def write_queries(path) -> str:
+    """QUERY_TEXTS as a query file (a line per text) at `path`; returns the path as a string."""
+    with open(path, "w", encoding="utf-8") as f:
+        f.write("\n".join(QUERY_TEXTS) + "\n")
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def query_file(tmp_path_factory):
+    """QUERY_TEXTS as a query file, once per test module."""
+    return write_queries(tmp_path_factory.mktemp("queries") / "queries.txt")
+
+
 @pytest.fixture(scope="session")
 def tokenizer():
     return gpt2_tokenizer_offline()

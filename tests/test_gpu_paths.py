@@ -18,9 +18,9 @@ from lm_human_preference_details.modeling import (
     training_logprobs_and_values,
 )
 from lm_human_preference_details.tasks import PassRateAlarm
-from tests.conftest import tiny_gpt2
+from tests.conftest import tiny_gpt2, write_queries
 from tests.planted import books_task, write_query_file
-from tests.test_train_policy import QUERY_TEXTS, save_reward_model, tiny_args, tiny_task
+from tests.test_train_policy import save_reward_model, tiny_args, tiny_task
 
 PAD = 50259
 HOST_SYNC_BUDGET = 2
@@ -77,7 +77,7 @@ def syncs_between_calls(monkeypatch, owner, name: str, run) -> list[int]:
 
 def test_ppo_update_stays_within_the_host_sync_budget(monkeypatch, tmp_path, tiny_model_dir):
     query_file = tmp_path / "queries.txt"
-    query_file.write_text("\n".join(QUERY_TEXTS) + "\n", encoding="utf-8")
+    write_queries(query_file)
     reward_model_dir = save_reward_model(tmp_path / "reward", tiny_model_dir, tiny_task(str(query_file)))
     args = tiny_args(tmp_path / "policy", tiny_model_dir, reward_model_dir, str(query_file), total_episodes=16)
     # the flags' code paths include the plain one's; the sample table is printed at update 0 only

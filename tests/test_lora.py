@@ -19,7 +19,7 @@ from lm_human_preference_details import checkpoint, lora
 from lm_human_preference_details.kernels import logprobs_from_logits
 from lm_human_preference_details.modeling import PolicyWithValueHead, load_causal_lm, reduce_training_memory
 from lm_human_preference_details.optim import make_optimizer
-from tests.conftest import tiny_gpt2
+from tests.conftest import tiny_gpt2, write_queries
 from tests.planted import REPO, free_port, run_script
 from tests.test_resume import (
     final_training_state,
@@ -30,7 +30,7 @@ from tests.test_resume import (
     script_command,
     start_and_kill,
 )
-from tests.test_train_policy import QUERY_TEXTS, save_reward_model, tiny_task
+from tests.test_train_policy import save_reward_model, tiny_task
 
 PAD = 50257
 CONTEXT = 6
@@ -175,7 +175,7 @@ def run_flags(world: dict, output_dir, *extra: str) -> list[str]:
 def world(tmp_path_factory, tiny_model_dir):
     root = tmp_path_factory.mktemp("lora")
     queries = root / "queries.txt"
-    queries.write_text("\n".join(QUERY_TEXTS) + "\n", encoding="utf-8")
+    write_queries(queries)
     task = dataclasses.replace(tiny_task(str(queries)), truncate_token=None, truncate_after=0)
     return {
         "model": tiny_model_dir,

@@ -11,7 +11,7 @@ from lm_human_preference_details import core
 from lm_human_preference_details.labels import save_labels
 from lm_human_preference_details.metrics import GLOSSARY, GLOSSARY_DOC, glossary_block, glossary_names, render_glossary
 from tests.planted import REPO, books_task
-from tests.test_train_policy import query_file, save_reward_model, tiny_args, tiny_task  # noqa: F401 (query_file: a fixture)
+from tests.test_train_policy import save_reward_model, tiny_args, tiny_task
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 

@@ -19,8 +19,9 @@ import train_policy
 import train_reward
 from lm_human_preference_details import checkpoint
 from lm_human_preference_details.modeling import PolicyWithValueHead, load_reward_model
+from tests.conftest import write_queries
 from tests.planted import REPO, free_port, run_script, script_env, write_policy_planted_labels, write_query_file
-from tests.test_train_policy import QUERY_TEXTS, save_reward_model
+from tests.test_train_policy import save_reward_model
 
 TIMING_METRICS = ("elapsed/time", "elapsed/fps", "debug/time/")
 """wall-clock metrics, which no two runs share"""
@@ -35,7 +36,7 @@ def policy_world(tmp_path_factory, tiny_model_dir):
     """A query file and a random reward model for the tiny policy task below."""
     root = tmp_path_factory.mktemp("resume-policy")
     queries = root / "queries.txt"
-    queries.write_text("\n".join(QUERY_TEXTS) + "\n", encoding="utf-8")
+    write_queries(queries)
     task = dataclasses.replace(
         train_policy.oai_presets()["sentiment"].task,
         query_dataset=str(queries),

@@ -19,21 +19,15 @@ from lm_human_preference_details.rewards import (
     reward_input_path,
 )
 from lm_human_preference_details.tokenizer import load_tokenizer
+from tests.conftest import QUERY_TEXTS
 from tests.planted import REPO
-from tests.test_train_policy import QUERY_TEXTS, save_reward_model, tiny_args, tiny_task
+from tests.test_train_policy import save_reward_model, tiny_args, tiny_task
 from train_policy import main
 
 PAD = 50257
 WORD_REWARD = f"python:{REPO / 'demo' / 'word_reward.py'}:word_count"
 
 pytestmark = pytest.mark.usefixtures("single_thread")
-
-
-@pytest.fixture(scope="module")
-def query_file(tmp_path_factory):
-    path = tmp_path_factory.mktemp("queries") / "queries.txt"
-    path.write_text("\n".join(QUERY_TEXTS) + "\n", encoding="utf-8")
-    return str(path)
 
 
 def reward_file(tmp_path, body: str, name: str = "reward.py") -> str:

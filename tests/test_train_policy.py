@@ -70,21 +70,6 @@ OAI_POLICY_METRICS = {
     "elapsed/time",
 }
 
-QUERY_TEXTS = [
-    "The old man walked slowly down the road, thinking about the letter he had received that morning.",
-    "She opened the window and the cold air rushed into the small room.",
-    "Nobody in the village knew where the stranger had come from.",
-    "He laughed, but his eyes were sad.",
-    "The train was late again, and the platform was crowded with tired people.",
-    "I never expected to see her again after that summer.",
-    "The dog barked twice and then fell silent.",
-    "Rain hammered on the roof all night long.",
-    "They argued about money, as they always did on Sundays.",
-    "The letter was short: come home, everything is forgiven.",
-    "A single candle burned on the table.",
-    "Her brother had left for the city years ago.",
-]
-
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
@@ -455,13 +440,6 @@ def test_args_every_field_has_a_docstring():
 
 
 # ---------------------------------------------------------------- tiny end-to-end runs of main()
-
-
-@pytest.fixture(scope="module")
-def query_file(tmp_path_factory):
-    path = tmp_path_factory.mktemp("queries") / "queries.txt"
-    path.write_text("\n".join(QUERY_TEXTS) + "\n", encoding="utf-8")
-    return str(path)
 
 
 def tiny_task(query_file: str, preset: str = "sentiment") -> TaskHParams:

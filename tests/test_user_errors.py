@@ -14,7 +14,8 @@ from lm_human_preference_details import cli
 from lm_human_preference_details.labels import labels_meta_path, load_labels
 from lm_human_preference_details.modeling import PolicyWithValueHead, load_causal_lm
 from lm_human_preference_details.tokenizer import load_tokenizer
-from tests.test_train_policy import QUERY_TEXTS, save_reward_model, tiny_task
+from tests.conftest import write_queries
+from tests.test_train_policy import save_reward_model, tiny_task
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
@@ -44,7 +45,7 @@ def world(tmp_path_factory, tiny_model_dir):
     """A query file, a reward model for the tiny task, and one with 12-token responses."""
     root = tmp_path_factory.mktemp("user-errors")
     queries = root / "queries.txt"
-    queries.write_text("\n".join(QUERY_TEXTS) + "\n", encoding="utf-8")
+    write_queries(queries)
     task = tiny_task(str(queries))
     other = dataclasses.replace(task, response_length=12, query_suffix="\n\nTL;DR:")
     return {

@@ -23,20 +23,13 @@ from lm_human_preference_details.tokenizer import load_tokenizer
 from tests.conftest import tiny_gpt2
 from tests.planted import REPO, books_task, write_query_file
 from tests.test_cli import run
-from tests.test_train_policy import QUERY_TEXTS, save_reward_model, tiny_args, tiny_task
+from tests.test_train_policy import save_reward_model, tiny_args, tiny_task
 
 QUERY_LENGTH, RESPONSE_LENGTH = 16, 8
 SAMPLES = range(4)
 
 
 pytestmark = pytest.mark.usefixtures("single_thread")
-
-
-@pytest.fixture(scope="module")
-def query_file(tmp_path_factory):
-    path = tmp_path_factory.mktemp("queries") / "queries.txt"
-    path.write_text("\n".join(QUERY_TEXTS) + "\n", encoding="utf-8")
-    return str(path)
 
 
 @pytest.fixture(scope="module")

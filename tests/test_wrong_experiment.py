@@ -7,15 +7,8 @@ import shutil
 import pytest
 
 from lm_human_preference_details.ppo_plumbing import check_reward_model_task_name
-from tests.test_train_policy import QUERY_TEXTS, save_reward_model, tiny_args, tiny_task
+from tests.test_train_policy import save_reward_model, tiny_args, tiny_task
 from train_policy import RewardHParams, main
-
-
-@pytest.fixture(scope="module")
-def query_file(tmp_path_factory):
-    path = tmp_path_factory.mktemp("queries") / "queries.txt"
-    path.write_text("\n".join(QUERY_TEXTS) + "\n", encoding="utf-8")
-    return str(path)
 
 
 @pytest.fixture(scope="module")
