@@ -263,6 +263,27 @@ def _markdown_table(columns: Sequence[str], rows: Sequence[Sequence[Any]]) -> st
     return "\n".join(lines)
 
 
+EVENT_FILE_PREFIX = "events.out.tfevents."
+"""TensorBoard event files are named events.out.tfevents.SECOND.HOST.PID.N, SECOND being when the file was opened"""
+
+
+def wait_past_earlier_event_files(log_dir: str) -> None:
+    """Sleep until the clock is past the second in which the newest event file of `log_dir` was opened.
+
+    TensorBoard reads a directory's event files in name order, and the first field of a name is that second: a resumed
+    run's file opened within the same second as the killed run's could sort first (by host or pid), and the killed
+    run's points would then purge the resumed run's instead of the reverse.
+    """
+    if not os.path.isdir(log_dir):
+        return
+    fields = [name[len(EVENT_FILE_PREFIX) :].split(".", 1)[0] for name in os.listdir(log_dir)]
+    seconds = [
+        int(f) for name, f in zip(os.listdir(log_dir), fields) if name.startswith(EVENT_FILE_PREFIX) and f.isdigit()
+    ]
+    if seconds and (wait := max(seconds) + 1 - time.time()) > 0:
+        time.sleep(wait)
+
+
 class Tracker:
     """TensorBoard logging under output_dir/tb, plus Weights & Biases when `track`; a no-op on non-main processes."""
 
@@ -298,6 +319,7 @@ class Tracker:
                 resume="allow",
             )
             self.wandb_id = self.run.id
+        wait_past_earlier_event_files(os.path.join(output_dir, "tb"))  # this run's points sort after a killed run's
         self.writer = SummaryWriter(os.path.join(output_dir, "tb"), purge_step=purge_step)
         if purge_step == 0:
             self.writer.add_text("hyperparameters", _markdown_table(["param", "value"], sorted(config.items())))

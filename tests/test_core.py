@@ -4,6 +4,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import numpy as np
@@ -184,6 +185,23 @@ def test_tracker_writes_tensorboard_scalars(tmp_path):
     assert scalars["objective/score"] == [(3, 0.25), (4, 0.5)]
     assert scalars["ppo/loss/total"] == [(3, 1.5)]
     assert not (tmp_path / "wandb").exists()
+
+
+def test_resumed_tracker_points_replace_the_killed_runs_even_within_the_same_second(tmp_path):
+    killed = Tracker(str(tmp_path), False, "project", None, "run", {"seed": 1}, is_main=True)
+    for step in (0, 1):
+        killed.log({"objective/score": float(step)}, step=step)
+    killed.close()
+    # the killed run's file as another host would have named it in this very second: it sorts after this host's
+    (old,) = os.listdir(tmp_path / "tb")
+    now = int(time.time())
+    os.rename(tmp_path / "tb" / old, tmp_path / "tb" / f"events.out.tfevents.{now:010d}.zzzz.1.0")
+    resumed = Tracker(str(tmp_path), False, "project", None, "run", {"seed": 1}, is_main=True, purge_step=1)
+    for step in (1, 2):
+        resumed.log({"objective/score": 10.0 + step}, step=step)
+    resumed.close()
+    assert sorted(os.listdir(tmp_path / "tb"))[0].startswith(f"events.out.tfevents.{now:010d}.zzzz")
+    assert read_tb_scalars(tmp_path / "tb")["objective/score"] == [(0, 0.0), (1, 11.0), (2, 12.0)]
 
 
 def test_tracker_wandb_offline_creates_local_run(tmp_path, monkeypatch):
