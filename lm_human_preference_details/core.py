@@ -276,10 +276,9 @@ def wait_past_earlier_event_files(log_dir: str) -> None:
     """
     if not os.path.isdir(log_dir):
         return
-    fields = [name[len(EVENT_FILE_PREFIX) :].split(".", 1)[0] for name in os.listdir(log_dir)]
-    seconds = [
-        int(f) for name, f in zip(os.listdir(log_dir), fields) if name.startswith(EVENT_FILE_PREFIX) and f.isdigit()
-    ]
+    names = [name for name in os.listdir(log_dir) if name.startswith(EVENT_FILE_PREFIX)]
+    fields = [name[len(EVENT_FILE_PREFIX) :].split(".", 1)[0] for name in names]
+    seconds = [int(field) for field in fields if field.isdigit()]
     if seconds and (wait := max(seconds) + 1 - time.time()) > 0:
         time.sleep(wait)
 
