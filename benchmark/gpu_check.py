@@ -425,7 +425,8 @@ def ppo_step(plan: Plan, work_dir: str, name: str) -> tuple[dict, str]:
     bad = sorted({k for h in history for k, v in h.items() if isinstance(v, float) and not math.isfinite(v)})
     if len(history) != plan.warmup + plan.updates or bad:
         raise CheckFailed(f"{len(history)} updates logged; statistics not finite: {bad[:5]}", figures)
-    return figures, f"{counted_by}; peak memory: {memory.measure}"
+    phases = ", ".join(f"{phase} {figures[f'{phase}_s']:.2f}" for phase in PHASES)
+    return figures, f"s per phase: {phases}" + ("" if counter else f"; syncs {counted_by}")
 
 
 def resume_step(plan: Plan, work_dir: str) -> tuple[dict, str]:
@@ -598,6 +599,10 @@ def print_table(console: Console, report: dict) -> None:
             style=style,
         )
     console.print(table)
+    if report["device"] == "cuda":
+        console.print("peak GiB: torch.cuda.max_memory_allocated; syncs: what the CUDA sync debug mode reports")
+    else:
+        console.print("peak GiB: the peak resident set size; syncs: HostSyncCounter's host reads of device values")
     verdict = "every check passed" if report["ok"] else "SOME CHECKS FAILED (see the rows in red)"
     console.print(f"{verdict}; {report['seconds']:.0f} s in all; work directory {report['work_dir']}")
 
