@@ -127,15 +127,16 @@ class Plan:
     warmup: int
     updates: int
 
-    @property
-    def title(self) -> str:
+    def title(self, gpu: str = "one GPU") -> str:
+        """The table's title; `gpu`: the name the environment step read (the check's own process never touches the
+        GPU, so that each step's process has it to itself)."""
         sizes = (
             f"{self.model} shape, {self.batch} episodes of {self.query_length} + {self.response_length} tokens, "
             f"{self.noptepochs} PPO epochs, {self.updates} timed updates after {self.warmup} warm-up"
         )
         if self.device == "cpu":
             return f"CPU: tiny shape, these are not GPU figures ({sizes})"
-        return f"GPU self-check on {torch.cuda.get_device_name(0)} ({sizes})"
+        return f"GPU self-check on {gpu} ({sizes})"
 
 
 def make_plan(device: str, quick: bool) -> Plan:
@@ -253,7 +254,7 @@ class PeakMemory:
         self.device = device
         if device == "cuda":
             torch.cuda.reset_peak_memory_stats()
-            self.measure = "torch.cuda.max_memory_allocated"
+            self.measure = "torch.cuda.max_memory_allocated (the largest peak of one update)"
             return
         try:
             with open("/proc/self/clear_refs", "w") as f:
@@ -310,7 +311,7 @@ def environment_step(plan: Plan, work_dir: str) -> tuple[dict, str]:
     figures["sampler_works"] = finite and tuple(responses.shape) == (2, 4)
     if not figures["sampler_works"]:
         raise CheckFailed("the sampler's log-probs or values are not finite with this transformers", figures)
-    where = f"{figures.get('gpu', 'CPU')}, torch {torch.__version__}"
+    where = f"{figures.get('gpu', 'no CUDA device, CPU')}, torch {torch.__version__}"
     return figures, f"{where}, transformers {transformers.__version__}: the sampler works"
 
 
@@ -414,7 +415,8 @@ def ppo_step(plan: Plan, work_dir: str, name: str) -> tuple[dict, str]:
         "seconds_per_update": float(np.median(walls)),
         "tokens_per_s": float(np.median([h["elapsed/fps"] for h in timed_updates])),
         **{f"{phase}_s": float(np.median([h[f"debug/time/{phase}"] for h in timed_updates])) for phase in PHASES},
-        "peak_memory_gib": memory.gib(),
+        # on a GPU the probe's per-update peaks (it resets the count as each update starts); on CPU the step's
+        "peak_memory_gib": max(probe.memory[plan.warmup :]) if plan.device == "cuda" else memory.gib(),
         "peak_memory_measure": memory.measure,
         "syncs_per_update": max(syncs) if syncs else None,
         "syncs_each_update": syncs,
@@ -621,7 +623,7 @@ def check(args: Args, work_dir: str) -> dict:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     plan = make_plan(device, args.quick)
     console = Console(width=160)
-    console.print(f"{plan.title}; budget {args.budget:.0f} s; work directory {work_dir}", markup=False)
+    console.print(f"{plan.title()}; budget {args.budget:.0f} s; work directory {work_dir}", markup=False)
     os.makedirs(os.path.join(work_dir, "logs"), exist_ok=True)
     rows = []
     for group in worker_groups(device, args.steps):
@@ -629,7 +631,7 @@ def check(args: Args, work_dir: str) -> dict:
         for row in rows[-len(group) :]:
             console.print(f"{row['title']}: {row['status']} ({row['seconds']:.0f} s) {row['detail']}", markup=False)
     report = {
-        "title": plan.title,
+        "title": plan.title(next((row["figures"]["gpu"] for row in rows if "gpu" in row["figures"]), "one GPU")),
         "device": device,
         "plan": dataclasses.asdict(plan),
         "quick": args.quick,
