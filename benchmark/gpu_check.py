@@ -107,11 +107,12 @@ class Args:
     """seconds for the whole check; a step is cut at its own limit or when these run out, and one that would start
     with less than 20 s left is skipped (reported, exit status 1)"""
     steps: tuple[StepName, ...] = STEPS
-    """the steps to run, in this order (default: all)"""
+    """the steps to run, in this order"""
     fail: tuple[StepName, ...] = ()
     """make these steps fail on purpose: to see a failure reported while the other steps go on"""
     work_dir: str | None = None
-    """where models, corpus, runs and each worker's log go (None: a temporary directory, deleted at the end)"""
+    """where models, corpus, runs and each step process's log go (None: a temporary directory, deleted at the end
+    when every check passed)"""
 
 
 @dataclass(frozen=True)

@@ -95,3 +95,28 @@ def test_steps_without_time_left_in_the_budget_are_skipped_and_reported(tmp_path
     rows = reported(tmp_path)
     assert [row["status"] for row in rows] == ["SKIPPED", "SKIPPED"]
     assert rows[0]["detail"].startswith("time budget spent")
+
+
+def test_a_step_whose_process_dies_is_reported_and_the_steps_after_it_as_not_run(tmp_path, monkeypatch):
+    # a stand-in worker: reports its first step, then dies as a crashing CUDA process would
+    worker = tmp_path / "dying_worker.py"
+    worker.write_text(
+        "import json, os, sys\n"
+        "job = json.loads(sys.argv[2])\n"
+        "row = {'step': job['steps'][0], 'title': 't', 'status': 'ok', 'seconds': 1.0, 'figures': {}, 'detail': '',"
+        " 'error': ''}\n"
+        "open(job['results'], 'a').write(json.dumps(row) + '\\n')\n"
+        "os._exit(3)\n"
+    )
+    monkeypatch.setattr(gpu_check, "__file__", str(worker))
+    (tmp_path / "logs").mkdir()
+    plan = gpu_check.make_plan("cpu", quick=True)
+    rows = gpu_check.run_group(
+        ("environment", "fp32", "resume"), plan, gpu_check.Args(), str(tmp_path), time.time() + 60
+    )
+    assert [(row["step"], row["status"]) for row in rows] == [
+        ("environment", "ok"),
+        ("fp32", "FAILED"),
+        ("resume", "NOT RUN"),
+    ]
+    assert "its process ended (exit 3) during the step" in rows[1]["detail"]
