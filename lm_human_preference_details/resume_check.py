@@ -75,12 +75,14 @@ def start_and_kill(
         proc = subprocess.Popen(command, cwd=cwd, env=env, stdout=log, stderr=log, start_new_session=True)
         target = checkpoint.step_dir(str(output_dir), kill_after)
         deadline = time.time() + timeout
-        while not os.path.isdir(target) and proc.poll() is None and time.time() < deadline:
-            time.sleep(0.005)
-        time.sleep(delay)
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
+        try:
+            while not os.path.isdir(target) and proc.poll() is None and time.time() < deadline:
+                time.sleep(0.005)
+            time.sleep(delay)
+        finally:  # also when the caller is interrupted: the process group never outlives this call
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
     if proc.returncode != -signal.SIGKILL:
         with open(log_path) as log:
             raise RuntimeError(
