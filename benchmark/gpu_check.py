@@ -539,8 +539,19 @@ def worker_groups(device: str, steps: tuple[str, ...]) -> list[tuple[str, ...]]:
     return [(name,) for name in steps] if device == "cuda" else [tuple(steps)]
 
 
-def run_group(steps: tuple[str, ...], plan: Plan, args: Args, work_dir: str, deadline: float) -> list[dict]:
-    """Run `steps` in a worker process; steps it did not report (it crashed or ran out of time) are reported so."""
+def read_rows(path: str) -> list[dict]:
+    """The results a worker has reported so far (one JSON line per finished step)."""
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.endswith("\n")]
+
+
+def run_group(
+    steps: tuple[str, ...], plan: Plan, args: Args, work_dir: str, deadline: float, show=lambda row: None
+) -> list[dict]:
+    """Run `steps` in a worker process, `show` each result as it comes; steps it did not report (it crashed or ran
+    out of time) are reported so."""
     index = len(os.listdir(os.path.join(work_dir, "logs")))
     results, log = (os.path.join(work_dir, "logs", f"{index}-{steps[0]}.{ext}") for ext in ("jsonl", "log"))
     limits = {name: STEP_LIMITS_S[name] * (1 if plan.device == "cuda" else 2) for name in steps}
@@ -553,28 +564,31 @@ def run_group(steps: tuple[str, ...], plan: Plan, args: Args, work_dir: str, dea
         "limits": limits,
         "fail": list(args.fail),
     }
-    start = time.time()
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"}
     command = [sys.executable, os.path.abspath(__file__), WORKER_FLAG, json.dumps(job)]
+    shown, last = 0, time.time()
     with open(log, "w") as out:
-        proc = subprocess.Popen(
-            command, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
-        )
-        try:
-            returncode = proc.wait(timeout=max(deadline - start, 1) + 30)  # the worker cuts its steps itself
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            returncode = proc.wait()
-    rows = []
-    if os.path.exists(results):
-        with open(results) as f:
-            rows = [json.loads(line) for line in f if line.strip()]
+        proc = subprocess.Popen(command, cwd=REPO, env=env, stdout=out, stderr=out, start_new_session=True)
+        while proc.poll() is None:
+            if time.time() > deadline + 30:  # the worker cuts its own steps; this is for a worker that hangs
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+                break
+            for row in read_rows(results)[shown:]:
+                show(row)
+                shown, last = shown + 1, time.time()
+            time.sleep(0.5)
+    rows = read_rows(results)
+    for row in rows[shown:]:
+        show(row)
     unreported = steps[len(rows) :]
     if unreported:  # the first was running when the worker died or was killed; the others never started
-        why = f"its process ended (exit {returncode}) during the step; its output: {log}"
-        rows.append(result(unreported[0], "FAILED", time.time() - start, detail=why))
+        why = f"its process ended (exit {proc.returncode}) during the step; its output: {log}"
+        rows.append(result(unreported[0], "FAILED", time.time() - last, detail=why))
         after = f"not started: {unreported[0]} ended its process"
         rows += [result(name, "NOT RUN", 0.0, detail=after) for name in unreported[1:]]
+        for row in rows[-len(unreported) :]:
+            show(row)
     return rows
 
 
@@ -627,10 +641,12 @@ def check(args: Args, work_dir: str) -> dict:
     console.print(f"{plan.title()}; budget {args.budget:.0f} s; work directory {work_dir}", markup=False)
     os.makedirs(os.path.join(work_dir, "logs"), exist_ok=True)
     rows = []
+
+    def show(row: dict) -> None:
+        console.print(f"{row['title']}: {row['status']} ({row['seconds']:.0f} s) {row['detail']}", markup=False)
+
     for group in worker_groups(device, args.steps):
-        rows += run_group(group, plan, args, work_dir, start + args.budget)
-        for row in rows[-len(group) :]:
-            console.print(f"{row['title']}: {row['status']} ({row['seconds']:.0f} s) {row['detail']}", markup=False)
+        rows += run_group(group, plan, args, work_dir, start + args.budget, show)
     report = {
         "title": plan.title(next((row["figures"]["gpu"] for row in rows if "gpu" in row["figures"]), "one GPU")),
         "device": device,
