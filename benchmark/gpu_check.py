@@ -145,7 +145,7 @@ def make_plan(device: str, quick: bool) -> Plan:
     if device == "cuda":
         plan = Plan(device, "gpt2-124m", 64, 64, 24, 4, warmup=1, updates=3)
     else:
-        plan = Plan(device, "tiny", 8, 64, 24, 1, warmup=1, updates=2)
+        plan = Plan(device, "tiny", 8, 64, 24, 1, warmup=1, updates=1)
     if quick:
         # OAI's 24 response tokens stay: the sentiment task's truncation starts after 16
         plan = dataclasses.replace(plan, query_length=16, noptepochs=1, warmup=0, updates=1)
@@ -511,6 +511,7 @@ def worker_main(job: dict) -> None:
             row = result(name, "SKIPPED", 0.0, detail=f"time budget spent ({left:.0f} s left)")
         else:
             limit = min(job["limits"][name], left)
+            cut = f"cut at its limit of {limit:.0f} s" if limit < left else f"cut at {limit:.0f} s: --budget ran out"
             signal.setitimer(signal.ITIMER_REAL, limit)
             try:
                 if name in job["fail"]:
@@ -518,7 +519,7 @@ def worker_main(job: dict) -> None:
                 figures, detail = run_step(name, plan, job["work_dir"])
                 row = result(name, "ok", time.time() - start, figures, detail)
             except StepTimeout:
-                row = result(name, "TIMED OUT", time.time() - start, detail=f"cut at its limit of {limit:.0f} s")
+                row = result(name, "TIMED OUT", time.time() - start, detail=cut)
             except CheckFailed as failure:
                 row = result(name, "FAILED", time.time() - start, failure.figures, str(failure), traceback.format_exc())
             except Exception as error:  # reported in the table; the next step still runs
