@@ -1,6 +1,6 @@
 """GPU self-check: one command, offline, under 10 minutes on one GPU, that says whether this machine runs the project.
 
-    python benchmark/gpu_check.py                           # on a GPU: the GPT-2 124M shape, about 6-9 minutes
+    python benchmark/gpu_check.py                           # on a GPU: the GPT-2 124M shape, within --budget 540 s
     python benchmark/gpu_check.py --json gpu_check.json     # the same, and the results as JSON
     python benchmark/gpu_check.py --quick                   # CI-sized: 1 update per flag set
 
