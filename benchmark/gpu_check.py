@@ -277,6 +277,11 @@ class PeakMemory:
 # ---------------------------------------------------------------------------------------------------- steps
 
 
+def nvidia_gpu_present() -> bool:
+    """Whether this machine shows an NVIDIA GPU (its device file or its driver's nvidia-smi), whatever torch sees."""
+    return os.path.exists("/dev/nvidia0") or shutil.which("nvidia-smi") is not None
+
+
 def environment_step(plan: Plan, work_dir: str) -> tuple[dict, str]:
     """Versions, the device, and one rollout of the project's sampler on a tiny random GPT-2 on it."""
     import accelerate
@@ -302,6 +307,11 @@ def environment_step(plan: Plan, work_dir: str) -> tuple[dict, str]:
             compute_capability=f"{props.major}.{props.minor}",
             bf16_supported=torch.cuda.is_bf16_supported(),
             gpus_visible=torch.cuda.device_count(),
+        )
+    if plan.device == "cpu" and nvidia_gpu_present():
+        build = f"built for CUDA {torch.version.cuda}" if torch.version.cuda else "a CPU-only build"
+        raise CheckFailed(
+            f"this machine has an NVIDIA GPU but torch {torch.__version__} ({build}) cannot use it", figures
         )
     torch.manual_seed(0)
     policy = PolicyWithValueHead(GPT2LMHeadModel(gpt2_config("tiny"))).to(plan.device).eval()

@@ -120,3 +120,12 @@ def test_a_step_whose_process_dies_is_reported_and_the_steps_after_it_as_not_run
         ("resume", "NOT RUN"),
     ]
     assert "its process ended (exit 3) during the step" in rows[1]["detail"]
+
+
+def test_a_gpu_that_torch_cannot_use_fails_the_environment_step(tmp_path, monkeypatch):
+    plan = gpu_check.make_plan("cpu", quick=True)
+    figures, detail = gpu_check.environment_step(plan, str(tmp_path))
+    assert figures["sampler_works"] is True and "no CUDA device" in detail
+    monkeypatch.setattr(gpu_check, "nvidia_gpu_present", lambda: True)  # a CPU-only torch on a GPU machine
+    with pytest.raises(gpu_check.CheckFailed, match="has an NVIDIA GPU but torch .* cannot use it"):
+        gpu_check.environment_step(plan, str(tmp_path))
