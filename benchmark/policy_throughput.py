@@ -23,6 +23,7 @@ import resource
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
@@ -284,9 +285,10 @@ def peak_memory_gib(device: str) -> float:
 class UpdateProbe:
     """Per update of train_policy.main: host syncs from its start to its statistics copy, and peak memory then."""
 
-    def __init__(self, device: str, count_syncs: bool):
+    def __init__(self, device: str, count_syncs: bool, counter: Callable[[], HostSyncCounter] = HostSyncCounter):
         self.device = device
         self.count_syncs = count_syncs
+        self.make_counter = counter  # anything with HostSyncCounter's `count` and `events`, entered as a context
         self.syncs: list[int] = []
         self.sites: list[list[str]] = []  # each sync's first caller outside torch, per update
         self.memory: list[float] = []
@@ -309,7 +311,7 @@ class UpdateProbe:
             return stats
 
         with contextlib.ExitStack() as stack:
-            self.counter = stack.enter_context(HostSyncCounter()) if self.count_syncs else None
+            self.counter = stack.enter_context(self.make_counter()) if self.count_syncs else None
             train_policy.PhaseTimer, train_policy.reduce_stats = ProbedTimer, probed_reduce_stats
             stack.callback(setattr, train_policy, "PhaseTimer", timer)
             stack.callback(setattr, train_policy, "reduce_stats", reduce_stats)

@@ -40,6 +40,9 @@ RUN_BY_TESTS = {
     "python benchmark/policy_throughput.py --model gpt2-124m --updates 3": (
         "test_ppo_update_stays_within_the_host_sync_budget"
     ),
+    "python benchmark/gpu_check.py": (
+        "test_quick_check_on_cpu_reports_every_row_and_a_failing_step_without_stopping_the_others"
+    ),
     "python demo/run_demo.py --quick --reward vader": "test_run_demo_reward_flag_trains_straight_against_that_reward",
     "python train_policy.py --task sentiment --base_model EleutherAI/pythia-410m --rewards.trained_model vader "
     "--lora.rank 8": "test_lora_on_each_family_against_vader_trains_only_adapters_and_saves_a_merged_model",

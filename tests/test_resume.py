@@ -5,27 +5,27 @@ import dataclasses
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import time
 
 import pytest
 import torch
-from safetensors.torch import load_file
-from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 import train_policy
 import train_reward
-from lm_human_preference_details import checkpoint
+from lm_human_preference_details import checkpoint, resume_check
 from lm_human_preference_details.modeling import PolicyWithValueHead, load_reward_model
+from lm_human_preference_details.resume_check import (  # noqa: F401 (imported from here by other test files)
+    final_training_state,
+    max_metric_difference,
+    max_weight_difference,
+    saved_files,
+    scalars,
+)
 from tests.conftest import write_queries
 from tests.planted import REPO, free_port, run_script, script_env, write_policy_planted_labels, write_query_file
 from tests.test_train_policy import save_reward_model
-
-TIMING_METRICS = ("elapsed/time", "elapsed/fps", "debug/time/")
-"""wall-clock metrics, which no two runs share"""
-
 
 # one intra-op thread, as the scripts get from OMP_NUM_THREADS=1: in-process and subprocess runs add up floats alike
 pytestmark = pytest.mark.usefixtures("single_thread")
@@ -84,63 +84,10 @@ def reward_flags(model_dir: str, world: dict, output_dir, *extra: str) -> list[s
     ]
 
 
-def scalars(output_dir) -> dict[str, list[tuple[int, float]]]:
-    """Every TensorBoard scalar series of a run as TensorBoard shows it (points purged by a resume left out)."""
-    events = EventAccumulator(os.path.join(output_dir, "tb"), size_guidance={"scalars": 0})
-    events.Reload()
-    return {
-        tag: [(e.step, e.value) for e in events.Scalars(tag)]
-        for tag in events.Tags()["scalars"]
-        if not tag.startswith(TIMING_METRICS)
-    }
-
-
-def max_metric_difference(resumed: dict, uninterrupted: dict, from_step: int) -> float:
-    """Largest |difference| of the points logged at or after `from_step`; the series must have the same steps."""
-    assert resumed.keys() == uninterrupted.keys()
-    worst = 0.0
-    for tag, series in uninterrupted.items():
-        assert [s for s, _ in resumed[tag]] == [s for s, _ in series], tag  # no point lost, duplicated or mixed
-        worst = max([worst, *(abs(a - b) for (step, a), (_, b) in zip(resumed[tag], series) if step >= from_step)])
-    return worst
-
-
-def max_weight_difference(resumed: dict[str, torch.Tensor], uninterrupted: dict[str, torch.Tensor]) -> float:
-    """Largest |difference| over all tensors of two state dicts with the same keys."""
-    assert resumed.keys() == uninterrupted.keys()
-    return max((resumed[k].double() - uninterrupted[k].double()).abs().max().item() for k in uninterrupted)
-
-
-def saved_files(output_dir, names: tuple[str, ...]) -> dict[str, torch.Tensor]:
-    """The tensors of the final model files `names` at the top of a run directory."""
-    return {f"{name}:{k}": v for name in names for k, v in load_file(os.path.join(output_dir, name)).items()}
-
-
-def final_training_state(output_dir) -> dict[str, torch.Tensor]:
-    """Weights and Adam moments of a run's newest checkpoint."""
-    state = torch.load(os.path.join(checkpoint.latest_checkpoint(str(output_dir)), "state.pt"), weights_only=True)
-    tensors = {f"model.{k}": v for k, v in state.get("policy", state.get("model")).items()}
-    for index, moments in state["optimizer"]["state"].items():
-        tensors.update({f"adam.{index}.{k}": v for k, v in moments.items() if isinstance(v, torch.Tensor)})
-    return tensors
-
-
 def start_and_kill(command: list[str], output_dir, kill_after: int, delay: float) -> int:
-    """Start `command` (a script, or torchrun and its processes) in a process group of its own and SIGKILL the whole
-    group `delay` s after checkpoint `kill_after` appears, as a preempted machine; -> the newest checkpoint's step."""
-    log = open(os.path.join(os.path.dirname(str(output_dir)), f"{os.path.basename(str(output_dir))}.log"), "w")
+    """`resume_check.start_and_kill` in a user's fresh offline shell at the repository root."""
     env = {**script_env(), "WANDB_SILENT": "true"}
-    proc = subprocess.Popen(command, cwd=REPO, env=env, stdout=log, stderr=log, start_new_session=True)
-    target = checkpoint.step_dir(str(output_dir), kill_after)
-    deadline = time.time() + 300
-    while not os.path.isdir(target) and proc.poll() is None and time.time() < deadline:
-        time.sleep(0.005)
-    time.sleep(delay)
-    os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait()
-    log.close()
-    assert proc.returncode == -signal.SIGKILL, open(log.name).read()[-3000:]
-    return checkpoint.list_checkpoints(str(output_dir))[-1][0]
+    return resume_check.start_and_kill(command, output_dir, kill_after, delay, env, REPO)
 
 
 def script_command(script: str, flags: list[str]) -> list[str]:
