@@ -2,7 +2,6 @@
 
 import json
 import urllib.error
-import urllib.parse
 import urllib.request
 from collections.abc import Callable
 
@@ -40,8 +39,8 @@ class LabelClient:
         return self._call("GET", "/api/info")
 
     def next(self) -> dict:
-        """The next row for this labeler (row None when none is left), responses in the order they are shown."""
-        return self._call("GET", f"/api/next?labeler={urllib.parse.quote(self.labeler)}")
+        """Claim the next row for this labeler (row None when none is left), responses in the order they are shown."""
+        return self._call("POST", "/api/next", {"labeler": self.labeler})
 
     def judge(self, row: int, answer: int) -> dict:
         return self._call("POST", "/api/judge", {"labeler": self.labeler, "row": row, "answer": answer})
