@@ -217,25 +217,33 @@ def create_app(store: LabelStore, token: str | None, poll_seconds: float = POLL_
             "poll_seconds": poll_seconds,
         }
 
-    async def next_row(request: Request) -> dict:
-        data = await read_json(request)
-        return store.next_row(data.get("labeler"))
+    def for_labeler(action):
+        """An API handler of `action(data, labeler) -> result` that first checks the labeler key of the body's
+        labeler (403 without it: LabelStore.check_key), and binds an unbound name to a new key once the action
+        succeeded, adding it to the result as `labeler_key`."""
 
-    async def judge(request: Request) -> dict:
-        data = await read_json(request)
-        labeler = data.get("labeler")
+        async def handler(request: Request) -> dict:
+            data = await read_json(request)
+            labeler = data.get("labeler")
+            unbound = store.check_key(labeler, data.get("key"))
+            result = await action(data, labeler)
+            new_key = await run_in_threadpool(store.issue_key, labeler) if unbound else None
+            return result if new_key is None else {**result, "labeler_key": new_key}
+
+        return handler
+
+    async def next_row(data: dict, labeler: Any) -> dict:
+        return store.next_row(labeler)
+
+    async def judge(data: dict, labeler: Any) -> dict:
         record = await run_in_threadpool(store.judge, labeler, data.get("row"), data.get("answer"))
         return {"saved": record["seq"], "next": store.next_row(labeler)}
 
-    async def skip(request: Request) -> dict:
-        data = await read_json(request)
-        labeler = data.get("labeler")
+    async def skip(data: dict, labeler: Any) -> dict:
         record = await run_in_threadpool(store.skip, labeler, data.get("row"))
         return {"saved": record["seq"], "next": store.next_row(labeler)}
 
-    async def undo(request: Request) -> dict:
-        data = await read_json(request)
-        labeler = data.get("labeler")
+    async def undo(data: dict, labeler: Any) -> dict:
         record = await run_in_threadpool(store.undo, labeler)
         return {"undone": record["row"], "next": store.next_row(labeler)}
 
@@ -290,10 +298,10 @@ def create_app(store: LabelStore, token: str | None, poll_seconds: float = POLL_
     routes += [
         Route("/api/info", api(info), methods=["GET"]),
         Route("/api/stats", api(stats), methods=["GET"]),
-        Route("/api/next", api(next_row), methods=["POST"]),
-        Route("/api/judge", api(judge), methods=["POST"]),
-        Route("/api/skip", api(skip), methods=["POST"]),
-        Route("/api/undo", api(undo), methods=["POST"]),
+        Route("/api/next", api(for_labeler(next_row)), methods=["POST"]),
+        Route("/api/judge", api(for_labeler(judge)), methods=["POST"]),
+        Route("/api/skip", api(for_labeler(skip)), methods=["POST"]),
+        Route("/api/undo", api(for_labeler(undo)), methods=["POST"]),
     ]
     handlers = {404: not_found, 405: not_found, Exception: server_error}
     return SecurityHeaders(Starlette(routes=routes, exception_handlers=handlers))

@@ -13,6 +13,7 @@ import json
 import os
 import random
 import re
+import secrets
 import sys
 import threading
 import time
@@ -290,12 +291,17 @@ class JudgementState:
         """row -> labeler -> label record"""
         self.seq = 0
         """the seq of the next record"""
+        self.keys: dict[str, str] = {}
+        """labeler -> SHA-256 of their labeler key (LabelStore.authorize)"""
 
     def apply(self, record: dict) -> None:
         """Replay one record on the state."""
         self.seq = max(self.seq, int(record.get("seq", 0)) + 1)
         event, name = record["event"], record.get("labeler")
         if event == "start":
+            return
+        if event == "key":
+            self.keys[name] = record["key_sha256"]
             return
         state = self.labelers.setdefault(name, LabelerState())
         row = record.get("row")
@@ -497,6 +503,34 @@ class LabelStore(JudgementState):
     def check_labeler(name: Any) -> str:
         """The labeler's name normalized (normalize_labeler), or JudgementError 422 when it is not a name."""
         return normalize_labeler(name)
+
+    def check_key(self, labeler: Any, key: Any) -> bool:
+        """Refuse (403) a request for a labeler whose name is bound to a labeler key it does not carry, so nobody
+        labels or undoes as someone else; -> True when the name is not bound yet (issue_key binds it)."""
+        labeler = self.check_labeler(labeler)
+        known = self.keys.get(labeler)
+        if known is None:
+            return True
+        given = hashlib.sha256(key.encode()).hexdigest() if isinstance(key, str) else ""
+        if not secrets.compare_digest(given, known):
+            raise JudgementError(
+                403,
+                f"the name {labeler!r} is in use in another browser or program: continue there, type its labeler key "
+                "(shown there on the page) with the name, or choose another name.",
+            )
+        return False
+
+    def issue_key(self, labeler: str) -> str | None:
+        """Bind `labeler` to a new random labeler key (its SHA-256 is logged) after their first request succeeded;
+        -> the key, or None when the name was bound meanwhile."""
+        labeler = self.check_labeler(labeler)
+        with self.lock:
+            if labeler in self.keys:
+                return None
+            key = secrets.token_urlsafe(18)
+            digest = hashlib.sha256(key.encode()).hexdigest()
+            self.apply(self._append({"event": "key", "labeler": labeler, "key_sha256": digest}))
+        return key
 
     def _check_row(self, row: Any) -> int:
         """The row index, or JudgementError 404 for an unknown row."""

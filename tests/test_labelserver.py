@@ -270,6 +270,19 @@ def test_a_last_line_cut_by_a_full_disk_is_reported_once_and_cut_off(candidates,
 # ---------------------------------------------------------------- faults: a full disk, a failing export
 
 
+class ApiLabeler:
+    """POSTs of one labeler through the app, carrying the labeler key its first answer gave (as the page does)."""
+
+    def __init__(self, client, name: str):
+        self.client, self.name, self.key = client, name, None
+
+    def post(self, path: str, **body):
+        response = self.client.post(path, json={"labeler": self.name, "key": self.key, **body})
+        if response.status_code == 200:
+            self.key = response.json().get("labeler_key", self.key)
+        return response
+
+
 class FullDisk:
     """os.write and os.fsync of one file descriptor fail as on a full disk: a write stores part of its bytes, then
     ENOSPC; or fsync reports ENOSPC after the bytes were written (the page cache could not be flushed)."""
@@ -299,23 +312,23 @@ class FullDisk:
 def test_a_judgement_on_a_full_disk_is_refused_and_never_reaches_the_log(candidates, tmp_path, monkeypatch, where):
     output = str(tmp_path / "out.json")
     store = LabelStore(load_candidates(candidates), output)
-    client, _ = client_for(store, "127.0.0.1")
-    assert client.post("/api/judge", json={"labeler": "ann", "row": 0, "answer": 1}).status_code == 200
+    ann = ApiLabeler(client_for(store, "127.0.0.1")[0], "ann")
+    assert ann.post("/api/judge", row=0, answer=1).status_code == 200
     before = log_bytes(output)
     disk = FullDisk(monkeypatch, store.fd, where)
     for _ in range(2):  # the labeler's retry while the disk is still full
-        response = client.post("/api/judge", json={"labeler": "ann", "row": 1, "answer": 2})
+        response = ann.post("/api/judge", row=1, answer=2)
         assert response.status_code == 507 and "not saved: the disk is full" in response.json()["error"]
         assert log_bytes(output) == before
     disk.full = False  # space again: the retry is saved, once
-    response = client.post("/api/judge", json={"labeler": "ann", "row": 1, "answer": 2})
+    response = ann.post("/api/judge", row=1, answer=2)
     assert response.status_code == 200 and response.json()["next"]["progress"]["labelled"] == 2
     store.close()
     store = LabelStore(load_candidates(candidates), output)  # the restart counts what the server confirmed
     assert [j.row for j in store.judgements()] == [0, 1] and not store.notices
     store.close()
     records = [json.loads(line) for line in log_bytes(output).splitlines()]
-    assert [r["seq"] for r in records] == [0, 1, 2]
+    assert [(r["event"], r["seq"]) for r in records] == [("start", 0), ("label", 1), ("key", 2), ("label", 3)]
 
 
 def test_a_failing_export_keeps_the_judgement_saved_shows_why_and_retries(candidates, tmp_path, monkeypatch, capsys):
@@ -337,10 +350,11 @@ def test_a_failing_export_keeps_the_judgement_saved_shows_why_and_retries(candid
     monkeypatch.setattr(labelstore, "EXPORT_RETRY_SECONDS", 0.2)
     store = LabelStore(load_candidates(candidates), output, shared_fraction=1.0)
     client, _ = client_for(store, "127.0.0.1")
-    response = client.post("/api/judge", json={"labeler": "ann", "row": 0, "answer": 1})
+    ann = ApiLabeler(client, "ann")
+    response = ann.post("/api/judge", row=0, answer=1)
     assert response.status_code == 200 and "disk full" in response.json()["next"]["export_error"]
     assert "disk full" in client.get("/api/stats").json()["export_error"]
-    assert client.post("/api/judge", json={"labeler": "ann", "row": 1, "answer": 1}).status_code == 200
+    assert ann.post("/api/judge", row=1, answer=1).status_code == 200
     time.sleep(0.5)  # the retries on the timer fail too: one warning in all
     warnings = [line for line in capsys.readouterr().err.splitlines() if line.startswith("warning:")]
     assert len(warnings) == 1 and output in warnings[0] and "disk full" in warnings[0]
@@ -540,6 +554,29 @@ def test_labeler_names_are_normalized_and_mixed_scripts_refused(candidates, tmp_
         store.judge("\u0430nn", 1, 1)  # a Cyrillic a
     assert refused.value.status == 422
     assert store.next_row("ANN")["labeler"] == "ann" and sorted(store.labelers) == ["ann", "mary ann"]
+    store.close()
+
+
+def test_a_labelers_name_is_bound_to_the_key_of_its_first_use(candidates, tmp_path):
+    output = str(tmp_path / "out.json")
+    store = LabelStore(load_candidates(candidates), output, shared_fraction=1.0)
+    client, _ = client_for(store, "127.0.0.1")
+    ann = ApiLabeler(client, "ann")
+    assert ann.post("/api/judge", row=99, answer=1).status_code == 404 and ann.key is None  # a refusal binds nothing
+    assert ann.post("/api/next").json()["labeler_key"] == ann.key and len(ann.key) >= 16
+    for impostor in ("ann", "Ann ", "ANN"):
+        for path, body in [("/api/judge", {"row": 0, "answer": 1}), ("/api/undo", {}), ("/api/next", {})]:
+            response = client.post(path, json={"labeler": impostor, **body})
+            assert response.status_code == 403 and "'ann' is in use in another browser" in response.json()["error"]
+    assert ann.post("/api/judge", row=0, answer=1).status_code == 200
+    again = client.post("/api/judge", json={"labeler": "Ann", "key": ann.key, "row": 1, "answer": 1})
+    assert again.status_code == 200 and "labeler_key" not in again.json()
+    store.close()
+    store = LabelStore(load_candidates(candidates), output, shared_fraction=1.0)  # the binding survives a restart
+    client, _ = client_for(store, "127.0.0.1")
+    assert client.post("/api/undo", json={"labeler": "ann"}).status_code == 403
+    assert client.post("/api/undo", json={"labeler": "ann", "key": ann.key}).json()["undone"] == 1
+    assert sorted(agreement_report(store.judgements(), store.skips())["labelers"]) == ["ann"]
     store.close()
 
 

@@ -379,7 +379,11 @@ def test_a_page_left_behind_by_another_tab_recovers(driver, tmp_path, tokenizer,
         driver.get(served.url)
         name_field(driver).send_keys("fay\n")
         wait_for(driver, lambda d: shown_row(d) == "0")
-        LabelClient(served.url, "fay").judge(0, 1)  # fay's other tab labels row 0
+        key = driver.execute_script("return JSON.parse(localStorage.getItem('labelerKeys')).fay")
+        assert key and driver.find_element(By.ID, "key").get_attribute("textContent") == key  # shown on the page
+        with pytest.raises(LabelServerError, match="403: the name 'fay' is in use"):
+            LabelClient(served.url, "fay").judge(0, 1)  # without fay's labeler key
+        LabelClient(served.url, "fay", key=key).judge(0, 1)  # fay's other tab labels row 0
         press(driver, key_for("fay", 0, 3), "1")  # this tab still shows row 0: it moves on instead of sticking
         status = driver.find_element(By.ID, "status").text
         labels = [(j.row, j.label) for j in served.store.judgements()]

@@ -3,16 +3,44 @@
 
 const state = { labeler: null, info: null, current: null, busy: false, poll: null };
 
+// A labeler's name is bound to a labeler key at its first use: the server gives it once, the page keeps it per name
+// and sends it with every request for that name.
+function storedKeys() {
+  try {
+    return JSON.parse(localStorage.getItem("labelerKeys") || "{}");
+  } catch {
+    return {};
+  }
+}
+
+function foldName(name) {
+  // what the server does to a name (NFKC, case folded, spaces collapsed), closely enough to find its key
+  return name.normalize("NFKC").toLowerCase().normalize("NFKC").split(/\s+/).filter(Boolean).join(" ");
+}
+
+function keyOf(name) {
+  return storedKeys()[foldName(name)];
+}
+
+function saveKey(name, key) {
+  const keys = storedKeys();
+  keys[foldName(name)] = key;
+  localStorage.setItem("labelerKeys", JSON.stringify(keys));
+}
+
 // The access token, when the server needs one, is an HttpOnly cookie set by the server's redirect from the ?token= URL:
 // this script never sees it, and the URL that carried it never rendered a page.
 async function call(method, path, body) {
   const options = { method, headers: {}, credentials: "same-origin" };
   if (body !== undefined) {
     options.headers["Content-Type"] = "application/json";
-    options.body = JSON.stringify(body);
+    options.body = JSON.stringify(body.labeler === undefined ? body : { ...body, key: keyOf(body.labeler) });
   }
   const response = await fetch(path, options);
   const data = await response.json().catch(() => ({}));
+  if (data.labeler_key) {
+    saveKey(data.labeler || (data.next && data.next.labeler) || body.labeler, data.labeler_key);
+  }
   if (!response.ok) {
     const error = new Error(data.error || `request failed (${response.status})`);
     error.status = response.status;
@@ -72,6 +100,7 @@ function render(next) {
   state.labeler = next.labeler;
   localStorage.setItem("labeler", next.labeler);
   $("who").textContent = `labeler: ${next.labeler}`;
+  $("key").textContent = keyOf(next.labeler) || "";
   const progress = next.progress;
   const rate = progress.per_minute === null ? "–" : progress.per_minute.toFixed(1);
   $("progress").textContent =
@@ -247,6 +276,11 @@ async function main() {
   $("login").addEventListener("submit", (event) => {
     event.preventDefault();
     const name = $("name").value.trim();
+    const key = $("key-input").value.trim();
+    if (name && key) {
+      saveKey(name, key);
+      $("key-input").value = "";
+    }
     if (name) {
       start(name);
     }
