@@ -11,8 +11,10 @@ other address every API request needs the access token, printed once at start: t
 the HttpOnly SameSite=Strict cookie that opening `/?token=...` sets before it redirects to `/` (the URL with the token
 never renders a page, so it is no page of the browser's history). Every state change is a POST of JSON (a cross-site
 form or image cannot send one; the preflight it would need is never answered), and an API request that a browser marks
-as coming from another origin is refused. Model text is untrusted: the pages put it into the DOM as text only, and the
-Content-Security-Policy forbids inline scripts. Every answer, errors and 500s included, carries the security headers.
+as coming from another origin is refused. A labeler's name is bound to a labeler key at its first use
+(labelstore.LabelStore.check_key): a request under that name without the key is refused. Model text is untrusted: the
+pages put it into the DOM as text only, and the Content-Security-Policy forbids inline scripts. Every answer, errors
+and 500s included, carries the security headers.
 """
 
 import ipaddress
