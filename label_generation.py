@@ -921,7 +921,9 @@ def serve(args: Serve) -> dict:
     finally:
         store.close()
         listener.close()
-    labels = f"labels in {args.output}" if store.export_error is None else store.export_error.split(";")[0]
+    labels = f"labels in {args.output}"
+    if store.export_error is not None:
+        labels = f"{store.export_error}; the next start rebuilds it from the judgements"
     console.print(f"stopped: {len(judgements)} judgements in {store.log_path}; {labels}", soft_wrap=True)
     return {"judgements": len(judgements)}
 

@@ -456,6 +456,9 @@ class LabelStore(JudgementState):
                 self.timer.cancel()
                 self.timer = None
                 self._export_now()
+                if self.timer is not None:  # it failed: no retry after the close (the next start rebuilds it)
+                    self.timer.cancel()
+                    self.timer = None
             os.close(self.fd)
 
     def _export_soon(self) -> None:
@@ -479,9 +482,9 @@ class LabelStore(JudgementState):
         try:
             self.export()
         except OSError as e:
-            message = f"the label file could not be written: {e}; retrying every {EXPORT_RETRY_SECONDS:.0f} s"
+            message = f"the label file could not be written ({e})"
             if message != self.export_error:
-                print(f"warning: {message}", file=sys.stderr, flush=True)
+                print(f"warning: {message}; trying again every {EXPORT_RETRY_SECONDS:g} s", file=sys.stderr, flush=True)
             self.export_error = message
             if self.timer is None:
                 self._start_timer(EXPORT_RETRY_SECONDS)

@@ -364,7 +364,10 @@ def test_a_failing_export_keeps_the_judgement_saved_shows_why_and_retries(candid
         time.sleep(0.05)
     assert store.export_error is None and client.get("/api/stats").json()["export_error"] is None
     assert len(read_rows(output)) == 2
-    store.close()
+    broken["on"] = True
+    assert ann.post("/api/judge", row=2, answer=1).status_code == 200
+    store.close()  # the last rewrite fails too: said, and no retry is left running after the close
+    assert "disk full" in store.export_error and store.timer is None
 
 
 # ---------------------------------------------------------------- the app: access and malformed requests

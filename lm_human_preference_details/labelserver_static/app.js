@@ -108,7 +108,7 @@ function render(next) {
     `(${progress.total} rows) · ${rate} labels/min over the last 10 minutes`;
   $("undo").disabled = !progress.can_undo;
   $("export-error").hidden = !next.export_error;
-  $("export-error").textContent = next.export_error ? `Your labels are saved, but ${next.export_error}.` : "";
+  $("export-error").textContent = next.export_error ? `Your labels are saved, but ${next.export_error}; it is tried again every few seconds.` : "";
   $("workspace").hidden = false;
   const done = next.row === null;
   $("labeling").hidden = done;

@@ -32,7 +32,7 @@ async function main() {
   if (stats.export_error) {
     const banner = document.getElementById("export-error");
     banner.hidden = false;
-    banner.textContent = `The judgements are saved, but ${stats.export_error}.`;
+    banner.textContent = `The judgements are saved, but ${stats.export_error}; it is tried again every few seconds.`;
   }
   text(
     "summary",
