@@ -982,7 +982,7 @@ def agreement(args: Agreement) -> dict:
     console = cli.make_console()
     console.print(
         f"{report['rows_labelled']} rows labelled, {report['shared_rows']} by two or more labelers; Fleiss' kappa "
-        f"{format_figure(report['fleiss_kappa'])}"
+        f"{format_figure(report['fleiss_kappa'])}, Krippendorff's alpha {format_figure(report['krippendorff_alpha'])}"
     )
     table = Table(title="labelers", title_justify="left")
     for column in ("labeler", "labels", "skipped", "shared rows", "agreement with the others' majority"):

@@ -710,7 +710,7 @@ def test_agreement_command_prints_the_figures(tmp_path, candidates, capsys):
     report = run_label_generation(["agreement", "--judgements", output])
     assert report["pairs"] == [{"labelers": ["ann", "bob"], "rows": 2, "agreement": 1.0, "cohen_kappa": 1.0}]
     text = capsys.readouterr().out
-    assert "Cohen's kappa" in text and "ann & bob" in text and "1.000" in text
+    assert "Cohen's kappa" in text and "ann & bob" in text and "1.000" in text and "Krippendorff's alpha 1.000" in text
 
 
 @pytest.mark.slow
