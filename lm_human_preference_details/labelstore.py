@@ -354,6 +354,8 @@ class LabelStore(JudgementState):
         self.last_export = -EXPORT_SECONDS
         self.export_error: str | None = None
         """why the last rewrite of the label file failed (None: it is up to date or pending)"""
+        self.broken: str | None = None
+        """why no judgement can be saved until a restart (a failed write that could not be cut back)"""
         self.notices: list[str] = []
         """what was repaired when the log was opened (a torn last line), one line each"""
         n = len(candidates.rows)
@@ -424,6 +426,8 @@ class LabelStore(JudgementState):
         """Write one record as one line and fsync it; only then is it applied (and confirmed to the page). On a write
         error (disk full) the log is cut back to its last complete line and JudgementError 507 says nothing was
         saved."""
+        if self.broken is not None:
+            raise JudgementError(503, f"not saved: {self.broken}.")
         record = {**record, "seq": self.seq, "time": time.time()}
         line = (json.dumps(record, ensure_ascii=False) + "\n").encode()
         try:
@@ -432,7 +436,7 @@ class LabelStore(JudgementState):
                 written += os.write(self.fd, line[written:])
             os.fsync(self.fd)
         except OSError as e:
-            self._cut_back()
+            self._cut_back(record["seq"])
             reason = "the disk is full" if e.errno == errno.ENOSPC else (e.strerror or str(e))
             raise JudgementError(
                 507, f"not saved: {reason} (judgements log '{self.log_path}'); free space, then answer again."
@@ -441,13 +445,24 @@ class LabelStore(JudgementState):
         self.seq += 1
         return record
 
-    def _cut_back(self) -> None:
-        """Remove the bytes of a failed append, so no part of it is ever read back as a judgement."""
+    def _cut_back(self, seq: int) -> None:
+        """Remove the bytes of a failed append, so no part of it is ever read back as a judgement. If even that
+        fails, the record may be on disk though refused: every later write is refused (503) and the console says
+        so, until the server is restarted."""
         try:
             os.ftruncate(self.fd, self.log_size)
-            os.fsync(self.fd)
+        except OSError as e:
+            self.broken = (
+                f"the judgements log '{self.log_path}' could not be cut back after a failed write "
+                f"({e.strerror or e}), so its record seq {seq} may be on disk though it was refused; stop the server, "
+                "free space, remove that record from the log if it is there, and start again"
+            )
+            print(f"error: {self.broken}", file=sys.stderr, flush=True)
+            return
+        try:
+            os.fsync(self.fd)  # the cut on disk too (a crash before it could bring back a line the page was refused)
         except OSError:
-            pass  # the next start cuts a torn last line off (read_log reads complete lines only)
+            pass  # the cut stands in the page cache; the next append's fsync writes it
 
     def close(self) -> None:
         """Write the label file if a change is pending, release the log."""

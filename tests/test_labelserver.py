@@ -331,6 +331,26 @@ def test_a_judgement_on_a_full_disk_is_refused_and_never_reaches_the_log(candida
     assert [(r["event"], r["seq"]) for r in records] == [("start", 0), ("label", 1), ("key", 2), ("label", 3)]
 
 
+def test_a_failed_write_that_cannot_be_cut_back_stops_every_later_write(candidates, tmp_path, monkeypatch, capsys):
+    output = str(tmp_path / "out.json")
+    store = LabelStore(load_candidates(candidates), output)
+    client, _ = client_for(store, "127.0.0.1")
+    FullDisk(monkeypatch, store.fd, "fsync")  # the line is written, its fsync fails ...
+
+    def no_truncate(fd, size):
+        raise OSError(errno.EIO, "Input/output error")
+
+    monkeypatch.setattr(os, "ftruncate", no_truncate)  # ... and it cannot be removed again
+    response = client.post("/api/judge", json={"labeler": "ann", "row": 0, "answer": 1})
+    assert response.status_code == 507
+    (line,) = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+    assert "may be on disk though it was refused" in line and "seq 1" in line
+    monkeypatch.undo()  # space again: still refused, as the log may hold a refused judgement
+    response = client.post("/api/judge", json={"labeler": "ann", "row": 1, "answer": 1})
+    assert response.status_code == 503 and "could not be cut back" in response.json()["error"]
+    store.close()
+
+
 def test_a_failing_export_keeps_the_judgement_saved_shows_why_and_retries(candidates, tmp_path, monkeypatch, capsys):
     from lm_human_preference_details import labelstore
     from lm_human_preference_details.core import OutputError
