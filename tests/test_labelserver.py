@@ -631,16 +631,16 @@ def test_stats_of_many_labelers_take_time_linear_in_the_judgements():
     rng = random.Random(0)
     judgements = CountingList(
         Judgement(f"l{i:03d}", row, rng.randrange(4), seq)
-        for seq, (i, row) in enumerate((i, row) for row in range(5) for i in range(300))
+        for seq, (i, row) in enumerate((i, row) for row in range(5) for i in range(120))
     )
     agreement_report(judgements)
-    assert judgements.reads <= 4 * len(judgements)  # not once per labeler (300 x 1500 before)
+    assert judgements.reads <= 4 * len(judgements)  # not once per labeler (120 x 600 before)
     report = agreement_report(judgements, max_pair_labelers=40)
-    assert report["pairs"] == [] and "300 labelers share rows, 44850 pairs" in report["pairs_left_out"]
+    assert report["pairs"] == [] and "120 labelers share rows, 7140 pairs" in report["pairs_left_out"]
     by_row = {}
     for j in judgements:
         by_row.setdefault(j.row, []).append(j)
-    for name in ("l000", "l123", "l299"):  # the linear-time majority of the others equals the majority rule's
+    for name in ("l000", "l061", "l119"):  # the linear-time majority of the others equals the majority rule's
         mine = [j for j in judgements if j.labeler == name]
         hits = [j.label == majority_label([o for o in by_row[j.row] if o.labeler != name]) for j in mine]
         assert report["majority_agreement"][name] == {"rows": 5, "agreement": sum(hits) / 5}
