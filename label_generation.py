@@ -175,7 +175,10 @@ class Serve:
     pairs_output: str | None = None
     """also write chosen/rejected pairs (JSONL of prompt, chosen, rejected texts) for other trainers"""
     token: str | None = None
-    """access token for a non-loopback --host; None: a random one, printed once at start"""
+    """access token for a non-loopback --host (visible to every user of this machine in `ps`: prefer --token_file or
+    the environment variable LHPD_LABEL_TOKEN); None: one of those, else a random one, printed once at start"""
+    token_file: str | None = None
+    """file holding the access token (its first line), instead of --token"""
 
 
 @dataclass
@@ -890,16 +893,18 @@ def serve(args: Serve) -> dict:
         raise ImportError(f"serve needs the label extra ({e}): pip install -e '.[label]'") from e
     candidates = load_candidates(args.candidates)
     check_serve_outputs(args, candidates)
-    token = labelserver.access_token(args.host, args.token)
+    token = labelserver.access_token(args.host, labelserver.given_token(args.token, args.token_file))
     listener = open_listener(args.host, args.port)
     store = LabelStore(candidates, args.output, args.shared_fraction, args.pairs_output)
     try:
         store.export()
+        console = cli.make_console()
+        for notice in store.notices:
+            console.print(notice, soft_wrap=True)
         port = listener.getsockname()[1]
         host = socket.gethostname() if args.host in ("0.0.0.0", "::") else args.host  # reachable from elsewhere
         host = f"[{host}]" if ":" in host else host
         url = f"http://{host}:{port}/" + (f"?token={token}" if token else "")
-        console = cli.make_console()
         console.print(
             f"serving {len(candidates.rows)} {candidates.label_type.name} rows of {args.candidates}; labels go to "
             f"{args.output} (every judgement: {store.log_path})"
@@ -916,7 +921,10 @@ def serve(args: Serve) -> dict:
     finally:
         store.close()
         listener.close()
-    console.print(f"stopped: {len(judgements)} judgements in {store.log_path}; labels in {args.output}")
+    labels = f"labels in {args.output}"
+    if store.export_error is not None:
+        labels = f"{store.export_error}; the next start rebuilds it from the judgements"
+    console.print(f"stopped: {len(judgements)} judgements in {store.log_path}; {labels}", soft_wrap=True)
     return {"judgements": len(judgements)}
 
 
@@ -974,7 +982,7 @@ def agreement(args: Agreement) -> dict:
     console = cli.make_console()
     console.print(
         f"{report['rows_labelled']} rows labelled, {report['shared_rows']} by two or more labelers; Fleiss' kappa "
-        f"{format_figure(report['fleiss_kappa'])}"
+        f"{format_figure(report['fleiss_kappa'])}, Krippendorff's alpha {format_figure(report['krippendorff_alpha'])}"
     )
     table = Table(title="labelers", title_justify="left")
     for column in ("labeler", "labels", "skipped", "shared rows", "agreement with the others' majority"):

@@ -2,7 +2,6 @@
 
 import json
 import urllib.error
-import urllib.parse
 import urllib.request
 from collections.abc import Callable
 
@@ -16,10 +15,11 @@ class LabelServerError(Exception):
 
 
 class LabelClient:
-    """Calls of one labeler to a running `label_generation.py serve`."""
+    """Calls of one labeler to a running `label_generation.py serve`. `key`: the labeler key the server gave this
+    name at its first use (kept from the first answer; pass it to continue a name in another program)."""
 
-    def __init__(self, url: str, labeler: str, token: str | None = None, timeout: float = 30.0):
-        self.url, self.labeler, self.token, self.timeout = url.rstrip("/"), labeler, token, timeout
+    def __init__(self, url: str, labeler: str, token: str | None = None, timeout: float = 30.0, key: str | None = None):
+        self.url, self.labeler, self.token, self.timeout, self.key = url.rstrip("/"), labeler, token, timeout, key
 
     def _call(self, method: str, path: str, body: dict | None = None) -> dict:
         """One request; the JSON reply, or LabelServerError."""
@@ -27,11 +27,13 @@ class LabelClient:
         data = None
         if body is not None:
             headers["Content-Type"] = "application/json"
-            data = json.dumps(body).encode()
+            data = json.dumps({**body, "key": self.key}).encode()
         request = urllib.request.Request(self.url + path, data=data, headers=headers, method=method)
         try:
             with urllib.request.urlopen(request, timeout=self.timeout) as response:
-                return json.loads(response.read())
+                answer = json.loads(response.read())
+                self.key = answer.get("labeler_key", self.key)
+                return answer
         except urllib.error.HTTPError as e:
             message = json.loads(e.read() or b"{}").get("error", e.reason)
             raise LabelServerError(e.code, message) from None
@@ -40,8 +42,8 @@ class LabelClient:
         return self._call("GET", "/api/info")
 
     def next(self) -> dict:
-        """The next row for this labeler (row None when none is left), responses in the order they are shown."""
-        return self._call("GET", f"/api/next?labeler={urllib.parse.quote(self.labeler)}")
+        """Claim the next row for this labeler (row None when none is left), responses in the order they are shown."""
+        return self._call("POST", "/api/next", {"labeler": self.labeler})
 
     def judge(self, row: int, answer: int) -> dict:
         return self._call("POST", "/api/judge", {"labeler": self.labeler, "row": row, "answer": answer})

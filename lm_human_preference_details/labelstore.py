@@ -7,13 +7,17 @@ with fsync before the page shows the next row, and the label file in OAI's schem
 row, decided by the majority rule below. Nothing here imports a web framework, so training never needs one.
 """
 
+import errno
 import hashlib
 import json
 import os
 import random
 import re
+import secrets
+import sys
 import threading
 import time
+import unicodedata
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
@@ -40,6 +44,8 @@ THROUGHPUT_WINDOW_SECONDS = 600.0
 """the throughput shown on the page counts the labels of the last ten minutes"""
 EXPORT_SECONDS = 1.0
 """the label file is rewritten at most this often while labelers work (every judgement is in the log at once)"""
+EXPORT_RETRY_SECONDS = 10.0
+"""a rewrite of the label file that failed (disk full, read-only directory) is tried again this much later"""
 MAJORITY_RULE = (
     "one label per row: the value most of the row's labelers gave (plurality); a tie goes to the tied value that was "
     "given first (the earliest judgement); undone judgements do not count"
@@ -55,6 +61,36 @@ TASK_INSTRUCTIONS = {
 
 LABELER_NAME = re.compile(r"[^\W_][\w .@-]{0,39}")
 """a labeler's name: 1 to 40 letters, digits, spaces and . @ - _, starting with a letter or digit"""
+SCRIPT_GROUPS = {"HIRAGANA": "CJK", "KATAKANA": "CJK", "HANGUL": "CJK"}
+"""scripts written together in one name (Japanese, Korean with Han characters); any other mix is refused"""
+
+
+def _script(char: str) -> str:
+    """The script of a letter, from its Unicode name ('LATIN SMALL LETTER A' -> LATIN)."""
+    script = unicodedata.name(char, "UNKNOWN").split(" ")[0]
+    return SCRIPT_GROUPS.get(script, script)
+
+
+def normalize_labeler(name: Any) -> str:
+    """One spelling per labeler: Unicode NFKC, case folded, spaces trimmed and collapsed ('Ann ', 'ANN' and 'ann' are
+    one labeler). JudgementError 422 for a name LABELER_NAME does not allow, or one mixing scripts (a Cyrillic 'а'
+    in 'аnn' looks like 'ann' but would count as another labeler)."""
+    if not isinstance(name, str):
+        raise JudgementError(422, "a labeler name must be a string.")
+    folded = unicodedata.normalize("NFKC", unicodedata.normalize("NFKC", name).casefold())
+    folded = " ".join(folded.split())
+    if not LABELER_NAME.fullmatch(folded):
+        raise JudgementError(
+            422, "a labeler name is 1 to 40 letters, digits, spaces or . @ - _, starting with a letter or digit."
+        )
+    scripts = sorted({_script(c) for c in folded if c.isalpha()})
+    if len(scripts) > 1:
+        raise JudgementError(
+            422,
+            f"the labeler name {name!r} mixes {' and '.join(s.title() for s in scripts)} letters, which can look "
+            "alike and would count as another labeler; type it in one script.",
+        )
+    return folded
 
 
 class JudgementError(Exception):
@@ -214,20 +250,24 @@ def judgements_path(output: str) -> str:
 
 
 def read_log(path: str) -> tuple[list[dict], int]:
-    """Records of a judgements log and the byte length of its complete lines (a torn last line is left out)."""
+    """Records of a judgements log and the byte length of its complete lines. A torn last line (no newline, or not
+    JSON: a write cut short by a crash or a full disk, never confirmed) is left out; any other bad line is an error."""
     with open(path, "rb") as f:
         raw = f.read()
-    complete = raw[: raw.rfind(b"\n") + 1]
-    records = []
-    for number, line in enumerate(complete.splitlines(), 1):
+    lines = raw[: raw.rfind(b"\n") + 1].splitlines(keepends=True)
+    records, complete = [], 0
+    for number, line in enumerate(lines, 1):
         try:
             record = json.loads(line)
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            if number == len(lines):
+                break
             raise ValueError(f"judgements log '{path}' line {number} is not JSON ({e}); restore it from a copy.") from e
         if not isinstance(record, dict) or "event" not in record:
             raise ValueError(f"judgements log '{path}' line {number} is not a judgement record; restore it.")
         records.append(record)
-    return records, len(complete)
+        complete += len(line)
+    return records, complete
 
 
 @dataclass
@@ -251,12 +291,17 @@ class JudgementState:
         """row -> labeler -> label record"""
         self.seq = 0
         """the seq of the next record"""
+        self.keys: dict[str, str] = {}
+        """labeler -> SHA-256 of their labeler key (LabelStore.authorize)"""
 
     def apply(self, record: dict) -> None:
         """Replay one record on the state."""
         self.seq = max(self.seq, int(record.get("seq", 0)) + 1)
         event, name = record["event"], record.get("labeler")
         if event == "start":
+            return
+        if event == "key":
+            self.keys[name] = record["key_sha256"]
             return
         state = self.labelers.setdefault(name, LabelerState())
         row = record.get("row")
@@ -307,6 +352,12 @@ class LabelStore(JudgementState):
         self.claims: dict[int, tuple[str, float]] = {}
         self.timer: threading.Timer | None = None
         self.last_export = -EXPORT_SECONDS
+        self.export_error: str | None = None
+        """why the last rewrite of the label file failed (None: it is up to date or pending)"""
+        self.broken: str | None = None
+        """why no judgement can be saved until a restart (a failed write that could not be cut back)"""
+        self.notices: list[str] = []
+        """what was repaired when the log was opened (a torn last line), one line each"""
         n = len(candidates.rows)
         self.shared = set(random.Random(0).sample(range(n), round(shared_fraction * n)))
         self._open_log()
@@ -317,29 +368,25 @@ class LabelStore(JudgementState):
         """Replay an existing log (checking it belongs to these candidates) or start one; hold it locked."""
         exists = os.path.isfile(self.log_path) and os.path.getsize(self.log_path) > 0
         records, complete = read_log(self.log_path) if exists else ([], 0)
-        self.file = open(self.log_path, "ab")  # noqa: SIM115 (open while serving)
+        # unbuffered: a write that fails leaves nothing in a buffer that a later write could flush to the file
+        self.fd = os.open(self.log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         try:
             if fcntl is not None:
-                fcntl.flock(self.file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as e:
-            self.file.close()
+            os.close(self.fd)
             raise ValueError(
                 f"'{self.log_path}' is in use by another `label_generation.py serve`; stop it or choose another "
                 "--output."
             ) from e
         if exists and os.path.getsize(self.log_path) > complete:
-            # a line torn by a crash was never confirmed to a labeler: keep its bytes aside, continue after the last
-            # complete line
-            with open(self.log_path, "rb") as f:
-                f.seek(complete)
-                torn = f.read()
-            with open(f"{self.log_path}.torn", "ab") as f:
-                f.write(torn + b"\n")
-            self.file.truncate(complete)
+            self._cut_torn_tail(complete)
+        self.log_size = complete
+        """bytes of the log's complete lines: what a failed append is cut back to"""
         if records:
             header = records[0]
             if header.get("event") != "start" or header.get("candidates_sha256") != self.candidates.sha256:
-                self.file.close()
+                os.close(self.fd)
                 raise ValueError(
                     f"--output '{self.output}': its judgements '{self.log_path}' were collected on other candidates "
                     f"than --candidates '{self.candidates.path}' (content differs); pass the candidates they were "
@@ -357,14 +404,65 @@ class LabelStore(JudgementState):
                 }
             )
 
+    def _cut_torn_tail(self, complete: int) -> None:
+        """Cut a last line torn by a crash or a full disk (never confirmed to a labeler) off the log, keeping its
+        bytes in `<log>.torn` when there is room; one notice says so."""
+        with open(self.log_path, "rb") as f:
+            f.seek(complete)
+            torn = f.read()
+        kept = f"kept in '{self.log_path}.torn'"
+        try:
+            with open(f"{self.log_path}.torn", "ab") as f:
+                f.write(torn + b"\n")
+        except OSError as e:
+            kept = f"not kept ({e.strerror or e})"
+        os.ftruncate(self.fd, complete)
+        self.notices.append(
+            f"judgements log '{self.log_path}': its last line was half-written ({len(torn)} bytes, never confirmed "
+            f"to a labeler); cut off, {kept}."
+        )
+
     def _append(self, record: dict) -> dict:
-        """Write one record and fsync it; only then is it applied (and confirmed to the page)."""
+        """Write one record as one line and fsync it; only then is it applied (and confirmed to the page). On a write
+        error (disk full) the log is cut back to its last complete line and JudgementError 507 says nothing was
+        saved."""
+        if self.broken is not None:
+            raise JudgementError(503, f"not saved: {self.broken}.")
         record = {**record, "seq": self.seq, "time": time.time()}
+        line = (json.dumps(record, ensure_ascii=False) + "\n").encode()
+        try:
+            written = 0
+            while written < len(line):  # O_APPEND and the lock: a short write is continued, never interleaved
+                written += os.write(self.fd, line[written:])
+            os.fsync(self.fd)
+        except OSError as e:
+            self._cut_back(record["seq"])
+            reason = "the disk is full" if e.errno == errno.ENOSPC else (e.strerror or str(e))
+            raise JudgementError(
+                507, f"not saved: {reason} (judgements log '{self.log_path}'); free space, then answer again."
+            ) from e
+        self.log_size += len(line)
         self.seq += 1
-        self.file.write((json.dumps(record, ensure_ascii=False) + "\n").encode())
-        self.file.flush()
-        os.fsync(self.file.fileno())
         return record
+
+    def _cut_back(self, seq: int) -> None:
+        """Remove the bytes of a failed append, so no part of it is ever read back as a judgement. If even that
+        fails, the record may be on disk though refused: every later write is refused (503) and the console says
+        so, until the server is restarted."""
+        try:
+            os.ftruncate(self.fd, self.log_size)
+        except OSError as e:
+            self.broken = (
+                f"the judgements log '{self.log_path}' could not be cut back after a failed write "
+                f"({e.strerror or e}), so its record seq {seq} may be on disk though it was refused; stop the server, "
+                "free space, remove that record from the log if it is there, and start again"
+            )
+            print(f"error: {self.broken}", file=sys.stderr, flush=True)
+            return
+        try:
+            os.fsync(self.fd)  # the cut on disk too (a crash before it could bring back a line the page was refused)
+        except OSError:
+            pass  # the cut stands in the page cache; the next append's fsync writes it
 
     def close(self) -> None:
         """Write the label file if a change is pending, release the log."""
@@ -372,37 +470,85 @@ class LabelStore(JudgementState):
             if self.timer is not None:
                 self.timer.cancel()
                 self.timer = None
-                self.export()
-            self.file.close()
+                self._export_now()
+                if self.timer is not None:  # it failed: no retry after the close (the next start rebuilds it)
+                    self.timer.cancel()
+                    self.timer = None
+            os.close(self.fd)
 
     def _export_soon(self) -> None:
         """Rewrite the label file now, or at most EXPORT_SECONDS after the last rewrite (the log is already on disk;
         a restart rebuilds the label file from it)."""
         wait = self.last_export + EXPORT_SECONDS - time.monotonic()
         if wait <= 0:
-            self.export()
+            self._export_now()
         elif self.timer is None:
-            self.timer = threading.Timer(wait, self._export_pending)
-            self.timer.daemon = True
-            self.timer.start()
+            self._start_timer(wait)
+
+    def _start_timer(self, wait: float) -> None:
+        self.timer = threading.Timer(wait, self._export_pending)
+        self.timer.daemon = True
+        self.timer.start()
+
+    def _export_now(self) -> None:
+        """export(); a failure (disk full, read-only directory) never fails the judgement that is already saved: it
+        is kept in export_error (shown on the page and in /api/stats), warned about once on the console, and retried
+        EXPORT_RETRY_SECONDS later."""
+        try:
+            self.export()
+        except OSError as e:
+            message = f"the label file could not be written ({e})"
+            if message != self.export_error:
+                print(f"warning: {message}; trying again every {EXPORT_RETRY_SECONDS:g} s", file=sys.stderr, flush=True)
+            self.export_error = message
+            if self.timer is None:
+                self._start_timer(EXPORT_RETRY_SECONDS)
+            return
+        if self.export_error is not None:
+            print(f"the label file '{self.output}' is written again", file=sys.stderr, flush=True)
+            self.export_error = None
 
     def _export_pending(self) -> None:
         """The delayed rewrite of _export_soon."""
         with self.lock:
             if self.timer is not None:
                 self.timer = None
-                self.export()
+                self._export_now()
 
     # ------------------------------------------------ requests
 
     @staticmethod
     def check_labeler(name: Any) -> str:
-        """The labeler's name, or JudgementError 422 when it is not one LABELER_NAME allows."""
-        if not isinstance(name, str) or not LABELER_NAME.fullmatch(name):
+        """The labeler's name normalized (normalize_labeler), or JudgementError 422 when it is not a name."""
+        return normalize_labeler(name)
+
+    def check_key(self, labeler: Any, key: Any) -> bool:
+        """Refuse (403) a request for a labeler whose name is bound to a labeler key it does not carry, so nobody
+        labels or undoes as someone else; -> True when the name is not bound yet (issue_key binds it)."""
+        labeler = self.check_labeler(labeler)
+        known = self.keys.get(labeler)
+        if known is None:
+            return True
+        given = hashlib.sha256(key.encode()).hexdigest() if isinstance(key, str) else ""
+        if not secrets.compare_digest(given, known):
             raise JudgementError(
-                422, "a labeler name is 1 to 40 letters, digits, spaces or . @ - _, starting with a letter or digit."
+                403,
+                f"the name {labeler!r} is in use in another browser or program: continue there, type its labeler key "
+                "(shown there on the page) with the name, or choose another name.",
             )
-        return name
+        return False
+
+    def issue_key(self, labeler: str) -> str | None:
+        """Bind `labeler` to a new random labeler key (its SHA-256 is logged) after their first request succeeded;
+        -> the key, or None when the name was bound meanwhile."""
+        labeler = self.check_labeler(labeler)
+        with self.lock:
+            if labeler in self.keys:
+                return None
+            key = secrets.token_urlsafe(18)
+            digest = hashlib.sha256(key.encode()).hexdigest()
+            self.apply(self._append({"event": "key", "labeler": labeler, "key_sha256": digest}))
+        return key
 
     def _check_row(self, row: Any) -> int:
         """The row index, or JudgementError 404 for an unknown row."""
@@ -461,12 +607,14 @@ class LabelStore(JudgementState):
         return record
 
     def next_row(self, labeler: str) -> dict:
-        """The next row for `labeler` (shown order applied) with their progress; row None when none is left."""
+        """Claim the next row for `labeler` (shown order applied); with their progress, their normalized name and a
+        failed export's reason. Row None when none is left for them: `progress.claimed_by_others` then counts the
+        rows still shown to someone else (they come back when that claim expires)."""
         labeler = self.check_labeler(labeler)
         with self.lock:
             state = self.labelers.get(labeler, LabelerState())
             now = time.time()
-            available = []
+            available, claimed_by_others = [], 0
             for row in range(len(self.candidates.rows)):
                 if row in state.labels or row in state.skipped:
                     continue
@@ -475,18 +623,21 @@ class LabelStore(JudgementState):
                     claim = self.claims.get(row)
                     claimed = claim is not None and claim[0] != labeler and now - claim[1] < CLAIM_SECONDS
                     if others or claimed:
+                        claimed_by_others += bool(claimed and not others)
                         continue
                 available.append(row)
             progress = {
                 "labelled": len(state.labels),
                 "skipped": len(state.skipped),
                 "remaining": len(available),
+                "claimed_by_others": claimed_by_others,
                 "total": len(self.candidates.rows),
                 "can_undo": bool(state.actions),
                 "per_minute": labels_per_minute(state.times, now),
             }
+            status = {"labeler": labeler, "progress": progress, "export_error": self.export_error}
             if not available:
-                return {"row": None, "progress": progress}
+                return {"row": None, **status}
             row = available[0]
             for claimed_row, (name, _) in list(self.claims.items()):
                 if name == labeler:
@@ -499,7 +650,7 @@ class LabelStore(JudgementState):
             "query": candidate["query_text"],
             "responses": [candidate["sample_texts"][i] for i in order],
             "shared": row in self.shared,
-            "progress": progress,
+            **status,
         }
 
     # ------------------------------------------------ results

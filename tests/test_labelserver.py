@@ -1,17 +1,20 @@
 """Human labels from a browser, without a browser: sample, the judgements log, the majority rule, the agreement
 figures against a hand computation, the app's access control and its 4xx answers (Starlette's test client)."""
 
+import asyncio
+import errno
 import json
 import os
 import shutil
 import threading
+import time
 
 import pytest
 import torch
 
 import label_generation
 from lm_human_preference_details import cli
-from lm_human_preference_details.agreement import agreement_report, cohen_kappa, fleiss_kappa
+from lm_human_preference_details.agreement import agreement_report, cohen_kappa, fleiss_kappa, krippendorff_alpha
 from lm_human_preference_details.labelers import VaderLabeler
 from lm_human_preference_details.labels import OAI_PAD_TOKEN, load_labels
 from lm_human_preference_details.labelstore import (
@@ -249,6 +252,144 @@ def test_a_torn_last_line_is_kept_aside_and_labeling_continues(candidates, tmp_p
         assert f.read().startswith(b'{"event": "label", "labeler": "ann", "ro')
 
 
+def test_a_last_line_cut_by_a_full_disk_is_reported_once_and_cut_off(candidates, tmp_path):
+    output = str(tmp_path / "out.json")
+    store = LabelStore(load_candidates(candidates), output)
+    store.judge("ann", 0, 1)
+    store.close()
+    with open(f"{output}.judgements.jsonl", "ab") as f:
+        f.write(b'{"event": "label", "labeler": "ann", "row": 1, "ans\x00\x00\x00\n')  # ends in a newline
+    store = LabelStore(load_candidates(candidates), output)
+    assert len(store.notices) == 1 and "half-written" in store.notices[0] and "cut off" in store.notices[0]
+    assert [j.row for j in store.judgements()] == [0] and store.next_row("ann")["row"] == 1
+    store.judge("ann", 1, 1)
+    store.close()
+    assert [j.row for j in read_judgements(output)[0]] == [0, 1]
+
+
+# ---------------------------------------------------------------- faults: a full disk, a failing export
+
+
+class ApiLabeler:
+    """POSTs of one labeler through the app, carrying the labeler key its first answer gave (as the page does)."""
+
+    def __init__(self, client, name: str):
+        self.client, self.name, self.key = client, name, None
+
+    def post(self, path: str, **body):
+        response = self.client.post(path, json={"labeler": self.name, "key": self.key, **body})
+        if response.status_code == 200:
+            self.key = response.json().get("labeler_key", self.key)
+        return response
+
+
+class FullDisk:
+    """os.write and os.fsync of one file descriptor fail as on a full disk: a write stores part of its bytes, then
+    ENOSPC; or fsync reports ENOSPC after the bytes were written (the page cache could not be flushed)."""
+
+    def __init__(self, monkeypatch, fd: int, where: str):
+        self.fd, self.where, self.full = fd, where, True
+        self.real_write, self.real_fsync = os.write, os.fsync
+        self.partial_done = False
+        monkeypatch.setattr(os, "write", self.write)
+        monkeypatch.setattr(os, "fsync", self.fsync)
+
+    def write(self, fd, data):
+        if fd != self.fd or not self.full or self.where != "write":
+            return self.real_write(fd, data)
+        if not self.partial_done:
+            self.partial_done = True
+            return self.real_write(fd, bytes(data[: len(data) // 2]))
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    def fsync(self, fd):
+        if fd == self.fd and self.full and self.where == "fsync":
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return self.real_fsync(fd)
+
+
+@pytest.mark.parametrize("where", ["write", "fsync"])
+def test_a_judgement_on_a_full_disk_is_refused_and_never_reaches_the_log(candidates, tmp_path, monkeypatch, where):
+    output = str(tmp_path / "out.json")
+    store = LabelStore(load_candidates(candidates), output)
+    ann = ApiLabeler(client_for(store, "127.0.0.1")[0], "ann")
+    assert ann.post("/api/judge", row=0, answer=1).status_code == 200
+    before = log_bytes(output)
+    disk = FullDisk(monkeypatch, store.fd, where)
+    for _ in range(2):  # the labeler's retry while the disk is still full
+        response = ann.post("/api/judge", row=1, answer=2)
+        assert response.status_code == 507 and "not saved: the disk is full" in response.json()["error"]
+        assert log_bytes(output) == before
+    disk.full = False  # space again: the retry is saved, once
+    response = ann.post("/api/judge", row=1, answer=2)
+    assert response.status_code == 200 and response.json()["next"]["progress"]["labelled"] == 2
+    store.close()
+    store = LabelStore(load_candidates(candidates), output)  # the restart counts what the server confirmed
+    assert [j.row for j in store.judgements()] == [0, 1] and not store.notices
+    store.close()
+    records = [json.loads(line) for line in log_bytes(output).splitlines()]
+    assert [(r["event"], r["seq"]) for r in records] == [("start", 0), ("label", 1), ("key", 2), ("label", 3)]
+
+
+def test_a_failed_write_that_cannot_be_cut_back_stops_every_later_write(candidates, tmp_path, monkeypatch, capsys):
+    output = str(tmp_path / "out.json")
+    store = LabelStore(load_candidates(candidates), output)
+    client, _ = client_for(store, "127.0.0.1")
+    FullDisk(monkeypatch, store.fd, "fsync")  # the line is written, its fsync fails ...
+
+    def no_truncate(fd, size):
+        raise OSError(errno.EIO, "Input/output error")
+
+    monkeypatch.setattr(os, "ftruncate", no_truncate)  # ... and it cannot be removed again
+    response = client.post("/api/judge", json={"labeler": "ann", "row": 0, "answer": 1})
+    assert response.status_code == 507
+    (line,) = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+    assert "may be on disk though it was refused" in line and "seq 1" in line
+    monkeypatch.undo()  # space again: still refused, as the log may hold a refused judgement
+    response = client.post("/api/judge", json={"labeler": "ann", "row": 1, "answer": 1})
+    assert response.status_code == 503 and "could not be cut back" in response.json()["error"]
+    store.close()
+
+
+def test_a_failing_export_keeps_the_judgement_saved_shows_why_and_retries(candidates, tmp_path, monkeypatch, capsys):
+    from lm_human_preference_details import labelstore
+    from lm_human_preference_details.core import OutputError
+
+    output = str(tmp_path / "out.json")
+    real_save = labelstore.save_label_file
+    broken = {"on": True}
+
+    def save(path, *args):
+        if broken["on"]:
+            raise OutputError(
+                f"could not write '{path}' (label file): disk full; it is unchanged. Free space or fix it."
+            )
+        return real_save(path, *args)
+
+    monkeypatch.setattr(labelstore, "save_label_file", save)
+    monkeypatch.setattr(labelstore, "EXPORT_RETRY_SECONDS", 0.2)
+    store = LabelStore(load_candidates(candidates), output, shared_fraction=1.0)
+    client, _ = client_for(store, "127.0.0.1")
+    ann = ApiLabeler(client, "ann")
+    response = ann.post("/api/judge", row=0, answer=1)
+    assert response.status_code == 200 and "disk full" in response.json()["next"]["export_error"]
+    assert "disk full" in client.get("/api/stats").json()["export_error"]
+    assert ann.post("/api/judge", row=1, answer=1).status_code == 200
+    time.sleep(0.5)  # the retries on the timer fail too: one warning in all
+    warnings = [line for line in capsys.readouterr().err.splitlines() if line.startswith("warning:")]
+    assert len(warnings) == 1 and output in warnings[0] and "disk full" in warnings[0]
+    broken["on"] = False
+    deadline = time.time() + 10
+    while store.export_error is not None and time.time() < deadline:
+        time.sleep(0.05)
+    assert store.export_error is None and client.get("/api/stats").json()["export_error"] is None
+    assert len(read_rows(output)) == 2
+    broken["on"] = True
+    assert ann.post("/api/judge", row=2, answer=1).status_code == 200
+    store.close()  # the last rewrite fails too: said, and no retry is left running after the close
+    assert "disk full" in store.export_error and store.timer is None
+
+
 # ---------------------------------------------------------------- the app: access and malformed requests
 
 
@@ -271,7 +412,7 @@ def test_bound_to_all_addresses_state_changes_need_the_token(candidates, tmp_pat
     for headers in ({}, {"X-Label-Token": "wrong" + token}):
         response = client.post("/api/judge", json=body, headers=headers)
         assert response.status_code == 403 and "token" in response.json()["error"]
-        assert client.get("/api/next?labeler=ann", headers=headers).status_code == 403
+        assert client.post("/api/next", json={"labeler": "ann"}, headers=headers).status_code == 403
     assert log_bytes(output) == before
     response = client.post("/api/judge", json=body, headers={"X-Label-Token": token})
     assert response.status_code == 200 and response.json()["next"]["row"] == 1
@@ -326,6 +467,210 @@ def test_malformed_requests_get_a_clear_4xx_and_change_nothing(candidates, tmp_p
     assert client.post("/api/judge", data={"labeler": "ann", "row": 0, "answer": 1}).status_code == 415
     assert client.post("/api/undo", json={"labeler": "bob"}).status_code == 409
     assert log_bytes(output) == before
+    store.close()
+
+
+def post_streamed(app, total: int, chunk: int, declared: int | None = None) -> tuple[int, int]:
+    """POST `total` bytes of body to /api/judge in `chunk`-byte messages, straight through ASGI; -> (status, bytes
+    the app asked for)."""
+    sent, status = 0, []
+
+    async def receive():
+        nonlocal sent
+        size = min(chunk, total - sent)
+        sent += size
+        return {"type": "http.request", "body": b" " * size, "more_body": sent < total}
+
+    async def send(message):
+        if message["type"] == "http.response.start":
+            status.append(message["status"])
+
+    headers = [(b"host", b"127.0.0.1:8765"), (b"content-type", b"application/json")]
+    if declared is not None:
+        headers.append((b"content-length", str(declared).encode()))
+    scope = {"type": "http", "method": "POST", "path": "/api/judge", "raw_path": b"/api/judge", "query_string": b"",
+             "headers": headers, "client": ("127.0.0.1", 50000), "server": ("127.0.0.1", 8765), "scheme": "http",
+             "http_version": "1.1", "root_path": ""}  # fmt: skip
+    asyncio.run(app(scope, receive, send))
+    return status[0], sent
+
+
+def test_a_large_body_is_refused_while_it_arrives(candidates, tmp_path):
+    from lm_human_preference_details.labelserver import MAX_BODY_BYTES, create_app
+
+    store = LabelStore(load_candidates(candidates), str(tmp_path / "out.json"))
+    app = create_app(store, None)
+    status, read = post_streamed(app, total=32 << 20, chunk=4096)  # 32 MiB, no Content-Length (chunked)
+    assert status == 413 and read <= MAX_BODY_BYTES + 4096
+    status, read = post_streamed(app, total=32 << 20, chunk=4096, declared=32 << 20)
+    assert status == 413 and read == 0  # refused on its Content-Length, before a byte is read
+    store.close()
+
+
+def test_deep_json_and_internal_errors_answer_with_the_security_headers(candidates, tmp_path):
+    from starlette.testclient import TestClient
+
+    from lm_human_preference_details.labelserver import SECURITY_HEADERS, create_app
+
+    store = LabelStore(load_candidates(candidates), str(tmp_path / "out.json"))
+    app = create_app(store, None)
+    client = TestClient(
+        app, base_url="http://127.0.0.1:8765", client=("127.0.0.1", 5000), raise_server_exceptions=False
+    )
+    deep = b"[" * 6000 + b"]" * 6000  # under the size limit, deeper than Python's recursion limit
+    response = client.post("/api/judge", content=deep, headers={"Content-Type": "application/json"})
+    assert response.status_code == 400 and "nests too deeply" in response.json()["error"]
+    store.next_row = None  # any bug in a handler: a 500
+    response = client.post("/api/next", json={"labeler": "ann"})
+    assert response.status_code == 500 and "internal error" in response.json()["error"]
+    for r in (response, client.get("/nothing"), client.put("/api/judge")):
+        assert {k: r.headers.get(k) for k in SECURITY_HEADERS} == SECURITY_HEADERS
+    store.close()
+
+
+def test_a_row_is_claimed_only_by_a_same_origin_json_post(candidates, tmp_path):
+    store = LabelStore(load_candidates(candidates), str(tmp_path / "out.json"), shared_fraction=0.0)
+    client, _ = client_for(store, "127.0.0.1")
+    for name in ("x1", "x2", "x3", "x4", "x5", "x6"):  # what six <img src=".../api/next?labeler=..."> on a page send
+        assert client.get(f"/api/next?labeler={name}").status_code == 405
+    assert (
+        client.post("/api/next", content=b'{"labeler": "x7"}', headers={"Content-Type": "text/plain"}).status_code
+        == 415
+    )
+    cross_site = client.post("/api/next", json={"labeler": "x8"}, headers={"Sec-Fetch-Site": "same-site"})
+    assert cross_site.status_code == 403 and "cross-origin" in cross_site.json()["error"]
+    response = client.post("/api/next", json={"labeler": "ann"}, headers={"Sec-Fetch-Site": "same-origin"})
+    assert response.status_code == 200 and response.json()["row"] == 0  # nothing was claimed by the others
+    assert client.post("/api/next", json={"labeler": "bob"}).json()["row"] == 1
+    store.close()
+
+
+def test_the_token_url_sets_a_cookie_and_redirects_to_the_url_without_it(candidates, tmp_path):
+    from starlette.testclient import TestClient
+
+    from lm_human_preference_details.labelserver import create_app
+
+    store = LabelStore(load_candidates(candidates), str(tmp_path / "out.json"))
+    token = "t" * 24
+    client = TestClient(create_app(store, token), base_url="http://192.0.2.1:8765", client=("192.0.2.9", 40000))
+    assert client.get("/api/info").status_code == 403
+    for path in ("/", "/stats"):
+        response = client.get(f"{path}?token={token}", follow_redirects=False)
+        assert response.status_code == 303 and response.headers["location"] == path and not response.content
+        cookie = response.headers["set-cookie"].lower()
+        assert "httponly" in cookie and "samesite=strict" in cookie and token in cookie
+    assert client.get("/api/info").status_code == 200  # the cookie carries the token now
+    assert client.get("/?token=" + "x" * 24, follow_redirects=False).status_code == 403
+    store.close()
+
+
+def test_labeler_names_are_normalized_and_mixed_scripts_refused(candidates, tmp_path):
+    from lm_human_preference_details.labelstore import JudgementError
+
+    store = LabelStore(load_candidates(candidates), str(tmp_path / "out.json"), shared_fraction=1.0)
+    store.judge("Ann ", 0, 1)
+    for same in ("ann", "  ANN", "\uff21nn", "Ann\u00a0"):  # fullwidth A, no-break space
+        with pytest.raises(JudgementError, match="ann already labelled row 0"):
+            store.judge(same, 0, 1)
+    store.judge("Mary  Ann", 0, 1)
+    with pytest.raises(JudgementError, match="mixes Cyrillic and Latin") as refused:
+        store.judge("\u0430nn", 1, 1)  # a Cyrillic a
+    assert refused.value.status == 422
+    assert store.next_row("ANN")["labeler"] == "ann" and sorted(store.labelers) == ["ann", "mary ann"]
+    store.close()
+
+
+def test_a_labelers_name_is_bound_to_the_key_of_its_first_use(candidates, tmp_path):
+    output = str(tmp_path / "out.json")
+    store = LabelStore(load_candidates(candidates), output, shared_fraction=1.0)
+    client, _ = client_for(store, "127.0.0.1")
+    ann = ApiLabeler(client, "ann")
+    assert ann.post("/api/judge", row=99, answer=1).status_code == 404 and ann.key is None  # a refusal binds nothing
+    assert ann.post("/api/next").json()["labeler_key"] == ann.key and len(ann.key) >= 16
+    for impostor in ("ann", "Ann ", "ANN"):
+        for path, body in [("/api/judge", {"row": 0, "answer": 1}), ("/api/undo", {}), ("/api/next", {})]:
+            response = client.post(path, json={"labeler": impostor, **body})
+            assert response.status_code == 403 and "'ann' is in use in another browser" in response.json()["error"]
+    assert ann.post("/api/judge", row=0, answer=1).status_code == 200
+    again = client.post("/api/judge", json={"labeler": "Ann", "key": ann.key, "row": 1, "answer": 1})
+    assert again.status_code == 200 and "labeler_key" not in again.json()
+    store.close()
+    store = LabelStore(load_candidates(candidates), output, shared_fraction=1.0)  # the binding survives a restart
+    client, _ = client_for(store, "127.0.0.1")
+    assert client.post("/api/undo", json={"labeler": "ann"}).status_code == 403
+    assert client.post("/api/undo", json={"labeler": "ann", "key": ann.key}).json()["undone"] == 1
+    assert sorted(agreement_report(store.judgements(), store.skips())["labelers"]) == ["ann"]
+    store.close()
+
+
+def test_krippendorffs_alpha_of_his_example_with_missing_labels():
+    # Krippendorff (2011), "Computing Krippendorff's alpha-reliability": 4 observers, 12 units, nominal alpha 0.743
+    a = [1, 2, 3, 3, 2, 1, 4, 1, 2, None, None, None]
+    b = [1, 2, 3, 3, 2, 2, 4, 1, 2, 5, None, 3]
+    c = [None, 3, 3, 3, 2, 3, 4, 2, 2, 5, 1, None]
+    d = [1, 2, 3, 3, 2, 4, 4, 1, 2, 5, 1, None]
+    units = [[v for v in unit if v is not None] for unit in zip(a, b, c, d)]
+    assert krippendorff_alpha(units) == pytest.approx(0.743, abs=5e-4)
+    assert krippendorff_alpha([[1, 1], [2, 2]]) == 1.0 and krippendorff_alpha([[1, 1], [1]]) is None
+
+
+class CountingList(list):
+    """A list that counts the elements read by iterating it."""
+
+    reads = 0
+
+    def __iter__(self):
+        for item in super().__iter__():
+            self.reads += 1
+            yield item
+
+
+def test_stats_of_many_labelers_take_time_linear_in_the_judgements():
+    import random
+
+    rng = random.Random(0)
+    judgements = CountingList(
+        Judgement(f"l{i:03d}", row, rng.randrange(4), seq)
+        for seq, (i, row) in enumerate((i, row) for row in range(5) for i in range(120))
+    )
+    agreement_report(judgements)
+    assert judgements.reads <= 4 * len(judgements)  # not once per labeler (120 x 600 before)
+    report = agreement_report(judgements, max_pair_labelers=40)
+    assert report["pairs"] == [] and "120 labelers share rows, 7140 pairs" in report["pairs_left_out"]
+    by_row = {}
+    for j in judgements:
+        by_row.setdefault(j.row, []).append(j)
+    for name in ("l000", "l061", "l119"):  # the linear-time majority of the others equals the majority rule's
+        mine = [j for j in judgements if j.labeler == name]
+        hits = [j.label == majority_label([o for o in by_row[j.row] if o.labeler != name]) for j in mine]
+        assert report["majority_agreement"][name] == {"rows": 5, "agreement": sum(hits) / 5}
+    assert (
+        agreement_report(hand_judgements())["pairs"]
+        == agreement_report(hand_judgements(), max_pair_labelers=3)["pairs"]
+    )
+
+
+def test_stats_are_computed_off_the_event_loop_once_per_change(candidates, tmp_path, monkeypatch):
+    from lm_human_preference_details import labelserver
+
+    calls = []
+
+    def report(*args, **kwargs):
+        try:
+            asyncio.get_running_loop()
+            calls.append("on the event loop")
+        except RuntimeError:
+            calls.append("in a thread")
+        return agreement_report(*args, **kwargs)
+
+    monkeypatch.setattr(labelserver, "agreement_report", report)
+    store = LabelStore(load_candidates(candidates), str(tmp_path / "out.json"), shared_fraction=1.0)
+    client, _ = client_for(store, "127.0.0.1")
+    assert client.get("/api/stats").json()["rows_labelled"] == 0
+    client.get("/api/stats")
+    client.post("/api/judge", json={"labeler": "ann", "row": 0, "answer": 1})
+    assert client.get("/api/stats").json()["rows_labelled"] == 1
+    assert calls == ["in a thread", "in a thread"]
     store.close()
 
 
@@ -385,7 +730,7 @@ def test_agreement_command_prints_the_figures(tmp_path, candidates, capsys):
     report = run_label_generation(["agreement", "--judgements", output])
     assert report["pairs"] == [{"labelers": ["ann", "bob"], "rows": 2, "agreement": 1.0, "cohen_kappa": 1.0}]
     text = capsys.readouterr().out
-    assert "Cohen's kappa" in text and "ann & bob" in text and "1.000" in text
+    assert "Cohen's kappa" in text and "ann & bob" in text and "1.000" in text and "Krippendorff's alpha 1.000" in text
 
 
 @pytest.mark.slow
@@ -426,6 +771,22 @@ def test_serve_on_all_addresses_prints_a_token_once_and_stops_cleanly(candidates
     token = text.split("?token=")[1].split()[0]
     assert len(token) >= 16 and text.count(token) == 2  # in the URL and on its own line, nowhere else
     assert "stopped: 0 judgements" in text
+
+
+def test_serve_takes_the_token_from_a_file_or_the_environment(candidates, tmp_path, capsys, monkeypatch):
+    import uvicorn
+
+    monkeypatch.setattr(uvicorn.Server, "run", lambda self, sockets: None)
+    token_file = tmp_path / "token"
+    token_file.write_text("f" * 20 + "\n")
+    output = str(tmp_path / "out.json")
+    base = ["serve", "--candidates", candidates, "--output", output, "--host", "0.0.0.0", "--port", "0"]
+    run_label_generation([*base, "--token_file", str(token_file)])
+    assert f"?token={'f' * 20}" in capsys.readouterr().out
+    monkeypatch.setenv("LHPD_LABEL_TOKEN", "e" * 20)
+    run_label_generation(base)
+    assert f"?token={'e' * 20}" in capsys.readouterr().out
+    assert "--token_file" in serve_error(capsys, *base[1:], "--token_file", str(tmp_path / "none"))
 
 
 def test_training_never_imports_the_web_framework():

@@ -281,3 +281,136 @@ def test_sigkill_in_the_middle_of_labeling_loses_no_confirmed_judgement(tmp_path
         process.send_signal(signal.SIGINT)  # Ctrl-C
         rest = process.communicate(timeout=30)[0]
     assert process.returncode == 0 and f"stopped: {len(logged)} judgements" in rest
+
+
+class ServedStore:
+    """A label store of `label_type` candidates behind a ThreadedServer (polling every half second)."""
+
+    def __init__(self, root, tokenizer, model_dir, label_type="best_of_4", shared=1.0, token=None, num_rows=6):
+        from lm_human_preference_details.labelserver import create_app
+
+        root.mkdir(parents=True, exist_ok=True)
+        candidates = write_candidates(root / "candidates.json", tokenizer, model_dir, label_type, num_rows)
+        self.store = LabelStore(load_candidates(str(candidates)), str(root / "labels.json"), shared_fraction=shared)
+        self.server = ThreadedServer(create_app(self.store, token, poll_seconds=0.5))
+        self.url = self.server.url
+
+    def close(self):
+        self.server.stop()
+        self.store.close()
+
+
+OVERFLOW = """
+const list = document.getElementById("responses").getBoundingClientRect();
+return [...document.querySelectorAll("#responses .response")].map((box) => {
+  const r = box.getBoundingClientRect();
+  return Math.max(r.right - list.right, list.left - r.left);
+});
+"""
+"""per response box, how far it reaches past its column (<= 0: inside)"""
+
+
+@pytest.mark.parametrize("label_type", ["scalar_compare", "scalar_rating"])
+def test_response_boxes_stay_inside_their_column(driver, tmp_path, tokenizer, tiny_model_dir, label_type):
+    served = ServedStore(tmp_path, tokenizer, tiny_model_dir, label_type)
+    try:
+        driver.get(served.url)
+        name_field(driver).send_keys("kim\n")
+        wait_for(driver, lambda d: shown_row(d) == "0")
+        overflow = driver.execute_script(OVERFLOW)
+    finally:
+        served.close()
+    assert overflow and max(overflow) <= 0.5, overflow
+
+
+def page_overflow(driver) -> int:
+    """How many CSS pixels the page scrolls sideways."""
+    return driver.execute_script("return document.documentElement.scrollWidth - document.documentElement.clientWidth")
+
+
+def test_labeling_and_stats_pages_fit_a_390px_phone_screen(driver, session, served):
+    driver.set_window_size(390, 844)
+    try:
+        driver.get(served["url"] + "/stats")
+        wait_for(driver, lambda d: d.execute_script("return document.body.dataset.loaded") == "1")
+        stats_overflow = page_overflow(driver)
+        driver.save_screenshot(str(served["root"] / "stats-390.png"))
+        driver.get(served["url"])
+        wait_for(driver, lambda d: shown_row(d) == "done")  # ann labelled every row
+        labeling_overflow = page_overflow(driver)
+        width = driver.execute_script("return document.documentElement.clientWidth")
+    finally:
+        driver.set_window_size(1280, 860)
+    assert width <= 400 and stats_overflow <= 0 and labeling_overflow <= 0, (stats_overflow, labeling_overflow)
+
+
+def test_done_screen_keeps_the_controls_says_why_and_shows_a_row_that_comes_back(
+    driver, tmp_path, tokenizer, tiny_model_dir
+):
+    from selenium.webdriver.common.by import By
+
+    served = ServedStore(tmp_path, tokenizer, tiny_model_dir, shared=0.0, num_rows=2)
+    try:
+        other = LabelClient(served.url, "eve")
+        assert other.next()["row"] == 0  # eve is shown row 0: it is kept from dan
+        driver.get(served.url)
+        name_field(driver).send_keys("dan\n")
+        wait_for(driver, lambda d: shown_row(d) == "1")
+        press(driver, key_for("dan", 1, 2), "done")
+        done = driver.find_element(By.ID, "done").text
+        controls = {i: driver.find_element(By.ID, i) for i in ("progress", "undo", "rename")}
+        shown = {i: e.is_displayed() for i, e in controls.items()}
+        undo_enabled = controls["undo"].is_enabled()
+        progress = controls["progress"].text
+        other.skip(0)  # eve moves on: row 0 is free, and dan's page shows it without a reload
+        wait_for(driver, lambda d: shown_row(d) == "0", timeout=10)
+    finally:
+        served.close()
+    assert "1 row is being labelled by others" in done and "checking again" in done
+    assert shown == {"progress": True, "undo": True, "rename": True} and undo_enabled
+    assert progress.startswith("1 labelled, 0 skipped, 0 left for you")
+
+
+def test_a_page_left_behind_by_another_tab_recovers(driver, tmp_path, tokenizer, tiny_model_dir):
+    from selenium.webdriver.common.by import By
+
+    served = ServedStore(tmp_path, tokenizer, tiny_model_dir)
+    try:
+        driver.get(served.url)
+        name_field(driver).send_keys("fay\n")
+        wait_for(driver, lambda d: shown_row(d) == "0")
+        key = driver.execute_script("return JSON.parse(localStorage.getItem('labelerKeys')).fay")
+        assert key and driver.find_element(By.ID, "key").get_attribute("textContent") == key  # shown on the page
+        with pytest.raises(LabelServerError, match="403: the name 'fay' is in use"):
+            LabelClient(served.url, "fay").judge(0, 1)  # without fay's labeler key
+        LabelClient(served.url, "fay", key=key).judge(0, 1)  # fay's other tab labels row 0
+        press(driver, key_for("fay", 0, 3), "1")  # this tab still shows row 0: it moves on instead of sticking
+        status = driver.find_element(By.ID, "status").text
+        labels = [(j.row, j.label) for j in served.store.judgements()]
+    finally:
+        served.close()
+    assert "already labelled row 0" in status and labels == [(0, shown_order("fay", 0, 4)[1])]
+
+
+def test_the_token_url_leaves_no_token_in_the_address_bar(driver, tmp_path, tokenizer, tiny_model_dir):
+    from selenium.webdriver.common.by import By
+
+    token = "k" * 24
+    served = ServedStore(tmp_path, tokenizer, tiny_model_dir, token=token)
+    first_tab = driver.current_window_handle
+    driver.switch_to.new_window("tab")  # a history of its own
+    try:
+        driver.get(f"{served.url}/?token={token}")
+        name_field(driver)  # the page talks to the API: the cookie carries the token
+        first = driver.current_url
+        instructions = driver.find_element(By.ID, "instructions").get_attribute("textContent")
+        driver.get(f"{served.url}/stats?token={token}")
+        wait_for(driver, lambda d: d.execute_script("return document.body.dataset.loaded") == "1")
+        second = driver.current_url
+        history = driver.execute_script("return history.length")
+    finally:
+        driver.close()
+        driver.switch_to.window(first_tab)
+        served.close()
+    assert first == served.url + "/" and second == served.url + "/stats" and instructions
+    assert history <= 3  # the redirects added no entries of their own: (a blank page,) the page, the stats page

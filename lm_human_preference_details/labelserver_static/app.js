@@ -1,29 +1,50 @@
 // Labeling page. Model text is untrusted: it only ever reaches the page through textContent.
 "use strict";
 
-const state = { labeler: null, info: null, current: null, busy: false };
+const state = { labeler: null, info: null, current: null, busy: false, poll: null };
 
-function accessToken() {
-  const params = new URLSearchParams(window.location.search);
-  if (params.has("token")) {
-    sessionStorage.setItem("labelToken", params.get("token"));
-    history.replaceState(null, "", window.location.pathname);
+// A labeler's name is bound to a labeler key at its first use: the server gives it once, the page keeps it per name
+// and sends it with every request for that name.
+function storedKeys() {
+  try {
+    return JSON.parse(localStorage.getItem("labelerKeys") || "{}");
+  } catch {
+    return {};
   }
-  return sessionStorage.getItem("labelToken") || "";
 }
 
-const TOKEN = accessToken();
+function foldName(name) {
+  // what the server does to a name (NFKC, case folded, spaces collapsed), closely enough to find its key
+  return name.normalize("NFKC").toLowerCase().normalize("NFKC").split(/\s+/).filter(Boolean).join(" ");
+}
 
+function keyOf(name) {
+  return storedKeys()[foldName(name)];
+}
+
+function saveKey(name, key) {
+  const keys = storedKeys();
+  keys[foldName(name)] = key;
+  localStorage.setItem("labelerKeys", JSON.stringify(keys));
+}
+
+// The access token, when the server needs one, is an HttpOnly cookie set by the server's redirect from the ?token= URL:
+// this script never sees it, and the URL that carried it never rendered a page.
 async function call(method, path, body) {
-  const options = { method, headers: { "X-Label-Token": TOKEN } };
+  const options = { method, headers: {}, credentials: "same-origin" };
   if (body !== undefined) {
     options.headers["Content-Type"] = "application/json";
-    options.body = JSON.stringify(body);
+    options.body = JSON.stringify(body.labeler === undefined ? body : { ...body, key: keyOf(body.labeler) });
   }
   const response = await fetch(path, options);
   const data = await response.json().catch(() => ({}));
+  if (data.labeler_key) {
+    saveKey(data.labeler || (data.next && data.next.labeler) || body.labeler, data.labeler_key);
+  }
   if (!response.ok) {
-    throw new Error(data.error || `request failed (${response.status})`);
+    const error = new Error(data.error || `request failed (${response.status})`);
+    error.status = response.status;
+    throw error;
   }
   return data;
 }
@@ -60,22 +81,45 @@ function scaleChoices(info) {
   return labels.map((label, i) => ({ key: String(i + 1), answer: i - 2, label }));
 }
 
+function doneMessage(progress) {
+  const every = `checking again every ${state.info.poll_seconds} s`;
+  if (progress.claimed_by_others > 0) {
+    const rows = progress.claimed_by_others === 1 ? "1 row is" : `${progress.claimed_by_others} rows are`;
+    return `No row is free for you right now: ${rows} being labelled by others and may come back; ${every}.`;
+  }
+  return `All rows are done for you. Thank you! (${every} in case a row comes back.)`;
+}
+
+function schedulePoll(wanted) {
+  clearTimeout(state.poll);
+  state.poll = wanted ? setTimeout(refresh, state.info.poll_seconds * 1000) : null;
+}
+
 function render(next) {
   state.current = next;
+  state.labeler = next.labeler;
+  localStorage.setItem("labeler", next.labeler);
+  $("who").textContent = `labeler: ${next.labeler}`;
+  $("key").textContent = keyOf(next.labeler) || "";
   const progress = next.progress;
   const rate = progress.per_minute === null ? "–" : progress.per_minute.toFixed(1);
   $("progress").textContent =
     `${progress.labelled} labelled, ${progress.skipped} skipped, ${progress.remaining} left for you ` +
     `(${progress.total} rows) · ${rate} labels/min over the last 10 minutes`;
   $("undo").disabled = !progress.can_undo;
-  if (next.row === null) {
-    $("labeling").hidden = true;
-    $("done").hidden = false;
+  $("export-error").hidden = !next.export_error;
+  $("export-error").textContent = next.export_error ? `Your labels are saved, but ${next.export_error}; it is tried again every few seconds.` : "";
+  $("workspace").hidden = false;
+  const done = next.row === null;
+  $("labeling").hidden = done;
+  $("done").hidden = !done;
+  $("skip").disabled = done;
+  schedulePoll(done);
+  if (done) {
+    $("done").textContent = doneMessage(progress);
     document.body.dataset.row = "done";
     return;
   }
-  $("labeling").hidden = false;
-  $("done").hidden = true;
   $("query").textContent = next.query;
   const list = $("responses");
   list.replaceChildren();
@@ -101,6 +145,19 @@ function render(next) {
   document.body.dataset.row = String(next.row);
 }
 
+async function refresh() {
+  if (!state.labeler || state.busy) {
+    schedulePoll(state.current && state.current.row === null);
+    return;
+  }
+  try {
+    render(await call("POST", "/api/next", { labeler: state.labeler }));
+  } catch (error) {
+    setStatus(error.message, true);
+    schedulePoll(true);
+  }
+}
+
 async function act(request) {
   if (state.busy) {
     return;
@@ -111,6 +168,13 @@ async function act(request) {
     render(result.next);
     return result;
   } catch (error) {
+    if (error.status === 409) {
+      // another tab or window of this labeler moved on: show where the labeler is now instead of sticking
+      state.busy = false;
+      await refresh();
+      setStatus(`${error.message} (done in another tab or window?) Showing your next row.`, true);
+      return;
+    }
     setStatus(error.message, true);
   } finally {
     state.busy = false;
@@ -166,25 +230,24 @@ function onKey(event) {
 }
 
 async function start(name) {
-  state.labeler = name;
-  localStorage.setItem("labeler", name);
   $("login").hidden = true;
   if (document.activeElement) {
     document.activeElement.blur(); // the keys now label rows, not type a name
   }
-  $("who").textContent = `labeler: ${name}`;
   try {
-    render(await call("GET", `/api/next?labeler=${encodeURIComponent(name)}`));
+    render(await call("POST", "/api/next", { labeler: name }));
     setStatus("");
   } catch (error) {
+    showLogin();
     setStatus(error.message, true);
   }
 }
 
 function showLogin() {
   state.labeler = null;
-  $("labeling").hidden = true;
-  $("done").hidden = true;
+  state.current = null;
+  schedulePoll(false);
+  $("workspace").hidden = true;
   $("login").hidden = false;
   $("who").textContent = "";
   $("name").focus();
@@ -213,6 +276,11 @@ async function main() {
   $("login").addEventListener("submit", (event) => {
     event.preventDefault();
     const name = $("name").value.trim();
+    const key = $("key-input").value.trim();
+    if (name && key) {
+      saveKey(name, key);
+      $("key-input").value = "";
+    }
     if (name) {
       start(name);
     }
@@ -221,6 +289,11 @@ async function main() {
   $("undo").addEventListener("click", undo);
   $("rename").addEventListener("click", showLogin);
   document.addEventListener("keydown", onKey);
+  document.addEventListener("visibilitychange", () => {
+    if (document.visibilityState === "visible") {
+      refresh(); // another tab of this labeler may have moved on meanwhile
+    }
+  });
   const saved = localStorage.getItem("labeler");
   if (saved) {
     start(saved);
