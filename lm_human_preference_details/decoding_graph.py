@@ -2,7 +2,7 @@
 
 The captured step is a function of static buffers only. Per sampling call the host copies the episode's key mask and
 the first sampled token, position and cache slot into them; per step it copies the step's B uniforms in, replays the
-graph and copies B tokens, log-probs and values out (about 2 KB at 64 episodes). Inside the graph the token, position
+graph and copies B tokens, log-probs and values out (24 bytes per episode). Inside the graph the token, position
 and slot advance for the next step, and the policy's weights and the KV cache (a StaticCache written one slot per step)
 are read and written where they live: the graph holds their addresses and nothing copies them.
 
@@ -15,7 +15,8 @@ samples stay those of eager decoding, bit for bit.
 A graph stays valid while the shapes and the tensors it reads stay where they are: `DecodingGraphs.get` keys each
 policy's graph on the batch, the cache length, the constants baked into the step (PAD id, temperature, autocast) and
 the address, dtype and shape of every parameter and buffer. Adam's in-place updates keep the addresses (the graph then
-reads the new weights); a checkpoint load or `.to()` that replaces tensors makes a new capture.
+reads the new weights), as does a resume's `load_state_dict` (it copies into them); a load that assigns new tensors
+or a `.to()` onto another device or dtype makes a new capture.
 
 Devices without CUDA graphs (CPU) run the same buffers and the same sequence of warm-up, capture and replay, with
 `EagerStepGraph` standing in for the CUDA graph: its replay runs the step eagerly.
