@@ -214,9 +214,9 @@ class Args:
     """run float32 matmuls on TF32 tensor cores (NVIDIA Ampere or newer: A100, H100): GEMMs ~5-7x faster, with
     relative errors up to ~1e-3 (docs/gpu.md); off: full float32, as OAI trained"""
     compile_sampler: bool = False
-    """run each decoding step of the rollouts as one torch.compile'd graph (a CUDA graph on GPUs), the same samples
-    from the same seed: less Python and kernel-launch time per token, a compile at the first update; off: eager
-    decoding"""
+    """replay each decoding step of the rollouts as one CUDA graph, captured at the first update (GPUs; on CPU the
+    same step runs eagerly), the same samples from the same seed: less Python and kernel-launch time per token; off:
+    eager decoding"""
     push_to_hub: bool = False
     """upload output_dir (policy, value head, tokenizer, args) to the Hugging Face hub at the end"""
     hf_repo_id: str | None = None

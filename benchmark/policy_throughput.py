@@ -12,7 +12,8 @@ Reported per update: seconds split into rollout (sampling + reference forward), 
 (4 x forward + backward + Adam), response tokens per second as OAI's `elapsed/fps` counts them (batch x response
 length / wall seconds of the update), host syncs from the update's start to its statistics copy, and peak memory.
 Then a summary against a lower bound: the matrix-multiply FLOPs an update cannot avoid, each term divided by the GEMM
-throughput this machine measures for its shape.
+throughput measured for its shape on the run's device (the GPU on a GPU run, in the float32 matmul precision the run
+left set: TF32 after --tf32).
 """
 
 import collections
@@ -78,8 +79,8 @@ class Args:
     tf32: bool = False
     """train_policy.py --tf32: float32 matmuls on TF32 tensor cores (A100, H100; no effect on CPU)"""
     compile_sampler: bool = False
-    """train_policy.py --compile_sampler: each decoding step of the rollout as one compiled graph (a CUDA graph on
-    GPUs); the compile happens in the warm-up update"""
+    """train_policy.py --compile_sampler: each decoding step of the rollout replayed as one CUDA graph (GPUs; run
+    eagerly on CPU), captured in the first update"""
     threads: int = 0
     """torch intra-op CPU threads (0: torch's default)"""
     gemm_repeats: int = 5
@@ -235,26 +236,51 @@ def update_gemms(args: Args, config: dict, vocab: int) -> dict[str, list[Gemm]]:
     return {"rollout": sampling + reference, "scoring": scoring, "optimisation": optimisation}
 
 
-def measure_gemm_seconds(g: Gemm, repeats: int) -> float:
-    """Fastest wall time of one (batched) matmul of this shape, in seconds."""
+GEMM_TIMING_FLOPS = {"cpu": 2e8, "cuda": 2e10}
+"""FLOPs per timing of one GEMM shape (0.2 GFLOP on a CPU, 20 on a GPU: about a millisecond or more on either)"""
+GEMM_TIMING_MAX_CALLS = 10_000
+"""at most this many matmuls per timing (tiny batched attention GEMMs on a GPU)"""
+
+
+def run_device() -> torch.device:
+    """The device train_policy.main runs on in this process (CUDA when available)."""
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def measure_gemm_seconds(g: Gemm, repeats: int, device: torch.device | str | None = None) -> float:
+    """Fastest time of one (batched) matmul of this shape on `device` (None: `run_device()`), in seconds; on CUDA
+    between CUDA events around back-to-back matmuls, as the GPU runs them."""
+    device = torch.device(device) if device is not None else run_device()
     shape_a = (g.batch, g.m, g.k) if g.batch > 1 else (g.m, g.k)
     shape_b = (g.batch, g.k, g.n) if g.batch > 1 else (g.k, g.n)
-    a, b = torch.randn(shape_a), torch.randn(shape_b)
-    torch.matmul(a, b)
-    inner = max(1, int(2e8 // max(g.flops / g.count, 1)))  # ~0.2 GFLOP per timing, to beat clock resolution
+    a, b = torch.randn(shape_a, device=device), torch.randn(shape_b, device=device)
+    torch.matmul(a, b)  # warm-up: library handles, workspace, kernel selection
+    target = GEMM_TIMING_FLOPS.get(device.type, GEMM_TIMING_FLOPS["cpu"])
+    inner = min(GEMM_TIMING_MAX_CALLS, max(1, int(target // max(g.flops / g.count, 1))))
     best = float("inf")
     for _ in range(repeats):
-        start = time.perf_counter()
-        for _ in range(inner):
-            torch.matmul(a, b)
-        best = min(best, (time.perf_counter() - start) / inner)
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(inner):
+                torch.matmul(a, b)
+            end.record()
+            end.synchronize()
+            seconds = start.elapsed_time(end) / 1e3
+        else:
+            begin = time.perf_counter()
+            for _ in range(inner):
+                torch.matmul(a, b)
+            seconds = time.perf_counter() - begin
+        best = min(best, seconds / inner)
     return best
 
 
 def lower_bound(
-    gemms: dict[str, list[Gemm]], repeats: int
+    gemms: dict[str, list[Gemm]], repeats: int, device: torch.device | str | None = None
 ) -> tuple[dict[str, float], dict[str, float], dict[tuple, list[float]]]:
-    """Per phase: unavoidable FLOPs and seconds (each shape's FLOPs / its measured FLOP rate); per shape totals."""
+    """Per phase: unavoidable FLOPs and seconds (each shape's FLOPs / its FLOP rate measured on `device`, None: the
+    run's device); per shape totals."""
     measured: dict[tuple, float] = {}
     per_shape: dict[tuple, list[float]] = {}  # (m, k, n, batch) -> [GFLOP per update, seconds per update]
     flops, seconds = {}, {}
@@ -263,7 +289,7 @@ def lower_bound(
         for g in items:
             key = (g.m, g.k, g.n, g.batch)
             if key not in measured:
-                measured[key] = measure_gemm_seconds(g, repeats)
+                measured[key] = measure_gemm_seconds(g, repeats, device)
             flops[phase] += g.flops
             seconds[phase] += measured[key] * g.count
             totals = per_shape.setdefault(key, [0.0, 0.0])
@@ -356,7 +382,7 @@ def print_updates(console: Console, args: Args, history: list[dict[str, float]],
 def run(args: Args, work_dir: str) -> None:
     """Build the inputs, run train_policy.main, print the measured table against the lower bound."""
     console = Console(width=120)
-    device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = run_device().type
     policy_dir, reward_dir = write_models(work_dir, args.model)
     corpus = write_corpus(work_dir)
     with UpdateProbe(device, args.count_syncs).attached() as probe:
@@ -371,7 +397,7 @@ def run(args: Args, work_dir: str) -> None:
 
     config = SHAPES[args.model]
     gemms = update_gemms(args, config, vocab=50257)
-    flops, bound, per_shape = lower_bound(gemms, args.gemm_repeats)
+    flops, bound, per_shape = lower_bound(gemms, args.gemm_repeats, device)
 
     load = os.getloadavg()
     tuning = {k: os.environ[k] for k in ALLOCATOR_ENV if k in os.environ}
@@ -407,7 +433,7 @@ def run(args: Args, work_dir: str) -> None:
         style="bold",
     )
     console.print(table)
-    shapes = Table(title="lower bound: the GEMM shapes that dominate it (measured on this machine)")
+    shapes = Table(title=f"lower bound: the GEMM shapes that dominate it (measured on {device})")
     for column in ("(batch x) m x k x n", "GFLOP / update", "GFLOP/s", "seconds / update"):
         shapes.add_column(column, justify="right")
     for (m, k, n, batch), (gflop, seconds) in sorted(per_shape.items(), key=lambda kv: -kv[1][1])[:8]:

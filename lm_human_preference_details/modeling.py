@@ -7,7 +7,7 @@ import copy
 import json
 import math
 import os
-from collections.abc import Callable
+import weakref
 from contextlib import contextmanager
 
 import torch
@@ -24,7 +24,7 @@ from transformers import (
 )
 from transformers.modeling_layers import GradientCheckpointingLayer
 
-from lm_human_preference_details import lora
+from lm_human_preference_details import decoding_graph, lora
 from lm_human_preference_details.checkpoint import check_complete_save
 from lm_human_preference_details.hub import check_available
 from lm_human_preference_details.kernels import (
@@ -489,32 +489,31 @@ def _decode_step(
     return _sample_next(policy, output.last_hidden_state[:, 0], uniform, pad_id, temperature)
 
 
-def _compile_options(device: torch.device) -> dict:
-    """torch.compile settings of the decoding step: one graph of the eager kernels (the same arithmetic), replayed as
-    a CUDA graph on CUDA devices; elsewhere the graph runs without transformers' Python code around it."""
-    return {"backend": "cudagraphs" if device.type == "cuda" else "aot_eager", "fullgraph": True, "dynamic": False}
+def _decoding_graph(
+    policy: PolicyWithValueHead,
+    batch_size: int,
+    total_length: int,
+    pad_id: int,
+    temperature: float,
+    device: torch.device,
+) -> decoding_graph.DecodingGraph:
+    """The policy's captured decoding step for this shape (`decoding_graph`), with its KV cache emptied."""
 
+    def make() -> decoding_graph.DecodingGraph:
+        cache = StaticCache(config=policy.lm.config, max_cache_len=total_length)
+        # by weak reference: the graphs are kept by policy and must not keep it alive
+        policy_ref = weakref.ref(policy)
 
-_compiled_steps: dict[str, Callable] = {}
+        def step(token, position, slot, key_mask, uniform):
+            return _decode_step(policy_ref(), cache, token, position, slot, key_mask, uniform, pad_id, temperature)
 
+        return decoding_graph.DecodingGraph(step, cache, batch_size, total_length, device)
 
-def _compiled_step(device: torch.device) -> Callable:
-    """`_decode_step` compiled for `device` (once per process; torch.compile then keeps a graph per shape)."""
-    backend = _compile_options(device)["backend"]
-    if backend not in _compiled_steps:
-        _compiled_steps[backend] = torch.compile(_decode_step, **_compile_options(device))
-    return _compiled_steps[backend]
-
-
-def _reused_cache(policy: PolicyWithValueHead, batch_size: int, total_length: int, device: torch.device) -> StaticCache:
-    """The policy's StaticCache for this shape, emptied: a compiled step keeps the same cache tensors across calls."""
-    key = (batch_size, total_length, str(device))
-    caches = policy.__dict__.setdefault("_decode_caches", {})
-    if key not in caches:
-        caches.clear()
-        caches[key] = StaticCache(config=policy.lm.config, max_cache_len=total_length)
-    caches[key].reset()
-    return caches[key]
+    # pad_id and temperature are Python constants of the step, baked into the captured kernels
+    key = (batch_size, total_length, str(device), pad_id, temperature, torch.is_autocast_enabled(device.type))
+    graph = decoding_graph.GRAPHS.get(policy, key, make)
+    graph.cache.reset()
+    return graph
 
 
 @torch.no_grad()
@@ -532,7 +531,8 @@ def sample(
 
     `check_first_token=False` skips the leading-PAD check and its device-to-host sync, for contexts built by
     QueryStream, whose queries always start with a real token. `compile`: every decoding step after the first runs
-    as one torch.compile'd graph of the same kernels (a CUDA graph on CUDA devices): the same samples.
+    as one graph of the same kernels, captured once per shape (a CUDA graph on CUDA devices, run eagerly elsewhere;
+    `decoding_graph`): the same samples.
     """
     _check_temperature(temperature)
     if response_length < 1:
@@ -555,9 +555,10 @@ def sample(
     # static shapes: keys/values of the whole episode preallocated and written in place (a growing cache copies all
     # of it at every step), slot by slot; `position` is the pad-aware position of the token fed in
     if compile:
-        cache, step = _reused_cache(policy, batch_size, total_length, device), _compiled_step(device)
+        graph = _decoding_graph(policy, batch_size, total_length, pad_id, temperature, device)
+        cache = graph.cache
     else:
-        cache, step = StaticCache(config=lm.config, max_cache_len=total_length), _decode_step
+        cache = StaticCache(config=lm.config, max_cache_len=total_length)
     # first token from the context's last position (after PAD replacement: the last real token), then
     # response_length-1 KV-cached steps; no stop at EOS, so every response has exactly L tokens
     # https://github.com/openai/lm-human-preferences/blob/cbfd210bb8b08f6bc5c26878c10984b90f516c66/lm_human_preferences/language/sample.py#L26-L31
@@ -573,11 +574,14 @@ def sample(
     token, logprobs[:, 0], values[:, 0] = _sample_next(policy, hidden, uniforms[0], pad_id, temperature)
     responses[:, 0] = token
     position = mask.long().sum(dim=1, keepdim=True)  # (B, 1): the next token's position = real tokens so far
+    if compile:
+        graph.start(key_mask, token, position, context_length)
+        for t in range(1, response_length):
+            responses[:, t], logprobs[:, t], values[:, t] = graph.step(uniforms[t])
+        return responses, logprobs, values
     slot = torch.full((1,), context_length, dtype=torch.long, device=device)
     for t in range(1, response_length):
-        if compile:
-            torch.compiler.cudagraph_mark_step_begin()  # the previous step's outputs are copied out below
-        token, logprobs[:, t], values[:, t] = step(
+        token, logprobs[:, t], values[:, t] = _decode_step(
             policy, cache, token[:, None].clone(), position, slot, key_mask, uniforms[t], pad_id, temperature
         )
         responses[:, t] = token

@@ -1,15 +1,19 @@
 """CPU proxies of the GPU code paths: host syncs per update, bf16 rollout statistics, the compiled decoding step."""
 
 import dataclasses
+import gc
 import json
+import weakref
 
 import numpy as np
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 import train_policy
 import train_reward
-from lm_human_preference_details import core
+from lm_human_preference_details import core, decoding_graph
 from lm_human_preference_details.host_syncs import HostSyncCounter
 from lm_human_preference_details.modeling import (
     PolicyWithValueHead,
@@ -17,6 +21,7 @@ from lm_human_preference_details.modeling import (
     sample,
     training_logprobs_and_values,
 )
+from lm_human_preference_details.optim import make_optimizer
 from lm_human_preference_details.tasks import PassRateAlarm
 from tests.conftest import tiny_gpt2, write_queries
 from tests.planted import books_task, write_query_file
@@ -165,3 +170,120 @@ def test_compiled_decoding_samples_exactly_what_eager_decoding_samples():
         compiled = sample(policy, contexts, 6, 0.7, PAD, torch.Generator().manual_seed(seed), compile=True)
         for name, a, b in zip(("responses", "logprobs", "values"), eager, compiled):
             assert torch.equal(a, b), (seed, name)
+
+
+class OpRecorder(TorchDispatchMode):
+    """Every aten operator run outside the step graph's replays: its name, the bytes `copy_` writes, and the storages
+    of its tensor arguments; `between_replays` groups them by the gaps between consecutive replays."""
+
+    def __init__(self):
+        super().__init__()
+        self.gaps: list[list[tuple[str, int, set[int]]]] = [[]]
+        self.replays = 0
+        self.paused = False
+
+    def __enter__(self):
+        self.gaps, self.replays = [[]], 0
+        return super().__enter__()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if not self.paused:
+            tensors = [x for x in tree_leaves((args, kwargs)) if isinstance(x, torch.Tensor)]
+            written = args[0].numel() * args[0].element_size() if func is torch.ops.aten.copy_.default else 0
+            self.gaps[-1].append((str(func), written, {t.untyped_storage().data_ptr() for t in tensors}))
+        return func(*args, **kwargs)
+
+    def replayed(self) -> None:
+        self.replays += 1
+        self.gaps.append([])
+
+    def between_replays(self) -> list[list[tuple[str, int, set[int]]]]:
+        return self.gaps[1:-1]
+
+
+def recording_step_graphs(monkeypatch, policy, recorder: OpRecorder | None = None) -> list:
+    """Replace the step graphs by the eager stand-in, recording each capture; a replay checks, as a CUDA graph needs,
+    that the policy's tensors are where they were at the capture, and is hidden from `recorder`."""
+    captures = []
+    policy_ref = weakref.ref(policy)
+
+    class RecordingGraph(decoding_graph.EagerStepGraph):
+        def capture(self, step):
+            super().capture(step)
+            self.storage = decoding_graph.storage_key(policy_ref())
+            captures.append(self)
+
+        def replay(self):
+            assert decoding_graph.storage_key(policy_ref()) == self.storage, "replayed with the weights moved"
+            if recorder is None:
+                return super().replay()
+            recorder.paused = True
+            try:
+                super().replay()
+            finally:
+                recorder.paused = False
+            recorder.replayed()
+
+    monkeypatch.setattr(decoding_graph, "new_step_graph", RecordingGraph)
+    return captures
+
+
+def check_compiled_equals_eager(policy, contexts, seed: int, response_length: int = 7):
+    eager = sample(policy, contexts, response_length, 0.7, PAD, torch.Generator().manual_seed(seed))
+    compiled = sample(policy, contexts, response_length, 0.7, PAD, torch.Generator().manual_seed(seed), compile=True)
+    for name, a, b in zip(("responses", "logprobs", "values"), eager, compiled):
+        assert torch.equal(a, b), (seed, name)
+
+
+def test_decoding_graph_copies_only_the_step_inputs_and_outputs():
+    """CPU proxy of the CUDA graph's copies: between two replays the host copies the step's uniforms in and its
+    tokens, log-probs and values out, nothing else; the weights and the KV cache stay where the graph reads them."""
+    policy = PolicyWithValueHead(tiny_gpt2(n_layer=1))
+    contexts = torch.tensor([[23073, 11, PAD, 13], [7091, 1807, 546, 340], [13, PAD, PAD, 11]])
+    recorder = OpRecorder()
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        recording_step_graphs(monkeypatch, policy, recorder)
+        sample(policy, contexts, 8, 0.7, PAD, torch.Generator().manual_seed(0), compile=True)  # warm-up and capture
+        with recorder:
+            sample(policy, contexts, 8, 0.7, PAD, torch.Generator().manual_seed(1), compile=True)
+    graph = decoding_graph.GRAPHS.get(policy, (3, 12, "cpu", PAD, 0.7, False), lambda: None)
+    weights = {t.untyped_storage().data_ptr() for t in [*policy.parameters(), *policy.buffers()]}
+    cache = {t.untyped_storage().data_ptr() for layer in graph.cache.layers for t in (layer.keys, layer.values)}
+    gaps = recorder.between_replays()
+    assert recorder.replays == 7 and len(gaps) == 6
+    batch = contexts.shape[0]
+    for ops in gaps:
+        # out: token (int64), log-prob and value (float32); in: the next step's uniform (float64)
+        assert sum(written for _, written, _ in ops) == batch * (8 + 4 + 4 + 8), ops
+        assert not any(storages & (weights | cache) for _, _, storages in ops), ops
+
+
+def test_decoding_graph_is_captured_once_per_shape_and_weight_storage(monkeypatch):
+    policy = PolicyWithValueHead(tiny_gpt2(n_layer=1))
+    torch.nn.init.normal_(policy.value_head.weight)
+    contexts = torch.tensor([[23073, 11, PAD, 13], [7091, 1807, 546, 340], [13, PAD, PAD, 11]])
+    captures = recording_step_graphs(monkeypatch, policy)
+    for seed in (0, 1):  # 6 decoding steps: 3 eager warm-ups, the capture and replays; then replays only
+        check_compiled_equals_eager(policy, contexts, seed)
+    assert len(captures) == 1
+    # Adam updates the weights in place: the same graph replays on the new values
+    optimizer = make_optimizer(list(policy.parameters()), 1e-2, use_tensorflow_adam=True)
+    query_responses = torch.cat([contexts, sample(policy, contexts, 3, 0.7, PAD)[0]], 1)
+    logits, values = policy(query_responses, 4, PAD, 0.7)
+    (logits.logsumexp(-1).mean() + values.square().mean()).backward()
+    optimizer.step()
+    check_compiled_equals_eager(policy, contexts, 2)
+    assert len(captures) == 1
+    # tensors replaced (a load that assigns them): the old graph would read freed memory, so a new capture
+    policy.load_state_dict({k: v.clone() for k, v in policy.state_dict().items()}, assign=True)
+    check_compiled_equals_eager(policy, contexts, 3)
+    assert len(captures) == 2
+    check_compiled_equals_eager(policy, contexts[:2], 4)  # a new batch shape
+    check_compiled_equals_eager(policy, contexts, 5, response_length=9)  # a new cache length
+    assert len(captures) == 4
+    # the graphs, kept by policy, do not keep it alive
+    policy_ref = weakref.ref(policy)
+    del policy, optimizer, logits, values
+    gc.collect()
+    assert policy_ref() is None

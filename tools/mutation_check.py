@@ -165,6 +165,15 @@ BREAKAGES = [
         ["tests/test_modeling.py::test_sample_matches_full_forward"],
     ),
     Breakage(
+        "G5-graph-kept-after-weights-moved",
+        "G5",
+        "--compile_sampler replays a decoding graph captured before the policy's tensors were replaced",
+        "lm_human_preference_details/decoding_graph.py",
+        "key = (*key, storage_key(policy))",
+        "key = (*key,)",
+        ["tests/test_gpu_paths.py::test_decoding_graph_is_captured_once_per_shape_and_weight_storage"],
+    ),
+    Breakage(
         "G6-reference-at-temperature-1",
         "G6",
         "the reference policy's log-probs use temperature 1 instead of the task temperature",
