@@ -234,13 +234,11 @@ class CudaSyncCounter:
 
 
 def sync_counter(device: str, flags: tuple[str, ...]):
-    """-> (what counts the syncs of a run with `flags`, or None, and how it counts them)."""
+    """-> (what counts the syncs of a run with `flags`, and how it counts them)."""
     from lm_human_preference_details.host_syncs import HostSyncCounter
 
     if device == "cuda":
         return CudaSyncCounter, "CUDA sync debug mode"
-    if "--compile_sampler" in flags:  # HostSyncCounter's dispatch mode keeps torch.compile from tracing the step
-        return None, "not counted: HostSyncCounter and the compiled sampler exclude each other on CPU"
     return HostSyncCounter, "HostSyncCounter (host reads of device values)"
 
 
@@ -415,12 +413,12 @@ def ppo_step(plan: Plan, work_dir: str, name: str) -> tuple[dict, str]:
     args = dataclasses.replace(args, overwrite_output_dir=True)
     counter, counted_by = sync_counter(plan.device, flags)
     memory = PeakMemory(plan.device)
-    probe = policy_throughput.UpdateProbe(plan.device, counter is not None, counter or contextlib.nullcontext)
+    probe = policy_throughput.UpdateProbe(plan.device, True, counter)
     with torch_precision_restored(), probe.attached():
         history = train_policy.main(args)
     timed_updates = history[plan.warmup :]
     walls = np.diff([0.0] + [h["elapsed/time"] for h in history])[plan.warmup :]
-    syncs = probe.syncs[plan.warmup :] if counter else []
+    syncs = probe.syncs[plan.warmup :]
     figures = {
         "flags": " ".join(flags),
         "seconds_per_update": float(np.median(walls)),
@@ -429,17 +427,17 @@ def ppo_step(plan: Plan, work_dir: str, name: str) -> tuple[dict, str]:
         # on a GPU the probe's per-update peaks (it resets the count as each update starts); on CPU the step's
         "peak_memory_gib": max(probe.memory[plan.warmup :]) if plan.device == "cuda" else memory.gib(),
         "peak_memory_measure": memory.measure,
-        "syncs_per_update": max(syncs) if syncs else None,
+        "syncs_per_update": max(syncs),
         "syncs_each_update": syncs,
         "syncs_counted_by": counted_by,
-        "sync_sites_last_update": probe.sites[-1][:20] if counter else [],
+        "sync_sites_last_update": probe.sites[-1][:20],
         "updates": len(history),
     }
     bad = sorted({k for h in history for k, v in h.items() if isinstance(v, float) and not math.isfinite(v)})
     if len(history) != plan.warmup + plan.updates or bad:
         raise CheckFailed(f"{len(history)} updates logged; statistics not finite: {bad[:5]}", figures)
     phases = ", ".join(f"{phase} {figures[f'{phase}_s']:.2f}" for phase in PHASES)
-    return figures, f"s per phase: {phases}" + ("" if counter else f"; syncs {counted_by}")
+    return figures, f"s per phase: {phases}"
 
 
 def resume_step(plan: Plan, work_dir: str) -> tuple[dict, str]:
