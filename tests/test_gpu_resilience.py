@@ -2,6 +2,8 @@
 decides whether and from where a run resumes, and a process that cannot see that checkpoint stops them all;
 --tf32 in every script that trains or samples; checkpoints written in the background."""
 
+import copy
+import io
 import json
 import os
 import re
@@ -284,6 +286,42 @@ def test_a_background_save_writes_the_state_of_its_call_while_training_goes_on(t
     twin = saves.host_copy(model)  # ties kept, no gradients, refilled at each call
     assert twin.lm.lm_head.weight is twin.lm.transformer.wte.weight and twin.value_head.weight.grad is None
     assert torch.equal(twin.lm.lm_head.weight, model.lm.lm_head.weight)
+
+
+def reachable_tensors(root) -> list[torch.Tensor]:
+    """Every tensor reachable from `root` through containers and object attributes (what a deep copy copies)."""
+    seen, stack, found = set(), [root], []
+    while stack:
+        obj = stack.pop()
+        if id(obj) in seen or isinstance(obj, (type, str, bytes, int, float, bool)) or obj is None:
+            continue
+        seen.add(id(obj))
+        if isinstance(obj, torch.Tensor):
+            found.append(obj)
+        elif isinstance(obj, dict):
+            stack.extend([*obj.keys(), *obj.values()])
+        elif isinstance(obj, (list, tuple, set, frozenset)):
+            stack.extend(obj)
+        elif hasattr(obj, "__dict__") and not callable(obj) or isinstance(obj, torch.nn.Module):
+            stack.extend(vars(obj).values())
+    return found
+
+
+def test_the_host_copy_holds_the_state_dict_only_not_what_the_module_keeps_beside_it():
+    model = PolicyWithValueHead(tiny_gpt2())
+    expected = io.BytesIO()
+    torch.save(copy.deepcopy(model).state_dict(), expected)  # what a checkpoint held before
+    # what the compiled sampler keeps in the module's __dict__: a static KV cache on the policy's device (GPU proxy)
+    kv_cache = torch.ones(4, 2, 64, 16)
+    model.__dict__["_decode_caches"] = {"cache": SimpleNamespace(keys=kv_cache)}
+    twin = checkpoint.BackgroundSaves().host_copy(model)
+    stored = [t for t in reachable_tensors(twin) if t.device.type != "meta"]
+    state = {t.untyped_storage().data_ptr() for t in twin.state_dict().values()}
+    assert {t.untyped_storage().data_ptr() for t in stored} <= state | {t.data_ptr() for t in twin.buffers()}
+    assert twin.__dict__["_decode_caches"]["cache"].keys.device.type == "meta"  # its shape, no memory
+    saved = io.BytesIO()
+    torch.save(twin.state_dict(), saved)
+    assert saved.getvalue() == expected.getvalue()  # the checkpoint's bytes are those of before
 
 
 def test_the_next_background_save_waits_for_the_previous_one_and_errors_reach_the_training_thread(tmp_path):
