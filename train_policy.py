@@ -24,6 +24,7 @@ from accelerate import Accelerator
 
 from lm_human_preference_details import checkpoint, cli, core, lora, validation
 from lm_human_preference_details.data import QueryStream, load_texts
+from lm_human_preference_details.host_syncs import to_device
 from lm_human_preference_details.hub import HubUnavailableError, hub_reachable
 from lm_human_preference_details.kernels import logprobs_and_entropy_from_logits, logprobs_from_logits
 from lm_human_preference_details.labelers import load_labeler
@@ -750,14 +751,14 @@ def main(args: Args) -> list[dict[str, float]]:
         for update in range(first_update, sizes.nupdates):
             timer = PhaseTimer(device)
             timer.mark()
-            # for step 5: each virtual rank's fresh permutation for each PPO epoch (spec P12, D4), drawn now, while
-            # the GPU is idle, so that the host-to-device copy does not wait for queued kernels
+            # for step 5: each virtual rank's fresh permutation for each PPO epoch (spec P12, D4); host-to-device
+            # copies go through pinned memory, so none waits for the kernels queued before it
             indices = minibatch_indices(order_rngs, sizes.group, ppo.nminibatches, ppo.noptepochs)
-            indices = torch.from_numpy(indices).to(device)  # (noptepochs, nminibatches, minibatch)
+            indices = to_device(torch.from_numpy(indices), device)  # (noptepochs, nminibatches, minibatch)
             with torch.no_grad():
                 # 2. rollout: responses, with logprobs and values from the sampling pass itself (spec P13); rows
                 # grouped by virtual rank, each holding the queries of the OAI rank it stands for (spec D3, D4)
-                queries = query_stream.next_batch(sizes.batch, sizes.virtual_ranks).to(device)  # (B, Lq)
+                queries = to_device(query_stream.next_batch(sizes.batch, sizes.virtual_ranks), device)  # (B, Lq)
                 contexts = format_contexts(queries, prefix, suffix)  # (B, C): prefix + query + suffix (spec G4)
                 context_length = contexts.shape[1]
                 # QueryStream's queries start with a real token, so the sampler and the reward model skip that check

@@ -26,6 +26,7 @@ from lm_human_preference_details.core import (
     use_tf32,
 )
 from lm_human_preference_details.data import QueryStream, load_texts
+from lm_human_preference_details.host_syncs import to_device
 from lm_human_preference_details.labels import (
     Labels,
     LabelType,
@@ -421,10 +422,15 @@ def main(args: Args) -> dict:
             local_indices = permutation[start : start + args.batch_size][rank::world]
             seen.append(local_indices)
             step_rewards = []
-            label = train_labels.label[local_indices].to(accelerator.device)  # (b,)
-            for micro_indices, micro_label in zip(local_indices.split(micro_batch_size), label.split(micro_batch_size)):
-                query = train_labels.query[micro_indices].to(accelerator.device)
-                samples = train_labels.samples[micro_indices].to(accelerator.device)
+            # the step's rows, copied at its start through pinned memory: a copy between micro-batches from pageable
+            # memory would wait for the previous micro-batch's kernels
+            label, queries, all_samples = (
+                to_device(rows[local_indices], accelerator.device)
+                for rows in (train_labels.label, train_labels.query, train_labels.samples)
+            )  # (b,), (b, Lq), (b, S, L)
+            for query, samples, micro_label in zip(
+                queries.split(micro_batch_size), all_samples.split(micro_batch_size), label.split(micro_batch_size)
+            ):
                 # queries of label files start with a real token (checked on loading): no check, no host sync
                 rewards = score_label_rows(reward_model, query, samples, pad_id, check_first_token=False)  # (b, S)
                 loss = label_loss(label_type, rewards, micro_label)["loss"]

@@ -506,13 +506,22 @@ def _compiled_step(device: torch.device) -> Callable:
     return _compiled_steps[backend]
 
 
+def _static_cache(config, max_cache_len: int, device: torch.device) -> StaticCache:
+    """A StaticCache whose layers' position counters are on `device` already: transformers makes each on the host and
+    moves it at the layer's first update, a host-to-device copy that waits for the queued kernels (once per layer)."""
+    cache = StaticCache(config=config, max_cache_len=max_cache_len)
+    for layer in cache.layers:
+        layer.cumulative_length = torch.zeros((), dtype=layer.cumulative_length.dtype, device=device)
+    return cache
+
+
 def _reused_cache(policy: PolicyWithValueHead, batch_size: int, total_length: int, device: torch.device) -> StaticCache:
     """The policy's StaticCache for this shape, emptied: a compiled step keeps the same cache tensors across calls."""
     key = (batch_size, total_length, str(device))
     caches = policy.__dict__.setdefault("_decode_caches", {})
     if key not in caches:
         caches.clear()
-        caches[key] = StaticCache(config=policy.lm.config, max_cache_len=total_length)
+        caches[key] = _static_cache(policy.lm.config, total_length, device)
     caches[key].reset()
     return caches[key]
 
@@ -557,7 +566,7 @@ def sample(
     if compile:
         cache, step = _reused_cache(policy, batch_size, total_length, device), _compiled_step(device)
     else:
-        cache, step = StaticCache(config=lm.config, max_cache_len=total_length), _decode_step
+        cache, step = _static_cache(lm.config, total_length, device), _decode_step
     # first token from the context's last position (after PAD replacement: the last real token), then
     # response_length-1 KV-cached steps; no stop at EOS, so every response has exactly L tokens
     # https://github.com/openai/lm-human-preferences/blob/cbfd210bb8b08f6bc5c26878c10984b90f516c66/lm_human_preferences/language/sample.py#L26-L31
