@@ -232,6 +232,44 @@ def test_every_script_that_trains_or_samples_takes_tf32_and_shows_it(
     assert torch.backends.cuda.matmul.fp32_precision == "tf32"
 
 
+@pytest.fixture
+def legacy_tf32():
+    """Restores torch's TF32 settings, the legacy flag included, after the test."""
+    saved = torch.backends.cuda.matmul.fp32_precision, torch.backends.cudnn.conv.fp32_precision
+    generic = torch.backends.fp32_precision
+    yield
+    torch.set_float32_matmul_precision("highest")  # the legacy setting back off, so both APIs agree again
+    torch.backends.fp32_precision = generic
+    torch.backends.cuda.matmul.fp32_precision, torch.backends.cudnn.conv.fp32_precision = saved
+
+
+def accelerate_dynamo_tf32() -> None:
+    """What accelerate's AcceleratorState does on a GPU for a config with a dynamo_backend and no mixed precision
+    (accelerate/state.py; skipped on CPU, so done here)."""
+    torch.backends.cuda.matmul.allow_tf32 = True
+
+
+@pytest.mark.parametrize(
+    "set_tf32",
+    [
+        accelerate_dynamo_tf32,
+        lambda: torch.set_float32_matmul_precision("high"),
+        lambda: setattr(torch.backends, "fp32_precision", "tf32"),
+    ],
+    ids=["accelerate-dynamo", "matmul-precision-high", "generic-precision"],
+)
+def test_tf32_turned_on_outside_the_flag_stops_the_run_and_the_flag_shows_what_torch_does(
+    set_tf32, tmp_path, tiny_model_dir, capsys, legacy_tf32
+):
+    module, flags = dry_run_flags("train_reward", tmp_path, tiny_model_dir)
+    set_tf32()
+    with pytest.raises(ValueError, match=r"run in TF32 .* although --tf32 is not given.*dynamo_backend"):
+        module.main(module.parse(flags))
+    assert "off (full float32" not in capsys.readouterr().out  # never said
+    module.main(module.parse([*flags, "--tf32"]))
+    assert re.search(r"TF32\s+│ on \(matmuls in TF32", capsys.readouterr().out)
+
+
 # ---------------------------------------------------------------- saves that do not block training
 
 
