@@ -214,6 +214,11 @@ class Args:
     tf32: bool = False
     """run float32 matmuls on TF32 tensor cores (NVIDIA Ampere or newer: A100, H100): GEMMs ~5-7x faster, with
     relative errors up to ~1e-3 (docs/gpu.md); off: full float32, as OAI trained"""
+    deterministic: bool = False
+    """use torch's deterministic algorithms (CUBLAS_WORKSPACE_CONFIG=:4096:8, no cuDNN benchmarking): on the same GPU
+    model and software, a killed and resumed run equals the uninterrupted one bit for bit (docs/reliability.md), with
+    somewhat slower kernels; an operator without a deterministic kernel stops the run; CPU runs are deterministic
+    anyway"""
     compile_sampler: bool = False
     """run each decoding step of the rollouts as one torch.compile'd graph (a CUDA graph on GPUs), the same samples
     from the same seed: less Python and kernel-launch time per token, a compile at the first update; off: eager
@@ -651,6 +656,7 @@ def main(args: Args) -> list[dict[str, float]]:
     cli.quiet_transformers()
     accelerator = core.make_accelerator(args.dist_timeout)
     tf32 = core.use_tf32(args.tf32)
+    core.use_deterministic(args.deterministic)
     device, ppo, task = accelerator.device, args.ppo, args.task
     sizes = derive_sizes(args, validation.dry_run_world(args, accelerator.num_processes))
     console = cli.make_console()

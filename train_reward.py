@@ -23,6 +23,7 @@ from lm_human_preference_details.core import (
     exact_div,
     make_accelerator,
     set_seed,
+    use_deterministic,
     use_tf32,
 )
 from lm_human_preference_details.data import QueryStream, load_texts
@@ -122,6 +123,11 @@ class Args:
     tf32: bool = False
     """run float32 matmuls on TF32 tensor cores (NVIDIA Ampere or newer: A100, H100): GEMMs ~5-7x faster, with
     relative errors up to ~1e-3 (docs/gpu.md); off: full float32, as OAI trained"""
+    deterministic: bool = False
+    """use torch's deterministic algorithms (CUBLAS_WORKSPACE_CONFIG=:4096:8, no cuDNN benchmarking): on the same GPU
+    model and software, a killed and resumed run equals the uninterrupted one bit for bit (docs/reliability.md), with
+    somewhat slower kernels; an operator without a deterministic kernel stops the run; CPU runs are deterministic
+    anyway"""
     eval_interval: int = 0
     """evaluate held-out accuracy every this many steps (0: only before and after training)"""
     output_dir: str = "models/reward"
@@ -311,6 +317,7 @@ def main(args: Args) -> dict:
     cli.quiet_transformers()
     accelerator = make_accelerator(args.dist_timeout)
     tf32 = use_tf32(args.tf32)
+    use_deterministic(args.deterministic)
     world, rank = validation.dry_run_world(args, accelerator.num_processes), accelerator.process_index
     validation.check_reward_sizes(args, world)  # errors that name the flag to change
     local_batch_size = exact_div(args.batch_size, world, "batch_size (labels per step) over processes")

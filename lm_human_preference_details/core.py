@@ -87,6 +87,28 @@ def use_tf32(enabled: bool) -> str:
     return "on (matmuls in TF32: relative errors up to ~1e-3)" if tf32_matmuls() else "off (full float32, as OAI)"
 
 
+CUBLAS_DETERMINISTIC = (":4096:8", ":16:8")
+"""CUBLAS_WORKSPACE_CONFIG values under which cuBLAS is deterministic (its workspace is not shared between streams)"""
+
+
+def use_deterministic(enabled: bool) -> None:
+    """--deterministic: torch's deterministic algorithms (an operator without one raises), a deterministic cuBLAS
+    workspace (set before the first cuBLAS call, i.e. before the models run) and no cuDNN benchmarking; off: torch's
+    settings are left as they are."""
+    if enabled:
+        if os.environ.get("CUBLAS_WORKSPACE_CONFIG") not in CUBLAS_DETERMINISTIC:
+            os.environ["CUBLAS_WORKSPACE_CONFIG"] = CUBLAS_DETERMINISTIC[0]
+        torch.use_deterministic_algorithms(True)
+        torch.backends.cudnn.benchmark = False
+
+
+def describe_deterministic() -> str:
+    """The start-up table's entry for --deterministic: whether torch will use deterministic algorithms."""
+    if torch.are_deterministic_algorithms_enabled():
+        return "on (deterministic GPU kernels: a resumed run equals the uninterrupted one on the same GPU model)"
+    return "off (GPU kernels may sum in another order from run to run: close, not bit for bit)"
+
+
 def exact_div(a: int, b: int, what: str) -> int:
     """a // b, raising ValueError when b does not divide a (OAI derives every per-rank size this way)."""
     # https://github.com/openai/lm-human-preferences/blob/cbfd210bb8b08f6bc5c26878c10984b90f516c66/lm_human_preferences/utils/core.py#L116-L124

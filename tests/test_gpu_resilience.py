@@ -3,6 +3,7 @@ decides whether and from where a run resumes, and a process that cannot see that
 --tf32 in every script that trains or samples; checkpoints written in the background."""
 
 import copy
+import dataclasses
 import io
 import json
 import os
@@ -268,6 +269,30 @@ def test_tf32_turned_on_outside_the_flag_stops_the_run_and_the_flag_shows_what_t
     assert "off (full float32" not in capsys.readouterr().out  # never said
     module.main(module.parse([*flags, "--tf32"]))
     assert re.search(r"TF32\s+│ on \(matmuls in TF32", capsys.readouterr().out)
+
+
+# ---------------------------------------------------------------- --deterministic
+
+
+@pytest.mark.parametrize("script", ["train_policy", "train_reward"])
+def test_deterministic_turns_on_torchs_deterministic_algorithms_and_shows_it(
+    script, tmp_path, tiny_model_dir, capsys, monkeypatch
+):
+    module, flags = dry_run_flags(script, tmp_path, tiny_model_dir)
+    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":0:0")  # a setting under which cuBLAS is not deterministic
+    monkeypatch.setattr(torch.backends.cudnn, "benchmark", True)
+    module.main(module.parse(flags))
+    assert re.search(r"deterministic\s+│ off", capsys.readouterr().out)
+    assert not torch.are_deterministic_algorithms_enabled()  # the default leaves torch as it is
+    try:
+        args = module.parse([*flags, "--deterministic"])
+        module.main(args)
+        assert torch.are_deterministic_algorithms_enabled() and not torch.backends.cudnn.benchmark
+        assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8"
+    finally:
+        torch.use_deterministic_algorithms(False)
+    assert re.search(r"deterministic\s+│ on \(deterministic GPU kernels", capsys.readouterr().out)
+    assert dataclasses.asdict(args)["deterministic"] is True  # in args.json and the checkpoints' settings
 
 
 # ---------------------------------------------------------------- saves that do not block training
