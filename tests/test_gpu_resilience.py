@@ -274,7 +274,7 @@ def test_tf32_turned_on_outside_the_flag_stops_the_run_and_the_flag_shows_what_t
 # ---------------------------------------------------------------- --deterministic
 
 
-@pytest.mark.parametrize("script", ["train_policy", "train_reward"])
+@pytest.mark.parametrize("script", ["train_policy", "train_reward", "label_generation", "evaluate"])
 def test_deterministic_turns_on_torchs_deterministic_algorithms_and_shows_it(
     script, tmp_path, tiny_model_dir, capsys, monkeypatch
 ):
@@ -292,7 +292,7 @@ def test_deterministic_turns_on_torchs_deterministic_algorithms_and_shows_it(
     finally:
         torch.use_deterministic_algorithms(False)
     assert re.search(r"deterministic\s+│ on \(deterministic GPU kernels", capsys.readouterr().out)
-    assert dataclasses.asdict(args)["deterministic"] is True  # in args.json and the checkpoints' settings
+    assert dataclasses.asdict(args)["deterministic"] is True  # in args.json and the training checkpoints' settings
 
 
 # ---------------------------------------------------------------- saves that do not block training
