@@ -107,6 +107,10 @@ class Args:
     tf32: bool = False
     """run float32 matmuls on TF32 tensor cores (NVIDIA Ampere or newer: A100, H100): GEMMs ~5-7x faster, with
     relative errors up to ~1e-3 (docs/gpu.md); off: full float32, as OAI trained"""
+    deterministic: bool = False
+    """use torch's deterministic algorithms (CUBLAS_WORKSPACE_CONFIG=:4096:8, no cuDNN benchmarking): the same samples
+    and scores from the same seed on the same GPU model and software; an operator without a deterministic kernel
+    stops the run; CPU runs are deterministic anyway"""
     dry_run: bool = False
     """print the settings, check that every directory exists, and exit"""
     task_id: tyro.conf.Suppress[str] = "sentiment"
@@ -206,6 +210,7 @@ def main(args: Args) -> dict:
     skip = query_offset(args, known_runs)
     normalization = run_normalization(args.reward_model, runs)
     tf32 = core.use_tf32(args.tf32)
+    core.use_deterministic(args.deterministic)
     cli.print_table(
         console,
         "evaluation (evaluate.py)",
@@ -219,6 +224,7 @@ def main(args: Args) -> dict:
             "gold judge": args.gold or "-",
             "queries": f"{args.num_queries} of {args.task.query_dataset} ({args.split}), from query {skip}",
             "TF32": tf32,
+            "deterministic": core.describe_deterministic(),
             "output dir": output_dir,
         },
     )

@@ -134,6 +134,10 @@ class Sample:
     tf32: bool = False
     """run float32 matmuls on TF32 tensor cores (NVIDIA Ampere or newer: A100, H100): GEMMs ~5-7x faster, with
     relative errors up to ~1e-3 (docs/gpu.md); off: full float32, as OAI trained"""
+    deterministic: bool = False
+    """use torch's deterministic algorithms (CUBLAS_WORKSPACE_CONFIG=:4096:8, no cuDNN benchmarking): the same samples
+    and scores from the same seed on the same GPU model and software; an operator without a deterministic kernel
+    stops the run; CPU runs are deterministic anyway"""
     task_id: tyro.conf.Suppress[str] = DEFAULT_TASK
     """name of the --task preset the task settings started from (recorded in the metadata)"""
     task: TaskHParams = field(default_factory=lambda: dataclasses.replace(TASKS[DEFAULT_TASK]))
@@ -435,6 +439,7 @@ def generate(args: Generate) -> dict:
     validation.check_generate_args(args)
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     tf32 = core.use_tf32(args.tf32)
+    core.use_deterministic(args.deterministic)
     console = cli.make_console()
 
     # 1. tokenizer (and the truncation token's id in it), labeler (fails fast on a bad spec), resume state, model,
@@ -476,6 +481,7 @@ def generate(args: Generate) -> dict:
                 "task": args.task_id,
                 "rows": f"{args.num_queries} x {label_type.name}",
                 "TF32": tf32,
+                "deterministic": core.describe_deterministic(),
                 "output": args.output,
                 "exists": os.path.exists(args.output),
             },
@@ -812,6 +818,7 @@ def sample_candidates(args: Sample) -> dict:
         )
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     core.use_tf32(args.tf32)
+    core.use_deterministic(args.deterministic)
     console = cli.make_console()
     tokenizer = load_tokenizer(args.base_model)
     args = dataclasses.replace(args, task=resolve_truncation(args.task, tokenizer))  # the truncation token's id

@@ -24,6 +24,7 @@ from accelerate import Accelerator
 
 from lm_human_preference_details import checkpoint, cli, core, lora, validation
 from lm_human_preference_details.data import QueryStream, load_texts
+from lm_human_preference_details.host_syncs import to_device
 from lm_human_preference_details.hub import HubUnavailableError, hub_reachable
 from lm_human_preference_details.kernels import logprobs_and_entropy_from_logits, logprobs_from_logits
 from lm_human_preference_details.labelers import load_labeler
@@ -213,6 +214,11 @@ class Args:
     tf32: bool = False
     """run float32 matmuls on TF32 tensor cores (NVIDIA Ampere or newer: A100, H100): GEMMs ~5-7x faster, with
     relative errors up to ~1e-3 (docs/gpu.md); off: full float32, as OAI trained"""
+    deterministic: bool = False
+    """use torch's deterministic algorithms (CUBLAS_WORKSPACE_CONFIG=:4096:8, no cuDNN benchmarking): on the same GPU
+    model and software, a killed and resumed run equals the uninterrupted one bit for bit (docs/reliability.md), with
+    somewhat slower kernels; an operator without a deterministic kernel stops the run; CPU runs are deterministic
+    anyway"""
     compile_sampler: bool = False
     """replay each decoding step of the rollouts as one CUDA graph, captured at the first update (GPUs; on CPU the
     same step runs eagerly), the same samples from the same seed: less Python and kernel-launch time per token; off:
@@ -650,6 +656,7 @@ def main(args: Args) -> list[dict[str, float]]:
     cli.quiet_transformers()
     accelerator = core.make_accelerator(args.dist_timeout)
     tf32 = core.use_tf32(args.tf32)
+    core.use_deterministic(args.deterministic)
     device, ppo, task = accelerator.device, args.ppo, args.task
     sizes = derive_sizes(args, validation.dry_run_world(args, accelerator.num_processes))
     console = cli.make_console()
@@ -750,14 +757,14 @@ def main(args: Args) -> list[dict[str, float]]:
         for update in range(first_update, sizes.nupdates):
             timer = PhaseTimer(device)
             timer.mark()
-            # for step 5: each virtual rank's fresh permutation for each PPO epoch (spec P12, D4), drawn now, while
-            # the GPU is idle, so that the host-to-device copy does not wait for queued kernels
+            # for step 5: each virtual rank's fresh permutation for each PPO epoch (spec P12, D4); host-to-device
+            # copies go through pinned memory, so none waits for the kernels queued before it
             indices = minibatch_indices(order_rngs, sizes.group, ppo.nminibatches, ppo.noptepochs)
-            indices = torch.from_numpy(indices).to(device)  # (noptepochs, nminibatches, minibatch)
+            indices = to_device(torch.from_numpy(indices), device)  # (noptepochs, nminibatches, minibatch)
             with torch.no_grad():
                 # 2. rollout: responses, with logprobs and values from the sampling pass itself (spec P13); rows
                 # grouped by virtual rank, each holding the queries of the OAI rank it stands for (spec D3, D4)
-                queries = query_stream.next_batch(sizes.batch, sizes.virtual_ranks).to(device)  # (B, Lq)
+                queries = to_device(query_stream.next_batch(sizes.batch, sizes.virtual_ranks), device)  # (B, Lq)
                 contexts = format_contexts(queries, prefix, suffix)  # (B, C): prefix + query + suffix (spec G4)
                 context_length = contexts.shape[1]
                 # QueryStream's queries start with a real token, so the sampler and the reward model skip that check

@@ -23,9 +23,11 @@ from lm_human_preference_details.core import (
     exact_div,
     make_accelerator,
     set_seed,
+    use_deterministic,
     use_tf32,
 )
 from lm_human_preference_details.data import QueryStream, load_texts
+from lm_human_preference_details.host_syncs import to_device
 from lm_human_preference_details.labels import (
     Labels,
     LabelType,
@@ -121,6 +123,11 @@ class Args:
     tf32: bool = False
     """run float32 matmuls on TF32 tensor cores (NVIDIA Ampere or newer: A100, H100): GEMMs ~5-7x faster, with
     relative errors up to ~1e-3 (docs/gpu.md); off: full float32, as OAI trained"""
+    deterministic: bool = False
+    """use torch's deterministic algorithms (CUBLAS_WORKSPACE_CONFIG=:4096:8, no cuDNN benchmarking): on the same GPU
+    model and software, a killed and resumed run equals the uninterrupted one bit for bit (docs/reliability.md), with
+    somewhat slower kernels; an operator without a deterministic kernel stops the run; CPU runs are deterministic
+    anyway"""
     eval_interval: int = 0
     """evaluate held-out accuracy every this many steps (0: only before and after training)"""
     output_dir: str = "models/reward"
@@ -310,6 +317,7 @@ def main(args: Args) -> dict:
     cli.quiet_transformers()
     accelerator = make_accelerator(args.dist_timeout)
     tf32 = use_tf32(args.tf32)
+    use_deterministic(args.deterministic)
     world, rank = validation.dry_run_world(args, accelerator.num_processes), accelerator.process_index
     validation.check_reward_sizes(args, world)  # errors that name the flag to change
     local_batch_size = exact_div(args.batch_size, world, "batch_size (labels per step) over processes")
@@ -421,10 +429,15 @@ def main(args: Args) -> dict:
             local_indices = permutation[start : start + args.batch_size][rank::world]
             seen.append(local_indices)
             step_rewards = []
-            label = train_labels.label[local_indices].to(accelerator.device)  # (b,)
-            for micro_indices, micro_label in zip(local_indices.split(micro_batch_size), label.split(micro_batch_size)):
-                query = train_labels.query[micro_indices].to(accelerator.device)
-                samples = train_labels.samples[micro_indices].to(accelerator.device)
+            # the step's rows, copied at its start through pinned memory: a copy between micro-batches from pageable
+            # memory would wait for the previous micro-batch's kernels
+            label, queries, all_samples = (
+                to_device(rows[local_indices], accelerator.device)
+                for rows in (train_labels.label, train_labels.query, train_labels.samples)
+            )  # (b,), (b, Lq), (b, S, L)
+            for query, samples, micro_label in zip(
+                queries.split(micro_batch_size), all_samples.split(micro_batch_size), label.split(micro_batch_size)
+            ):
                 # queries of label files start with a real token (checked on loading): no check, no host sync
                 rewards = score_label_rows(reward_model, query, samples, pad_id, check_first_token=False)  # (b, S)
                 loss = label_loss(label_type, rewards, micro_label)["loss"]

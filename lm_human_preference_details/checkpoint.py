@@ -28,6 +28,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from accelerate.utils import broadcast_object_list
+from torch.overrides import TorchFunctionMode
 
 STATE_DIR = "training_state"
 """subdirectory of OUTPUT_DIR that holds the training-state checkpoints"""
@@ -237,6 +238,30 @@ def to_host(obj: Any) -> Any:
     return obj
 
 
+def _host_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """An empty host tensor of `tensor`'s shape and dtype, pinned when CUDA is there (faster copies from the GPU)."""
+    return torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu", pin_memory=torch.cuda.is_available())
+
+
+class _NoTensorCopies(TorchFunctionMode):
+    """Inside `copy.deepcopy`: a tensor not in the memo becomes an empty meta tensor of its shape (no memory)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func is torch.Tensor.__deepcopy__:
+            return torch.empty(args[0].shape, dtype=args[0].dtype, device="meta")
+        return func(*args, **(kwargs or {}))
+
+
+def _host_twin(module: torch.nn.Module) -> torch.nn.Module:
+    """A deep copy of `module` whose parameters and buffers are empty host tensors (ties kept, no gradients) and whose
+    other tensors, wherever the module keeps them, are empty meta tensors."""
+    memo: dict[int, Any] = {id(t): _host_tensor(t) for t in module.buffers()}
+    for p in module.parameters():
+        memo[id(p)] = torch.nn.Parameter(_host_tensor(p), False)
+    with _NoTensorCopies():
+        return copy.deepcopy(module, memo)
+
+
 class BackgroundSaves:
     """The main process's checkpoint writes, on a background thread from copies in host memory, so that training goes
     on while weights and Adam state reach the disk. One write at a time: a new save first waits for the previous
@@ -248,18 +273,21 @@ class BackgroundSaves:
         self._host_modules: dict[int, torch.nn.Module] = {}
 
     def host_copy(self, module: torch.nn.Module) -> torch.nn.Module:
-        """A twin of `module` in host memory holding its current weights (made at the first call, then refilled);
-        call it after `wait`, as the previous write may still read the twin."""
+        """A twin of `module` in host memory holding its current parameters and buffers (made at the first call, then
+        refilled); call it after `wait`, as the previous write may still read the twin.
+
+        The twin holds the parameters and buffers only: a tensor the module keeps beside them (the sampler's KV cache
+        in its `__dict__`, say) becomes an empty meta tensor in the twin, never a second copy on its device. With
+        CUDA, the twin's tensors are pinned and the copies into them asynchronous, with one wait at the end."""
         twin = self._host_modules.get(id(module))
         if twin is None:
-            # deepcopy with every tensor swapped for an empty host one: no second copy on the GPU, ties kept
-            memo = {id(t): torch.empty(t.shape, dtype=t.dtype, device="cpu") for t in module.buffers()}
-            for p in module.parameters():
-                memo[id(p)] = torch.nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device="cpu"), False)
-            twin = self._host_modules[id(module)] = copy.deepcopy(module, memo)
+            twin = self._host_modules[id(module)] = _host_twin(module)
+        copied = list(zip(twin.state_dict(keep_vars=True).values(), module.state_dict().values()))
         with torch.no_grad():
-            for target, source in zip(twin.state_dict(keep_vars=True).values(), module.state_dict().values()):
-                target.copy_(source)
+            for target, source in copied:
+                target.copy_(source, non_blocking=True)
+        if any(source.is_cuda for _, source in copied):
+            torch.cuda.current_stream().synchronize()  # the copies are in host memory before the write reads them
         return twin
 
     def start(self, write: Callable[[], None]) -> None:

@@ -500,7 +500,7 @@ def _decoding_graph(
     """The policy's captured decoding step for this shape (`decoding_graph`), with its KV cache emptied."""
 
     def make() -> decoding_graph.DecodingGraph:
-        cache = StaticCache(config=policy.lm.config, max_cache_len=total_length)
+        cache = _static_cache(policy.lm.config, total_length, device)
         # by weak reference: the graphs are kept by policy and must not keep it alive
         policy_ref = weakref.ref(policy)
 
@@ -514,6 +514,15 @@ def _decoding_graph(
     graph = decoding_graph.GRAPHS.get(policy, key, make)
     graph.cache.reset()
     return graph
+
+
+def _static_cache(config, max_cache_len: int, device: torch.device) -> StaticCache:
+    """A StaticCache whose layers' position counters are on `device` already: transformers makes each on the host and
+    moves it at the layer's first update, a host-to-device copy that waits for the queued kernels (once per layer)."""
+    cache = StaticCache(config=config, max_cache_len=max_cache_len)
+    for layer in cache.layers:
+        layer.cumulative_length = torch.zeros((), dtype=layer.cumulative_length.dtype, device=device)
+    return cache
 
 
 @torch.no_grad()
@@ -558,7 +567,7 @@ def sample(
         graph = _decoding_graph(policy, batch_size, total_length, pad_id, temperature, device)
         cache = graph.cache
     else:
-        cache = StaticCache(config=lm.config, max_cache_len=total_length)
+        cache = _static_cache(lm.config, total_length, device)
     # first token from the context's last position (after PAD replacement: the last real token), then
     # response_length-1 KV-cached steps; no stop at EOS, so every response has exactly L tokens
     # https://github.com/openai/lm-human-preferences/blob/cbfd210bb8b08f6bc5c26878c10984b90f516c66/lm_human_preferences/language/sample.py#L26-L31

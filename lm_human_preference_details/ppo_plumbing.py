@@ -50,6 +50,7 @@ def print_setup(console, args: Any, sizes: Any, tf32: Any, task_changes: list[st
             "reward model": args.rewards.trained_model,
             **({"LoRA": lora.describe(args.lora)} if args.lora.rank else {}),
             "TF32": tf32,
+            "deterministic": core.describe_deterministic(),
             **({"task from the reward model": "; ".join(task_changes)} if task_changes else {}),
             "output dir": args.output_dir,
         },

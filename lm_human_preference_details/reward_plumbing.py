@@ -9,7 +9,7 @@ from accelerate import Accelerator
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
 from lm_human_preference_details import checkpoint, cli, validation
-from lm_human_preference_details.core import Tracker, ceil_div, run_name, save_args
+from lm_human_preference_details.core import Tracker, ceil_div, describe_deterministic, run_name, save_args
 from lm_human_preference_details.data import QueryStream, load_texts
 from lm_human_preference_details.labels import (
     Labels,
@@ -49,6 +49,7 @@ def print_setup(
             else "0 (normalization skipped)",
             "label file": args.label_dataset,
             "TF32": tf32,
+            "deterministic": describe_deterministic(),
             "output dir": args.output_dir,
         },
     )

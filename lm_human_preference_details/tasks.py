@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import torch
 from transformers import PreTrainedTokenizerBase
 
+from lm_human_preference_details.host_syncs import to_device
 from lm_human_preference_details.tokenizer import added_bos_id
 
 
@@ -212,8 +213,9 @@ def format_contexts(queries: torch.Tensor, prefix: list[int], suffix: list[int])
     if queries.dim() != 2:
         raise ValueError(f"queries must be a (batch, query_length) tensor, got shape {tuple(queries.shape)}.")
     batch = queries.shape[0]
-    pre = torch.tensor(prefix, dtype=queries.dtype, device=queries.device).expand(batch, -1)  # (B, P)
-    suf = torch.tensor(suffix, dtype=queries.dtype, device=queries.device).expand(batch, -1)  # (B, S)
+    # through pinned memory: `torch.tensor(..., device=cuda)` copies from pageable memory, which waits for the GPU
+    pre = to_device(torch.tensor(prefix, dtype=queries.dtype), queries.device).expand(batch, -1)  # (B, P)
+    suf = to_device(torch.tensor(suffix, dtype=queries.dtype), queries.device).expand(batch, -1)  # (B, S)
     return torch.cat([pre, queries, suf], dim=1)  # (B, P + Lq + S)
 
 

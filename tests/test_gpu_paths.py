@@ -14,7 +14,7 @@ from torch.utils._pytree import tree_leaves
 import train_policy
 import train_reward
 from lm_human_preference_details import core, decoding_graph
-from lm_human_preference_details.host_syncs import HostSyncCounter
+from lm_human_preference_details.host_syncs import HostSyncCounter, to_device
 from lm_human_preference_details.modeling import (
     PolicyWithValueHead,
     reduce_training_memory,
@@ -62,6 +62,33 @@ def test_counter_ignores_device_work_and_values_already_on_the_host():
     assert syncs.count == 1 and syncs.events[0].startswith("cpu"), syncs.events
 
 
+def test_counter_counts_host_to_device_copies_that_wait_for_the_device():
+    device = torch.device("cpu")  # the run's device: on a CPU run the counter follows which tensors are host memory
+    on_device = torch.zeros(6)  # made before the counted block: a device tensor
+    with HostSyncCounter() as syncs:
+        host = torch.tensor([1.0, 2.0])  # a factory without a device: pageable host memory
+        (host * 2).to(device)  # computed from host memory alone
+        on_device[:2] = host  # an indexed assignment of host memory
+        torch.from_numpy(np.ones(6, dtype=np.float32)).to(device)
+        on_device.copy_(torch.zeros(6))
+        host.to(device)  # on a CPU run the same tensor comes back, now taken for a device tensor
+        assert syncs.count == 5, syncs.events
+        to_device(torch.ones(2), device)  # pinned on CUDA and asynchronous: no wait
+        made_there = torch.zeros(3, device=device)
+        made_there.to(device), on_device.to(device), host.to(device)  # on the device already
+        torch.ones(2).to(torch.float64), torch.ones(2).to("cpu", copy=True)  # a dtype change; a copy to the host
+    assert syncs.count == 5 and all("host-to-device" in e for e in syncs.events), syncs.events
+
+
+def test_sampling_copies_nothing_from_the_host():
+    policy = PolicyWithValueHead(tiny_gpt2())
+    contexts = torch.tensor([[23073, 11, PAD, 13], [7091, 1807, 546, 340]])
+    with HostSyncCounter() as syncs:
+        sample(policy, contexts, 4, 0.7, PAD, torch.Generator().manual_seed(0), check_first_token=False)
+    # measured: one copy per layer before (transformers' StaticCache made each layer's position counter on the host)
+    assert syncs.count == 0, syncs.events
+
+
 # ---------------------------------------------------------------- host syncs per update of the real scripts
 
 
@@ -90,7 +117,8 @@ def test_ppo_update_stays_within_the_host_sync_budget(monkeypatch, tmp_path, tin
     # marked after each update's sample table
     per_update = syncs_between_calls(monkeypatch, PassRateAlarm, "update", lambda: train_policy.main(args))
     # measured: 14 per update before the 4-D masks (12 attention-mask tests, 1 in the prefill, 1 statistics copy),
-    # now 1, the statistics copy (also without the flags)
+    # then 1, the statistics copy (also without the flags); counting host-to-device copies from pageable memory: 5
+    # (the minibatch order, the queries, the sampler's cache set-up in each of the 2 layers), now 1 again
     assert len(per_update) == 1 and per_update[0] <= HOST_SYNC_BUDGET, per_update
 
 
@@ -120,7 +148,8 @@ def test_reward_step_stays_within_the_host_sync_budget(monkeypatch, tmp_path, ti
     # logged: the held-out evaluation, steps 0, 1 and 2, the evaluation after training
     per_step = syncs_between_calls(monkeypatch, core.Tracker, "log", lambda: train_reward.main(args))[1:-1]
     # measured: 3 per step before (the attention-mask test, 2 when a row holds a PAD; the leading-PAD check; both per
-    # micro-batch; the statistics copy), now 1: the statistics copy
+    # micro-batch; the statistics copy), then 1: the statistics copy; counting host-to-device copies from pageable
+    # memory: 4 (the labels, then queries and samples in each micro-batch), now 1 again
     assert len(per_step) == 2 and max(per_step) <= HOST_SYNC_BUDGET, per_step
 
 

@@ -2,6 +2,9 @@
 decides whether and from where a run resumes, and a process that cannot see that checkpoint stops them all;
 --tf32 in every script that trains or samples; checkpoints written in the background."""
 
+import copy
+import dataclasses
+import io
 import json
 import os
 import re
@@ -230,6 +233,68 @@ def test_every_script_that_trains_or_samples_takes_tf32_and_shows_it(
     assert torch.backends.cuda.matmul.fp32_precision == "tf32"
 
 
+@pytest.fixture
+def legacy_tf32():
+    """Restores torch's TF32 settings, the legacy flag included, after the test."""
+    saved = torch.backends.cuda.matmul.fp32_precision, torch.backends.cudnn.conv.fp32_precision
+    generic = torch.backends.fp32_precision
+    yield
+    torch.set_float32_matmul_precision("highest")  # the legacy setting back off, so both APIs agree again
+    torch.backends.fp32_precision = generic
+    torch.backends.cuda.matmul.fp32_precision, torch.backends.cudnn.conv.fp32_precision = saved
+
+
+def accelerate_dynamo_tf32() -> None:
+    """What accelerate's AcceleratorState does on a GPU for a config with a dynamo_backend and no mixed precision
+    (accelerate/state.py; skipped on CPU, so done here)."""
+    torch.backends.cuda.matmul.allow_tf32 = True
+
+
+@pytest.mark.parametrize(
+    "set_tf32",
+    [
+        accelerate_dynamo_tf32,
+        lambda: torch.set_float32_matmul_precision("high"),
+        lambda: setattr(torch.backends, "fp32_precision", "tf32"),
+    ],
+    ids=["accelerate-dynamo", "matmul-precision-high", "generic-precision"],
+)
+def test_tf32_turned_on_outside_the_flag_stops_the_run_and_the_flag_shows_what_torch_does(
+    set_tf32, tmp_path, tiny_model_dir, capsys, legacy_tf32
+):
+    module, flags = dry_run_flags("train_reward", tmp_path, tiny_model_dir)
+    set_tf32()
+    with pytest.raises(ValueError, match=r"run in TF32 .* although --tf32 is not given.*dynamo_backend"):
+        module.main(module.parse(flags))
+    assert "off (full float32" not in capsys.readouterr().out  # never said
+    module.main(module.parse([*flags, "--tf32"]))
+    assert re.search(r"TF32\s+│ on \(matmuls in TF32", capsys.readouterr().out)
+
+
+# ---------------------------------------------------------------- --deterministic
+
+
+@pytest.mark.parametrize("script", ["train_policy", "train_reward", "label_generation", "evaluate"])
+def test_deterministic_turns_on_torchs_deterministic_algorithms_and_shows_it(
+    script, tmp_path, tiny_model_dir, capsys, monkeypatch
+):
+    module, flags = dry_run_flags(script, tmp_path, tiny_model_dir)
+    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":0:0")  # a setting under which cuBLAS is not deterministic
+    monkeypatch.setattr(torch.backends.cudnn, "benchmark", True)
+    module.main(module.parse(flags))
+    assert re.search(r"deterministic\s+│ off", capsys.readouterr().out)
+    assert not torch.are_deterministic_algorithms_enabled()  # the default leaves torch as it is
+    try:
+        args = module.parse([*flags, "--deterministic"])
+        module.main(args)
+        assert torch.are_deterministic_algorithms_enabled() and not torch.backends.cudnn.benchmark
+        assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8"
+    finally:
+        torch.use_deterministic_algorithms(False)
+    assert re.search(r"deterministic\s+│ on \(deterministic GPU kernels", capsys.readouterr().out)
+    assert dataclasses.asdict(args)["deterministic"] is True  # in args.json and the training checkpoints' settings
+
+
 # ---------------------------------------------------------------- saves that do not block training
 
 
@@ -284,6 +349,42 @@ def test_a_background_save_writes_the_state_of_its_call_while_training_goes_on(t
     twin = saves.host_copy(model)  # ties kept, no gradients, refilled at each call
     assert twin.lm.lm_head.weight is twin.lm.transformer.wte.weight and twin.value_head.weight.grad is None
     assert torch.equal(twin.lm.lm_head.weight, model.lm.lm_head.weight)
+
+
+def reachable_tensors(root) -> list[torch.Tensor]:
+    """Every tensor reachable from `root` through containers and object attributes (what a deep copy copies)."""
+    seen, stack, found = set(), [root], []
+    while stack:
+        obj = stack.pop()
+        if id(obj) in seen or isinstance(obj, (type, str, bytes, int, float, bool)) or obj is None:
+            continue
+        seen.add(id(obj))
+        if isinstance(obj, torch.Tensor):
+            found.append(obj)
+        elif isinstance(obj, dict):
+            stack.extend([*obj.keys(), *obj.values()])
+        elif isinstance(obj, (list, tuple, set, frozenset)):
+            stack.extend(obj)
+        elif hasattr(obj, "__dict__") and not callable(obj) or isinstance(obj, torch.nn.Module):
+            stack.extend(vars(obj).values())
+    return found
+
+
+def test_the_host_copy_holds_the_state_dict_only_not_what_the_module_keeps_beside_it():
+    model = PolicyWithValueHead(tiny_gpt2())
+    expected = io.BytesIO()
+    torch.save(copy.deepcopy(model).state_dict(), expected)  # what a checkpoint held before
+    # what the compiled sampler keeps in the module's __dict__: a static KV cache on the policy's device (GPU proxy)
+    kv_cache = torch.ones(4, 2, 64, 16)
+    model.__dict__["_decode_caches"] = {"cache": SimpleNamespace(keys=kv_cache)}
+    twin = checkpoint.BackgroundSaves().host_copy(model)
+    stored = [t for t in reachable_tensors(twin) if t.device.type != "meta"]
+    state = {t.untyped_storage().data_ptr() for t in twin.state_dict().values()}
+    assert {t.untyped_storage().data_ptr() for t in stored} <= state | {t.data_ptr() for t in twin.buffers()}
+    assert twin.__dict__["_decode_caches"]["cache"].keys.device.type == "meta"  # its shape, no memory
+    saved = io.BytesIO()
+    torch.save(twin.state_dict(), saved)
+    assert saved.getvalue() == expected.getvalue()  # the checkpoint's bytes are those of before
 
 
 def test_the_next_background_save_waits_for_the_previous_one_and_errors_reach_the_training_thread(tmp_path):

@@ -14,7 +14,7 @@ import torch
 
 import train_policy
 import train_reward
-from lm_human_preference_details import checkpoint, resume_check
+from lm_human_preference_details import checkpoint, core, resume_check
 from lm_human_preference_details.modeling import PolicyWithValueHead, load_reward_model
 from lm_human_preference_details.resume_check import (  # noqa: F401 (imported from here by other test files)
     final_training_state,
@@ -29,6 +29,19 @@ from tests.test_train_policy import save_reward_model
 
 # one intra-op thread, as the scripts get from OMP_NUM_THREADS=1: in-process and subprocess runs add up floats alike
 pytestmark = pytest.mark.usefixtures("single_thread")
+
+DETERMINISTIC = ("--deterministic",) if torch.cuda.is_available() else ()
+"""the runs compared bit for bit need deterministic kernels on a GPU (CPU kernels are deterministic anyway)"""
+# cuBLAS reads its workspace setting at its first call: set it before any test runs a model on a GPU
+os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", core.CUBLAS_DETERMINISTIC[0])
+
+
+@pytest.fixture(autouse=True)
+def determinism_restored():
+    """torch's deterministic-algorithms setting as it was before the test (--deterministic sets it process-wide)."""
+    enabled = torch.are_deterministic_algorithms_enabled()
+    yield
+    torch.use_deterministic_algorithms(enabled)
 
 
 @pytest.fixture(scope="module")
@@ -59,6 +72,7 @@ def policy_flags(model_dir: str, world: dict, output_dir, *extra: str) -> list[s
         *("--task.start_text", "None", "--task.end_text", "None", "--task.truncate_token", "None"),
         *("--task.truncate_after", "0", "--ppo.total_episodes", "32", "--ppo.batch_size", "8", "--ppo.lr", "1e-3"),
         *("--ppo.noptepochs", "2", "--save_interval", "2", "--log_interval", "100", "--print_samples", "1"),
+        *DETERMINISTIC,
         *extra,
         *("--output_dir", str(output_dir)),
     ]
@@ -80,7 +94,7 @@ def reward_flags(model_dir: str, world: dict, output_dir, *extra: str) -> list[s
         *("--base_model", model_dir, "--label_dataset", world["labels"], "--task.query_dataset", world["corpus"]),
         *("--task.query_length", "16", "--task.response_length", "8", "--labels.num_train", "48"),
         *("--batch_size", "8", "--lr", "1e-3", "--rollout_batch_size", "16", "--normalize_samples", "16"),
-        *("--eval_interval", "2", "--save_interval", "2", *extra, "--output_dir", str(output_dir)),
+        *("--eval_interval", "2", "--save_interval", "2", *DETERMINISTIC, *extra, "--output_dir", str(output_dir)),
     ]
 
 
@@ -238,7 +252,7 @@ def test_resume_with_changed_settings_lists_them_and_override_continues(finished
 
 
 def test_checkpoint_older_than_a_setting_resumes_while_the_run_leaves_it_at_its_default(finished_run, tmp_path):
-    # a checkpoint written before --lora.* and --task.truncate_text existed records neither
+    # a checkpoint written before --lora.*, --task.truncate_text and --deterministic existed records none of them
     output_dir, flags = finished_run
     run_dir = tmp_path / "run"
     shutil.copytree(output_dir, run_dir)
@@ -246,7 +260,7 @@ def test_checkpoint_older_than_a_setting_resumes_while_the_run_leaves_it_at_its_
     meta_path = os.path.join(checkpoint.step_dir(str(run_dir), 1), checkpoint.META_FILE)
     with open(meta_path) as f:
         meta = json.load(f)
-    del meta["settings"]["lora"]
+    del meta["settings"]["lora"], meta["settings"]["deterministic"]
     with open(meta_path, "w") as f:
         json.dump(meta, f)
     resume = [*flags[:-2], "--output_dir", str(run_dir), "--resume", "auto"]

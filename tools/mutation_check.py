@@ -610,6 +610,17 @@ BREAKAGES = [
         "stopping or (args.save_interval and (update + 1) % args.save_interval == 0)",
         ["tests/test_train_policy.py::test_main_saves_a_loadable_policy"],
     ),
+    Breakage(
+        "P20-host-twin-copies-the-kv-cache",
+        "P20",
+        "the checkpoint's host twin copies tensors the model keeps beside its weights (the sampler's KV cache)",
+        "lm_human_preference_details/checkpoint.py",
+        'return torch.empty(args[0].shape, dtype=args[0].dtype, device="meta")',
+        "return func(*args, **(kwargs or {}))",
+        [
+            "tests/test_gpu_resilience.py::test_the_host_copy_holds_the_state_dict_only_not_what_the_module_keeps_beside_it"
+        ],
+    ),
     # ---------------------------------------------------------------- O: optimizer
     Breakage(
         "O1-eps",
