@@ -84,9 +84,9 @@ PHASES = ("rollout", "scoring", "optimisation")
 MIN_STEP_S = 20
 """a step that would start with less time left than this is skipped"""
 
-RESUME_FLAGS = {"cuda": ("--tf32", "--bf16", "--compile_sampler"), "cpu": ()}
+RESUME_FLAGS = {"cuda": ("--tf32", "--bf16", "--compile_sampler", "--deterministic"), "cpu": ()}
 """train_policy.py flags of the resume round trip's runs (tiny shape): on a GPU, every flag that changes the
-arithmetic"""
+arithmetic, and --deterministic, without which CUDA's attention backward may sum in another order after the resume"""
 
 RESUME_TOLERANCE = 1e-6
 """largest |difference| of a logged scalar or a final weight between the resumed and the uninterrupted run (the resume
