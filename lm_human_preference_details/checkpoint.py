@@ -534,7 +534,7 @@ def damaged_message(damage: CheckpointDamaged) -> str:
     """One line for a damaged checkpoint that --resume PATH names: the file, and the newest intact one before it."""
     intact = _intact_before(damage.path)
     if intact is None:
-        return f"{damage}; no intact checkpoint precedes it, so the run cannot continue from this directory."
+        return f"{damage}; no checkpoint before it is intact: pass --resume auto to take the newest intact one."
     return (
         f"{damage}; the newest intact checkpoint before it is '{intact}': pass --resume {intact}, or --resume auto, "
         "which moves the damaged one aside."
@@ -568,8 +568,6 @@ def newest_intact_checkpoint(output_dir: str, damage: CheckpointDamaged | None =
     for _, path in reversed(list_checkpoints(output_dir)):
         problem = find_damage(path)
         if problem is None:
-            if found:
-                print(f"resuming from the newest intact checkpoint, '{path}'", flush=True)
             return path
         found.append(problem)
         print(f"warning: {problem}; {set_aside(problem)}", flush=True)
@@ -616,13 +614,16 @@ def _holder(fd: int) -> str:
     return "its process did not say who it is"
 
 
-def lock_output_dir(output_dir: str) -> None:
+def lock_output_dir(output_dir: str) -> bool:
     """Take the advisory lock on OUTPUT_DIR/.lock for this process (held until `release_output_dir_locks` or the
     process ends: the OS releases the lock of a killed process, so a crash never leaves it stuck). ValueError
-    naming the holder when another run holds it; a warning, once, where the filesystem has no file locks."""
+    naming the holder when another run holds it; a warning, once, where the filesystem has no file locks.
+    -> whether this process holds the lock (False without file locks)."""
     key = os.path.realpath(output_dir)
-    if fcntl is None or key in _held_locks:
-        return
+    if key in _held_locks:
+        return True
+    if fcntl is None:
+        return False
     created = None if os.path.isdir(output_dir) else output_dir
     path = os.path.join(output_dir, LOCK_FILE)
     while True:
@@ -647,7 +648,7 @@ def lock_output_dir(output_dir: str) -> None:
             if key not in _unlocked_dirs:
                 _unlocked_dirs.add(key)
                 _warn_no_locks(output_dir, e)
-            return
+            return False
         # a run releasing the lock unlinks the file: holding an unlinked file's lock excludes nobody, so try again
         with contextlib.suppress(OSError):
             if os.fstat(fd).st_ino == os.stat(path).st_ino:
@@ -662,6 +663,7 @@ def lock_output_dir(output_dir: str) -> None:
     os.ftruncate(fd, 0)
     os.pwrite(fd, (json.dumps(record) + "\n").encode("utf-8"), 0)
     _held_locks[key] = _HeldLock(path, fd, created)
+    return True
 
 
 def _warn_no_locks(output_dir: str, error: OSError) -> None:
@@ -821,9 +823,8 @@ def resolve_resume(output_dir: str, resume: str | None, overwrite: bool) -> str 
 
 def claim_output_dir(output_dir: str, resume: str | None, overwrite: bool) -> str | None:
     """Process 0's start in `output_dir`: take its lock (one run at a time), tidy what an interrupted checkpoint write
-    left, then `resolve_resume`."""
-    lock_output_dir(output_dir)
-    if tidied := clean_interrupted_saves(output_dir):
+    left (only under the lock: without one, a live run may be writing it), then `resolve_resume`."""
+    if lock_output_dir(output_dir) and (tidied := clean_interrupted_saves(output_dir)):
         print(tidied, flush=True)
     return resolve_resume(output_dir, resume, overwrite)
 

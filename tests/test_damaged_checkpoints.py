@@ -135,7 +135,7 @@ def test_non_finite_weights_in_a_checkpoint_are_blamed_on_the_file_not_the_learn
     message = str(stop.value)
     assert message.startswith(f"checkpoint '{step1}' is damaged (state.pt: non-finite (NaN or infinite) values in ")
     assert f"policy.{name}" in message and "lr" not in message
-    assert "no intact checkpoint precedes it" in message
+    assert "no checkpoint before it is intact: pass --resume auto" in message
 
 
 def test_a_stale_partial_save_is_removed_at_the_next_start_and_said(finished_run, tmp_path, capsys):  # noqa: F811

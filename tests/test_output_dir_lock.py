@@ -129,7 +129,7 @@ def test_a_filesystem_without_file_locks_warns_once_and_the_run_goes_on(tmp_path
 
     monkeypatch.setattr(checkpoint.fcntl, "flock", no_locks)
     for _ in range(2):
-        checkpoint.lock_output_dir(str(tmp_path / "lustre"))
+        assert not checkpoint.lock_output_dir(str(tmp_path / "lustre"))  # not held: interrupted saves stay untouched
     err = capsys.readouterr().err
     assert err.count("warning:") == 1
     where = tmp_path / "lustre"
