@@ -173,3 +173,17 @@ def test_resume_auto_with_every_checkpoint_damaged_stops_and_keeps_them(finished
     with pytest.raises(ValueError, match=r"--resume auto: every checkpoint in .* is damaged \(step2: state.pt: "):
         train_policy.main(train_policy.parse([*flags, "--resume", "auto"]))
     assert sorted(os.listdir(checkpoint.state_dir(run_dir))) == ["step1.damaged", "step2.damaged"]
+
+
+def test_the_pipeline_continues_a_reward_stage_whose_last_checkpoint_is_damaged(tmp_path):
+    import train_both
+    import train_reward
+
+    out = tmp_path / "reward_model"
+    step = checkpoint.step_dir(str(out), 6)
+    os.makedirs(step)
+    (out / train_both.REWARD_CONFIG_FILE).write_text("{}")
+    with open(os.path.join(step, checkpoint.META_FILE), "w") as f:
+        f.write('{"step": 6, "settings": {"se')  # cut short
+    # not finished: the reward stage runs with --resume auto, which moves the checkpoint aside
+    assert train_both.reward_model_finished(train_reward.parse(["--output_dir", str(out)])) is False
