@@ -131,8 +131,10 @@ def reward_model_finished(args: train_reward.Args) -> bool:
     if os.path.exists(os.path.join(args.output_dir, checkpoint.SAVING_MARKER)):
         return False
     step, path = saved[-1]
-    with open(os.path.join(path, checkpoint.META_FILE), encoding="utf-8") as f:
-        meta = json.load(f)
+    try:
+        meta = checkpoint.read_meta(path)
+    except (checkpoint.CheckpointDamaged, FileNotFoundError):
+        return False  # the reward stage's --resume auto moves it aside and continues from an intact one
     settings = json.loads(
         json.dumps({**dataclasses.asdict(args), "world_size": int(os.environ.get("WORLD_SIZE", "1"))})
     )

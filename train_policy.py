@@ -647,6 +647,7 @@ def add_elapsed_stats(stats: dict[str, float], update: int, args: Args, start_ti
 
 
 # ---------------------------------------------------------------------------------------------------- main
+@checkpoint.one_run_per_output_dir
 def main(args: Args) -> list[dict[str, float]]:
     """Train the policy; returns the logged statistics of every update."""
     # 0. sizes: global as in OAI, split over the processes (spec D1); printed, then checked by --dry_run; seeds

@@ -310,6 +310,7 @@ def nonfinite_stats(
 
 
 # ---------------------------------------------------------------- main
+@checkpoint.one_run_per_output_dir
 def main(args: Args) -> dict:
     """Train and save a reward model; returns the final figures, this process's label indices and the model."""
     # 0. processes, derived sizes (spec D1), printed, then checked by --dry_run; seeds; --resume

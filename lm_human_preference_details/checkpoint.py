@@ -7,6 +7,9 @@ checkpoints whole and never a mixed one. It holds:
 - state.pt: weights, optimizer state and the script's other counters (rank 0; identical on every process);
 - rng_rank{r}.pt: process r's query-stream position and RNG states (Python, NumPy, torch, the CUDA generator of
   process r's own GPU, the sampler's generator, extra NumPy RandomStates).
+checkpoint.json also lists the size and SHA-256 of every other file, so that --resume finds a truncated or altered file
+before it loads it; a damaged checkpoint names itself, and --resume auto moves it aside and takes the newest intact one.
+One run at a time writes an OUTPUT_DIR: process 0 holds an advisory lock on OUTPUT_DIR/.lock for the whole run.
 The final model at the top of OUTPUT_DIR keeps its usual layout; its files are written aside and each moved into place
 by a rename, under a marker file that the project's loaders refuse, so a half-replaced model is never loaded silently.
 """
@@ -14,12 +17,19 @@ by a rename, under a marker file that the project's loaders refuse, so a half-re
 import contextlib
 import copy
 import dataclasses
+import datetime
+import errno
+import functools
+import hashlib
 import json
 import os
 import random
 import re
 import shutil
+import socket
+import sys
 import threading
+import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -29,6 +39,11 @@ import torch
 import torch.distributed as dist
 from accelerate.utils import broadcast_object_list
 from torch.overrides import TorchFunctionMode
+
+try:
+    import fcntl
+except ImportError:  # Windows: no advisory lock on the output directory
+    fcntl = None
 
 STATE_DIR = "training_state"
 """subdirectory of OUTPUT_DIR that holds the training-state checkpoints"""
@@ -57,7 +72,12 @@ RESUME_IGNORED = (
     "task.truncate_text",
 )
 """settings of both scripts that may change on --resume: naming, logging, saving and waiting, not what is computed"""
+LOCK_FILE = ".lock"
+"""in OUTPUT_DIR while a run writes there: process 0 holds an advisory lock on it and records who it is"""
+DAMAGED_SUFFIX = ".damaged"
+"""a damaged checkpoint step{N} is moved aside to step{N}.damaged by --resume auto"""
 _STEP_DIR = re.compile(r"^step(\d+)$")
+_INTERRUPTED_SAVE = re.compile(r"^\.(step\d+)\.(partial|old)$")
 T = TypeVar("T")
 
 
@@ -350,7 +370,7 @@ def save_training_state(
         def write() -> None:
             torch.save(shared, os.path.join(tmp, SHARED_FILE))
             with open(os.path.join(tmp, META_FILE), "w", encoding="utf-8") as f:
-                json.dump(meta, f, indent=2)
+                json.dump({**meta, "files": file_digests(tmp)}, f, indent=2)
             publish_directory(tmp, path)
             prune_checkpoints(output_dir, keep)
             if then is not None:
@@ -365,6 +385,21 @@ def save_training_state(
     return path
 
 
+def _sha256(path: str) -> str:
+    """SHA-256 of a file's bytes, read in 16 MiB blocks (hashlib releases the GIL: training goes on meanwhile)."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(1 << 24):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def file_digests(directory: str) -> dict[str, dict[str, Any]]:
+    """{name: {"bytes", "sha256"}} of every file in a checkpoint directory but checkpoint.json, which records them."""
+    paths = {name: os.path.join(directory, name) for name in sorted(os.listdir(directory)) if name != META_FILE}
+    return {name: {"bytes": os.path.getsize(path), "sha256": _sha256(path)} for name, path in paths.items()}
+
+
 @dataclass
 class Resumed:
     """A checkpoint loaded to continue a run."""
@@ -374,32 +409,356 @@ class Resumed:
     step: int
     """updates (policy) or reward steps done"""
     meta: dict[str, Any]
-    """checkpoint.json: settings, run name, wandb id"""
+    """checkpoint.json: settings, run name, wandb id, the other files' sizes and digests"""
     shared: dict[str, Any]
     """state.pt: weights, optimizer, counters"""
     local: dict[str, Any]
     """this process's rng_rank{r}.pt: query stream and RNG states"""
 
 
-def load_training_state(path: str, rank: int) -> Resumed:
-    """Read checkpoint `path` for process `rank`; FileNotFoundError naming what is missing."""
+class CheckpointDamaged(ValueError):
+    """A checkpoint file that cannot be read whole: truncated, altered since it was saved, unparsable, non-finite."""
+
+    def __init__(self, path: str, name: str, problem: str):
+        self.path, self.name, self.problem = path, name, problem
+        super().__init__(f"checkpoint '{path}' is damaged ({name}: {problem})")
+
+    @property
+    def detail(self) -> str:
+        """`FILE: PROBLEM`."""
+        return f"{self.name}: {self.problem}"
+
+
+def _read_error(error: BaseException) -> str:
+    """What went wrong reading a file, in a few words: the exception's first sentence."""
+    text = str(error).split(". ")[0].strip().rstrip(".") if str(error).strip() else "ends early"
+    return f"unreadable, truncated or not this kind of file ({type(error).__name__}: {text})"
+
+
+def read_meta(path: str) -> dict[str, Any]:
+    """checkpoint.json of checkpoint `path`; CheckpointDamaged when it is not whole JSON with the step in it."""
+    try:
+        with open(os.path.join(path, META_FILE), encoding="utf-8") as f:
+            meta = json.load(f)
+        int(meta["step"])
+    except FileNotFoundError:
+        raise
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        problem = f"not valid JSON ({e})" if isinstance(e, json.JSONDecodeError) else _read_error(e)
+        if isinstance(e, (KeyError, TypeError)):
+            problem = "holds no step"
+        raise CheckpointDamaged(path, META_FILE, problem) from e
+    return meta
+
+
+def _check_digest(path: str, name: str, meta: dict[str, Any], hashed: bool = True) -> None:
+    """CheckpointDamaged when file `name` differs from the size and SHA-256 that checkpoint.json recorded for it
+    (checkpoints written before the record existed pass); with `hashed` False, the size only."""
+    saved = (meta.get("files") or {}).get(name)
+    if saved is None:
+        return
+    file = os.path.join(path, name)
+    if not os.path.isfile(file):
+        raise CheckpointDamaged(path, name, "missing")
+    size = os.path.getsize(file)
+    if size != saved["bytes"]:
+        raise CheckpointDamaged(path, name, f"truncated or overwritten: {size} bytes, {saved['bytes']} were saved")
+    if hashed and _sha256(file) != saved["sha256"]:
+        raise CheckpointDamaged(path, name, "its bytes differ from those saved (SHA-256 mismatch: a flipped bit?)")
+
+
+def _load_torch_file(path: str, name: str, meta: dict[str, Any], hashed: bool) -> Any:
+    """torch.load of file `name` of checkpoint `path`, checked against checkpoint.json's record first;
+    CheckpointDamaged naming the file when it cannot be read whole."""
+    _check_digest(path, name, meta, hashed)
+    try:
+        return torch.load(os.path.join(path, name), map_location="cpu", weights_only=True)
+    except FileNotFoundError:
+        raise CheckpointDamaged(path, name, "missing") from None
+    except Exception as e:  # torch.load raises RuntimeError, EOFError, UnpicklingError, OSError ... on a damaged file
+        raise CheckpointDamaged(path, name, _read_error(e)) from e
+
+
+def _nonfinite_names(state: Any, prefix: str = "") -> list[str]:
+    """Dotted names of the floating-point tensors in nested dicts/lists that hold a NaN or an infinity."""
+    if isinstance(state, torch.Tensor):
+        # one sum per tensor first (cheap), then the exact test on the few whose sum is not finite
+        suspect = state.is_floating_point() and not torch.isfinite(state.sum())
+        return [prefix.rstrip(".")] if suspect and not torch.isfinite(state).all() else []
+    items = state.items() if isinstance(state, dict) else enumerate(state) if isinstance(state, (list, tuple)) else []
+    return [name for key, value in items for name in _nonfinite_names(value, f"{prefix}{key}.")]
+
+
+def _check_finite_state(path: str, shared: dict[str, Any]) -> None:
+    """CheckpointDamaged when state.pt holds non-finite weights or optimizer moments: a run stops before it saves
+    such a state, so they come from the file (a bit flipped on disk or in memory), not from training."""
+    bad = _nonfinite_names(shared)
+    if bad:
+        raise CheckpointDamaged(
+            path, SHARED_FILE, f"non-finite (NaN or infinite) values in {bad[:3]}, which training never saves"
+        )
+
+
+def load_training_state(path: str, rank: int, hashed: bool = True) -> Resumed:
+    """Read checkpoint `path` for process `rank`: FileNotFoundError when it is not a checkpoint or lacks this
+    process's file; CheckpointDamaged naming the file that is truncated, altered, unparsable or non-finite (with
+    `hashed` False, files are checked against the recorded sizes only: the main process verified the digests)."""
     meta_path = os.path.join(path, META_FILE)
     if not os.path.isfile(meta_path):
         raise FileNotFoundError(
             f"--resume '{path}' is not a checkpoint ('{META_FILE}' is missing); pass a directory of "
             f"OUTPUT_DIR/{STATE_DIR}/ or --resume auto."
         )
-    with open(meta_path, encoding="utf-8") as f:
-        meta = json.load(f)
-    rank_path = os.path.join(path, RANK_FILE.format(rank=rank))
-    if not os.path.isfile(rank_path):
+    meta = read_meta(path)
+    rank_name = RANK_FILE.format(rank=rank)
+    if not os.path.isfile(os.path.join(path, rank_name)) and rank_name not in meta.get("files", {}):
         raise FileNotFoundError(
-            f"checkpoint '{path}' has no state for process {rank} ('{os.path.basename(rank_path)}'): it was written by "
+            f"checkpoint '{path}' has no state for process {rank} ('{rank_name}'): it was written by "
             f"{meta.get('world_size')} processes; resume with as many."
         )
-    shared = torch.load(os.path.join(path, SHARED_FILE), map_location="cpu", weights_only=True)
-    local = torch.load(rank_path, map_location="cpu", weights_only=True)
+    shared = _load_torch_file(path, SHARED_FILE, meta, hashed)
+    _check_finite_state(path, shared)
+    local = _load_torch_file(path, rank_name, meta, hashed)
     return Resumed(path, int(meta["step"]), meta, shared, local)
+
+
+def find_damage(path: str) -> CheckpointDamaged | None:
+    """Why checkpoint `path` cannot be resumed from as saved, None when it is intact: checkpoint.json must parse, and
+    every file it records must have the recorded size and SHA-256; a checkpoint without that record (written before
+    it existed) is read whole instead (every file loaded, the weights checked finite)."""
+    try:
+        meta = read_meta(path)
+        if "files" not in meta:
+            names = [SHARED_FILE, *(RANK_FILE.format(rank=r) for r in range(int(meta.get("world_size", 1))))]
+            for name in names:
+                state = _load_torch_file(path, name, meta, hashed=False)
+                if name == SHARED_FILE:
+                    _check_finite_state(path, state)
+            return None
+        for name in meta["files"]:
+            _check_digest(path, name, meta)
+    except CheckpointDamaged as e:
+        return e
+    except FileNotFoundError:
+        return CheckpointDamaged(path, META_FILE, "missing")
+    return None
+
+
+def _intact_before(path: str) -> str | None:
+    """The newest checkpoint older than `path` beside it that `find_damage` finds intact, None when none is."""
+    parent, name = os.path.split(os.path.abspath(path))
+    match = _STEP_DIR.match(name)
+    if match is None or not os.path.isdir(parent):
+        return None
+    older = sorted(
+        (int(m.group(1)), os.path.join(os.path.dirname(path), other))
+        for other in os.listdir(parent)
+        if (m := _STEP_DIR.match(other)) and int(m.group(1)) < int(match.group(1))
+    )
+    return next((older_path for _, older_path in reversed(older) if find_damage(older_path) is None), None)
+
+
+def damaged_message(damage: CheckpointDamaged) -> str:
+    """One line for a damaged checkpoint that --resume PATH names: the file, and the newest intact one before it."""
+    intact = _intact_before(damage.path)
+    if intact is None:
+        return f"{damage}; no checkpoint before it is intact: pass --resume auto to take the newest intact one."
+    return (
+        f"{damage}; the newest intact checkpoint before it is '{intact}': pass --resume {intact}, or --resume auto, "
+        "which moves the damaged one aside."
+    )
+
+
+def set_aside(damage: CheckpointDamaged) -> str:
+    """Move a damaged checkpoint step{N} to step{N}.damaged (never deleted: it holds the run's data); -> the
+    sentence that says where it is now (or that it stayed, when it cannot be moved)."""
+    target = damage.path.rstrip(os.sep) + DAMAGED_SUFFIX
+    for n in range(2, 1000):
+        if not os.path.exists(target):
+            break
+        target = f"{damage.path.rstrip(os.sep)}{DAMAGED_SUFFIX}{n}"
+    try:
+        os.replace(damage.path, target)
+    except OSError as e:
+        return f"it stays where it is ({e.strerror})"
+    _fsync_dir(os.path.dirname(os.path.abspath(target)))
+    return f"moved it aside to '{os.path.basename(target)}'"
+
+
+def newest_intact_checkpoint(output_dir: str, damage: CheckpointDamaged | None = None) -> str | None:
+    """The newest checkpoint in OUTPUT_DIR/training_state that `find_damage` finds intact; each damaged one newer than
+    it (and `damage`, one that failed to load) is moved aside with one printed line. ValueError when every
+    checkpoint is damaged."""
+    found = []
+    if damage is not None:
+        found.append(damage)
+        print(f"warning: {damage}; {set_aside(damage)}", flush=True)
+    for _, path in reversed(list_checkpoints(output_dir)):
+        problem = find_damage(path)
+        if problem is None:
+            return path
+        found.append(problem)
+        print(f"warning: {problem}; {set_aside(problem)}", flush=True)
+    if found:
+        raise ValueError(
+            f"--resume auto: every checkpoint in '{state_dir(output_dir)}' is damaged "
+            f"({'; '.join(f'{os.path.basename(d.path)}: {d.detail}' for d in found)}), each kept as "
+            f"step{{N}}{DAMAGED_SUFFIX}; pass --overwrite_output_dir to start again there, or choose another "
+            "--output_dir."
+        )
+    return None
+
+
+# ---------------------------------------------------------------- one run per output directory
+
+
+@dataclass
+class _HeldLock:
+    """This process's lock on an output directory."""
+
+    path: str
+    """OUTPUT_DIR/.lock"""
+    fd: int
+    created: str | None
+    """OUTPUT_DIR when the lock created it (removed again at release when the run left it empty)"""
+
+
+_held_locks: dict[str, _HeldLock] = {}
+"""the output directories this process holds, by real path"""
+_unlocked_dirs: set[str] = set()
+"""output directories on filesystems without file locks, already warned about"""
+_NO_LOCK_ERRNOS = {errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOTSUP, errno.ENOSYS, errno.EINVAL}
+"""what flock raises on a filesystem without (cluster) file locks: Lustre mounted without -o flock, some FUSE ones"""
+
+
+def _holder(fd: int) -> str:
+    """Who holds the lock, from the lock file's record (waits a moment for a holder that is still writing it)."""
+    for _ in range(20):
+        try:
+            record = json.loads(os.pread(fd, 4096, 0).decode("utf-8"))
+            return f"{record['script']}, pid {record['pid']} on host {record['host']}, started {record['started']}"
+        except (ValueError, KeyError, OSError):
+            time.sleep(0.05)
+    return "its process did not say who it is"
+
+
+def lock_output_dir(output_dir: str) -> bool:
+    """Take the advisory lock on OUTPUT_DIR/.lock for this process (held until `release_output_dir_locks` or the
+    process ends: the OS releases the lock of a killed process, so a crash never leaves it stuck). ValueError
+    naming the holder when another run holds it; a warning, once, where the filesystem has no file locks.
+    -> whether this process holds the lock (False without file locks)."""
+    key = os.path.realpath(output_dir)
+    if key in _held_locks:
+        return True
+    if fcntl is None:
+        return False
+    created = None if os.path.isdir(output_dir) else output_dir
+    path = os.path.join(output_dir, LOCK_FILE)
+    while True:
+        os.makedirs(output_dir, exist_ok=True)
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        except FileNotFoundError:  # the directory was removed by a run releasing it: create it again
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = _holder(fd)
+            os.close(fd)
+            raise ValueError(
+                f"another run ({holder}) holds --output_dir '{output_dir}' (its {LOCK_FILE} is locked); wait for it "
+                "to end, or choose another --output_dir."
+            ) from None
+        except OSError as e:
+            os.close(fd)
+            if e.errno not in _NO_LOCK_ERRNOS:
+                raise
+            if key not in _unlocked_dirs:
+                _unlocked_dirs.add(key)
+                _warn_no_locks(output_dir, e)
+            return False
+        # a run releasing the lock unlinks the file: holding an unlinked file's lock excludes nobody, so try again
+        with contextlib.suppress(OSError):
+            if os.fstat(fd).st_ino == os.stat(path).st_ino:
+                break
+        os.close(fd)
+    record = {
+        "script": os.path.basename(sys.argv[0]) or "python",
+        "pid": os.getpid(),
+        "host": socket.gethostname(),
+        "started": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC"),
+    }
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, (json.dumps(record) + "\n").encode("utf-8"), 0)
+    _held_locks[key] = _HeldLock(path, fd, created)
+    return True
+
+
+def _warn_no_locks(output_dir: str, error: OSError) -> None:
+    """Say that nothing keeps a second run out of `output_dir`."""
+    print(
+        f"warning: --output_dir '{output_dir}' is on a filesystem without file locks ({error.strerror}), so nothing "
+        "stops a second run from writing there at the same time; give each run its own --output_dir (see "
+        "docs/reliability.md)",
+        file=sys.stderr,
+        flush=True,
+    )
+
+
+def release_output_dir_locks() -> None:
+    """Release every output-directory lock this process holds: the lock file is unlinked, then unlocked, and an
+    output directory that the lock created and the run left empty is removed."""
+    for key in list(_held_locks):
+        held = _held_locks.pop(key)
+        with contextlib.suppress(OSError):
+            os.unlink(held.path)
+        os.close(held.fd)
+        if held.created is not None:
+            with contextlib.suppress(OSError):
+                os.rmdir(held.created)
+
+
+def one_run_per_output_dir(main: Callable[..., T]) -> Callable[..., T]:
+    """Decorate a script's `main`: the output-directory lock that `start_or_resume` takes is released when `main`
+    returns or raises (a process that calls `main` again, a test or a notebook, can then take it again)."""
+
+    @functools.wraps(main)
+    def locked_main(*args, **kwargs) -> T:
+        try:
+            return main(*args, **kwargs)
+        finally:
+            release_output_dir_locks()
+
+    return locked_main
+
+
+def clean_interrupted_saves(output_dir: str) -> str | None:
+    """Tidy what a run stopped in the middle of a checkpoint write left in OUTPUT_DIR/training_state (call it under
+    the lock, so no live run is writing): `.step{N}.partial` (an unfinished write) is removed, `.step{N}.old` is
+    removed beside a `step{N}` and renamed back to `step{N}` without one (a replace cut between its two renames).
+    -> one line saying what was done, None when nothing was left."""
+    root = state_dir(output_dir)
+    if not os.path.isdir(root):
+        return None
+    removed, restored, size = [], [], 0
+    for name in sorted(os.listdir(root)):
+        match = _INTERRUPTED_SAVE.match(name)
+        if match is None:
+            continue
+        path, final = os.path.join(root, name), os.path.join(root, match.group(1))
+        if match.group(2) == "old" and not os.path.exists(final):
+            os.replace(path, final)
+            restored.append(match.group(1))
+            continue
+        size += sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(path) for f in files)
+        shutil.rmtree(path)
+        removed.append(name)
+    if not removed and not restored:
+        return None
+    done = [f"removed {', '.join(removed)} ({size / 1e6:.1f} MB)"] if removed else []
+    if restored:
+        done.append(f"restored {', '.join(restored)} from its .old copy")
+    return f"{root}: {'; '.join(done)}, left by a run stopped while it saved a checkpoint"
 
 
 # ---------------------------------------------------------------- run settings and the output directory
@@ -461,21 +820,25 @@ def previous_run(output_dir: str) -> list[str]:
 
 
 def resolve_resume(output_dir: str, resume: str | None, overwrite: bool) -> str | None:
-    """The checkpoint directory to continue (--resume PATH, or `auto`: the newest in output_dir), None for a fresh
-    start; ValueError when a fresh run would overwrite another run's output_dir without `overwrite`."""
+    """The checkpoint directory to continue (--resume PATH, or `auto`: the newest intact one in output_dir, damaged
+    newer ones moved aside), None for a fresh start; ValueError when a fresh run would overwrite another run's
+    output_dir without `overwrite`, or when --resume PATH names a damaged checkpoint."""
     if resume == "auto":
-        resume = latest_checkpoint(output_dir)
+        resume = newest_intact_checkpoint(output_dir)
         if resume is None and set(previous_run(output_dir)) - {"tb"}:
             raise ValueError(
                 f"--resume auto: '{output_dir}' holds a run ({', '.join(previous_run(output_dir))}) but no checkpoint "
                 f"in {STATE_DIR}/; pass --overwrite_output_dir to start again there, or choose another --output_dir."
             )
+        return resume
     if resume is not None:
         if not os.path.isfile(os.path.join(resume, META_FILE)):
             raise FileNotFoundError(
                 f"--resume '{resume}' is not a checkpoint ('{META_FILE}' is missing); pass a directory of "
                 f"OUTPUT_DIR/{STATE_DIR}/ or --resume auto."
             )
+        if (damage := find_damage(resume)) is not None:
+            raise ValueError(damaged_message(damage))
         return resume
     found = previous_run(output_dir)
     if found and not overwrite:
@@ -484,6 +847,14 @@ def resolve_resume(output_dir: str, resume: str | None, overwrite: bool) -> str 
             "continue it, --overwrite_output_dir to replace it, or choose another --output_dir."
         )
     return None
+
+
+def claim_output_dir(output_dir: str, resume: str | None, overwrite: bool) -> str | None:
+    """Process 0's start in `output_dir`: take its lock (one run at a time), tidy what an interrupted checkpoint write
+    left (only under the lock: without one, a live run may be writing it), then `resolve_resume`."""
+    if lock_output_dir(output_dir) and (tidied := clean_interrupted_saves(output_dir)):
+        print(tidied, flush=True)
+    return resolve_resume(output_dir, resume, overwrite)
 
 
 def _distributed(accelerator: Any) -> bool:
@@ -510,22 +881,25 @@ def _decided_by_main_process(accelerator: Any, decide: Callable[[], T]) -> T:
 
 
 def _load_on_every_process(path: str, accelerator: Any) -> Resumed:
-    """Every process reads checkpoint `path` (chosen by process 0); when any cannot, every process raises one
-    ValueError, so no process goes on alone (its collectives would wait for the others until --dist_timeout)."""
+    """Every process reads checkpoint `path` (chosen, and its files' digests verified, by process 0); when any cannot,
+    every process raises one error (CheckpointDamaged when a file is damaged), so no process goes on alone (its
+    collectives would wait for the others until --dist_timeout)."""
     rank = accelerator.process_index
     resumed, error = None, None
     if not os.path.isfile(os.path.join(path, META_FILE)):
-        error = "unseen"
+        error = ("unseen",)
     else:
         try:
-            resumed = load_training_state(path, rank)
+            resumed = load_training_state(path, rank, hashed=False)
+        except CheckpointDamaged as e:
+            error = ("damaged", e.path, e.name, e.problem)
         except (ValueError, OSError) as e:
-            error = str(e)
+            error = ("error", str(e))
     errors = [error]
     if _distributed(accelerator):
         errors = [None] * accelerator.num_processes
         dist.all_gather_object(errors, error)
-    unseen = [r for r, e in enumerate(errors) if e == "unseen"]
+    unseen = [r for r, e in enumerate(errors) if e is not None and e[0] == "unseen"]
     if unseen:
         raise ValueError(
             f"process {', '.join(map(str, unseen))} of {accelerator.num_processes} cannot see checkpoint '{path}', "
@@ -533,19 +907,22 @@ def _load_on_every_process(path: str, accelerator: Any) -> Resumed:
             "on a shared or network filesystem); rerun with such an --output_dir."
         )
     if failed := next((e for e in errors if e is not None), None):
-        raise ValueError(failed)
+        raise CheckpointDamaged(*failed[1:]) if failed[0] == "damaged" else ValueError(failed[1])
     return resumed
 
 
 def start_or_resume(
     args: Any, settings: dict[str, Any], ignored: Sequence[str], accelerator: Any, total: str
 ) -> Resumed | None:
-    """The checkpoint that --resume names, its settings checked against `settings` (printed when
-    --allow_resume_changes lets differences pass), or None for a fresh start; `total`: how far the run goes.
+    """Take --output_dir for this run (its lock, held until `main` ends: see `one_run_per_output_dir`), then the
+    checkpoint that --resume names, its settings checked against `settings` (printed when --allow_resume_changes
+    lets differences pass), or None for a fresh start; `total`: how far the run goes.
 
-    Process 0 chooses (every process then resumes the same step, or none does); each process then reads it."""
+    Process 0 chooses (every process then resumes the same step, or none does); each process then reads it. A
+    checkpoint that turns out damaged while it loads stops the run (--resume PATH), or is moved aside for the newest
+    intact one (--resume auto)."""
     path = _decided_by_main_process(
-        accelerator, lambda: resolve_resume(args.output_dir, args.resume, args.overwrite_output_dir)
+        accelerator, lambda: claim_output_dir(args.output_dir, args.resume, args.overwrite_output_dir)
     )
     if path is None:
         if args.resume == "auto":
@@ -554,7 +931,14 @@ def start_or_resume(
                 "(check --output_dir if you meant to continue a run)"
             )
         return None
-    resumed = _load_on_every_process(path, accelerator)
+    while True:
+        try:
+            resumed = _load_on_every_process(path, accelerator)
+            break
+        except CheckpointDamaged as damage:
+            if args.resume != "auto":
+                raise ValueError(_decided_by_main_process(accelerator, lambda d=damage: damaged_message(d))) from None
+            path = _decided_by_main_process(accelerator, lambda d=damage: newest_intact_checkpoint(args.output_dir, d))
     defaults = dataclasses.asdict(type(args)()) if dataclasses.is_dataclass(args) else None
     changes = check_resume_settings(resumed, settings, ignored, args.allow_resume_changes, defaults)
     if changes:
