@@ -4,6 +4,7 @@ https://github.com/openai/lm-human-preferences/blob/cbfd210bb8b08f6bc5c26878c109
 """
 
 import copy
+import inspect
 import json
 import math
 import os
@@ -265,6 +266,23 @@ def _key_mask_argument(model: PreTrainedModel, key_mask: torch.Tensor, query_slo
     return _attention_mask(model, key_mask, query_slots) if _uses_4d_mask(model) else key_mask.long()
 
 
+_CACHE_KEYWORDS: dict[type, str] = {}
+
+
+def cache_keyword(model: PreTrainedModel) -> str:
+    """The keyword under which `model`'s forward takes a KV cache: `cache` from transformers 5.24 on, `past_key_values`
+    in the 5.x releases before; looked up once per model class.
+
+    A forward drops a keyword it does not know (into **kwargs): passed under the other release's name, the cache would
+    be ignored and the first decoding step would fail on mismatched shapes.
+    """
+    cls = type(model)
+    if cls not in _CACHE_KEYWORDS:
+        parameters = inspect.signature(cls.forward).parameters
+        _CACHE_KEYWORDS[cls] = "cache" if "cache" in parameters else "past_key_values"
+    return _CACHE_KEYWORDS[cls]
+
+
 @contextmanager
 def _checkpointed_blocks(model: PreTrainedModel):
     """Within this block, a forward that records gradients recomputes the activations of `model`'s blocks in the
@@ -483,8 +501,8 @@ def _decode_step(
         input_ids=token,
         attention_mask=_key_mask_argument(lm, key_mask, slot),
         position_ids=position,
-        cache=cache,
         use_cache=True,
+        **{cache_keyword(lm.base_model): cache},
     )
     return _sample_next(policy, output.last_hidden_state[:, 0], uniform, pad_id, temperature)
 
@@ -566,8 +584,8 @@ def sample(
         input_ids=contexts.masked_fill(~mask, 0),
         attention_mask=_key_mask_argument(lm, key_mask, torch.arange(context_length, device=device)),
         position_ids=position_ids_from_mask(mask),
-        cache=cache,
         use_cache=True,
+        **{cache_keyword(lm.base_model): cache},
     )
     hidden = _gather_positions(output.last_hidden_state, _last_real_index(mask)[:, -1:])[:, 0]  # (B, D)
     token, logprobs[:, 0], values[:, 0] = _sample_next(policy, hidden, uniforms[0], pad_id, temperature)
