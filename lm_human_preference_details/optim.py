@@ -35,7 +35,8 @@ def _tf_adam_update(
     eps: float,
 ) -> None:
     """TF1's ApplyAdam on a bucket of parameters, in place: m += (g - m) * (1 - b1); v += (g^2 - v) * (1 - b2);
-    p += step_size * m / (sqrt(v) + eps). The temporaries g^2 and sqrt(v) + eps are freed in turn: one bucket's worth."""
+    p += step_size * m / (sqrt(v) + eps). The temporaries g^2 and sqrt(v) + eps are freed in turn: one bucket's
+    worth."""
     torch._foreach_lerp_(exp_avgs, grads, 1.0 - beta1)
     torch._foreach_lerp_(exp_avg_sqs, torch._foreach_mul(grads, grads), 1.0 - beta2)
     denoms = torch._foreach_sqrt(exp_avg_sqs)

@@ -21,7 +21,8 @@ class PeakAllocation(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        inputs = {t.untyped_storage().data_ptr() for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)}
+        tensors = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+        inputs = {t.untyped_storage().data_ptr() for t in tensors}
         for tensor in tree_flatten(out)[0]:
             if not isinstance(tensor, torch.Tensor) or tensor.device.type == "meta":
                 continue
