@@ -545,28 +545,55 @@ def sample(
     generator: torch.Generator | None = None,
     check_first_token: bool = True,
     compile: bool = False,
+    max_rows: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Fixed-length KV-cached categorical sampling: responses, tempered logprobs and values, each (B, L).
 
     `check_first_token=False` skips the leading-PAD check and its device-to-host sync, for contexts built by
     QueryStream, whose queries always start with a real token. `compile`: every decoding step after the first runs
     as one torch.compile'd graph of the same kernels (a CUDA graph on CUDA devices): the same samples.
+    `max_rows`: decode at most this many rows at a time (the KV cache and the step's logits scale with it); every row
+    gets the random numbers it gets when all rows decode together (None: all at once).
     """
     _check_temperature(temperature)
     if response_length < 1:
         raise ValueError(f"response_length must be >= 1, got {response_length} (--task.response_length).")
+    if max_rows is not None and max_rows < 1:
+        raise ValueError(f"max_rows must be >= 1 or None, got {max_rows} (--rollout_micro_batch_size).")
+    if check_first_token:
+        _check_first_token_real(contexts != pad_id, pad_id)
+    # each step's uniforms for every row, drawn up front one step after the other: the numbers a draw inside each
+    # step would give, as nothing else draws from `generator`; rows decoded apart take their own rows of them
+    batch_size = contexts.shape[0]
+    uniforms = [categorical_uniforms(batch_size, generator, contexts.device) for _ in range(response_length)]
+    if max_rows is None or max_rows >= batch_size:
+        return _decode(policy, contexts, uniforms, pad_id, temperature, compile)
+    outputs = [
+        _decode(policy, contexts[start : start + max_rows], [u[start : start + max_rows] for u in uniforms], pad_id,
+                temperature, compile)
+        for start in range(0, batch_size, max_rows)
+    ]  # fmt: skip
+    return tuple(torch.cat(parts) for parts in zip(*outputs))
+
+
+def _decode(
+    policy: PolicyWithValueHead,
+    contexts: torch.Tensor,
+    uniforms: list[torch.Tensor],
+    pad_id: int,
+    temperature: float,
+    compile: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`sample` of `contexts` (B, C) with each step's uniforms (B, 1) given: responses, logprobs and values (B, L)."""
     lm = policy.lm
     batch_size, context_length = contexts.shape
+    response_length = len(uniforms)
     device = contexts.device
     mask = contexts != pad_id  # (B, C)
-    if check_first_token:
-        _check_first_token_real(mask, pad_id)
     total_length = context_length + response_length
-    # the episode's real keys (sampled tokens are always real) and each step's uniforms, drawn up front one step
-    # after the other: the numbers a draw inside each step would give, as nothing else draws from `generator`
+    # the episode's real keys (sampled tokens are always real)
     key_mask = torch.ones(batch_size, total_length, dtype=torch.bool, device=device)
     key_mask[:, :context_length] = mask
-    uniforms = [categorical_uniforms(batch_size, generator, device) for _ in range(response_length)]
     responses = torch.empty(batch_size, response_length, dtype=torch.long, device=device)
     logprobs = torch.empty(batch_size, response_length, dtype=torch.float32, device=device)
     values = torch.empty(batch_size, response_length, dtype=torch.float32, device=device)

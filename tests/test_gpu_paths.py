@@ -165,3 +165,23 @@ def test_compiled_decoding_samples_exactly_what_eager_decoding_samples():
         compiled = sample(policy, contexts, 6, 0.7, PAD, torch.Generator().manual_seed(seed), compile=True)
         for name, a, b in zip(("responses", "logprobs", "values"), eager, compiled):
             assert torch.equal(a, b), (seed, name)
+
+
+# ---------------------------------------------------------------- the rollout in chunks (--rollout_micro_batch_size)
+
+
+@pytest.mark.parametrize("compile", [False, True])
+def test_sampling_in_chunks_gives_every_episode_the_samples_of_one_batch(compile):
+    # each episode keeps the uniforms of its row in the whole batch's draws (step after step over all rows), so
+    # decoding 2 rows at a time (the last chunk 1 row) gives the same tokens; log-probs and values differ only by
+    # float rounding (a matmul's kernel depends on its row count)
+    policy = PolicyWithValueHead(tiny_gpt2(n_layer=1))
+    torch.nn.init.normal_(policy.value_head.weight)
+    contexts = torch.tensor([[23073, 11, PAD, 13], [7091, 1807, 546, 340], [13, PAD, PAD, 11], [11, 13, 546, PAD]])
+    contexts = torch.cat([contexts, contexts[:1]])  # 5 rows; rows 0 and 4 share a context, not their draws
+    whole = sample(policy, contexts, 6, 0.7, PAD, torch.Generator().manual_seed(2), compile=compile)
+    chunked = sample(policy, contexts, 6, 0.7, PAD, torch.Generator().manual_seed(2), compile=compile, max_rows=2)
+    assert torch.equal(whole[0], chunked[0])
+    for a, b in zip(whole[1:], chunked[1:]):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
+    assert not torch.equal(whole[0][0], whole[0][4])
