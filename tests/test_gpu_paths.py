@@ -156,6 +156,7 @@ def test_sample_draws_one_uniform_per_row_and_step_in_order():
         assert torch.equal(torch.searchsorted(cdf, uniform, right=True)[:, 0], responses[:, t]), t
 
 
+@pytest.mark.floor
 def test_compiled_decoding_samples_exactly_what_eager_decoding_samples():
     policy = PolicyWithValueHead(tiny_gpt2(n_layer=1))
     torch.nn.init.normal_(policy.value_head.weight)

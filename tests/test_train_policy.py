@@ -489,6 +489,7 @@ def sentiment_run(tmp_path_factory, tiny_model_dir, reward_model_dir, query_file
     return output_dir, history
 
 
+@pytest.mark.floor
 def test_main_logs_exactly_oai_metric_names(sentiment_run):
     _, history = sentiment_run
     assert len(history) == 2
