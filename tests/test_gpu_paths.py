@@ -6,9 +6,12 @@ import json
 import numpy as np
 import pytest
 import torch
+from transformers import StaticCache
 
 import train_policy
 import train_reward
+from benchmark import memory_estimate
+from benchmark.shapes import gpt2_config
 from lm_human_preference_details import core
 from lm_human_preference_details.host_syncs import HostSyncCounter
 from lm_human_preference_details.modeling import (
@@ -17,7 +20,7 @@ from lm_human_preference_details.modeling import (
     sample,
     training_logprobs_and_values,
 )
-from lm_human_preference_details.tasks import PassRateAlarm
+from lm_human_preference_details.tasks import TASKS, PassRateAlarm
 from tests.conftest import tiny_gpt2, write_queries
 from tests.planted import books_task, write_query_file
 from tests.test_train_policy import save_reward_model, tiny_args, tiny_task
@@ -186,3 +189,26 @@ def test_sampling_in_chunks_gives_every_episode_the_samples_of_one_batch(compile
     for a, b in zip(whole[1:], chunked[1:]):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
     assert not torch.equal(whole[0][0], whole[0][4])
+
+
+# ---------------------------------------------------------------- benchmark/memory_estimate.py
+
+
+def test_memory_estimate_counts_the_kv_cache_the_sampler_allocates_and_suggests_chunks_that_fit():
+    args = memory_estimate.Args(shapes=("tiny",), batch_size=64, processes=8, gpu_gib=80.0)
+    rows, tokens = 8, TASKS["sentiment"].query_length + TASKS["sentiment"].response_length
+    cache = StaticCache(config=gpt2_config("tiny"), max_cache_len=tokens)
+    cache.early_initialization(rows, 2, 16, torch.float32, torch.device("cpu"))  # heads, head size of the tiny shape
+    allocated = sum(t.numel() * t.element_size() for layer in cache.layers for t in (layer.keys, layer.values))
+    assert memory_estimate.estimate(args, "tiny", None)["KV cache"] == allocated
+    # one process decoding 512 episodes of 1.5B (PPO in micro-batches of 8): the rollout is the peak; on a GPU with
+    # room for the PPO phase only, the largest divisor of the batch that fits is suggested, and it fits
+    args = memory_estimate.Args(processes=1, gradient_accumulation_steps=64)
+    whole = memory_estimate.estimate(args, "gpt2-1.5b", None)
+    assert whole["peak"] == whole["rollout"] > whole["PPO"]
+    args.gpu_gib = (whole["PPO"] + whole["rollout"]) / 2 / 2**30 + args.headroom_gib
+    assert not memory_estimate.fits(args, whole["peak"])
+    rows = memory_estimate.rollout_rows_that_fit(args, "gpt2-1.5b", whole["batch"])
+    assert rows is not None and 512 % rows == 0 and rows < 512
+    assert memory_estimate.fits(args, memory_estimate.estimate(args, "gpt2-1.5b", rows)["peak"])
+    assert not memory_estimate.fits(args, memory_estimate.estimate(args, "gpt2-1.5b", 2 * rows)["peak"])

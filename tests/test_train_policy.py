@@ -549,6 +549,18 @@ def policy_state(output_dir) -> dict[str, torch.Tensor]:
     return state
 
 
+def test_main_rollout_in_micro_batches_tracks_the_whole_batch(tmp_path, tiny_model_dir, reward_model_dir, query_file):
+    # --rollout_micro_batch_size 3: the 8 episodes decode and meet the reference policy 3, 3 and 2 at a time, each
+    # with its own random numbers: the same responses, so the same update up to float rounding
+    common = dict(total_episodes=8, lr=1e-3)
+    whole = main(tiny_args(tmp_path / "whole", tiny_model_dir, reward_model_dir, query_file, **common))
+    chunked_args = tiny_args(tmp_path / "chunked", tiny_model_dir, reward_model_dir, query_file, **common)
+    chunked_args.rollout_micro_batch_size = 3
+    chunked = main(chunked_args)
+    for key in ("objective/score", "objective/kl", "objective/entropy", "debug/num_eos", "ppo/loss/total"):
+        assert chunked[0][key] == pytest.approx(whole[0][key], abs=1e-5), key
+
+
 def test_main_gradient_accumulation_gives_the_same_update(tmp_path, tiny_model_dir, reward_model_dir, query_file):
     common = dict(total_episodes=8, lr=1e-3)
     single = main(tiny_args(tmp_path / "single", tiny_model_dir, reward_model_dir, query_file, **common))
