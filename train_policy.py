@@ -223,6 +223,11 @@ class Args:
     """replay each decoding step of the rollouts as one CUDA graph, captured at the first update (GPUs; on CPU the
     same step runs eagerly), the same samples from the same seed: less Python and kernel-launch time per token; off:
     eager decoding"""
+    rollout_micro_batch_size: int | None = None
+    """episodes per process that the rollout decodes and scores with the reference policy together (their KV cache
+    and logits scale with it; benchmark/memory_estimate.py tells what fits): smaller caps the rollout's memory, with
+    every episode's random numbers unchanged (with --compile_sampler pick a divisor of the process's batch: a last,
+    smaller chunk has another shape, captured anew at each update); None: the process's whole batch at once, as OAI"""
     push_to_hub: bool = False
     """upload output_dir (policy, value head, tokenizer, args) to the Hugging Face hub at the end"""
     hf_repo_id: str | None = None
@@ -408,6 +413,25 @@ class Rollout:
     """(B, L) value predictions at the positions that predict each response token"""
     rewards: torch.Tensor
     """(B, L) per-token rewards: -kl_coef * kl, + score at the last token"""
+
+
+def reference_logprobs(
+    ref_policy: PolicyWithValueHead,
+    query_responses: torch.Tensor,
+    context_length: int,
+    pad_id: int,
+    temperature: float,
+    rows: int,
+) -> torch.Tensor:
+    """Tempered log-probs (B, L) of the responses under the reference policy, `rows` episodes per forward; each
+    forward's (rows, L, V) logits are freed right away."""
+    responses = query_responses[:, context_length:]
+    return torch.cat(
+        [
+            logprobs_from_logits(ref_policy(chunk, context_length, pad_id, temperature)[0], chunk_responses)
+            for chunk, chunk_responses in zip(query_responses.split(rows), responses.split(rows))
+        ]
+    )
 
 
 def compute_rewards(
@@ -768,6 +792,7 @@ def main(args: Args) -> list[dict[str, float]]:
                 queries = to_device(query_stream.next_batch(sizes.batch, sizes.virtual_ranks), device)  # (B, Lq)
                 contexts = format_contexts(queries, prefix, suffix)  # (B, C): prefix + query + suffix (spec G4)
                 context_length = contexts.shape[1]
+                rollout_rows = args.rollout_micro_batch_size or sizes.batch  # episodes decoded and scored together
                 # QueryStream's queries start with a real token, so the sampler and the reward model skip that check
                 # and its host sync: the update's only sync is the statistics copy in step 6
                 responses, logprobs, values = sample(
@@ -779,6 +804,7 @@ def main(args: Args) -> list[dict[str, float]]:
                     generator,
                     check_first_token=False,
                     compile=args.compile_sampler,
+                    max_rows=rollout_rows,
                 )  # (B, L) each
                 query_responses = torch.cat([contexts, responses], 1)  # (B, C + L)
                 ppo_logprobs, ppo_values = logprobs, values
@@ -790,10 +816,10 @@ def main(args: Args) -> list[dict[str, float]]:
                     ppo_logprobs, ppo_values = training_logprobs_and_values(
                         policy, query_responses, context_length, pad_id, task.temperature, sizes.micro
                     )
-                # one forward of the frozen reference policy; its (B, L, V) logits are freed right away
+                # the frozen reference policy's log-probs, --rollout_micro_batch_size rows per forward
                 with reference() as ref_policy:
-                    ref_logprobs = logprobs_from_logits(
-                        ref_policy(query_responses, context_length, pad_id, task.temperature)[0], responses
+                    ref_logprobs = reference_logprobs(
+                        ref_policy, query_responses, context_length, pad_id, task.temperature, rollout_rows
                     )  # (B, L)
                 timer.mark()
 

@@ -6,6 +6,8 @@ SHAPES = {
     "tiny": dict(n_layer=2, n_head=2, n_embd=32),  # tests/conftest.py's tiny_gpt2_config
     "gpt2-124m": dict(n_layer=12, n_head=12, n_embd=768),  # OAI's policy and reward trunk
     "gpt2-355m": dict(n_layer=24, n_head=16, n_embd=1024),  # gpt2-medium
+    "gpt2-774m": dict(n_layer=36, n_head=20, n_embd=1280),  # gpt2-large
+    "gpt2-1.5b": dict(n_layer=48, n_head=25, n_embd=1600),  # gpt2-xl
 }
 
 

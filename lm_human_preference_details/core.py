@@ -207,7 +207,8 @@ class GradientAverager:
     post-accumulate-grad hooks start each bucket's asynchronous all-reduce as soon as all its gradients are complete;
     buckets start in bucket order on every process, so the collectives line up. `average` starts the buckets the
     backward did not complete (gradients that never arrived count as zeros and stay None), waits for all of them and
-    writes the means into `.grad`. A single process registers no hook and does nothing.
+    divides the sums in place: each `.grad` is then a view of its bucket's buffer, which holds the mean. A single
+    process registers no hook and does nothing.
     """
 
     def __init__(self, params: Sequence[torch.nn.Parameter], accelerator: Any, bucket_bytes: int | None = None):
@@ -251,9 +252,14 @@ class GradientAverager:
             self._launch(len(self.in_flight))
 
     def _launch(self, index: int) -> None:
-        """Start the asynchronous sum of bucket `index` over processes."""
+        """Start the asynchronous sum of bucket `index` over processes, in place in one flat buffer: the bucket's
+        gradients are copied into it and then are views of it, so the old ones are freed and no second copy of the
+        gradients builds up while the all-reduces run."""
         bucket = self.buckets[index]
         flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in bucket])
+        for p, chunk in zip(bucket, flat.split([p.numel() for p in bucket])):
+            if p.grad is not None:
+                p.grad = chunk.view_as(p)
         self.in_flight.append((flat, dist.all_reduce(flat, op=dist.ReduceOp.SUM, async_op=True)))
 
     @torch.no_grad()
@@ -266,13 +272,9 @@ class GradientAverager:
             return
         for index in range(len(self.in_flight), len(self.buckets)):
             self._launch(index)
-        for (flat, work), bucket in zip(self.in_flight, self.buckets):
+        for flat, work in self.in_flight:
             work.wait()  # on GPUs: the current stream waits for the all-reduce, the host does not
-            flat.div_(self.world_size)
-            present = [(p.grad, chunk) for p, chunk in zip(bucket, flat.split([p.numel() for p in bucket]))]
-            present = [(grad, chunk.view_as(grad)) for grad, chunk in present if grad is not None]
-            if present:
-                torch._foreach_copy_(*map(list, zip(*present)))
+            flat.div_(self.world_size)  # the bucket's gradients are views of `flat`
         self._reset()
 
     def close(self) -> None:

@@ -4,6 +4,7 @@ https://github.com/openai/lm-human-preferences/blob/cbfd210bb8b08f6bc5c26878c109
 """
 
 import copy
+import inspect
 import json
 import math
 import os
@@ -265,6 +266,23 @@ def _key_mask_argument(model: PreTrainedModel, key_mask: torch.Tensor, query_slo
     return _attention_mask(model, key_mask, query_slots) if _uses_4d_mask(model) else key_mask.long()
 
 
+_CACHE_KEYWORDS: dict[type, str] = {}
+
+
+def cache_keyword(model: PreTrainedModel) -> str:
+    """The keyword under which `model`'s forward takes a KV cache: `cache` from transformers 5.24 on, `past_key_values`
+    in the 5.x releases before; looked up once per model class.
+
+    A forward drops a keyword it does not know (into **kwargs): passed under the other release's name, the cache would
+    be ignored and the first decoding step would fail on mismatched shapes.
+    """
+    cls = type(model)
+    if cls not in _CACHE_KEYWORDS:
+        parameters = inspect.signature(cls.forward).parameters
+        _CACHE_KEYWORDS[cls] = "cache" if "cache" in parameters else "past_key_values"
+    return _CACHE_KEYWORDS[cls]
+
+
 @contextmanager
 def _checkpointed_blocks(model: PreTrainedModel):
     """Within this block, a forward that records gradients recomputes the activations of `model`'s blocks in the
@@ -483,8 +501,8 @@ def _decode_step(
         input_ids=token,
         attention_mask=_key_mask_argument(lm, key_mask, slot),
         position_ids=position,
-        cache=cache,
         use_cache=True,
+        **{cache_keyword(lm.base_model): cache},
     )
     return _sample_next(policy, output.last_hidden_state[:, 0], uniform, pad_id, temperature)
 
@@ -535,6 +553,7 @@ def sample(
     generator: torch.Generator | None = None,
     check_first_token: bool = True,
     compile: bool = False,
+    max_rows: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Fixed-length KV-cached categorical sampling: responses, tempered logprobs and values, each (B, L).
 
@@ -542,22 +561,48 @@ def sample(
     QueryStream, whose queries always start with a real token. `compile`: every decoding step after the first runs
     as one graph of the same kernels, captured once per shape (a CUDA graph on CUDA devices, run eagerly elsewhere;
     `decoding_graph`): the same samples.
+    `max_rows`: decode at most this many rows at a time (the KV cache and the step's logits scale with it); every row
+    gets the random numbers it gets when all rows decode together (None: all at once).
     """
     _check_temperature(temperature)
     if response_length < 1:
         raise ValueError(f"response_length must be >= 1, got {response_length} (--task.response_length).")
+    if max_rows is not None and max_rows < 1:
+        raise ValueError(f"max_rows must be >= 1 or None, got {max_rows} (--rollout_micro_batch_size).")
+    if check_first_token:
+        _check_first_token_real(contexts != pad_id, pad_id)
+    # each step's uniforms for every row, drawn up front one step after the other: the numbers a draw inside each
+    # step would give, as nothing else draws from `generator`; rows decoded apart take their own rows of them
+    batch_size = contexts.shape[0]
+    uniforms = [categorical_uniforms(batch_size, generator, contexts.device) for _ in range(response_length)]
+    if max_rows is None or max_rows >= batch_size:
+        return _decode(policy, contexts, uniforms, pad_id, temperature, compile)
+    outputs = [
+        _decode(policy, contexts[start : start + max_rows], [u[start : start + max_rows] for u in uniforms], pad_id,
+                temperature, compile)
+        for start in range(0, batch_size, max_rows)
+    ]  # fmt: skip
+    return tuple(torch.cat(parts) for parts in zip(*outputs))
+
+
+def _decode(
+    policy: PolicyWithValueHead,
+    contexts: torch.Tensor,
+    uniforms: list[torch.Tensor],
+    pad_id: int,
+    temperature: float,
+    compile: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`sample` of `contexts` (B, C) with each step's uniforms (B, 1) given: responses, logprobs and values (B, L)."""
     lm = policy.lm
     batch_size, context_length = contexts.shape
+    response_length = len(uniforms)
     device = contexts.device
     mask = contexts != pad_id  # (B, C)
-    if check_first_token:
-        _check_first_token_real(mask, pad_id)
     total_length = context_length + response_length
-    # the episode's real keys (sampled tokens are always real) and each step's uniforms, drawn up front one step
-    # after the other: the numbers a draw inside each step would give, as nothing else draws from `generator`
+    # the episode's real keys (sampled tokens are always real)
     key_mask = torch.ones(batch_size, total_length, dtype=torch.bool, device=device)
     key_mask[:, :context_length] = mask
-    uniforms = [categorical_uniforms(batch_size, generator, device) for _ in range(response_length)]
     responses = torch.empty(batch_size, response_length, dtype=torch.long, device=device)
     logprobs = torch.empty(batch_size, response_length, dtype=torch.float32, device=device)
     values = torch.empty(batch_size, response_length, dtype=torch.float32, device=device)
@@ -576,8 +621,8 @@ def sample(
         input_ids=contexts.masked_fill(~mask, 0),
         attention_mask=_key_mask_argument(lm, key_mask, torch.arange(context_length, device=device)),
         position_ids=position_ids_from_mask(mask),
-        cache=cache,
         use_cache=True,
+        **{cache_keyword(lm.base_model): cache},
     )
     hidden = _gather_positions(output.last_hidden_state, _last_real_index(mask)[:, -1:])[:, 0]  # (B, D)
     token, logprobs[:, 0], values[:, 0] = _sample_next(policy, hidden, uniforms[0], pad_id, temperature)

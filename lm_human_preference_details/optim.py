@@ -6,6 +6,43 @@ from typing import Any
 
 import torch
 
+STEP_BUCKET_BYTES = 64 * 2**20
+"""Parameter bytes that one Adam update of fused kernels covers: its temporaries (g^2, then sqrt(v) + eps) are those
+of one bucket (or of one larger parameter), not of the whole model (2 x 6 GB at GPT-2 1.5B)."""
+
+
+def _buckets(params: list[torch.Tensor]) -> list[list[int]]:
+    """Indices of `params` in consecutive groups of at most STEP_BUCKET_BYTES (a larger parameter alone)."""
+    buckets, size = [[]], 0
+    for i, p in enumerate(params):
+        nbytes = p.numel() * p.element_size()
+        if buckets[-1] and size + nbytes > STEP_BUCKET_BYTES:
+            buckets.append([])
+            size = 0
+        buckets[-1].append(i)
+        size += nbytes
+    return buckets
+
+
+def _tf_adam_update(
+    params: list[torch.Tensor],
+    grads: list[torch.Tensor],
+    exp_avgs: list[torch.Tensor],
+    exp_avg_sqs: list[torch.Tensor],
+    step_sizes: list[float],
+    beta1: float,
+    beta2: float,
+    eps: float,
+) -> None:
+    """TF1's ApplyAdam on a bucket of parameters, in place: m += (g - m) * (1 - b1); v += (g^2 - v) * (1 - b2);
+    p += step_size * m / (sqrt(v) + eps). The temporaries g^2 and sqrt(v) + eps are freed in turn: one bucket's
+    worth."""
+    torch._foreach_lerp_(exp_avgs, grads, 1.0 - beta1)
+    torch._foreach_lerp_(exp_avg_sqs, torch._foreach_mul(grads, grads), 1.0 - beta2)
+    denoms = torch._foreach_sqrt(exp_avg_sqs)
+    torch._foreach_add_(denoms, eps)
+    torch._foreach_addcdiv_(params, exp_avgs, denoms, step_sizes)
+
 
 class AdamTensorFlowStyle(torch.optim.Optimizer):
     """Adam as TF1's AdamOptimizer computes it: epsilon is added after the bias correction, not before.
@@ -61,12 +98,17 @@ class AdamTensorFlowStyle(torch.optim.Optimizer):
                 # https://github.com/openai/lm-human-preferences/blob/cbfd210bb8b08f6bc5c26878c10984b90f516c66/lm_human_preferences/utils/core.py#L627
                 t = state["step"]
                 step_sizes.append(-group["lr"] * math.sqrt(1.0 - beta2**t) / (1.0 - beta1**t))
-            # m += (g - m) * (1 - b1); v += (g^2 - v) * (1 - b2): the form of TF1's ApplyAdam kernel
-            torch._foreach_lerp_(exp_avgs, grads, 1.0 - beta1)
-            torch._foreach_lerp_(exp_avg_sqs, torch._foreach_mul(grads, grads), 1.0 - beta2)
-            denoms = torch._foreach_sqrt(exp_avg_sqs)
-            torch._foreach_add_(denoms, group["eps"])
-            torch._foreach_addcdiv_(params, exp_avgs, denoms, step_sizes)
+            for bucket in _buckets(params):
+                _tf_adam_update(
+                    [params[i] for i in bucket],
+                    [grads[i] for i in bucket],
+                    [exp_avgs[i] for i in bucket],
+                    [exp_avg_sqs[i] for i in bucket],
+                    [step_sizes[i] for i in bucket],
+                    beta1,
+                    beta2,
+                    group["eps"],
+                )
         return loss
 
 

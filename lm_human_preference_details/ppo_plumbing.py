@@ -306,8 +306,9 @@ RESUME_IGNORED = (
     "push_to_hub",
     "hf_repo_id",
     "compile_sampler",
+    "rollout_micro_batch_size",
 )
-"""settings that may change on --resume: they do not change what the run computes"""
+"""settings that may change on --resume: they do not change what the run computes (beyond float rounding)"""
 
 
 @dataclass

@@ -203,6 +203,9 @@ def check_policy_args(args: Any) -> None:
     check_at_least(args.log_interval, 1, "--log_interval", "e.g. 10")
     check_at_least(args.save_interval, 0, "--save_interval", "0 saves only at the end")
     check_at_least(args.print_samples, 0, "--print_samples")
+    if args.rollout_micro_batch_size is not None:
+        fix = "omit it to decode the whole batch at once"
+        check_at_least(args.rollout_micro_batch_size, 1, "--rollout_micro_batch_size", fix)
     inputs = {
         "--base_model": args.base_model,
         "--rewards.trained_model": reward_input_path(rewards.trained_model),

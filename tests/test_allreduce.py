@@ -8,7 +8,10 @@ import sys
 
 import pytest
 import torch
+import torch.distributed as dist
 
+from lm_human_preference_details import core
+from tests.memory import PeakAllocation
 from tests.planted import REPO, free_port, write_policy_planted_labels, write_query_file
 
 LAUNCHER = """
@@ -26,8 +29,9 @@ from tests.planted import books_task
 torch.set_num_threads(1)
 out, model_dir, labels, corpus = sys.argv[1:5]
 core.BUCKET_BYTES = 64 * 1024  # several buckets in the tiny models: the embedding alone, then the blocks' weights
-records, arms = [], []
+records, arms, local = [], [], {{}}
 average, launch = core.GradientAverager.average, core.GradientAverager.launch_in_next_backward
+start_bucket = core.GradientAverager._launch
 
 
 def recording_launch(self):
@@ -35,16 +39,22 @@ def recording_launch(self):
     launch(self)
 
 
+def recording_start_bucket(self, index):
+    # the process's own gradients, read before the bucket's all-reduce starts summing them in place
+    local.update({{id(p): p.grad.clone() for p in self.buckets[index]}})
+    start_bucket(self, index)
+
+
 def recording_average(self):
     params = [p for bucket in self.buckets for p in bucket]
-    local = [p.grad.clone() for p in params]
     started = len(self.in_flight)  # buckets the backward started
     average(self)
-    records.append(dict(local=local, averaged=[p.grad.clone() for p in params], started=started,
-                        buckets=len(self.buckets)))
+    records.append(dict(local=[local.pop(id(p)) for p in params], averaged=[p.grad.clone() for p in params],
+                        started=started, buckets=len(self.buckets)))
 
 
 core.GradientAverager.average, core.GradientAverager.launch_in_next_backward = recording_average, recording_launch
+core.GradientAverager._launch = recording_start_bucket
 accelerator = core.make_accelerator()
 rank, world = accelerator.process_index, accelerator.num_processes
 runs = []
@@ -109,3 +119,30 @@ def test_overlapped_allreduce_gives_each_step_the_mean_of_the_processes_gradient
             for record in (mine, other):
                 for got, want in zip(record["averaged"], expected, strict=True):
                     assert torch.equal(got, want), (script, accum, step)
+
+
+class _TwoProcesses:
+    """An accelerator as GradientAverager sees it in a 2-process run."""
+
+    num_processes = 2
+
+
+def test_gradient_averaging_holds_one_bucket_beyond_the_gradients():
+    # GPU memory proxy: each bucket's gradients are copied into its all-reduce buffer and then are views of it, so
+    # the averaging holds the gradients plus one bucket at a time, not a second copy of all of them (8 MiB of
+    # gradients, 1 MiB each, buckets of 2 MiB; a 1-process gloo group stands in for the 2 processes)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    try:
+        params = [torch.nn.Parameter(torch.zeros(2**18)) for _ in range(8)]
+        averager = core.GradientAverager(params, _TwoProcesses(), bucket_bytes=2 * 2**20)
+        averager.launch_in_next_backward()
+        loss = sum((p * (i + 1)).sum() for i, p in enumerate(params))
+        with PeakAllocation() as memory:
+            loss.backward()  # the backward allocates the gradients and starts the buckets
+            averager.average()
+        averager.close()
+    finally:
+        dist.destroy_process_group()
+    assert len(averager.buckets) == 4
+    assert all(torch.equal(p.grad, torch.full_like(p, (i + 1) / 2)) for i, p in enumerate(params))
+    assert memory.peak <= 8 * 2**20 + 2 * 2**20 + 1024, memory.peak  # and the loss's gradient, a scalar

@@ -10,9 +10,12 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
+from transformers import StaticCache
 
 import train_policy
 import train_reward
+from benchmark import memory_estimate
+from benchmark.shapes import gpt2_config
 from lm_human_preference_details import core, decoding_graph
 from lm_human_preference_details.host_syncs import HostSyncCounter, to_device
 from lm_human_preference_details.modeling import (
@@ -22,7 +25,7 @@ from lm_human_preference_details.modeling import (
     training_logprobs_and_values,
 )
 from lm_human_preference_details.optim import make_optimizer
-from lm_human_preference_details.tasks import PassRateAlarm
+from lm_human_preference_details.tasks import TASKS, PassRateAlarm
 from tests.conftest import tiny_gpt2, write_queries
 from tests.planted import books_task, write_query_file
 from tests.test_train_policy import save_reward_model, tiny_args, tiny_task
@@ -190,6 +193,7 @@ def test_sample_draws_one_uniform_per_row_and_step_in_order():
         assert torch.equal(torch.searchsorted(cdf, uniform, right=True)[:, 0], responses[:, t]), t
 
 
+@pytest.mark.floor
 def test_compiled_decoding_samples_exactly_what_eager_decoding_samples():
     policy = PolicyWithValueHead(tiny_gpt2(n_layer=1))
     torch.nn.init.normal_(policy.value_head.weight)
@@ -316,3 +320,46 @@ def test_decoding_graph_is_captured_once_per_shape_and_weight_storage(monkeypatc
     del policy, optimizer, logits, values
     gc.collect()
     assert policy_ref() is None
+
+
+# ---------------------------------------------------------------- the rollout in chunks (--rollout_micro_batch_size)
+
+
+@pytest.mark.parametrize("compile", [False, True])
+def test_sampling_in_chunks_gives_every_episode_the_samples_of_one_batch(compile):
+    # each episode keeps the uniforms of its row in the whole batch's draws (step after step over all rows), so
+    # decoding 2 rows at a time (the last chunk 1 row) gives the same tokens; log-probs and values differ only by
+    # float rounding (a matmul's kernel depends on its row count)
+    policy = PolicyWithValueHead(tiny_gpt2(n_layer=1))
+    torch.nn.init.normal_(policy.value_head.weight)
+    contexts = torch.tensor([[23073, 11, PAD, 13], [7091, 1807, 546, 340], [13, PAD, PAD, 11], [11, 13, 546, PAD]])
+    contexts = torch.cat([contexts, contexts[:1]])  # 5 rows; rows 0 and 4 share a context, not their draws
+    whole = sample(policy, contexts, 6, 0.7, PAD, torch.Generator().manual_seed(2), compile=compile)
+    chunked = sample(policy, contexts, 6, 0.7, PAD, torch.Generator().manual_seed(2), compile=compile, max_rows=2)
+    assert torch.equal(whole[0], chunked[0])
+    for a, b in zip(whole[1:], chunked[1:]):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
+    assert not torch.equal(whole[0][0], whole[0][4])
+
+
+# ---------------------------------------------------------------- benchmark/memory_estimate.py
+
+
+def test_memory_estimate_counts_the_kv_cache_the_sampler_allocates_and_suggests_chunks_that_fit():
+    args = memory_estimate.Args(shapes=("tiny",), batch_size=64, processes=8, gpu_gib=80.0)
+    rows, tokens = 8, TASKS["sentiment"].query_length + TASKS["sentiment"].response_length
+    cache = StaticCache(config=gpt2_config("tiny"), max_cache_len=tokens)
+    cache.early_initialization(rows, 2, 16, torch.float32, torch.device("cpu"))  # heads, head size of the tiny shape
+    allocated = sum(t.numel() * t.element_size() for layer in cache.layers for t in (layer.keys, layer.values))
+    assert memory_estimate.estimate(args, "tiny", None)["KV cache"] == allocated
+    # one process decoding 512 episodes of 1.5B (PPO in micro-batches of 8): the rollout is the peak; on a GPU with
+    # room for the PPO phase only, the largest divisor of the batch that fits is suggested, and it fits
+    args = memory_estimate.Args(processes=1, gradient_accumulation_steps=64)
+    whole = memory_estimate.estimate(args, "gpt2-1.5b", None)
+    assert whole["peak"] == whole["rollout"] > whole["PPO"]
+    args.gpu_gib = (whole["PPO"] + whole["rollout"]) / 2 / 2**30 + args.headroom_gib
+    assert not memory_estimate.fits(args, whole["peak"])
+    rows = memory_estimate.rollout_rows_that_fit(args, "gpt2-1.5b", whole["batch"])
+    assert rows is not None and 512 % rows == 0 and rows < 512
+    assert memory_estimate.fits(args, memory_estimate.estimate(args, "gpt2-1.5b", rows)["peak"])
+    assert not memory_estimate.fits(args, memory_estimate.estimate(args, "gpt2-1.5b", 2 * rows)["peak"])

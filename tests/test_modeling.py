@@ -13,6 +13,7 @@ from lm_human_preference_details.modeling import (
     REWARD_HEAD_FILE,
     PolicyWithValueHead,
     RewardModel,
+    cache_keyword,
     load_causal_lm,
     load_reward_model,
     pad_invisible_hidden,
@@ -212,6 +213,7 @@ def test_sample_categorical_frequencies_match_softmax():
     torch.testing.assert_close(logprobs, torch.log_softmax(logits, -1)[tokens], rtol=0, atol=1e-6)
 
 
+@pytest.mark.floor
 @pytest.mark.parametrize("family", archs.FAMILIES)
 def test_sample_matches_full_forward(family, tmp_path):
     # the KV-cached sampler's log-probs and values equal a full forward's, pads inside the contexts, on every
@@ -440,3 +442,19 @@ def test_bf16_autocast_loss_curve_tracks_float32(one_thread):
     # measured: at most 0.0024 apart (0.018 with other data, where the loss falls fastest); tolerance 0.03 per step
     assert max(abs(a - b) for a, b in zip(fp32, bf16)) < 0.03, (fp32, bf16)
     assert fp32 != bf16  # bf16 did run
+
+
+def test_cache_keyword_is_the_name_the_forward_takes():
+    # transformers 5.24 renamed the forward's `past_key_values` to `cache`; 5.17-5.23 drop an unknown `cache=` into
+    # **kwargs, so the sampler passes the cache under the name the installed model's forward declares
+    class Before(torch.nn.Module):
+        def forward(self, input_ids=None, past_key_values=None, use_cache=None, **kwargs):
+            return input_ids
+
+    class After(torch.nn.Module):
+        def forward(self, input_ids=None, cache=None, use_cache=None, **kwargs):
+            return input_ids
+
+    assert cache_keyword(Before()) == "past_key_values"
+    assert cache_keyword(After()) == "cache"
+    assert cache_keyword(tiny_gpt2().transformer) == "cache"  # transformers 5.24, installed here

@@ -4,7 +4,9 @@ import numpy as np
 import pytest
 import torch
 
+from lm_human_preference_details import optim
 from lm_human_preference_details.optim import AdamTensorFlowStyle
+from tests.memory import PeakAllocation
 
 BETA1, BETA2, EPS = 0.9, 0.999, 1e-5
 NUM_STEPS = 50
@@ -128,3 +130,41 @@ def test_adam_tf_style_state_dict_roundtrip_continues_identically():
 def test_adam_tf_style_rejects_bad_hyperparameters(kwargs):
     with pytest.raises(ValueError, match="invalid"):
         AdamTensorFlowStyle([torch.nn.Parameter(torch.zeros(1))], **kwargs)
+
+
+def _layers(count: int, numel: int, seed: int) -> list[torch.nn.Parameter]:
+    """`count` float32 parameters of `numel` elements with random gradients."""
+    gen = torch.Generator().manual_seed(seed)
+    params = [torch.nn.Parameter(torch.randn(numel, generator=gen)) for _ in range(count)]
+    for p in params:
+        p.grad = torch.randn(numel, generator=gen) * 10.0 ** torch.randint(-7, 1, (numel,), generator=gen)
+    return params
+
+
+def test_adam_tf_style_step_holds_temporaries_of_one_bucket_not_of_the_model(monkeypatch):
+    # GPU memory proxy: the step's g^2 and sqrt(v) + eps exist for one bucket of parameters at a time, not for all
+    # of them (8 MiB of parameters, 1 MiB each, buckets of 2 MiB)
+    monkeypatch.setattr(optim, "STEP_BUCKET_BYTES", 2 * 2**20)
+    params = _layers(8, 2**18, seed=0)
+    optimizer = AdamTensorFlowStyle(params, lr=1e-3)
+    optimizer.step()  # allocates the moments (state, not temporaries)
+    with PeakAllocation() as memory:
+        optimizer.step()
+    assert memory.peak <= 2 * 2**20, memory.peak
+
+
+def test_adam_tf_style_bucketed_step_equals_one_step_over_all_parameters(monkeypatch):
+    # the buckets change where the temporaries live, not one bit of the update
+    results = []
+    for bucket_bytes in (2**40, 3 * 4 * 1000):  # all at once; buckets of 3 parameters, one of a bucket alone
+        monkeypatch.setattr(optim, "STEP_BUCKET_BYTES", bucket_bytes)
+        params = _layers(7, 1000, seed=1)
+        params[2:2] = _layers(1, 5000, seed=2)  # larger than a bucket
+        optimizer = AdamTensorFlowStyle(params, lr=1e-3)
+        for step in range(4):
+            for p in params:
+                p.grad.mul_(-0.7 if step % 2 else 1.3)
+            optimizer.step()
+        results.append([p.detach().clone() for p in params])
+    assert all(torch.equal(a, b) for a, b in zip(*results))
+    assert not torch.equal(results[0][0], _layers(7, 1000, seed=1)[0].detach())

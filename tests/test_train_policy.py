@@ -15,9 +15,10 @@ from rich.console import Console
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+import train_policy
 from lm_human_preference_details import core
 from lm_human_preference_details.cli import parse_args
-from lm_human_preference_details.modeling import RewardModel
+from lm_human_preference_details.modeling import PolicyWithValueHead, RewardModel
 from lm_human_preference_details.ppo_plumbing import check_reward_model_task, print_summary, progress_text
 from lm_human_preference_details.tasks import PassRateAlarm, TaskHParams, passes_filter, truncate_response
 from lm_human_preference_details.tokenizer import load_tokenizer, tokenizer_fingerprint
@@ -489,6 +490,7 @@ def sentiment_run(tmp_path_factory, tiny_model_dir, reward_model_dir, query_file
     return output_dir, history
 
 
+@pytest.mark.floor
 def test_main_logs_exactly_oai_metric_names(sentiment_run):
     _, history = sentiment_run
     assert len(history) == 2
@@ -546,6 +548,34 @@ def policy_state(output_dir) -> dict[str, torch.Tensor]:
     value_head = load_file(os.path.join(output_dir, "value_head.safetensors"))
     state.update({f"value_head.{k}": v for k, v in value_head.items()})
     return state
+
+
+def test_main_rollout_in_micro_batches_tracks_the_whole_batch(
+    tmp_path, tiny_model_dir, reward_model_dir, query_file, monkeypatch
+):
+    # --rollout_micro_batch_size 3: the 8 episodes decode and meet the reference policy 3, 3 and 2 at a time, each
+    # with its own random numbers: the same responses, so the same update up to float rounding
+    rows = {"sampled": [], "referenced": []}
+    sample, forward = train_policy.sample, PolicyWithValueHead.forward
+    monkeypatch.setattr(
+        train_policy, "sample", lambda *a, **k: rows["sampled"].append(k["max_rows"]) or sample(*a, **k)
+    )
+
+    def recording_forward(self, query_responses, *args, **kwargs):
+        if not torch.is_grad_enabled():
+            rows["referenced"].append(query_responses.shape[0])
+        return forward(self, query_responses, *args, **kwargs)
+
+    monkeypatch.setattr(PolicyWithValueHead, "forward", recording_forward)
+    common = dict(total_episodes=8, lr=1e-3)
+    whole = main(tiny_args(tmp_path / "whole", tiny_model_dir, reward_model_dir, query_file, **common))
+    assert rows == {"sampled": [8], "referenced": [8]}
+    chunked_args = tiny_args(tmp_path / "chunked", tiny_model_dir, reward_model_dir, query_file, **common)
+    chunked_args.rollout_micro_batch_size = 3
+    chunked = main(chunked_args)
+    assert rows == {"sampled": [8, 3], "referenced": [8, 3, 3, 2]}
+    for key in ("objective/score", "objective/kl", "objective/entropy", "debug/num_eos", "ppo/loss/total"):
+        assert chunked[0][key] == pytest.approx(whole[0][key], abs=1e-5), key
 
 
 def test_main_gradient_accumulation_gives_the_same_update(tmp_path, tiny_model_dir, reward_model_dir, query_file):

@@ -323,6 +323,7 @@ def test_label_type_other_than_the_file_names_the_right_flag(tmp_path, tiny_mode
         train_reward.main(args)
 
 
+@pytest.mark.floor
 def test_normalize_samples_zero_skips_normalization(tmp_path, tiny_model_dir, world):
     # OAI's normalize() returns at once when normalize_samples is 0: gain and bias are not even reset
     args = reward_args(tmp_path, tiny_model_dir, world, world["labels"], normalize_samples=0, normalize_after=True)

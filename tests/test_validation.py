@@ -56,6 +56,7 @@ def tree(path) -> dict[str, bytes]:
     [
         (["--ppo.noptepochs", "0"], "--ppo.noptepochs must be an integer >= 1"),
         (["--log_interval", "0"], "--log_interval must be an integer >= 1"),
+        (["--rollout_micro_batch_size", "0"], "--rollout_micro_batch_size must be an integer >= 1"),
         (["--rewards.adaptive_kl.target", "0"], "--rewards.adaptive_kl.target must be a finite number > 0"),
         (["--rewards.adaptive_kl.horizon", "0"], "--rewards.adaptive_kl.horizon must be an integer >= 1"),
         (["--ppo.batch_size", "0"], "--ppo.batch_size must be an integer >= 1"),

@@ -174,12 +174,23 @@ BREAKAGES = [
         ["tests/test_gpu_paths.py::test_decoding_graph_is_captured_once_per_shape_and_weight_storage"],
     ),
     Breakage(
+        "G5-chunks-redraw",
+        "G5",
+        "a rollout decoded in chunks (--rollout_micro_batch_size) gives each chunk the first rows' random numbers",
+        MOD,
+        "[u[start : start + max_rows] for u in uniforms]",
+        "[u[: len(contexts[start : start + max_rows])] for u in uniforms]",
+        [
+            "tests/test_gpu_paths.py::test_sampling_in_chunks_gives_every_episode_the_samples_of_one_batch[False]",
+        ],
+    ),
+    Breakage(
         "G6-reference-at-temperature-1",
         "G6",
         "the reference policy's log-probs use temperature 1 instead of the task temperature",
         TP,
-        "ref_policy(query_responses, context_length, pad_id, task.temperature)[0]",
-        "ref_policy(query_responses, context_length, pad_id, 1.0)[0]",
+        "ref_policy, query_responses, context_length, pad_id, task.temperature, rollout_rows",
+        "ref_policy, query_responses, context_length, pad_id, 1.0, rollout_rows",
         [REFERENCE],
     ),
     Breakage(
@@ -363,8 +374,8 @@ BREAKAGES = [
         "P1",
         "the KL reference is the current policy instead of the frozen initial one",
         TP,
-        "ref_policy(query_responses, context_length, pad_id, task.temperature)[0]",
-        "policy(query_responses, context_length, pad_id, task.temperature)[0]",
+        "ref_policy, query_responses, context_length, pad_id, task.temperature, rollout_rows",
+        "policy, query_responses, context_length, pad_id, task.temperature, rollout_rows",
         [REFERENCE],
     ),
     Breakage(
