@@ -19,6 +19,7 @@ from lm_human_preference_details import core
 from lm_human_preference_details.cli import parse_args
 from lm_human_preference_details.modeling import RewardModel
 from lm_human_preference_details.ppo_plumbing import (
+    DivergenceWatch,
     check_reward_model_task,
     print_summary,
     progress_text,
@@ -205,6 +206,43 @@ def test_pass_rate_alarm_fires_every_interval_while_the_rate_stays_low():
     assert "fell below 0.1 (updates 7-9, highest 0.090) after 0.500 at update 4" in fired[9]
     assert "--ppo.lr" in fired[9] and "Check these flags" not in fired[9] and "Check these flags" in fired[3]
     assert not any(PassRateAlarm(0.0, 1).update(0.0, update, task) for update in range(3))  # 0: never
+
+
+def test_divergence_watch_reports_a_kl_or_a_pass_rate_collapse_that_lasts():
+    args = oai_presets()["sentiment"]  # limit: 10 x the KL target 6 = 60 nats
+    args.divergence_updates, args.ppo.lr = 3, 0.1
+    watch = DivergenceWatch(args)
+
+    def run(kls: list[float], rates: list[float]) -> dict[int, str]:
+        lines = {
+            u: watch.update({"objective/kl": kl, "debug/filter_pass_rate": r}, u)
+            for u, (kl, r) in enumerate(zip(kls, rates))
+        }
+        return {u: line for u, line in lines.items() if line}
+
+    # a 2-update spike is not divergence; 3 updates above 60 nats are, reported once
+    fired = run([5, 70, 80, 10, 61, 62, 120, 130], [0.6] * 8)
+    assert list(fired) == [6] and watch.diverged["update"] == 6
+    assert "objective/kl stayed above 60 nats (10 x the KL target 6) for 3 updates (now 120.0)" in fired[6]
+    assert "--ppo.lr 0.1" in fired[6] and "--rewards.kl_coef 0.15" in fired[6] and "exit status 3" in fired[6]
+    # a pass rate at 0 from the start is the filter's flags (the pass-rate warning), not divergence
+    watch = DivergenceWatch(args)
+    assert run([1.0] * 6, [0.0] * 6) == {}
+    # a pass rate that falls to 0 and stays there for 3 updates is a collapse
+    watch = DivergenceWatch(args)
+    fired = run([1.0] * 7, [0.5, 0.7, 0.0, 0.0, 0.2, 0.0, 0.0])
+    assert fired == {} and watch.update({"objective/kl": 1.0, "debug/filter_pass_rate": 0.0}, 7)
+    assert (
+        "no response passed the truncation filter for 3 updates (after a pass rate of 0.700 at update 1)"
+        in (watch.diverged["reason"])
+    )
+    # --divergence_kl sets the limit; --divergence_updates 0 turns detection off
+    args.divergence_kl = 20.0
+    watch = DivergenceWatch(args)
+    assert list(run([25, 25, 25], [0.5] * 3)) == [2] and "above 20 nats (--divergence_kl)" in watch.diverged["reason"]
+    args.divergence_updates = 0
+    watch = DivergenceWatch(args)
+    assert run([1e6] * 20, [0.0] * 20) == {} and watch.diverged is None
 
 
 def test_whiten_groups_use_population_moments_per_group():
