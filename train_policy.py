@@ -896,13 +896,20 @@ def main(args: Args) -> list[dict[str, float]]:
     saves.wait()  # the last checkpoint and policy are on disk before the run ends
     accelerator.wait_for_everyone()
     tracker.close()
+    failed = divergence.diverged is not None and not args.allow_divergence
     if accelerator.is_main_process and history:
         summary = run_summary(history, first_update, sizes.nupdates, kl_ctl.value, divergence.diverged)
         write_summary(args.output_dir, summary)
-        print_summary(console, args, summary, push_to_hub(args) if args.push_to_hub else None)
-    if divergence.diverged and not args.allow_divergence:
-        update = divergence.diverged["update"]
-        message = f"the run diverged at update {update}; its policy and checkpoints are saved, but do not use them"
+        hub = None
+        if args.push_to_hub:  # a diverged policy is not published
+            hub = "not uploaded: the run diverged" if failed else push_to_hub(args)
+        print_summary(console, args, summary, hub)
+    if failed:
+        message = (
+            f"the run diverged at update {divergence.diverged['update']} (see the line then and "
+            f"{args.output_dir}/summary.json); its policy and checkpoints are saved, from the diverged run. Lower the "
+            "flag it names and train again, or pass --allow_divergence to end with status 0."
+        )
         raise cli.Stopped(message if accelerator.is_main_process else "", cli.DIVERGED_EXIT_CODE)
     return history
 
