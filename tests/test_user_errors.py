@@ -293,17 +293,18 @@ def test_resumed_run_summary_takes_every_start_value_from_the_resume_point(polic
     shutil.rmtree(resumed_dir / "training_state" / "step2")
     code, out, err = run_cli(train_policy, [*argv[:-1], str(resumed_dir), "--resume", "auto"], capsys)
     assert code == 0, err
+    # the closing table: every start value is the resume point's, labelled so
+    table = " ".join(out.split())
+    assert (
+        "1 of 2, resumed at update 1" in table
+        and f"kl_coef (update 1 -> after 1) │ {history[1]['objective/kl_coef']:.4f}" in table
+    )
     summary = json.loads((resumed_dir / "summary.json").read_text())
     assert summary["updates"] == {"first": 1, "last": 1, "of": 2} and summary["resumed"] is True
     # the score, KL and kl_coef at update 1 (the resume point), not the score of update 1 beside the kl_coef of update 0
     assert summary["objective/score"][0] == history[1]["objective/score"]
     assert summary["objective/kl"][0] == history[1]["objective/kl"]
     assert summary["kl_coef"][0] == history[1]["objective/kl_coef"] != 0.15
-    table = " ".join(out.split())
-    assert (
-        "1 of 2, resumed at update 1" in table
-        and f"kl_coef (update 1 -> after 1) │ {history[1]['objective/kl_coef']:.4f}" in table
-    )
     assert summary["diverged"] is None
 
 
