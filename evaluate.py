@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 import torch
 import tyro
 
-from lm_human_preference_details import cli, core, validation
+from lm_human_preference_details import checkpoint, cli, core, validation
 from lm_human_preference_details.data import load_texts
 from lm_human_preference_details.evaluation import (
     BASE_RUN,
@@ -75,8 +75,13 @@ class Args:
     checkpoints: tuple[str, ...] = ()
     """policy directories (or quoted globs) for the gold-vs-KL plot, all evaluated on the same queries; points are
     grouped into one line per training run (the output_dir in their args.json) and labelled by directory name"""
-    base_model: str = "gpt2"
-    """the base (reference) model the policy started from: hub id or local directory"""
+    base_model: str | None = None
+    """the base (reference) model that KL and the base scores are measured against: hub id or local directory; None:
+    the --base_model of the policy's training run (its args.json), gpt2 for a policy without args.json. Another model
+    than the run's is refused unless --allow_base_model_mismatch"""
+    allow_base_model_mismatch: bool = False
+    """compare the policy with a --base_model other than the one its training run started from (its args.json): the
+    KL is then to that model, not the policy's reference policy"""
     reward_model: str = "models/reward"
     """the proxy score, as train_policy.py's --rewards.trained_model names it (default: the run's): a reward-model
     DIR (train_reward.py --output_dir; also reward_model:DIR), vader, classifier:NAME_OR_DIR[#LABEL] or
@@ -136,10 +141,28 @@ def read_run_args(policy_dir: str | None) -> dict | None:
             f"--policy '{policy_dir}' holds a reward model written by train_reward.py, not a policy; pass the "
             f"--output_dir of train_policy.py as --policy (or --checkpoints), and this directory as --reward_model."
         )
+    if policy_dir and (run_dir := training_state_run(policy_dir)) is not None:
+        raise ValueError(
+            f"--policy '{policy_dir}' is a training-state checkpoint (what --resume continues from), not a saved "
+            f"policy; pass the run's --output_dir '{run_dir}' (the policy of its last save), or a snapshot that "
+            "train_policy.py --save_checkpoints keeps (OUTPUT_DIR/checkpoints/update{N}), as --policy or --checkpoints."
+        )
     if not os.path.isfile(path):
         return None
     with open(path, encoding="utf-8") as f:
         return json.load(f)
+
+
+def training_state_run(directory: str) -> str | None:
+    """The run directory of a training-state checkpoint (OUTPUT_DIR/training_state/step{N}, or training_state itself)
+    given where a policy is expected; None for any other directory."""
+    path = os.path.normpath(directory)
+    is_model = os.path.isfile(os.path.join(path, "config.json"))
+    if os.path.isfile(os.path.join(path, checkpoint.META_FILE)) and not is_model:
+        return os.path.dirname(os.path.dirname(path)) or "."
+    if os.path.basename(path) == checkpoint.STATE_DIR and checkpoint.list_checkpoints(os.path.dirname(path)):
+        return os.path.dirname(path) or "."
+    return None
 
 
 def defaults_from_run(run: dict) -> Args:
@@ -207,6 +230,9 @@ def main(args: Args) -> dict:
     validation.check_writable_dir(output_dir, "--output_dir")  # before the evaluation, not after it
     runs = {d: read_run_args(d) for d in [args.policy, *checkpoints] if d is not None}
     known_runs = [r for r in runs.values() if r is not None]
+    args = dataclasses.replace(args, base_model=args.base_model or next(iter(known_runs), {}).get("base_model", "gpt2"))
+    if mismatch := check_base_model(args.base_model, runs, args.allow_base_model_mismatch):
+        console.print(f"warning: --allow_base_model_mismatch: {mismatch}", style="bold yellow", markup=False)
     skip = query_offset(args, known_runs)
     normalization = run_normalization(args.reward_model, runs)
     tf32 = core.use_tf32(args.tf32)
@@ -327,6 +353,36 @@ def run_normalization(reward: str, runs: dict[str, dict | None]) -> dict | None:
             saved = run["rewards"].get("normalization")
             return {**saved, "args_json": os.path.join(directory, "args.json")} if saved else None
     return None
+
+
+def check_base_model(base_model: str, runs: dict[str, dict | None], allow: bool) -> str | None:
+    """ValueError when --base_model is a reward model, or another model than a policy's training run started from
+    (its args.json) unless `allow`; -> the mismatch, or None when the base models agree."""
+    if validation.is_reward_model(base_model):
+        raise ValueError(
+            f"--base_model '{base_model}' is a reward model, not the language model a policy starts from; pass the "
+            "policy's base model (its args.json records it; drop --base_model to use it), and a reward model as "
+            "--reward_model or --gold reward_model:DIR."
+        )
+    others = {d: run["base_model"] for d, run in runs.items() if run and not same_model(base_model, run["base_model"])}
+    if not others:
+        return None
+    listed = ", ".join(f"'{d}' started from '{base}'" for d, base in others.items())
+    mismatch = (
+        f"--base_model '{base_model}' is not the base model of the training run (its args.json): {listed}; the KL and "
+        "the base scores would be measured against another model than the policy's reference policy"
+    )
+    if not allow:
+        raise ValueError(
+            f"{mismatch}. Drop --base_model (the default is the run's), or pass --allow_base_model_mismatch to compare "
+            "with it anyway."
+        )
+    return mismatch
+
+
+def same_model(a: str, b: str) -> bool:
+    """Whether two model names (hub ids or local directories) name the same model: equal, or the same directory."""
+    return a == b or (validation.local_path(a) is not None and validation.local_path(a) == validation.local_path(b))
 
 
 def check_reward_input(spec: str, runs: dict[str, dict | None]) -> None:

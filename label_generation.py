@@ -47,6 +47,7 @@ from lm_human_preference_details.labels import (
     OAI_PAD_TOKEN,
     LabelType,
     get_label_type,
+    label_file_task,
     labels_meta_path,
     load_labels,
     oai_pad_compatible,
@@ -740,12 +741,14 @@ def converted_meta(
     start_time: float,
     source: dict,
 ) -> dict:
-    """The .meta.json of a converted label file: its label type, where it came from (`source`), the tokenizer and
-    lengths it was tokenized for, and the counts."""
+    """The .meta.json of a converted label file: its label type, where it came from (`source`) and the --task it was
+    made for (when the input tells), the tokenizer and lengths it was tokenized for, and the counts."""
+    task_id = label_file_task(args.input)[0]
     return {
         "label_type": label_type.name,
         "converted_from": args.input,
         **source,
+        **({"task_id": task_id} if task_id else {}),
         "base_model": args.base_model,
         "tokenizer_fingerprint": tokenizer_fingerprint(target),
         "tokenizer_pad_token_id": target.pad_token_id,

@@ -38,6 +38,7 @@ from lm_human_preference_details.modeling import (
 from lm_human_preference_details.optim import make_optimizer
 from lm_human_preference_details.ppo_plumbing import (
     RESUME_IGNORED,
+    DivergenceWatch,
     PhaseTimer,
     TrainingState,
     check_policy_inputs,
@@ -48,10 +49,12 @@ from lm_human_preference_details.ppo_plumbing import (
     progress_bar,
     progress_text,
     push_to_hub,
+    run_summary,
     sample_table_rows,
     save_checkpoint,
     start_tracker,
     task_from_reward_model,
+    write_summary,
 )
 from lm_human_preference_details.rewards import describe_normalization, load_reward, normalize_reward
 from lm_human_preference_details.tasks import (
@@ -181,6 +184,16 @@ class Args:
     filter_warning_rate: float = 0.1
     """warn on the console, every log_interval updates, while debug/filter_pass_rate (responses passing the task's
     truncation filter; the others score the penalty) stays below this; 0: never warn"""
+    divergence_updates: int = 10
+    """report the run as diverged when, for this many updates in a row, objective/kl stays above --divergence_kl or
+    no response passes the truncation filter (debug/filter_pass_rate 0 after it was above 0): a line naming the
+    likely flags, `diverged` in OUTPUT_DIR/summary.json, and exit status 3 once everything is saved; detection only,
+    the run trains on as OAI's would; 0: never"""
+    divergence_kl: float | None = None
+    """objective/kl (nats per episode) above which an update counts towards divergence; None: 10 x
+    --rewards.adaptive_kl.target (60 nats for OAI's target 6, also with a fixed kl_coef)"""
+    allow_divergence: bool = False
+    """exit with status 0 even when the run diverged (it is still reported and recorded in summary.json)"""
     save_interval: int = 50
     """save the policy and a training-state checkpoint every this many updates, and always at the end (OAI
     run.save_interval); 0 = only at the end"""
@@ -766,6 +779,7 @@ def main(args: Args) -> list[dict[str, float]]:
         first_update, elapsed_before = resumed.step, resumed.shared["elapsed_time"]
     progress, bar = progress_bar(console, accelerator, sizes.nupdates, first_update)
     pass_rate_alarm = PassRateAlarm(args.filter_warning_rate, args.log_interval)
+    divergence = DivergenceWatch(args)  # detection only: reads the reduced statistics
     history: list[dict[str, float]] = []
     saves = checkpoint.BackgroundSaves()
     last_time = time.time()
@@ -898,6 +912,8 @@ def main(args: Args) -> list[dict[str, float]]:
             warning = pass_rate_alarm.update(stats["debug/filter_pass_rate"], update, task)
             if warning and accelerator.is_main_process:
                 console.print(warning, style="bold red", markup=False)
+            if (diverged := divergence.update(stats, update)) and accelerator.is_main_process:
+                console.print(diverged, style="bold red", markup=False)
             progress.update(bar, advance=1, description=progress_text(stats))
             is_last = update == sizes.nupdates - 1
             saves.raise_error()  # a failed background save stops the run at the next update
@@ -914,8 +930,21 @@ def main(args: Args) -> list[dict[str, float]]:
     saves.wait()  # the last checkpoint and policy are on disk before the run ends
     accelerator.wait_for_everyone()
     tracker.close()
+    failed = divergence.diverged is not None and not args.allow_divergence
     if accelerator.is_main_process and history:
-        print_summary(console, args, history, kl_ctl.value, push_to_hub(args) if args.push_to_hub else None)
+        summary = run_summary(history, first_update, sizes.nupdates, kl_ctl.value, divergence.diverged)
+        write_summary(args.output_dir, summary)
+        hub = None
+        if args.push_to_hub:  # a diverged policy is not published
+            hub = "not uploaded: the run diverged" if failed else push_to_hub(args)
+        print_summary(console, args, summary, hub)
+    if failed:
+        message = (
+            f"the run diverged at update {divergence.diverged['update']} (see the line then and "
+            f"{args.output_dir}/summary.json); its policy and checkpoints are saved, from the diverged run. Lower the "
+            "flag it names and train again, or pass --allow_divergence to end with status 0."
+        )
+        raise cli.Stopped(message if accelerator.is_main_process else "", cli.DIVERGED_EXIT_CODE)
     return history
 
 

@@ -31,6 +31,7 @@ from lm_human_preference_details.host_syncs import to_device
 from lm_human_preference_details.labels import (
     Labels,
     LabelType,
+    check_label_task,
     get_label_type,
     label_loss,
     label_row_errors,
@@ -76,6 +77,9 @@ class LabelHParams:
     num_train: int = 4992
     """labels used for training: the first `num_train` rows of the label file; the rest are held out for eval/ (OAI
     launch.py#L71, it had no held-out set)"""
+    allow_task_mismatch: bool = False
+    """train on a label file made for another --task than this run's (its .meta.json task_id, or the folder of OAI's
+    label file); the reward model records this run's --task. By default a mismatch stops the run"""
 
 
 @dataclass
@@ -192,6 +196,10 @@ def oai_presets() -> dict[str, Args]:
         "tldr": summarization_preset("tldr"),
         "cnndm": summarization_preset("cnndm"),
     }
+
+
+RESUME_IGNORED = (*checkpoint.RESUME_IGNORED, "labels.allow_task_mismatch")
+"""settings that may change on --resume: they do not change what the run computes"""
 
 
 # ---------------------------------------------------------------- algorithm
@@ -315,6 +323,7 @@ def main(args: Args) -> dict:
     """Train and save a reward model; returns the final figures, this process's label indices and the model."""
     # 0. processes, derived sizes (spec D1), printed, then checked by --dry_run; seeds; --resume
     validation.check_reward_args(args)
+    label_task_warning = check_label_task(args.label_dataset, args.task_id, args.labels.allow_task_mismatch)
     cli.quiet_transformers()
     accelerator = make_accelerator(args.dist_timeout)
     tf32 = use_tf32(args.tf32)
@@ -330,6 +339,8 @@ def main(args: Args) -> dict:
     console = cli.make_console()
     if accelerator.is_main_process:
         print_setup(console, args, world, local_batch_size, micro_batch_size, num_steps, tf32)
+        if label_task_warning:
+            console.print(f"warning: {label_task_warning}", style="bold red", markup=False)
     if args.dry_run:
         check_inputs(args, accelerator)
         return {}
@@ -342,7 +353,7 @@ def main(args: Args) -> dict:
     args = dataclasses.replace(args, task=resolve_truncation(args.task, tokenizer))
     # a killed run continues from its checkpoint (--resume); a fresh one never writes into another run's output_dir
     settings = {**dataclasses.asdict(args), "world_size": world}
-    resumed = checkpoint.start_or_resume(args, settings, checkpoint.RESUME_IGNORED, accelerator, f"{num_steps} steps")
+    resumed = checkpoint.start_or_resume(args, settings, RESUME_IGNORED, accelerator, f"{num_steps} steps")
 
     # 1. labels (validated before any model is loaded), models, optimizer, query stream
     label_type = get_label_type(args.labels.type)

@@ -43,8 +43,13 @@ DEBUG_ENV = "LHPD_DEBUG"
 """Set to 1 to see tracebacks, like --debug."""
 
 
+DIVERGED_EXIT_CODE = 3
+"""exit status of a training run that ended, saved, but diverged (train_policy.py; --allow_divergence: 0)"""
+
+
 class Stopped(Exception):
-    """A run stopped on request (SIGINT/SIGTERM) after saving; `cli.run` prints the message and exits with `code`."""
+    """A run that ended after saving but did not succeed: stopped on request (SIGINT/SIGTERM, code 128 + signal) or
+    diverged (DIVERGED_EXIT_CODE); `cli.run` prints the message and exits with `code`."""
 
     def __init__(self, message: str, code: int):
         super().__init__(message)

@@ -16,7 +16,13 @@ import numpy as np
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from lm_human_preference_details.sources import OAI_TEXT_SOURCES, HubTexts, load_task_texts, read_jsonl_texts
+from lm_human_preference_details.sources import (
+    OAI_TEXT_SOURCES,
+    HubTexts,
+    load_task_texts,
+    read_jsonl_texts,
+    read_utf8,
+)
 from lm_human_preference_details.tasks import TaskHParams, build_query, encode_texts, text_to_token
 
 logger = logging.getLogger(__name__)
@@ -32,8 +38,8 @@ def _read_local_texts(path: str) -> list[str]:
     """Non-blank lines of a .txt file, or the `text` field (or bare string) of every row of a .jsonl file."""
     if path.lower().endswith(".jsonl"):
         return read_jsonl_texts(path)
-    with open(path, encoding="utf-8") as f:
-        return [line for line in f.read().splitlines() if line.strip()]
+    text = read_utf8(path, "query dataset file", "--task.query_dataset")
+    return [line for line in text.splitlines() if line.strip()]
 
 
 def load_texts(query_dataset: str, split: str = "train") -> Sequence[str]:

@@ -20,7 +20,14 @@ from transformers import PreTrainedTokenizerBase
 
 from lm_human_preference_details.core import write_atomic, write_json_atomic
 from lm_human_preference_details.hub import HubUnavailableError, check_available
-from lm_human_preference_details.sources import OAI_URL, SourceUnavailableError, announce_once, download_cached, oai_url
+from lm_human_preference_details.sources import (
+    OAI_URL,
+    SourceUnavailableError,
+    announce_once,
+    download_cached,
+    oai_url,
+    read_utf8,
+)
 
 # OAI's padding token: len(encoder) + 2, outside GPT-2's 50257-token vocabulary; label files use it
 # https://github.com/openai/lm-human-preferences/blob/cbfd210bb8b08f6bc5c26878c10984b90f516c66/lm_human_preferences/language/encodings.py#L56
@@ -293,10 +300,9 @@ SCHEMA = (
 """OAI's label schema in one line, for error messages."""
 
 
-def _read_json_rows(path: str, where: str) -> Any:
+def _read_json_rows(path: str, where: str, flag: str) -> Any:
     """The parsed JSON content of a label file; ValueError naming the file and the expected schema when it is not."""
-    with open(path, encoding="utf-8") as f:
-        text = f.read()
+    text = read_utf8(path, "label file", flag)
     try:
         return json.loads(text)
     except json.JSONDecodeError as e:
@@ -328,7 +334,7 @@ def read_label_rows(source: str, flag: str = "--label_dataset") -> tuple[list[di
     """Rows of a label file of any type and lengths, validated against its first row; -> rows, type, the file's PAD."""
     path = _resolve_label_source(source, flag)
     where = f"label file '{source}'"
-    rows = _read_json_rows(path, where)
+    rows = _read_json_rows(path, where, flag)
     first = rows[0] if isinstance(rows, list) and rows and isinstance(rows[0], dict) else {}
     label_type = label_type_of_row(first)
     if label_type is None or not isinstance(first.get("query"), list):
@@ -397,7 +403,7 @@ def load_labels(
     kind = get_label_type(label_type)
     path = _resolve_label_source(source, flag)
     where = f"label file '{source}'"
-    rows = _read_json_rows(path, where)
+    rows = _read_json_rows(path, where, flag)
     found = label_type_of_row(rows[0]) if isinstance(rows, list) and rows else None
     if found is not None and found.name != kind.name:
         raise ValueError(
@@ -424,6 +430,41 @@ def load_labels(
         row = starts_with_pad[0]
         raise ValueError(f"{where}: row {row} field 'query' starts with PAD; a query must start with a real token.")
     return Labels(query=torch.from_numpy(query), samples=torch.from_numpy(samples), label=torch.from_numpy(label))
+
+
+def label_file_task(source: str) -> tuple[str | None, str]:
+    """The --task a label file was made for and where that is recorded: the `task_id` of a local file's
+    `<file>.meta.json` (label_generation.py generate and the label server write it), or the folder of one of OAI's
+    label files (descriptiveness/offline_5k.json); (None, "") when neither tells."""
+    if os.path.isfile(source):
+        meta_path = labels_meta_path(source)
+        try:
+            with open(meta_path, encoding="utf-8") as f:
+                task = json.load(f).get("task_id")
+        except (OSError, ValueError, AttributeError):
+            return None, ""  # no metadata, or unreadable: label_file_pad_id names a broken one
+        if not isinstance(task, str):
+            return None, ""
+        return task, f"its {os.path.basename(meta_path)} records task_id {task!r}"
+    folder = source.removeprefix(OAI_LABELS_URL).split("/")[0]
+    return (folder, f"one of OAI's {folder} label files") if folder in OAI_LABEL_FOLDERS else (None, "")
+
+
+def check_label_task(label_dataset: str, task_id: str, allow: bool) -> str | None:
+    """ValueError when the label file was made for another --task than `task_id` (sentiment and descriptiveness share
+    every task setting: the reward model would be recorded as trained for the wrong one and pass the policy's task
+    check), unless `allow`; -> a warning, or None when they agree or the file does not tell."""
+    task, where = label_file_task(label_dataset)
+    if task is None or task == task_id:
+        return None
+    mismatch = f"--label_dataset '{label_dataset}' holds labels for --task {task} ({where})"
+    mismatch += f", but this run is --task {task_id}"
+    if not allow:
+        raise ValueError(
+            f"{mismatch}, so the reward model would be recorded as a {task_id} model; pass --task {task}, or "
+            "--labels.allow_task_mismatch to train on them anyway."
+        )
+    return f"--labels.allow_task_mismatch: {mismatch}; the reward model records --task {task_id}"
 
 
 def check_label_tokenizer(source: str, fingerprint: str, tokenizer_name: str, flag: str = "--label_dataset") -> None:

@@ -1,6 +1,7 @@
 """The plumbing around train_policy.py's algorithm: input checks, the start-up table, tracking, the sample table,
 progress, checkpoints, the policy's save and its upload. Nothing here changes what a PPO update computes."""
 
+import contextlib
 import dataclasses
 import os
 import shlex
@@ -89,6 +90,9 @@ def start_tracker(
     )
     if resumed is None and args.overwrite_output_dir and accelerator.is_main_process:
         checkpoint.clear_previous_run(args.output_dir)  # every input has loaded: the old run's outputs can go
+    if accelerator.is_main_process:  # a run that starts or continues makes the summary of its last end stale
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(os.path.join(args.output_dir, SUMMARY_FILE))
     config = {**dataclasses.asdict(args), "world_size": settings["world_size"], "nupdates": nupdates}
     tracker = core.Tracker(
         args.output_dir,
@@ -217,6 +221,52 @@ def task_from_reward_model(args: Any) -> tuple[Any, list[str]]:
     return dataclasses.replace(args, task=task), [f"{k}: {ours!r} -> {saved!r}" for k, (saved, ours) in changed.items()]
 
 
+class DivergenceWatch:
+    """Tells a diverged PPO run by its reduced statistics after each update: objective/kl above `kl_limit`, or no
+    response passing the truncation filter after some did, for `patience` updates in a row. Detection only: it reads
+    the statistics the run logs and changes nothing the run computes. `diverged` holds the first detection."""
+
+    def __init__(self, args: Any):
+        self.patience = args.divergence_updates
+        target = args.rewards.adaptive_kl.target
+        self.kl_limit = args.divergence_kl if args.divergence_kl is not None else 10 * target
+        self.kl_source = "--divergence_kl" if args.divergence_kl is not None else f"10 x the KL target {target:g}"
+        self.lr, self.kl_coef, self.penalty = args.ppo.lr, args.rewards.kl_coef, args.task.penalty_reward_value
+        self.high_kl = self.no_pass = 0
+        self.passed: tuple[float, int] | None = None  # the highest filter pass rate so far, and its update
+        self.diverged: dict | None = None
+
+    def update(self, stats: dict[str, float], update: int) -> str | None:
+        """Count update `update`'s statistics; -> the `diverged` line the first time a criterion has held for
+        `patience` updates, else None."""
+        kl, rate = stats["objective/kl"], stats["debug/filter_pass_rate"]
+        self.high_kl = self.high_kl + 1 if kl > self.kl_limit else 0
+        self.no_pass = self.no_pass + 1 if rate == 0 and self.passed is not None else 0
+        if rate > 0 and (self.passed is None or rate > self.passed[0]):
+            self.passed = (rate, update)
+        if self.diverged is not None or self.patience <= 0:
+            return None
+        if self.high_kl >= self.patience:
+            reason = (
+                f"objective/kl stayed above {self.kl_limit:g} nats ({self.kl_source}) for {self.patience} updates "
+                f"(now {kl:.1f}): the policy is far from its reference policy"
+            )
+        elif self.no_pass >= self.patience:
+            reason = (
+                f"no response passed the truncation filter for {self.patience} updates (after a pass rate of "
+                f"{self.passed[0]:.3f} at update {self.passed[1]}): every score is the penalty "
+                f"--task.penalty_reward_value {self.penalty:g}, the policy collapsed"
+            )
+        else:
+            return None
+        self.diverged = {"update": update, "reason": reason}
+        return (
+            f"diverged at update {update}: {reason}. Likely flags: --ppo.lr {self.lr:g} (too high? OAI uses 1e-5 for "
+            f"books, 2e-6 for tldr and cnndm), --rewards.kl_coef {self.kl_coef:g}. The run trains on; it ends with "
+            f"exit status {cli.DIVERGED_EXIT_CODE} (--allow_divergence: 0)."
+        )
+
+
 class PhaseTimer:
     """Time between marks without host syncs: CUDA events on GPU (read after the update's one sync), clock on CPU."""
 
@@ -301,6 +351,9 @@ RESUME_IGNORED = (
     *checkpoint.RESUME_IGNORED,
     "log_interval",
     "filter_warning_rate",
+    "divergence_updates",
+    "divergence_kl",
+    "allow_divergence",
     "save_checkpoints",
     "print_samples",
     "push_to_hub",
@@ -392,16 +445,59 @@ def progress_text(stats: dict[str, float]) -> str:
     return text
 
 
-def print_summary(console, args: Any, history: list[dict[str, float]], kl_coef: float, hub: str | None) -> None:
-    """The closing table: updates run, first -> last score and KL, kl_coef, and where the outputs went."""
+SUMMARY_FILE = "summary.json"
+"""OUTPUT_DIR/summary.json: what the closing table shows, written when a run ends (removed when one starts)"""
+
+
+def run_summary(
+    history: list[dict[str, float]], first_update: int, nupdates: int, kl_coef: float, diverged: dict | None
+) -> dict:
+    """What this run's updates did, every start value from its first update (the resume point of a resumed run):
+    updates run, score and KL at the first and last update, kl_coef at the first update and after the last, and the
+    divergence (None: none detected)."""
     first, final = history[0], history[-1]
-    summary = {
-        "updates": f"{len(history)} ({int(final['elapsed/episodes'])} episodes, {final['elapsed/time']:.0f} s)",
-        "objective/score": f"{cli.number(first['objective/score'])} -> {cli.number(final['objective/score'])}",
-        "objective/kl": f"{cli.number(first['objective/kl'])} -> {cli.number(final['objective/kl'])}",
-        "kl_coef": f"{cli.number(args.rewards.kl_coef, 4)} -> {cli.number(kl_coef, 4)}",
+    return {
+        "updates": {"first": first_update, "last": first_update + len(history) - 1, "of": nupdates},
+        "resumed": first_update > 0,
+        "episodes": int(final["elapsed/episodes"]),
+        "time_s": final["elapsed/time"],
+        "objective/score": [first["objective/score"], final["objective/score"]],
+        "objective/kl": [first["objective/kl"], final["objective/kl"]],
+        "kl_coef": [first["objective/kl_coef"], kl_coef],
+        "diverged": diverged,
+    }
+
+
+def write_summary(output_dir: str, summary: dict) -> None:
+    """OUTPUT_DIR/summary.json, atomically."""
+    core.write_json_atomic(os.path.join(output_dir, SUMMARY_FILE), summary)
+
+
+def print_summary(console, args: Any, summary: dict, hub: str | None) -> None:
+    """The closing table: updates run, score and KL at this run's first and last update, kl_coef from its first
+    update to after its last (a resumed run's start values are the resume point's), the divergence, where the outputs
+    went."""
+    updates = summary["updates"]
+    span = f"update {updates['first']} -> {updates['last']}"
+    count = updates["last"] - updates["first"] + 1
+    done = f"{count} of {updates['of']}, resumed at update {updates['first']}" if summary["resumed"] else f"{count}"
+
+    def change(name: str, digits: int = 3) -> str:
+        return " -> ".join(cli.number(value, digits) for value in summary[name])
+
+    table = {
+        "updates": f"{done} ({summary['episodes']} episodes, {summary['time_s']:.0f} s)",
+        f"objective/score ({span})": change("objective/score"),
+        f"objective/kl ({span})": change("objective/kl"),
+        f"kl_coef (update {updates['first']} -> after {updates['last']})": change("kl_coef", 4),
+        **(
+            {"diverged": f"at update {summary['diverged']['update']}: {summary['diverged']['reason']}"}
+            if summary["diverged"]
+            else {}
+        ),
         "policy, value head, tokenizer": args.output_dir,
         "TensorBoard": f"{args.output_dir}/tb",
+        "summary": os.path.join(args.output_dir, SUMMARY_FILE),
         **({"hub": hub} if hub else {}),
     }
-    cli.print_table(console, "policy training done", summary)
+    cli.print_table(console, "policy training done", table)

@@ -16,7 +16,7 @@ import shutil
 import urllib.error
 import urllib.parse
 import urllib.request
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import ftfy
@@ -247,27 +247,62 @@ class CleanedTexts(Sequence):
 # ---------------------------------------------------------------- OAI's files and the stand-ins
 
 
+def not_utf8_error(path: str, what: str, flag: str, error: UnicodeDecodeError) -> ValueError:
+    """The ValueError for a file that is not UTF-8 text: its first bad byte, line and offset, and the fix."""
+    with open(path, "rb") as f:
+        data = f.read()
+    try:
+        data.decode("utf-8")
+        start, reason = error.start, error.reason  # decoded whole: the error came from a chunk boundary
+    except UnicodeDecodeError as e:
+        start, reason = e.start, e.reason
+    line = data.count(b"\n", 0, start) + 1
+    byte = f"byte 0x{data[start]:02x}" if start < len(data) else "the last bytes"
+    return ValueError(
+        f"{what} '{path}' is not UTF-8 text ({byte} at line {line}, offset {start}: {reason}); save it as UTF-8 "
+        f"(e.g. iconv -f latin1 -t utf-8 '{path}' > new{os.path.splitext(path)[1]}) and pass that file as {flag}."
+    )
+
+
+def read_utf8(path: str, what: str, flag: str) -> str:
+    """The content of a UTF-8 text file; ValueError naming the file, the bad byte's line and `flag` when it is not
+    UTF-8 (Latin-1, UTF-16, a binary file)."""
+    with open(path, encoding="utf-8") as f:
+        try:
+            return f.read()
+        except UnicodeDecodeError as e:
+            raise not_utf8_error(path, what, flag, e) from e
+
+
+def read_utf8_lines(path: str, what: str, flag: str) -> Iterator[str]:
+    """The lines of a UTF-8 text file, one at a time, as `read_utf8` reads it."""
+    with open(path, encoding="utf-8") as f:
+        try:
+            yield from f
+        except UnicodeDecodeError as e:
+            raise not_utf8_error(path, what, flag, e) from e
+
+
 def read_jsonl_texts(path: str) -> list[str]:
     """The bare JSON string, or the `text` field, of every non-blank row of a .jsonl file."""
     texts = []
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(
-                    f"{path} line {lineno}: invalid JSON ({e}); write one {{'text': ...}} object per line."
-                ) from e
-            # OAI's book_passages/*.jsonl rows are bare JSON strings (books.py#L8-L11); other rows need a "text" field
-            text = row.get("text") if isinstance(row, dict) else row
-            if not isinstance(text, str):
-                raise ValueError(
-                    f"{path} line {lineno}: expected a JSON string or an object with a 'text' string, "
-                    f"got {line.strip()[:80]!r}."
-                )
-            texts.append(text)
+    for lineno, line in enumerate(read_utf8_lines(path, "query dataset file", "--task.query_dataset"), start=1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ValueError(
+                f"{path} line {lineno}: invalid JSON ({e}); write one {{'text': ...}} object per line."
+            ) from e
+        # OAI's book_passages/*.jsonl rows are bare JSON strings (books.py#L8-L11); other rows need a "text" field
+        text = row.get("text") if isinstance(row, dict) else row
+        if not isinstance(text, str):
+            raise ValueError(
+                f"{path} line {lineno}: expected a JSON string or an object with a 'text' string, "
+                f"got {line.strip()[:80]!r}."
+            )
+        texts.append(text)
     return texts
 
 

@@ -6,6 +6,7 @@ https://github.com/openai/lm-human-preferences/blob/cbfd210bb8b08f6bc5c26878c109
 """
 
 import dataclasses
+import math
 from dataclasses import dataclass
 
 import torch
@@ -73,6 +74,15 @@ TASKS: dict[str, TaskHParams] = {
 }
 
 
+FLOAT32_EXP_UNDERFLOW = -math.log(torch.finfo(torch.float32).tiny)
+"""87.34: exp(-x) of a larger x is below float32's smallest normal number, so a softmax term that far below the top
+logit is (nearly) 0"""
+MIN_TEMPERATURE = 1 / FLOAT32_EXP_UNDERFLOW
+"""0.01145: the lowest --task.temperature accepted. Below it a logit gap of 1 nat (between likely tokens, common)
+exceeds FLOAT32_EXP_UNDERFLOW once divided by the temperature: the softmax is one-hot in float32, sampling is greedy
+and the log-probs of every other token (and the KL, which grows as 1/temperature) are meaningless"""
+
+
 def check_task(task: TaskHParams, response_filter: bool = True) -> None:
     """ValueError naming the --task.* flag whose value makes every query or response invalid or the run meaningless;
     `response_filter`: the run scores responses through the truncation filter (reward training does not)."""
@@ -82,6 +92,14 @@ def check_task(task: TaskHParams, response_filter: bool = True) -> None:
             raise ValueError(f"--task.{name} must be an integer >= 1, got {value!r}; OAI's books tasks use 64 and 24.")
     if not (isinstance(task.temperature, (int, float)) and 0 < task.temperature < float("inf")):
         raise ValueError(f"--task.temperature must be a finite number > 0, got {task.temperature!r}; OAI uses 0.7.")
+    if task.temperature < MIN_TEMPERATURE:
+        raise ValueError(
+            f"--task.temperature {task.temperature:g} makes the softmax one-hot: the logits are divided by it, so a "
+            f"logit gap of 1 nat becomes {1 / task.temperature:.3g} nats, past the {FLOAT32_EXP_UNDERFLOW:.1f} at "
+            "which exp() underflows float32; every sample would be the most likely token (best-of-N samples identical) "
+            "and log-probs and KL grow as 1/temperature. Pass --task.temperature "
+            f"{math.ceil(MIN_TEMPERATURE * 1e4) / 1e4:g} or more (OAI uses 0.7)."
+        )
     if response_filter and (task.truncate_token is not None or task.truncate_text):
         if task.truncate_token is not None and task.truncate_token < 0:
             raise ValueError(f"--task.truncate_token must be a token id >= 0 or None, got {task.truncate_token}.")
@@ -258,23 +276,34 @@ def filter_flags(task: TaskHParams) -> str:
 
 class PassRateAlarm:
     """Console warning when the filter pass rate stays under `threshold`: checked at every `interval`-th update, it
-    fires when every update since the previous check was below (at the first check: the first update alone)."""
+    fires when every update since the previous check was below (at the first check: the first update alone). A rate
+    that was above the threshold earlier in the run and fell blames the training, not the filter's flags."""
 
     def __init__(self, threshold: float, interval: int):
         self.threshold, self.interval = threshold, interval
         self.first: int | None = None
         self.highest = 0.0
+        self.best: tuple[float, int] | None = None  # the run's highest rate at or above the threshold, and its update
 
     def update(self, rate: float, update: int, task: TaskHParams) -> str | None:
         """The warning after update `update` (0-based) whose pass rate was `rate`, or None."""
         self.first = update if self.first is None else self.first
         self.highest = max(self.highest, rate)
+        if rate >= self.threshold and (self.best is None or rate > self.best[0]):
+            self.best = (rate, update)
         if self.threshold <= 0 or update % self.interval:
             return None
         first, highest, self.first, self.highest = self.first, self.highest, None, 0.0
         if highest >= self.threshold:
             return None
         updates = f"update {update}" if first == update else f"updates {first}-{update}"
+        if self.best is not None:
+            return (
+                f"warning: the filter pass rate fell below {self.threshold} ({updates}, highest {highest:.3f}) after "
+                f"{self.best[0]:.3f} at update {self.best[1]}, with the same filter: the policy moved away from the "
+                "responses that pass and trains on the penalty --task.penalty_reward_value "
+                f"{task.penalty_reward_value}. A sign of divergence: check --ppo.lr and --rewards.kl_coef."
+            )
         return (
             f"warning: the filter pass rate stayed below {self.threshold} ({updates}, highest {highest:.3f}), so the "
             f"policy trains on the penalty --task.penalty_reward_value {task.penalty_reward_value}: "

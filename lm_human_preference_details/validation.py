@@ -150,10 +150,10 @@ def save_atomically(output_dir: str, write: Callable[[str], Any], flag: str = "-
 # ---------------------------------------------------------------- the scripts' arguments
 
 
-def check_not_reward_model(base_model: str) -> None:
-    """ValueError when the policy's --base_model is a local reward model (its reward_model.json, or a config of a
-    sequence classifier): the policy would start from the reward model's trunk."""
-    path = os.path.expanduser(base_model)
+def is_reward_model(name_or_path: str) -> bool:
+    """Whether a model name is a local reward model directory: its reward_model.json, or a config of a sequence
+    classifier (reward_model.json lost in a copy)."""
+    path = os.path.expanduser(name_or_path)
     config_path = os.path.join(path, "config.json")
     architectures = []
     if os.path.isfile(config_path):
@@ -163,7 +163,13 @@ def check_not_reward_model(base_model: str) -> None:
         except (OSError, ValueError, AttributeError):
             architectures = []  # check_model_dir and the loader name an unreadable config
     classifier = any(str(name).endswith("ForSequenceClassification") for name in architectures)
-    if os.path.isfile(os.path.join(path, REWARD_CONFIG_FILE)) or classifier:
+    return os.path.isfile(os.path.join(path, REWARD_CONFIG_FILE)) or classifier
+
+
+def check_not_reward_model(base_model: str) -> None:
+    """ValueError when the policy's --base_model is a local reward model: the policy would start from the reward
+    model's trunk."""
+    if is_reward_model(base_model):
         raise ValueError(
             f"--base_model '{base_model}' is a reward model, not a language model to start the policy from; pass it "
             "as --rewards.trained_model, and as --base_model the pretrained model it was trained from (e.g. gpt2)."
@@ -201,6 +207,9 @@ def check_policy_args(args: Any) -> None:
         check_at_least(rewards.adaptive_kl.horizon, 1, "--rewards.adaptive_kl.horizon", "OAI uses 10000")
     check_reward_source(rewards.trained_model, rewards.normalize_samples)
     check_at_least(args.log_interval, 1, "--log_interval", "e.g. 10")
+    check_at_least(args.divergence_updates, 0, "--divergence_updates", "0 never reports divergence")
+    if args.divergence_kl is not None:
+        check_positive(args.divergence_kl, "--divergence_kl", "e.g. 60 (nats), or None for 10 x the KL target")
     check_at_least(args.save_interval, 0, "--save_interval", "0 saves only at the end")
     check_at_least(args.print_samples, 0, "--print_samples")
     if args.rollout_micro_batch_size is not None:

@@ -324,7 +324,7 @@ def test_parse_takes_the_training_settings_from_args_json(tiny_run, tiny_model_d
     assert (args.task.query_dataset, args.task.query_length, args.task.truncate_after) == (query_file, 16, 2)
     assert parse(["--policy", policy, "--task.response_length", "5"]).task.response_length == 5
     preset = parse(["--policy", policy, "--task", "tldr"])
-    assert preset.task.query_length == 500 and preset.base_model == "gpt2"
+    assert preset.task.query_length == 500 and preset.base_model is None  # None: the run's, resolved in main
 
 
 def test_bad_input_names_the_flag(tmp_path):

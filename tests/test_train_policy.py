@@ -19,7 +19,13 @@ import train_policy
 from lm_human_preference_details import core
 from lm_human_preference_details.cli import parse_args
 from lm_human_preference_details.modeling import PolicyWithValueHead, RewardModel
-from lm_human_preference_details.ppo_plumbing import check_reward_model_task, print_summary, progress_text
+from lm_human_preference_details.ppo_plumbing import (
+    DivergenceWatch,
+    check_reward_model_task,
+    print_summary,
+    progress_text,
+    run_summary,
+)
 from lm_human_preference_details.tasks import PassRateAlarm, TaskHParams, passes_filter, truncate_response
 from lm_human_preference_details.tokenizer import load_tokenizer, tokenizer_fingerprint
 from tests.planted import REPO, free_port
@@ -159,16 +165,27 @@ def test_passes_filter_needs_truncate_token_at_or_after_truncate_after():
 
 def test_closing_table_and_progress_text_name_the_figures_and_where_the_outputs_went():
     history = [
-        {"objective/score": -1.0, "objective/kl": 0.0, "elapsed/episodes": 32, "elapsed/time": 3.0},
-        {"objective/score": 0.5, "objective/kl": 2.25, "elapsed/episodes": 64, "elapsed/time": 6.2},
+        {"objective/score": -1.0, "objective/kl": 0.0, "objective/kl_coef": 0.15, "elapsed/episodes": 32},
+        {"objective/score": 0.5, "objective/kl": 2.25, "objective/kl_coef": 0.14, "elapsed/episodes": 64},
     ]
+    history[1]["elapsed/time"] = 6.2
     args = oai_presets()["sentiment"]
     console = Console(record=True, width=160)
-    print_summary(console, args, history, 0.1234, "me/policy")
+    print_summary(console, args, run_summary(history, 0, 2, 0.1234, None), "me/policy")
     text = console.export_text()
     assert "policy training done" in text and "2 (64 episodes, 6 s)" in text
-    assert "-1.000 -> 0.500" in text and "0.000 -> 2.250" in text and "0.1500 -> 0.1234" in text
+    assert "objective/score (update 0 -> 1) │ -1.000 -> 0.500" in text and "0.000 -> 2.250" in text
+    assert "kl_coef (update 0 -> after 1)   │ 0.1500 -> 0.1234" in text and "diverged" not in text
     assert args.output_dir in text and f"{args.output_dir}/tb" in text and "me/policy" in text
+    # resumed at update 5: every start value is the resume point's (kl_coef too, not --rewards.kl_coef)
+    history[0]["objective/kl_coef"] = 0.1444
+    summary = run_summary(history, 5, 10, 0.1234, {"update": 6, "reason": "objective/kl stayed above 60 nats"})
+    console = Console(record=True, width=200)
+    print_summary(console, args, summary, None)
+    text = console.export_text()
+    assert "2 of 10, resumed at update 5" in text and "objective/score (update 5 -> 6)" in text
+    assert "kl_coef (update 5 -> after 6)" in text and "0.1444 -> 0.1234" in text and "0.1500" not in text
+    assert "at update 6: objective/kl stayed above 60 nats" in text
     assert progress_text({"objective/score": 0.5, "objective/kl": -0.0001}) == "score 0.500 kl 0.000"  # never -0.000
     assert progress_text({"objective/score": 0.5, "objective/kl": 1.0, "objective/gold_score": 0.25}).endswith(
         "kl 1.000 gold 0.250"
@@ -186,7 +203,47 @@ def test_pass_rate_alarm_fires_every_interval_while_the_rate_stays_low():
     for flag in ("--task.truncate_token 13", "--task.truncate_after 16", "--task.response_length 24"):
         assert flag in fired[0]
     assert "--task.penalty_reward_value -1.0" in fired[0]
+    # a rate that reached 0.5 and fell blames the training, not the filter's flags
+    assert "fell below 0.1 (updates 7-9, highest 0.090) after 0.500 at update 4" in fired[9]
+    assert "--ppo.lr" in fired[9] and "Check these flags" not in fired[9] and "Check these flags" in fired[3]
     assert not any(PassRateAlarm(0.0, 1).update(0.0, update, task) for update in range(3))  # 0: never
+
+
+def test_divergence_watch_reports_a_kl_or_a_pass_rate_collapse_that_lasts():
+    args = oai_presets()["sentiment"]  # limit: 10 x the KL target 6 = 60 nats
+    args.divergence_updates, args.ppo.lr = 3, 0.1
+    watch = DivergenceWatch(args)
+
+    def run(kls: list[float], rates: list[float]) -> dict[int, str]:
+        lines = {
+            u: watch.update({"objective/kl": kl, "debug/filter_pass_rate": r}, u)
+            for u, (kl, r) in enumerate(zip(kls, rates))
+        }
+        return {u: line for u, line in lines.items() if line}
+
+    # a 2-update spike is not divergence; 3 updates above 60 nats are, reported once
+    fired = run([5, 70, 80, 10, 61, 62, 120, 130], [0.6] * 8)
+    assert list(fired) == [6] and watch.diverged["update"] == 6
+    assert "objective/kl stayed above 60 nats (10 x the KL target 6) for 3 updates (now 120.0)" in fired[6]
+    assert "--ppo.lr 0.1" in fired[6] and "--rewards.kl_coef 0.15" in fired[6] and "exit status 3" in fired[6]
+    # a pass rate at 0 from the start is the filter's flags (the pass-rate warning), not divergence
+    watch = DivergenceWatch(args)
+    assert run([1.0] * 6, [0.0] * 6) == {}
+    # a pass rate that falls to 0 and stays there for 3 updates is a collapse
+    watch = DivergenceWatch(args)
+    fired = run([1.0] * 7, [0.5, 0.7, 0.0, 0.0, 0.2, 0.0, 0.0])
+    assert fired == {} and watch.update({"objective/kl": 1.0, "debug/filter_pass_rate": 0.0}, 7)
+    assert (
+        "no response passed the truncation filter for 3 updates (after a pass rate of 0.700 at update 1)"
+        in (watch.diverged["reason"])
+    )
+    # --divergence_kl sets the limit; --divergence_updates 0 turns detection off
+    args.divergence_kl = 20.0
+    watch = DivergenceWatch(args)
+    assert list(run([25, 25, 25], [0.5] * 3)) == [2] and "above 20 nats (--divergence_kl)" in watch.diverged["reason"]
+    args.divergence_updates = 0
+    watch = DivergenceWatch(args)
+    assert run([1e6] * 20, [0.0] * 20) == {} and watch.diverged is None
 
 
 def test_whiten_groups_use_population_moments_per_group():

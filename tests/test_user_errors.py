@@ -4,10 +4,12 @@ that works (the fix is then run where that is cheap), and --dry_run checks the i
 import dataclasses
 import json
 import shlex
+import shutil
 
 import pytest
 
 import evaluate
+import label_generation
 import train_policy
 import train_reward
 from lm_human_preference_details import cli
@@ -187,3 +189,138 @@ def test_json_lines_preference_pairs_name_the_expected_schema(tmp_path):
     row = {"query": [1] * 16, "sample0": [2] * 8, "sample1": [3] * 8, "best": 0}
     (tmp_path / "pairs.json").write_text(json.dumps([row]))
     assert len(load_labels(str(tmp_path / "pairs.json"), 16, 8, 50257, 1, "best_of_2")) == 1
+
+
+# ---------------------------------------------------------------- mistakes that would give numbers nobody should trust
+
+
+def test_labels_of_the_other_books_task_stop_reward_training_and_name_the_task(tmp_path, tiny_model_dir, world, capsys):
+    # descriptiveness labels (their .meta.json says so) would train a reward model recorded as sentiment's, which then
+    # passes train_policy.py --task sentiment's task check: sentiment and descriptiveness share every task setting
+    labels = write_label_rows(tmp_path / "labels.json", 32, 64, 24, meta=True)
+    meta_path = labels_meta_path(labels)
+    meta = json.loads(open(meta_path).read())
+    open(meta_path, "w").write(json.dumps({**meta, "task_id": "descriptiveness"}))
+    argv = reward_argv(tiny_model_dir, world, labels, tmp_path / "rm", "--dry_run")
+    line = one_error_line(*run_cli(train_reward, argv, capsys)[::2])
+    assert f"--label_dataset '{labels}' holds labels for --task descriptiveness" in line
+    assert "labels.json.meta.json records task_id 'descriptiveness'" in line and "this run is --task sentiment" in line
+    assert "pass --task descriptiveness" in line and "--labels.allow_task_mismatch" in line
+    code, out, err = run_cli(train_reward, ["--task", "descriptiveness", *argv], capsys)
+    assert code == 0 and "warning" not in out, err
+    code, out, err = run_cli(train_reward, [*argv, "--labels.allow_task_mismatch"], capsys)
+    assert code == 0 and "warning: --labels.allow_task_mismatch" in out and "records --task sentiment" in out, err
+    # OAI's label files name their task by their folder
+    argv = reward_argv(tiny_model_dir, world, "descriptiveness/offline_5k.json", tmp_path / "rm", "--dry_run")
+    line = one_error_line(*run_cli(train_reward, argv, capsys)[::2])
+    assert "holds labels for --task descriptiveness (one of OAI's descriptiveness label files)" in line
+
+
+def test_temperature_that_makes_the_softmax_one_hot_is_refused_with_the_reason(tmp_path, tiny_model_dir, world, capsys):
+    # at 1e-9 every best-of-4 row held four identical samples and the policy's KL reached 1.3e7 nats
+    generate = ["generate", "--base_model", tiny_model_dir, "--task.query_dataset", world["queries"]]
+    argv = [*generate, "--task.temperature", "1e-9", "--output", str(tmp_path / "labels.json")]
+    line = one_error_line(*run_cli(label_generation, argv, capsys)[::2])
+    assert "--task.temperature 1e-09 makes the softmax one-hot" in line and "becomes 1e+09 nats" in line
+    assert "exp() underflows float32" in line and "Pass --task.temperature 0.0115 or more" in line
+    argv = policy_argv(tiny_model_dir, world, tmp_path / "out", "--task.temperature", "0.01", "--dry_run")
+    assert "--task.temperature 0.01 makes the softmax one-hot" in one_error_line(
+        *run_cli(train_policy, argv, capsys)[::2]
+    )
+    code, _, err = run_cli(
+        train_policy, [*argv, "--task.temperature", "0.0115", "--rewards.allow_task_mismatch"], capsys
+    )
+    assert code == 0, err
+    assert not (tmp_path / "labels.json").exists() and not (tmp_path / "out").exists()
+
+
+def test_files_that_are_not_utf8_name_the_file_the_line_and_the_flag(tmp_path, tiny_model_dir, world, capsys):
+    queries = tmp_path / "latin1.txt"
+    queries.write_bytes("A first line.\nLe café était fermé.\n".encode("latin-1"))
+    argv = policy_argv(tiny_model_dir, world, tmp_path / "out", "--task.query_dataset", str(queries), "--dry_run")
+    line = one_error_line(*run_cli(train_policy, argv, capsys)[::2])
+    assert f"query dataset file '{queries}' is not UTF-8 text (byte 0xe9 at line 2, offset 20" in line
+    assert "save it as UTF-8" in line and "--task.query_dataset" in line and "codec" not in line
+    labels = tmp_path / "labels.json"
+    labels.write_bytes(b'[{"query": "\xe9"}]')
+    argv = reward_argv(tiny_model_dir, world, str(labels), tmp_path / "rm", "--dry_run")
+    line = one_error_line(*run_cli(train_reward, argv, capsys)[::2])
+    assert f"label file '{labels}' is not UTF-8 text (byte 0xe9 at line 1" in line and "--label_dataset" in line
+
+
+@pytest.fixture(scope="module")
+def policy_run(tmp_path_factory, tiny_model_dir, world):
+    """A finished 2-update policy run with a training-state checkpoint after each update; -> its argv and history."""
+    output_dir = tmp_path_factory.mktemp("policy-run") / "run"
+    sizes = ("--ppo.total_episodes", "16", "--ppo.batch_size", "8", "--save_interval", "1", "--keep_checkpoints", "0")
+    argv = policy_argv(tiny_model_dir, world, output_dir, *sizes)
+    return argv, train_policy.main(train_policy.parse(argv))
+
+
+def test_evaluate_policy_that_is_a_training_state_names_the_run_directory(policy_run, capsys):
+    run_dir = policy_run[0][-1]
+    for state in (f"{run_dir}/training_state/step1", f"{run_dir}/training_state"):
+        line = one_error_line(*run_cli(evaluate, ["--policy", state, "--dry_run"], capsys)[::2])
+        assert f"--policy '{state}' is a training-state checkpoint" in line and "reward" not in line
+        assert f"pass the run's --output_dir '{run_dir}'" in line and "checkpoints/update{N}" in line
+    code, _, err = run_cli(evaluate, ["--policy", run_dir, "--dry_run"], capsys)
+    assert code == 0, err
+
+
+def test_evaluate_base_model_other_than_the_runs_is_refused_unless_asked(policy_run, tiny_model_dir, world, capsys):
+    run_dir = policy_run[0][-1]
+    argv = ["--policy", run_dir, "--dry_run"]
+    line = one_error_line(*run_cli(evaluate, [*argv, "--base_model", world["reward"]], capsys)[::2])
+    assert f"--base_model '{world['reward']}' is a reward model, not the language model a policy starts from" in line
+    line = one_error_line(*run_cli(evaluate, [*argv, "--base_model", "gpt2"], capsys)[::2])
+    assert f"--base_model 'gpt2' is not the base model of the training run (its args.json): '{run_dir}'" in line
+    assert f"started from '{tiny_model_dir}'" in line and "Drop --base_model (the default is the run's)" in line
+    code, out, err = run_cli(evaluate, [*argv, "--base_model", "gpt2", "--allow_base_model_mismatch"], capsys)
+    assert code == 0 and "warning: --allow_base_model_mismatch: --base_model 'gpt2' is not" in out, err
+    code, out, err = run_cli(evaluate, [*argv, "--base_model", f"{tiny_model_dir}/"], capsys)  # the same directory
+    assert code == 0 and "warning" not in out, err
+    # the help says what the default is: the run's base model
+    code, out, _ = run_cli(evaluate, ["--help"], capsys)
+    assert code == 0 and "None: the --base_model of the policy's training run (its args.json)" in " ".join(out.split())
+    code, out, _ = run_cli(evaluate, ["--policy", run_dir, "--help"], capsys)
+    assert f"(default: {tiny_model_dir})" in "".join(out.split()).replace("(default:", "(default: ")
+
+
+def test_resumed_run_summary_takes_every_start_value_from_the_resume_point(policy_run, tmp_path, capsys):
+    argv, history = policy_run
+    resumed_dir = tmp_path / "resumed"
+    shutil.copytree(argv[-1], resumed_dir)
+    shutil.rmtree(resumed_dir / "training_state" / "step2")
+    code, out, err = run_cli(train_policy, [*argv[:-1], str(resumed_dir), "--resume", "auto"], capsys)
+    assert code == 0, err
+    # the closing table: every start value is the resume point's, labelled so
+    table = " ".join(out.split())
+    assert (
+        "1 of 2, resumed at update 1" in table
+        and f"kl_coef (update 1 -> after 1) │ {history[1]['objective/kl_coef']:.4f}" in table
+    )
+    summary = json.loads((resumed_dir / "summary.json").read_text())
+    assert summary["updates"] == {"first": 1, "last": 1, "of": 2} and summary["resumed"] is True
+    # the score, KL and kl_coef at update 1 (the resume point), not the score of update 1 beside the kl_coef of update 0
+    assert summary["objective/score"][0] == history[1]["objective/score"]
+    assert summary["objective/kl"][0] == history[1]["objective/kl"]
+    assert summary["kl_coef"][0] == history[1]["objective/kl_coef"] != 0.15
+    assert summary["diverged"] is None
+
+
+def test_huge_lr_run_is_reported_as_diverged_and_exits_with_status_3(tmp_path, tiny_model_dir, world, capsys):
+    # --ppo.lr 0.3 throws the tiny policy 80 nats away from its reference policy at update 1, 67 at update 2
+    sizes = ("--ppo.total_episodes", "24", "--ppo.batch_size", "8", "--ppo.lr", "0.3")
+    limit = ("--rewards.adaptive_kl.target", "3", "--divergence_updates", "2")  # 30 nats, 2 updates in a row
+    argv = policy_argv(tiny_model_dir, world, tmp_path / "out", *sizes, *limit)
+    code, out, err = run_cli(train_policy, argv, capsys)
+    assert code == cli.DIVERGED_EXIT_CODE == 3, err
+    flat = " ".join(out.split())
+    assert "diverged at update 2: objective/kl stayed above 30 nats (10 x the KL target 3) for 2 updates" in flat
+    assert "Likely flags: --ppo.lr 0.3" in flat and "--rewards.kl_coef 0.15" in flat
+    assert err.strip().splitlines()[-1].startswith("the run diverged at update 2")
+    summary = json.loads((tmp_path / "out" / "summary.json").read_text())
+    assert summary["diverged"]["update"] == 2 and summary["updates"]["last"] == 2
+    assert (tmp_path / "out" / "model.safetensors").exists()  # saved first: detection changes nothing the run does
+    code, out, err = run_cli(train_policy, [*argv, "--overwrite_output_dir", "--allow_divergence"], capsys)
+    assert code == 0 and "diverged at update 2" in " ".join(out.split()), err

@@ -69,6 +69,9 @@ def tree(path) -> dict[str, bytes]:
         (["--task.query_length", "-4"], "--task.query_length must be an integer >= 1"),
         (["--task.temperature", "0"], "--task.temperature must be a finite number > 0"),
         (["--task.temperature", "-0.7"], "--task.temperature must be a finite number > 0"),
+        (["--task.temperature", "1e-9"], "--task.temperature 1e-09 makes the softmax one-hot"),
+        (["--divergence_updates", "-1"], "--divergence_updates must be an integer >= 0"),
+        (["--divergence_kl", "0"], "--divergence_kl must be a finite number > 0"),
     ],
 )
 def test_policy_flags_that_would_fail_late_or_mean_nothing_stop_first(tmp_path, flags, words):
@@ -87,6 +90,7 @@ def test_policy_flags_that_would_fail_late_or_mean_nothing_stop_first(tmp_path, 
         (["--batch_size", "0"], "--batch_size must be an integer >= 1"),
         (["--lr", "0"], "--lr must be a finite number > 0"),
         (["--task.temperature", "0"], "--task.temperature must be a finite number > 0"),
+        (["--task.temperature", "0.005"], "--task.temperature 0.005 makes the softmax one-hot"),
         (["--task.response_length", "-1"], "--task.response_length must be an integer >= 1"),
     ],
 )
