@@ -41,8 +41,6 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import tyro
-
 REPO = Path(__file__).resolve().parents[1]
 DEMO = Path(__file__).resolve().parent
 # idle OpenMP threads sleep instead of spinning: on a busy machine, spinning threads of torch's two-thread pool steal
@@ -53,6 +51,8 @@ if str(REPO) not in sys.path:  # the package and the training scripts, also when
 
 import pretrain  # noqa: E402
 import world  # noqa: E402
+
+from lm_human_preference_details import cli  # noqa: E402
 
 QUICK_MIN_GOLD_MARGIN = 0.3
 """mean VADER gain (trained - base) on held-out queries that --quick guarantees (tests/test_demo.py checks it)"""
@@ -630,4 +630,4 @@ def main(args: Args) -> dict:
 
 
 if __name__ == "__main__":
-    main(tyro.cli(Args))
+    main(cli.tyro_cli(Args))
