@@ -63,8 +63,9 @@ FULL_MIN_GOLD_MARGIN = 0.5
 DEMO_THREADS = 2
 """torch's intra-op threads in every stage, whatever the machine's cores: torch and MKL split a matmul's or a
 reduction's sum into one partial sum per thread, so the thread count changes the rounding (two pretrainings that differ
-only in 1 or 2 threads end 7.9e-6 apart) and PPO carries such differences on to other samples and another final gold
-score. Pinned, the figures of docs/demo.md depend on the CPU's kernels only; 2 is the count they were measured with."""
+only in 1 or 2 threads end at losses 1.5681 and 1.5690) and PPO carries such differences on to other samples and another
+final gold score. Pinned, a run repeats exactly on the same CPU and the figures of docs/demo.md depend on the CPU's
+kernels only; 2 is the count they were measured with."""
 REWARD_MODEL = "reward_model"
 DIRECT_NORMALIZE_SAMPLES = 256
 """base-model samples on which a programmatic reward is normalized (as train_reward.py normalizes the reward model)"""
