@@ -182,9 +182,9 @@ _LABELLED_LINE = re.compile(r"^[A-Z][\w-]*(?: [\w-]+)?:(?:\s|$)")
 def keep_line_breaks(doc: str) -> str:
     """`doc` with a blank line before each labelled line and after each indented block.
 
-    tyro joins a line to the one before it unless it starts with a non-letter or follows a blank line
-    (`tyro._strings.remove_single_line_breaks`, applied to every description), so "Run: ..." and "Steps: ..." would
-    run together; a blank line is the one break it keeps.
+    --help joins a line to the one before it unless it is indented, a list item or follows a blank line
+    (`join_wrapped_lines`, applied to every description), so "Run: ..." and "Steps: ..." would run together; a blank
+    line is the break it keeps.
     """
     out: list[str] = []
     for line in doc.strip().splitlines():
