@@ -20,12 +20,11 @@ from typing import Literal
 import numpy as np
 import torch
 import torch.distributed as dist
-import tyro
 from transformers import GPT2LMHeadModel
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmark.shapes import gpt2_config  # noqa: E402
-from lm_human_preference_details import core  # noqa: E402
+from lm_human_preference_details import cli, core  # noqa: E402
 from lm_human_preference_details.optim import AdamTensorFlowStyle  # noqa: E402
 
 
@@ -131,4 +130,4 @@ def main(args: Args) -> None:
 
 
 if __name__ == "__main__":
-    main(tyro.cli(Args, use_underscores=True))
+    main(cli.tyro_cli(Args, use_underscores=True))

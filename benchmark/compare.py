@@ -23,13 +23,12 @@ import sys
 from dataclasses import dataclass, field
 from typing import Literal
 
-import tyro
 from rich import box
 from rich.console import Console
 from rich.table import Column, Table
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from lm_human_preference_details import compare
+from lm_human_preference_details import cli, compare
 
 
 @dataclass
@@ -93,7 +92,7 @@ def main(args: Args) -> None:
     """Load, plot, tabulate."""
     if not args.runs and not args.wandb:
         raise SystemExit("error: give at least one source with --runs or --wandb")
-    console = Console()
+    console = Console(soft_wrap=True)  # tables fit the terminal; a line of text is never broken: a path stays whole
     try:
         groups = load_groups(args)
     except (compare.WandbUnavailableError, FileNotFoundError, ValueError) as error:
@@ -157,4 +156,4 @@ def main(args: Args) -> None:
 
 
 if __name__ == "__main__":
-    main(tyro.cli(Args, description=__doc__, use_underscores=True))
+    main(cli.tyro_cli(Args, description=__doc__, use_underscores=True))

@@ -25,7 +25,7 @@ from typing import Annotated
 
 import tyro
 from rich.console import Console
-from rich.table import Table
+from rich.table import Column, Table
 
 SLURM_PLACEHOLDERS = ("command", "seed", "job_name", "run_dir", "workdir")
 
@@ -165,6 +165,15 @@ def write_slurm_files(jobs: list[Job], template_path: str, name: str) -> list[st
     return paths
 
 
+def print_whole(console: Console, table: Table) -> None:
+    """The table at its natural width when the console is narrower: the terminal wraps its lines, but no path in it is
+    cut or folded."""
+    natural = console.measure(table, options=console.options.update(max_width=sys.maxsize)).maximum
+    if natural > console.width:
+        table.width = natural
+    console.print(table, crop=False)
+
+
 def main(args: Args) -> int:
     """Build the jobs, then print, write or run them; -> exit code (1 when a local job failed)."""
     if args.workers < 1:
@@ -174,9 +183,10 @@ def main(args: Args) -> int:
         for job in jobs:
             print(job.command)
         return 0
-    console = Console()
+    console = Console(soft_wrap=True)  # a printed path stays whole, for the user to copy
     if args.slurm_template:
-        table = Table("seed", "sbatch file", "submitted" if args.submit else "to submit", title=f"{name}: Slurm jobs")
+        status_column = "submitted" if args.submit else "to submit"
+        table = Table("seed", Column("sbatch file", no_wrap=True), status_column, title=f"{name}: Slurm jobs")
         for job, path in zip(jobs, write_slurm_files(jobs, args.slurm_template, name)):
             status = f"sbatch {path}"
             if args.submit:
@@ -188,18 +198,18 @@ def main(args: Args) -> int:
                     raise SystemExit(f"error: sbatch {path} failed: {result.stderr.strip()}")
                 status = result.stdout.strip()
             table.add_row(str(job.seed), path, status)
-        console.print(table)
+        print_whole(console, table)
         return 0
 
     for job in jobs:
         console.print(f"[bold]seed {job.seed}[/bold] -> {job.run_dir}/launch.log", highlight=False)
     with ThreadPoolExecutor(max_workers=args.workers) as pool:
         results = list(pool.map(lambda job: run_job(job, echo=args.workers == 1), jobs))
-    table = Table("seed", "exit code", "minutes", "log", title=f"{name}: {len(jobs)} seeds")
+    table = Table("seed", "exit code", "minutes", Column("log", no_wrap=True), title=f"{name}: {len(jobs)} seeds")
     for job, (returncode, seconds) in zip(jobs, results):
         status = "[green]0[/green]" if returncode == 0 else f"[red]{returncode}[/red]"
         table.add_row(str(job.seed), status, f"{seconds / 60:.1f}", os.path.join(job.run_dir, "launch.log"))
-    console.print(table)
+    print_whole(console, table)
     return int(any(returncode != 0 for returncode, _ in results))
 
 

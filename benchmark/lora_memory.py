@@ -16,7 +16,6 @@ import sys
 from dataclasses import dataclass
 
 import torch
-import tyro
 from rich.console import Console
 from rich.table import Table
 from transformers import GPT2LMHeadModel
@@ -102,4 +101,4 @@ def main(args: Args) -> None:
 
 
 if __name__ == "__main__":
-    main(tyro.cli(Args, description=__doc__))
+    main(cli.tyro_cli(Args, description=__doc__))

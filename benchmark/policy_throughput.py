@@ -30,7 +30,6 @@ from typing import Literal
 
 import numpy as np
 import torch
-import tyro
 from rich.console import Console
 from rich.table import Table
 from transformers import GPT2LMHeadModel, GPT2Model
@@ -38,6 +37,7 @@ from transformers import GPT2LMHeadModel, GPT2Model
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import train_policy  # noqa: E402
 from benchmark.shapes import SHAPES, gpt2_config  # noqa: E402
+from lm_human_preference_details import cli  # noqa: E402
 from lm_human_preference_details.host_syncs import HostSyncCounter  # noqa: E402
 from lm_human_preference_details.modeling import RewardModel  # noqa: E402
 from lm_human_preference_details.tokenizer import gpt2_tokenizer_offline, tokenizer_fingerprint  # noqa: E402
@@ -464,4 +464,4 @@ def main(args: Args) -> None:
 
 
 if __name__ == "__main__":
-    main(tyro.cli(Args, use_underscores=True))
+    main(cli.tyro_cli(Args, use_underscores=True))

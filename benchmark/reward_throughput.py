@@ -19,13 +19,13 @@ from typing import Literal
 
 import numpy as np
 import torch
-import tyro
 from rich.console import Console
 from rich.table import Table
 from transformers import GPT2Model
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmark.shapes import gpt2_config  # noqa: E402
+from lm_human_preference_details import cli  # noqa: E402
 from lm_human_preference_details.host_syncs import HostSyncCounter  # noqa: E402
 from lm_human_preference_details.labels import best_of_n_loss  # noqa: E402
 from lm_human_preference_details.modeling import RewardModel, score_label_rows  # noqa: E402
@@ -123,4 +123,4 @@ def main(args: Args) -> None:
 
 
 if __name__ == "__main__":
-    main(tyro.cli(Args, use_underscores=True))
+    main(cli.tyro_cli(Args, use_underscores=True))

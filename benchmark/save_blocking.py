@@ -18,7 +18,6 @@ from dataclasses import dataclass
 from typing import Literal
 
 import torch
-import tyro
 from transformers import GPT2LMHeadModel
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -91,4 +90,4 @@ def main(args: Args) -> None:
 
 
 if __name__ == "__main__":
-    main(tyro.cli(Args))
+    main(cli.tyro_cli(Args))

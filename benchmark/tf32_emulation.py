@@ -17,10 +17,10 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-import tyro
 from transformers import GPT2Config, GPT2LMHeadModel
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from lm_human_preference_details import cli  # noqa: E402
 from lm_human_preference_details.kernels import logprobs_from_logits  # noqa: E402
 from lm_human_preference_details.modeling import PolicyWithValueHead, sample  # noqa: E402
 
@@ -104,4 +104,4 @@ def main(args: Args) -> None:
 
 
 if __name__ == "__main__":
-    main(tyro.cli(Args))
+    main(cli.tyro_cli(Args))

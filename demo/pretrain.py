@@ -15,7 +15,6 @@ import time
 from dataclasses import dataclass
 
 import torch
-import tyro
 from transformers import GPT2Config, GPT2LMHeadModel
 
 from lm_human_preference_details import cli
@@ -145,4 +144,4 @@ def main(args: Args) -> dict:
 
 
 if __name__ == "__main__":
-    main(tyro.cli(Args))
+    main(cli.tyro_cli(Args))

@@ -41,8 +41,6 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import tyro
-
 REPO = Path(__file__).resolve().parents[1]
 DEMO = Path(__file__).resolve().parent
 # idle OpenMP threads sleep instead of spinning: on a busy machine, spinning threads of torch's two-thread pool steal
@@ -54,12 +52,20 @@ if str(REPO) not in sys.path:  # the package and the training scripts, also when
 import pretrain  # noqa: E402
 import world  # noqa: E402
 
+from lm_human_preference_details import cli  # noqa: E402
+
 QUICK_MIN_GOLD_MARGIN = 0.3
 """mean VADER gain (trained - base) on held-out queries that --quick guarantees (tests/test_demo.py checks it)"""
 FULL_MIN_GOLD_MARGIN = 0.5
 """mean VADER gain that the full demo guarantees"""
 
 
+DEMO_THREADS = 2
+"""torch's intra-op threads in every stage, whatever the machine's cores: torch and MKL split a matmul's or a
+reduction's sum into one partial sum per thread, so the thread count changes the rounding (two pretrainings that differ
+only in 1 or 2 threads end at losses 1.5681 and 1.5690) and PPO carries such differences on to other samples and another
+final gold score. Pinned, a run repeats exactly on the same CPU and the figures of docs/demo.md depend on the CPU's
+kernels only; 2 is the count they were measured with."""
 REWARD_MODEL = "reward_model"
 DIRECT_NORMALIZE_SAMPLES = 256
 """base-model samples on which a programmatic reward is normalized (as train_reward.py normalizes the reward model)"""
@@ -144,10 +150,12 @@ QUICK = Settings(
 
 
 def child_env() -> dict[str, str]:
-    """The environment of every stage: offline, the repository importable, no tokenizer thread pools, CPU tuning."""
+    """The environment of every stage: offline, the repository importable, DEMO_THREADS threads, no tokenizer thread
+    pools, CPU tuning."""
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(REPO), *filter(None, [env.get("PYTHONPATH")])])
     env.update(HF_HUB_OFFLINE="1", WANDB_MODE="offline", TOKENIZERS_PARALLELISM="false")
+    env.update(OMP_NUM_THREADS=str(DEMO_THREADS), MKL_NUM_THREADS=str(DEMO_THREADS))
     # glibc returns every freed block over 32 MiB to the OS and page-faults it in again at the next allocation; the
     # (batch, 50257) logits are such blocks. Keeping them in the heap halves label generation's wall time (sys time
     # 15s -> 1s for 512 labels); other C libraries ignore these variables
@@ -630,4 +638,4 @@ def main(args: Args) -> dict:
 
 
 if __name__ == "__main__":
-    main(tyro.cli(Args))
+    main(cli.tyro_cli(Args))

@@ -19,14 +19,20 @@ from typing import Any, TypeVar
 
 import torch
 import tyro
+import tyro._strings as tyro_strings
+from rich.cells import cell_len
 from rich.console import Console
 from rich.table import Table
+from rich.text import Text
 
 from lm_human_preference_details.core import OutputError
 from lm_human_preference_details.hub import HubUnavailableError
 from lm_human_preference_details.sources import SourceUnavailableError
 
 T = TypeVar("T")
+
+TABLE_FRAME = 7
+"""columns a two-column rich table adds to its cells: `│ `, ` │ ` and ` │`"""
 
 USER_ERRORS = (
     ValueError,
@@ -181,9 +187,9 @@ _LABELLED_LINE = re.compile(r"^[A-Z][\w-]*(?: [\w-]+)?:(?:\s|$)")
 def keep_line_breaks(doc: str) -> str:
     """`doc` with a blank line before each labelled line and after each indented block.
 
-    tyro joins a line to the one before it unless it starts with a non-letter or follows a blank line
-    (`tyro._strings.remove_single_line_breaks`, applied to every description), so "Run: ..." and "Steps: ..." would
-    run together; a blank line is the one break it keeps.
+    --help joins a line to the one before it unless it is indented, a list item or follows a blank line
+    (`join_wrapped_lines`, applied to every description), so "Run: ..." and "Steps: ..." would run together; a blank
+    line is the break it keeps.
     """
     out: list[str] = []
     for line in doc.strip().splitlines():
@@ -193,6 +199,50 @@ def keep_line_breaks(doc: str) -> str:
             out.append("")
         out.append(line)
     return "\n".join(out)
+
+
+_LIST_ITEM = re.compile(r"^(?:[-*] |\d+[.)] )")
+"""A line that starts an item of a list: "- ", "* ", "1. ", "2) "."""
+
+
+def join_wrapped_lines(text: str) -> str:
+    """`text` with the line breaks of its wrapped sentences turned into spaces, for --help to wrap anew; a blank line,
+    an indented line (a code example) and a list item still start a line of their own.
+
+    tyro's own rule (`tyro._strings.remove_single_line_breaks`) keeps a break before every line that starts with a
+    non-letter and runs before it dedents a field's docstring, so each continuation line of an indented docstring, or
+    one that starts with `code`, a parenthesis or a number, broke its sentence in --help.
+    """
+    lines = tyro_strings.dedent(text).splitlines()
+    out: list[str] = []
+    for line in (line.rstrip() for line in lines):
+        previous = out[-1] if out else ""
+        if previous[:1].strip() and line[:1].strip() and not _LIST_ITEM.match(line):
+            out[-1] += " " + line
+        else:
+            out.append(line)
+    return "\n".join(out).strip("\n")
+
+
+@contextlib.contextmanager
+def joined_help_lines() -> Iterator[None]:
+    """Within it, tyro builds --help with `join_wrapped_lines` in place of its own rule (tyro's modules look the rule
+    up in tyro._strings at each call, so swapping it there reaches every docstring tyro reads)."""
+    original = getattr(tyro_strings, "remove_single_line_breaks", None)
+    if original is None:  # another tyro: its own rule stays
+        yield
+        return
+    tyro_strings.remove_single_line_breaks = join_wrapped_lines
+    try:
+        yield
+    finally:
+        tyro_strings.remove_single_line_breaks = original
+
+
+def tyro_cli(*args: Any, **kwargs: Any) -> Any:
+    """`tyro.cli(*args, **kwargs)`, its --help built from docstrings whose wrapped sentences are joined."""
+    with joined_help_lines():
+        return tyro.cli(*args, **kwargs)
 
 
 def describe(doc: str, tasks: Sequence[str], default_task: str) -> str:
@@ -222,7 +272,7 @@ def add_options(help_text: str, options: dict[str, str]) -> str:
     border = "│" if lines[last].rstrip().endswith("│") else ""
     rows = []
     for flag, text in options.items():
-        parts = textwrap.wrap(text, width=max(20, width - len(border) - column - 1))
+        parts = textwrap.wrap(text, width=max(20, width - column - (len(border) + 1 if border else 0)))
         if len(left) + len(flag) + 2 <= column:
             rows.append(f"{left}{flag}".ljust(column) + parts.pop(0))
         else:
@@ -250,7 +300,7 @@ def parse_args(args_type: type[T], presets: dict[str, T], default_task: str, doc
     task, rest = pop_task_flag(pop_flag(argv, "--debug")[1], list(presets), default_task)
     rest = explicit_truncation_flag(rest)
     description = describe(doc, list(presets), default_task)
-    parse = functools.partial(tyro.cli, args_type, default=presets[task], description=description, use_underscores=True)
+    parse = functools.partial(tyro_cli, args_type, default=presets[task], description=description, use_underscores=True)
     return task, cli_with_options(parse, rest, popped_flag_options(list(presets), default_task))
 
 
@@ -302,9 +352,10 @@ def quiet_transformers() -> None:
 
 
 def make_console() -> Console:
-    """A rich console; when output is piped, 160 columns wide so tables and paths are not cut at 80."""
+    """A rich console that never breaks a line of text (soft wrap: a printed path stays whole for the user to copy;
+    the terminal wraps it, as it wraps `print`); tables fit its width, 160 columns when output is piped."""
     width = None if sys.stdout.isatty() else max(160, shutil.get_terminal_size((160, 24)).columns)
-    return Console(width=width, highlight=False)
+    return Console(width=width, highlight=False, soft_wrap=True)
 
 
 def number(value: float, digits: int = 3) -> str:
@@ -314,13 +365,21 @@ def number(value: float, digits: int = 3) -> str:
 
 
 def print_table(console: Console, title: str, rows: dict[str, Any]) -> None:
-    """A two-column (what, value) table; long values fold instead of being cut."""
+    """A two-column (what, value) table; a value too long for the console's width (a long path) is left out of it and
+    printed whole under it as `what: value`: a path folded across table lines could not be copied."""
+    values = {key: value if isinstance(value, str) else str(value) for key, value in rows.items()}
+    key_width = max(map(cell_len, values), default=0)
+    fits = {key: cell_len(value) + key_width + TABLE_FRAME <= console.width for key, value in values.items()}
     table = Table(title=title, show_header=False, title_justify="left")
-    table.add_column("what", style="bold", no_wrap=True)
-    table.add_column("value", overflow="fold")
-    for key, value in rows.items():
-        table.add_row(key, value if isinstance(value, str) else str(value))
+    table.add_column("what", style="bold", no_wrap=True, min_width=key_width)
+    table.add_column("value", no_wrap=True)
+    for key, value in values.items():
+        if fits[key]:
+            table.add_row(Text(key), Text(value))
     console.print(table)
+    for key, value in values.items():
+        if not fits[key]:
+            console.print(Text.assemble((key, "bold"), ": ", value), soft_wrap=True)
 
 
 def parse_subcommands(presets: dict[str, dict[str, Any]], default_task: str, doc: str, argv=None) -> tuple[str, Any]:
@@ -336,5 +395,5 @@ def parse_subcommands(presets: dict[str, dict[str, Any]], default_task: str, doc
     ]
     description = describe(doc, list(presets), default_task)
     union = functools.reduce(operator.or_, commands)
-    parse = functools.partial(tyro.cli, union, description=description, use_underscores=True)
+    parse = functools.partial(tyro_cli, union, description=description, use_underscores=True)
     return task, cli_with_options(parse, rest, popped_flag_options(list(presets), default_task))

@@ -8,7 +8,9 @@ import sys
 import pytest
 from rich.console import Console
 
+import evaluate
 import label_generation
+import train_both
 import train_policy
 import train_reward
 from lm_human_preference_details import cli
@@ -32,13 +34,31 @@ def test_number_never_prints_negative_zero():
     assert cli.number(1.23456, 2) == "1.23"
 
 
-def test_print_table_folds_long_values_instead_of_cutting_them():
+def test_print_table_prints_a_path_too_long_for_the_table_whole_under_it():
     buffer = io.StringIO()
-    path = "/a/very/long/output/directory/" + "x" * 150
-    cli.print_table(Console(file=buffer, width=80), "t", {"output dir": path})
-    assert "…" not in buffer.getvalue()
-    assert "".join(buffer.getvalue().split()).count("x" * 40) >= 1
-    assert sum(line.count("x") for line in buffer.getvalue().splitlines()) == 150
+    path = "/a/very/long/output/directory/" + "x" * 150 + "/[tb]"
+    short = "/tmp/run"
+    cli.print_table(Console(file=buffer, width=80), "t", {"output dir": path, "TensorBoard": short, "updates": 3})
+    lines = buffer.getvalue().splitlines()
+    assert f"output dir: {path}" in lines  # whole, on one line, brackets not read as markup
+    assert any(line.startswith("│ TensorBoard │ /tmp/run") for line in lines) and "…" not in buffer.getvalue()
+    assert all(len(line) <= 80 for line in lines if path not in line)
+
+
+def test_print_table_keeps_a_value_that_fits_in_the_table():
+    buffer = io.StringIO()
+    path = "/tmp/" + "x" * 52  # 57 characters: with the 10-wide key column and the frame, exactly 80
+    cli.print_table(Console(file=buffer, width=80), "t", {"output dir": path, "updates": 3})
+    assert f"│ output dir │ {path} │" in buffer.getvalue().splitlines()
+
+
+def test_script_console_prints_a_long_path_whole():
+    buffer = io.StringIO()
+    console = cli.make_console()
+    console.file, console.width = buffer, 80
+    path = "/tmp/" + "y" * 150 + "/labels.json"
+    console.print(f"wrote 4 label rows to {path} (best_of_4, labeler vader); train with train_reward.py")
+    assert path in buffer.getvalue().splitlines()[0]
 
 
 def test_piped_console_is_wide():
@@ -90,6 +110,59 @@ def test_help_keeps_the_usage_lines_and_lists_task_among_the_options(module, cap
     assert "--task {sentiment,descriptiveness,tldr,cnndm}" in options and "(default: sentiment)" in " ".join(options)
 
 
+def test_join_wrapped_lines_joins_sentences_and_keeps_paragraphs_code_and_lists():
+    doc = (  # an attribute docstring: its first line right after the quotes, the others indented
+        "writes the candidates, `serve`\n    serves them (OUTPUT_DIR/seed{SEED}\n    (quick) with stages\n    3 and 4"
+        "\n\n        python run.py --seed 1\n        python run.py --seed 2\n    then:\n    - one\n    - two"
+        "\n    1. first"
+    )
+    assert cli.join_wrapped_lines(doc).split("\n") == [
+        "writes the candidates, `serve` serves them (OUTPUT_DIR/seed{SEED} (quick) with stages 3 and 4", "",
+        "    python run.py --seed 1", "    python run.py --seed 2", "then:", "- one", "- two", "1. first",
+    ]  # fmt: skip
+
+
+def sentence_breaks(help_text: str, width: int) -> list[str]:
+    """The lines of a flag's help (indented 8, the layout of a piped --help) that start with a word the line before had
+    room for within `width` columns: a break that the docstring's wrapping put there, not the console's."""
+    lines = help_text.splitlines()
+    return [
+        f"{before.strip()} / {line.strip()}"
+        for before, line in zip(lines, lines[1:])
+        if before.startswith(" " * 8)
+        and line.startswith(" " * 8)
+        and line.strip()
+        and len(before.rstrip()) + 1 + len(line.split()[0]) <= width
+    ]
+
+
+def run_demo_help(argv: list[str]) -> None:
+    """demo/run_demo.py's command line, as its __main__ parses it."""
+    sys.path.insert(0, str(REPO / "demo"))
+    try:
+        import run_demo
+    finally:
+        sys.path.remove(str(REPO / "demo"))
+    cli.tyro_cli(run_demo.Args, args=argv)
+
+
+@pytest.mark.parametrize(
+    "parse, argv",
+    [
+        (train_policy.parse, []), (train_reward.parse, []), (evaluate.parse, []), (train_both.parse, []),
+        *[(label_generation.parse, [command]) for command in ("generate", "sample", "serve", "convert", "agreement")],
+        (run_demo_help, []),
+    ],
+)  # fmt: skip
+def test_help_never_breaks_a_flags_sentence(parse, argv, capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "80")
+    with pytest.raises(SystemExit) as exit:
+        parse([*argv, "--help"])
+    assert exit.value.code == 0
+    text = capsys.readouterr().out
+    assert text.count("\n") > 10 and sentence_breaks(text, 80) == []
+
+
 def test_keep_line_breaks_and_add_options_in_both_box_styles():
     doc = "Title line\nwrapped on.\n\nRun:   a command\nSteps: one, two\n    indented code\nProse after it."
     assert cli.keep_line_breaks(doc).split("\n") == [
@@ -110,7 +183,7 @@ def test_keep_line_breaks_and_add_options_in_both_box_styles():
 
 
 def test_dry_run_prints_the_sizes_and_touches_nothing(tmp_path):
-    out = tmp_path / "out"
+    out = tmp_path / ("x" * 150) / "out"  # longer than the console's 160 columns: printed whole under the table
     policy = run("train_policy.py", "--dry_run", "--output_dir", str(out))
     assert "1954" in policy.stdout and "7816" in policy.stdout  # nupdates and optimizer steps of the sentiment preset
     # the dry run checks the inputs: the default reward model models/reward does not exist here
@@ -118,16 +191,17 @@ def test_dry_run_prints_the_sizes_and_touches_nothing(tmp_path):
     reward = run("train_reward.py", "--dry_run", "--output_dir", str(out))
     assert reward.returncode == 0, reward.stderr
     assert "156 (one epoch over 4992 labels)" in reward.stdout and "1 x 512" in reward.stdout
+    assert f"output dir: {out}" in reward.stdout.splitlines()
     assert not out.exists()
 
 
 def test_label_generation_dry_run_writes_nothing(tmp_path, tiny_model_dir):
-    output = tmp_path / "labels.json"
+    output = tmp_path / ("x" * 150) / "labels.json"
     result = run(
         "label_generation.py", "generate", "--base_model", tiny_model_dir, "--output", str(output), "--dry_run"
     )
     assert result.returncode == 0, result.stderr
-    assert "vader" in result.stdout and str(output) in "".join(result.stdout.split())
+    assert "vader" in result.stdout and f"output: {output}" in result.stdout.splitlines()
     assert not output.exists()
 
 

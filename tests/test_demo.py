@@ -55,13 +55,32 @@ def fake_evaluation(gold_base: float, gold_trained: float) -> dict:
     }
 
 
-def test_run_demo_reward_flag_trains_straight_against_that_reward(tmp_path, monkeypatch):
-    # the stages are recorded, not run: world and base model count as present; no labels or reward model, then the
-    # evaluation of the policy (with the reward of its args.json) against VADER
+def load_run_demo(monkeypatch):
+    """demo/run_demo.py as a module, its directory importable as when it runs."""
     monkeypatch.syspath_prepend(str(REPO / "demo"))
     spec = importlib.util.spec_from_file_location("run_demo_under_test", REPO / "demo" / "run_demo.py")
     run_demo = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(run_demo)
+    return run_demo
+
+
+def test_every_stage_runs_with_the_pinned_thread_count_whatever_the_callers(monkeypatch):
+    # the thread count changes the floats' rounding, so the published figures hold only with the count they came from
+    run_demo = load_run_demo(monkeypatch)
+    for callers in ("1", "7"):
+        monkeypatch.setenv("OMP_NUM_THREADS", callers)
+        monkeypatch.setenv("MKL_NUM_THREADS", callers)
+        stage = subprocess.run(
+            [sys.executable, "-c", "import torch; print(torch.get_num_threads())"],
+            env=run_demo.child_env(), capture_output=True, text=True, check=True, timeout=120,
+        )  # fmt: skip
+        assert stage.stdout.strip() == str(run_demo.DEMO_THREADS) == "2"
+
+
+def test_run_demo_reward_flag_trains_straight_against_that_reward(tmp_path, monkeypatch):
+    # the stages are recorded, not run: world and base model count as present; no labels or reward model, then the
+    # evaluation of the policy (with the reward of its args.json) against VADER
+    run_demo = load_run_demo(monkeypatch)
     stages = []
 
     def record_stage(name, script, flags, log_dir):

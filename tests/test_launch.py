@@ -105,6 +105,22 @@ def test_two_workers_run_seeds_at_once_and_keep_a_log_per_seed(tmp_path):
     assert re.search(r"│ 3\s+│ 0\s+│", result.stdout)
 
 
+def test_log_and_sbatch_paths_longer_than_the_console_are_printed_whole(tmp_path):
+    root = tmp_path / ("x" * 150)  # a path longer than the 80-column console
+    (tmp_path / "job.py").write_text("print('ran')\n")
+    ran = launch("--command", f"{sys.executable} job.py", "--name", "long", "--num_seeds", "1", "--output_root",
+                 str(root), cwd=tmp_path, env={"COLUMNS": "80"})  # fmt: skip
+    assert ran.returncode == 0, ran.stdout + ran.stderr
+    log = str(root / "long" / "seed1" / "launch.log")
+    lines = ran.stdout.splitlines()
+    assert f"seed 1 -> {log}" in lines and any(f"│ {log} │" in line for line in lines)
+    template = str(REPO / "benchmark" / "slurm_template.sh")
+    slurm = launch("--command", "python x.py", "--name", "long", "--num_seeds", "1", "--slurm_template", template,
+                   "--output_root", str(root), cwd=tmp_path, env={"COLUMNS": "80"})  # fmt: skip
+    assert slurm.returncode == 0, slurm.stdout + slurm.stderr
+    assert any(f"│ {root / 'long' / 'seed1' / 'job.sbatch'} │" in line for line in slurm.stdout.splitlines())
+
+
 STAGE_A = """
 import pathlib, sys
 out = pathlib.Path(sys.argv[sys.argv.index("--output_dir") + 1])
