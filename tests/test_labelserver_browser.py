@@ -11,6 +11,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 
@@ -51,9 +52,13 @@ def driver():
     options.binary_location = CHROMIUM
     for flag in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--window-size=1280,860"):
         options.add_argument(flag)
-    browser = webdriver.Chrome(service=Service(executable_path=CHROMEDRIVER), options=options)  # no Selenium Manager
-    yield browser
-    browser.quit()
+    # Chromium puts its profile and singleton socket under TMPDIR; a socket's path is limited to 107 bytes, so a long
+    # TMPDIR (a deep CI work directory) would stop Chromium at its start: give it a short one of its own
+    with tempfile.TemporaryDirectory(prefix="chromium-", dir="/tmp") as short_tmp:
+        service = Service(executable_path=CHROMEDRIVER, env={**os.environ, "TMPDIR": short_tmp})  # no Selenium Manager
+        browser = webdriver.Chrome(service=service, options=options)
+        yield browser
+        browser.quit()
 
 
 @pytest.fixture(scope="module")
