@@ -806,6 +806,9 @@ def main(args: Args) -> list[dict[str, float]]:
                 queries = to_device(query_stream.next_batch(sizes.batch, sizes.virtual_ranks), device)  # (B, Lq)
                 contexts = format_contexts(queries, prefix, suffix)  # (B, C): prefix + query + suffix (spec G4)
                 context_length = contexts.shape[1]
+                # DEVIATION: with --rollout_micro_batch_size only; OAI decodes a rank's episodes together; in chunks
+                # every episode keeps its random numbers and tokens, but log-probs and values move by float rounding
+                # (a matmul's kernel depends on its row count)
                 rollout_rows = args.rollout_micro_batch_size or sizes.batch  # episodes decoded and scored together
                 # QueryStream's queries start with a real token, so the sampler and the reward model skip that check
                 # and its host sync: the update's only sync is the statistics copy in step 6
