@@ -10,6 +10,9 @@ Run with the reward model that train_reward.py wrote to models/reward, on 8 GPUs
     python train_policy.py --task sentiment --ppo.gradient_accumulation_steps 8
 
 On any number of processes the run whitens and reports statistics as OAI's 8 ranks did (--ppo.whiten_group_size).
+
+`spec X` in the comments cites OAI's detail X as docs/implementation-details.md describes it, at the anchor
+#x: spec P5 is docs/implementation-details.md#p5 (a numbered section, spec §4.1, is that document's section 4.1).
 """
 
 import copy
@@ -162,19 +165,23 @@ class Args:
     exp_name: str = "train_policy"
     """experiment name, part of the run name"""
     seed: int = 1
-    """run seed; process r seeds python/numpy/torch and the sampler with seed + 100003 * r (OAI launch.py#L137)"""
+    """run seed; process r seeds Python, NumPy, torch and the sampler with seed + 100003 * r (OAI
+    utils/core.py#L108-L113)"""
     data_seed: int = 0
-    """seed of the query order, shared by all processes (OAI shuffles with 0 whatever the run seed)"""
+    """seed of the one global shuffle of the query texts, the same on every process (OAI shuffles with 0 whatever the
+    run seed, datasets.py#L33)"""
     base_model: str = "gpt2"
-    """pretrained causal LM for the policy and the reference policy: hub id or local directory (OAI: 124M)"""
+    """pretrained causal LM, hub id or local directory (OAI: GPT-2 124M): the policy and the reference policy start
+    from it"""
     output_dir: str = "models/policy"
-    """directory for the trained policy, its tokenizer, args.json and TensorBoard logs (tb/)"""
+    """where the run writes the trained model with its tokenizer and args.json, its training states (training_state/),
+    TensorBoard logs (tb/) and wandb files"""
     track: bool = False
     """log to Weights & Biases (set WANDB_MODE=offline to log without network)"""
     wandb_project_name: str = "lm_human_preference_details"
     """Weights & Biases project"""
     wandb_entity: str | None = None
-    """Weights & Biases entity (team); None = your default entity"""
+    """Weights & Biases entity (team or user); None = your default entity"""
     dist_timeout: float = 1800.0
     """seconds a process waits in an all-reduce or broadcast for the others before it stops with an error: bounds a
     hang when a process or node stalls without exiting (one that exits stops the others at once); must exceed the
@@ -201,17 +208,18 @@ class Args:
     """also keep each periodic save in OUTPUT_DIR/checkpoints/update{N} (N updates done), e.g. for evaluate.py's
     gold-vs-KL curve; off: each save replaces the last"""
     keep_checkpoints: int = 2
-    """training-state checkpoints kept in OUTPUT_DIR/training_state/step{N} (weights, optimizer, KL controller, query
-    position, every process's RNGs), the newest; older ones are deleted once a newer one is on disk; 0 keeps all"""
+    """training-state checkpoints kept in OUTPUT_DIR/training_state/step{N} (all that --resume needs: weights,
+    optimizer, data positions, every process's RNGs), the newest; older ones are deleted once a newer one is on disk;
+    0 keeps all"""
     resume: str | None = None
     """continue a killed run from a training-state checkpoint: its directory, or `auto` for the newest in
     --output_dir (none there: start afresh); the run then logs and saves what the uninterrupted run would"""
     allow_resume_changes: bool = False
-    """resume even though settings that change the run (sizes, task, models, seeds, processes) differ from the
+    """resume even though settings that change the run (sizes, task, models, data, seeds, processes) differ from the
     checkpoint's; the differences are printed"""
     overwrite_output_dir: bool = False
     """start afresh in an --output_dir that holds another run: its training states, checkpoints/ and TensorBoard logs
-    are deleted, its model is replaced at the first save"""
+    are deleted, its model is replaced when this run saves its own"""
     print_samples: int = 3
     """rows of the sample table (OAI prints 3)"""
     use_tensorflow_adam: bool = True
@@ -246,8 +254,8 @@ class Args:
     hf_repo_id: str | None = None
     """hub repository for --push_to_hub; None = {exp_name}__{task}__seed{seed} in your namespace"""
     dry_run: bool = False
-    """check every input (models, reward model's task and tokenizer, local query file), print the settings and the
-    derived per-process sizes, and exit without training"""
+    """check every input (models, tokenizers, the reward model or label file and its task, a local query file), print
+    the settings and the derived per-process sizes, and exit without training"""
     dry_run_processes: int | None = None
     """with --dry_run: derive the sizes for this many processes (e.g. 8 GPUs) instead of this launch's"""
     task_id: tyro.conf.Suppress[str] = "sentiment"
@@ -730,7 +738,7 @@ def main(args: Args) -> list[dict[str, float]]:
         check_reward_model(reward.metadata, tokenizer, args, accelerator.print)  # tokenizer, task settings, task name
     # dropout is off everywhere: p=0 in the configs and eval mode (spec G7)
     policy = PolicyWithValueHead(load_causal_lm(args.base_model)).to(device).eval()
-    if args.lora.rank:  # DEVIATION: OAI fine-tunes every weight; LoRA trains adapters and the value head only
+    if args.lora.rank:  # DEVIATION (lora): OAI fine-tunes every weight; LoRA trains adapters and the value head only
         lora.apply_lora(policy, args.lora, args.base_model)
     # every process starts from rank 0's weights (spec D6); no DDP: gradients are all-reduced by hand (spec O4)
     # https://github.com/openai/lm-human-preferences/blob/cbfd210bb8b08f6bc5c26878c10984b90f516c66/lm_human_preferences/train_policy.py#L482-L485
@@ -806,9 +814,9 @@ def main(args: Args) -> list[dict[str, float]]:
                 queries = to_device(query_stream.next_batch(sizes.batch, sizes.virtual_ranks), device)  # (B, Lq)
                 contexts = format_contexts(queries, prefix, suffix)  # (B, C): prefix + query + suffix (spec G4)
                 context_length = contexts.shape[1]
-                # DEVIATION: with --rollout_micro_batch_size only; OAI decodes a rank's episodes together; in chunks
-                # every episode keeps its random numbers and tokens, but log-probs and values move by float rounding
-                # (a matmul's kernel depends on its row count)
+                # DEVIATION (rollout-micro-batch): with --rollout_micro_batch_size only; OAI decodes a rank's episodes
+                # together; in chunks every episode keeps its random numbers and tokens, but log-probs and values move
+                # by float rounding (a matmul's kernel depends on its row count)
                 rollout_rows = args.rollout_micro_batch_size or sizes.batch  # episodes decoded and scored together
                 # QueryStream's queries start with a real token, so the sampler and the reward model skip that check
                 # and its host sync: the update's only sync is the statistics copy in step 6
@@ -826,9 +834,9 @@ def main(args: Args) -> list[dict[str, float]]:
                 query_responses = torch.cat([contexts, responses], 1)  # (B, C + L)
                 ppo_logprobs, ppo_values = logprobs, values
                 if args.bf16:
-                    # DEVIATION: OAI's ratio and value clipping use the sampling pass's log-probs and values (spec
-                    # P13); under bf16 autocast of the PPO forward, float32 ones put the first minibatch's ratio
-                    # ~1.5e-3 off 1 and clipping fires on rounding noise, so PPO gets those of the loss forward's
+                    # DEVIATION (bf16-ratio): OAI's ratio and value clipping use the sampling pass's log-probs and
+                    # values (spec P13); under bf16 autocast of the PPO forward, float32 ones put the first minibatch's
+                    # ratio ~1.5e-3 off 1 and clipping fires on rounding noise, so PPO gets those of the loss forward's
                     # arithmetic (one more forward); the KL penalty keeps the float32 ones, like the reference's
                     ppo_logprobs, ppo_values = training_logprobs_and_values(
                         policy, query_responses, context_length, pad_id, task.temperature, sizes.micro

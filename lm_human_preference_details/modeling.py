@@ -366,7 +366,7 @@ def _tempered_logits(lm: PreTrainedModel, hidden: torch.Tensor, pad_id: int, tem
     # https://github.com/openai/lm-human-preferences/blob/cbfd210bb8b08f6bc5c26878c10984b90f516c66/lm_human_preferences/policy.py#L58-L59
     logits = lm.get_output_embeddings()(hidden / temperature)[..., :vocab_size].float()
     if 0 <= pad_id < vocab_size:
-        # DEVIATION: OAI's PAD lies outside the vocab; a PAD inside it gets the most negative finite logit
+        # DEVIATION (pad-logit): OAI's PAD lies outside the vocab; a PAD inside it gets the most negative finite logit
         # (probability exactly 0, while entropies stay finite, unlike -inf); in place, the head's backward needs
         # only its inputs
         logits[..., pad_id] = torch.finfo(logits.dtype).min

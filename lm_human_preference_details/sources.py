@@ -160,10 +160,10 @@ def _paragraph_break(match: re.Match) -> str:
 
 def restore_cnndm_paragraphs(article: str) -> str:
     """An HF CNN/DM article (one line) in the story files' shape: paragraphs separated by a blank line."""
-    # DEVIATION: HF's articles join the story's paragraphs with spaces; a paragraph is restored at every period HF
-    # added to a line without end punctuation (" ." after a word: bylines, datelines, captions) and after every
-    # sentence (most paragraphs of these news stories are one sentence long), so the cnndm preset's end_text '\n'
-    # ends queries at a paragraph end as on OAI's story files
+    # DEVIATION (cnndm-stand-in): HF's articles join the story's paragraphs with spaces; a paragraph is restored at
+    # every period HF added to a line without end punctuation (" ." after a word: bylines, datelines, captions) and
+    # after every sentence (most paragraphs of these news stories are one sentence long), so the cnndm preset's end_text
+    # '\n' ends queries at a paragraph end as on OAI's story files
     text = _ADDED_PERIOD_RE.sub("\n\n", article.strip())
     return _SENTENCE_END_RE.sub(_paragraph_break, text).strip()
 
@@ -188,8 +188,8 @@ _BOOKCORPUS_DETOKENIZE = (
 
 def detokenize_bookcorpus(text: str) -> str:
     """An HF bookcorpus row (lower-cased, space-tokenized, `` '' quotes) as plain prose with sentence capitals."""
-    # DEVIATION: OAI's book passages are plain prose; HF bookcorpus is tokenized ("he said ." ends in token 764, not
-    # '.' = 13), so it is detokenized and sentence starts and "I" capitalized (other capitals are lost)
+    # DEVIATION (books-stand-in): OAI's book passages are plain prose; HF bookcorpus is tokenized ("he said ." ends in
+    # token 764, not '.' = 13), so it is detokenized and sentence starts and "I" capitalized (other capitals are lost)
     text = text.strip()
     for pattern, replacement in _BOOKCORPUS_DETOKENIZE:
         text = pattern.sub(replacement, text)
@@ -329,8 +329,8 @@ def _oai_tldr(split: str) -> Sequence[str]:
 
 def _oai_cnndm(split: str) -> Sequence[str]:
     """OAI's CNN/DM stories are not a public file: they come from a Google Cloud bucket through gsutil."""
-    # DEVIATION: OAI reads its URL list from the public storage but the story files from gs://lm-human-preferences
-    # (gsutil, credentials), so the cnndm task always uses the HF stand-in
+    # DEVIATION (cnndm-stand-in): OAI reads its URL list from the public storage but the story files from
+    # gs://lm-human-preferences (gsutil, credentials), so the cnndm task always uses the HF stand-in
     # https://github.com/openai/lm-human-preferences/blob/cbfd210bb8b08f6bc5c26878c10984b90f516c66/lm_human_preferences/datasets/cnndm.py#L81-L103
     raise SourceUnavailableError("OAI's CNN/DM stories are in gs://lm-human-preferences (gsutil), not a public file")
 
@@ -351,13 +351,13 @@ def _hub_texts(name: str, split: str) -> Sequence[str]:
     """The HF stand-in of a query dataset, reshaped into OAI-like texts."""
     repo_id, config, column = HUB_TEXT_SOURCES[name]
     if name == "books":
-        # DEVIATION: HF bookcorpus has one sentence per row; consecutive rows are joined into passages (OAI's are
-        # multi-sentence passages, spec G3, and start_text/end_text '.' need two sentence ends)
+        # DEVIATION (books-stand-in): HF bookcorpus has one sentence per row; consecutive rows are joined into passages
+        # (OAI's are multi-sentence passages, spec G3, and start_text/end_text '.' need two sentence ends)
         dataset = load_hub_dataset(repo_id, config, split)
         return HubTexts(dataset, column, detokenize_bookcorpus, rows_per_text=BOOKS_ROWS_PER_PASSAGE)
     if name == "tldr":
-        # DEVIATION: CarperAI's prompts are reddit posts (subreddit, title, post) ending in "TL;DR:", which is
-        # stripped because the task suffix adds it; then OAI's cleaning (ftfy, newlines)
+        # DEVIATION (tldr-stand-in): CarperAI's prompts are reddit posts (subreddit, title, post) ending in "TL;DR:",
+        # which is stripped because the task suffix adds it; then OAI's cleaning (ftfy, newlines)
         return HubTexts(load_hub_dataset(repo_id, config, split), column, clean_tldr_post)
     split = "validation" if split in ("valid", "val") else split
     return HubTexts(load_hub_dataset(repo_id, config, split), column, clean_cnndm_article)

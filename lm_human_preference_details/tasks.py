@@ -54,8 +54,9 @@ class TaskHParams:
 # launch.py's task presets; copy with dataclasses.replace before changing a field
 # https://github.com/openai/lm-human-preferences/blob/cbfd210bb8b08f6bc5c26878c10984b90f516c66/launch.py#L8-L47
 _BOOKS = dict(query_length=64, query_dataset="books", response_length=24, start_text=".", end_text=".")
-# DEVIATION: the truncation token is named by its text ("." and "\n", OAI's ids 13 and 198 in GPT-2's vocabulary),
-# resolved per tokenizer (resolve_truncation), so that it means the same token with other base models' tokenizers
+# DEVIATION (truncate-by-text): the truncation token is named by its text ("." and "\n", OAI's ids 13 and 198 in GPT-2's
+# vocabulary), resolved per tokenizer (resolve_truncation), so that it means the same token with other base models'
+# tokenizers
 _BOOKS.update(truncate_text=".", truncate_after=16, temperature=0.7)
 _SUMMARIZE = dict(query_length=500, response_length=75, start_text=None, truncate_text="\n", truncate_after=55)
 TASKS: dict[str, TaskHParams] = {
@@ -207,8 +208,8 @@ def build_query(
         if end_token not in tokens:
             return None
         tokens = tokens[: len(tokens) - tokens[::-1].index(end_token)]
-    # DEVIATION: an empty text is skipped; OAI would yield an all-PAD query that fails its first-token-not-PAD
-    # assertion in the transformer (model.py#L333-L340)
+    # DEVIATION (empty-text): an empty text is skipped; OAI would yield an all-PAD query that fails its
+    # first-token-not-PAD assertion in the transformer (model.py#L333-L340)
     if not tokens:
         return None
     return tokens + [pad_id] * (query_length - len(tokens))
@@ -218,8 +219,8 @@ def encode_context_affixes(tokenizer: PreTrainedTokenizerBase, task: TaskHParams
     """Token ids put before and after every query in the policy's context: the tokenizer's BOS (when it adds one by
     default) and the task's query_prefix, and the query_suffix (empty lists when unset)."""
     prefix, suffix = encode_texts(tokenizer, [task.query_prefix, task.query_suffix])
-    # DEVIATION: OAI's GPT-2 encoder adds no BOS, nor does this for GPT-2; a model whose tokenizer adds one (Llama)
-    # was pretrained with it in front of every text, so every context gets exactly one, here
+    # DEVIATION (bos): OAI's GPT-2 encoder adds no BOS, nor does this for GPT-2; a model whose tokenizer adds one
+    # (Llama) was pretrained with it in front of every text, so every context gets exactly one, here
     bos = added_bos_id(tokenizer)
     return ([bos] if bos is not None else []) + list(prefix), list(suffix)
 
