@@ -5,6 +5,9 @@ Run:   accelerate launch --num_processes 8 train_reward.py --task sentiment --ou
 Steps: normalize the untrained reward to N(0, 1) on samples of the pretrained policy, train one epoch of best-of-4
 cross-entropy on the labels (or the MSE of --labels.type scalar_rating / scalar_compare), normalize again, save.
 Batch sizes are global (summed over processes), as in OAI.
+
+`spec X` in the comments cites OAI's detail X as docs/implementation-details.md describes it, at the anchor
+#x: spec R4 is docs/implementation-details.md#r4 (a numbered section, spec §4.2, is that document's section 4.2).
 """
 
 import dataclasses
@@ -85,17 +88,20 @@ class LabelHParams:
 @dataclass
 class Args:
     exp_name: str = "train_reward"
-    """name of this experiment (run name prefix)"""
+    """experiment name, part of the run name"""
     seed: int = 1
-    """run seed; process r seeds NumPy and torch with seed + r*100003 (OAI utils/core.py#L108-L113)"""
+    """run seed; process r seeds Python, NumPy, torch and the sampler with seed + 100003 * r (OAI
+    utils/core.py#L108-L113)"""
     data_seed: int = 0
-    """seed of the one global shuffle of the query texts, identical on every process (OAI datasets.py#L33)"""
+    """seed of the one global shuffle of the query texts, the same on every process (OAI shuffles with 0 whatever the
+    run seed, datasets.py#L33)"""
     base_model: str = "gpt2"
-    """pretrained model (hub id or local directory) for the reward trunk and for the normalization samples"""
+    """pretrained causal LM, hub id or local directory (OAI: GPT-2 124M): the reward model's trunk and the policy that
+    samples the normalization responses start from it"""
     label_dataset: str = "sentiment/offline_5k.json"
     """label file: a local JSON path in OAI's schema, or a file of the hub dataset vwxyzjn/lm-human-preferences"""
     task: TaskHParams = field(default_factory=lambda: dataclasses.replace(TASKS["sentiment"]))
-    """query construction, response length and sampling temperature (OAI lm_tasks.py)"""
+    """query data, lengths, truncation and sampling temperature (OAI lm_tasks.TaskHParams)"""
     labels: LabelHParams = field(default_factory=LabelHParams)
     """which labels to train on"""
     batch_size: int = 32
@@ -117,7 +123,7 @@ class Args:
     normalize_after: bool = True
     """set gain/bias again after training (OAI launch.py#L77)"""
     use_tensorflow_adam: bool = True
-    """TF1-style Adam (eps after bias correction, as OAI); off: torch.optim.Adam with the same eps"""
+    """TF1 Adam as OAI (epsilon added after bias correction); off: torch.optim.Adam with the same eps 1e-5"""
     gradient_checkpointing: bool = False
     """recompute each transformer block's activations in the backward instead of storing them: much less activation
     memory (e.g. for gpt2-large/xl) for ~30% more compute, same updates; off: every activation is stored, as OAI"""
@@ -135,34 +141,36 @@ class Args:
     eval_interval: int = 0
     """evaluate held-out accuracy every this many steps (0: only before and after training)"""
     output_dir: str = "models/reward"
-    """where the reward model, tokenizer, TensorBoard events and wandb files are written"""
+    """where the run writes the trained model with its tokenizer and args.json, its training states (training_state/),
+    TensorBoard logs (tb/) and wandb files"""
     save_interval: int = 100
     """write a training-state checkpoint every this many steps, and always after the last one; 0 = only then"""
     keep_checkpoints: int = 2
-    """training-state checkpoints kept in OUTPUT_DIR/training_state/step{N} (weights, gain/bias, optimizer, label
-    order and position, query position, every process's RNGs), the newest; 0 keeps all"""
+    """training-state checkpoints kept in OUTPUT_DIR/training_state/step{N} (all that --resume needs: weights,
+    optimizer, data positions, every process's RNGs), the newest; older ones are deleted once a newer one is on disk;
+    0 keeps all"""
     resume: str | None = None
     """continue a killed run from a training-state checkpoint: its directory, or `auto` for the newest in
     --output_dir (none there: start afresh); the run then logs and saves what the uninterrupted run would"""
     allow_resume_changes: bool = False
-    """resume even though settings that change the run (sizes, labels, task, model, seeds, processes) differ from the
+    """resume even though settings that change the run (sizes, task, models, data, seeds, processes) differ from the
     checkpoint's; the differences are printed"""
     overwrite_output_dir: bool = False
-    """start afresh in an --output_dir that holds another run: its training states and TensorBoard logs are deleted,
-    its model is replaced at the end"""
+    """start afresh in an --output_dir that holds another run: its training states, checkpoints/ and TensorBoard logs
+    are deleted, its model is replaced when this run saves its own"""
     track: bool = False
     """log to Weights & Biases (set WANDB_MODE=offline to log without network)"""
     wandb_project_name: str = "lm_human_preference_details"
-    """wandb project"""
+    """Weights & Biases project"""
     wandb_entity: str | None = None
-    """wandb entity (team or user)"""
+    """Weights & Biases entity (team or user); None = your default entity"""
     dist_timeout: float = 1800.0
     """seconds a process waits in an all-reduce or broadcast for the others before it stops with an error: bounds a
     hang when a process or node stalls without exiting (one that exits stops the others at once); must exceed the
     longest time one process works alone (rank 0 saving a checkpoint)"""
     dry_run: bool = False
-    """check every input (base model, label file: type, lengths, tokenizer, enough rows; local query file), print the
-    settings and the derived per-process sizes, and exit without training"""
+    """check every input (models, tokenizers, the reward model or label file and its task, a local query file), print
+    the settings and the derived per-process sizes, and exit without training"""
     dry_run_processes: int | None = None
     """with --dry_run: derive the sizes for this many processes (e.g. 8 GPUs) instead of this launch's"""
     task_id: tyro.conf.Suppress[str] = "sentiment"
