@@ -11,8 +11,8 @@ Run with the reward model that train_reward.py wrote to models/reward, on 8 GPUs
 
 On any number of processes the run whitens and reports statistics as OAI's 8 ranks did (--ppo.whiten_group_size).
 
-`spec X` in the comments cites OAI's detail X as docs/implementation-details.md describes it, at the anchor
-#x: spec P5 is docs/implementation-details.md#p5 (a numbered section, spec §4.1, is that document's section 4.1).
+`spec X` in the comments is docs/implementation-details.md#x, the section on OAI's detail X: spec P5 is
+docs/implementation-details.md#p5 (a numbered one, spec §4.1, is that document's section 4.1).
 """
 
 import copy

@@ -6,8 +6,8 @@ Steps: normalize the untrained reward to N(0, 1) on samples of the pretrained po
 cross-entropy on the labels (or the MSE of --labels.type scalar_rating / scalar_compare), normalize again, save.
 Batch sizes are global (summed over processes), as in OAI.
 
-`spec X` in the comments cites OAI's detail X as docs/implementation-details.md describes it, at the anchor
-#x: spec R4 is docs/implementation-details.md#r4 (a numbered section, spec §4.2, is that document's section 4.2).
+`spec X` in the comments is docs/implementation-details.md#x, the section on OAI's detail X: spec R4 is
+docs/implementation-details.md#r4 (a numbered one, spec §4.2, is that document's section 4.2).
 """
 
 import dataclasses

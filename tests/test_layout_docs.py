@@ -1,0 +1,253 @@
+"""The reader's guides stay true to the code: the spec named at the top of each training script, one list of the
+`# DEVIATION (key):` markers (docs/deviations.md), a docs/layout.md row for every module of the package, the same help
+for a flag both training scripts take, and the reading-path counts of tools/reading_path.py."""
+
+import ast
+import dataclasses
+import inspect
+import re
+import textwrap
+import typing
+from pathlib import Path
+
+import pytest
+
+import train_policy
+import train_reward
+from tools import reading_path
+
+REPO = Path(__file__).resolve().parents[1]
+PACKAGE = REPO / "lm_human_preference_details"
+SPEC = REPO / "docs" / "implementation-details.md"
+DEVIATIONS = REPO / "docs" / "deviations.md"
+LAYOUT = REPO / "docs" / "layout.md"
+
+# ---------------------------------------------------------------------------------------------------- spec X
+_SPEC_NOTE_RE = re.compile(r"`spec X`[^\n]*\n?[^\n]*docs/implementation-details\.md#x\b")
+_SPEC_EXAMPLE_RE = re.compile(r"spec ([A-Z]+\d+) is docs/implementation-details\.md#([a-z0-9-]+)")
+
+
+@pytest.mark.parametrize("script", [train_policy, train_reward], ids=["train_policy", "train_reward"])
+def test_script_docstring_names_the_file_that_spec_x_cites(script):
+    doc = script.__doc__
+    assert _SPEC_NOTE_RE.search(doc), (
+        f"{script.__name__}.py: its docstring must say `spec X` is docs/implementation-details.md#x"
+    )
+    example = _SPEC_EXAMPLE_RE.search(" ".join(doc.split()))
+    assert example, (
+        f"{script.__name__}.py: its docstring gives no example `spec P5 is docs/implementation-details.md#p5`"
+    )
+    anchors = re.findall(r'<a id="([^"]+)"></a>', SPEC.read_text(encoding="utf-8"))
+    assert example[2] == example[1].lower() and example[2] in anchors, f"no anchor #{example[2]} in {SPEC.name}"
+
+
+# ---------------------------------------------------------------------------------------------------- deviations
+# "# DEVIATION (key): reason" in the project's code; a bare "# DEVIATION:" has no key and fails the test below
+_MARKER_RE = re.compile(r"#\s*DEVIATION\b(?:\s*\(([^)]*)\))?\s*:?")
+_DEVIATION_ROW_RE = re.compile(r"^\| `([a-z0-9-]+)` \|", re.MULTILINE)
+_FIX = (
+    "Mark each deliberate difference from OAI in the code as `# DEVIATION (key): reason`, with the key of its row in "
+    "docs/deviations.md (add a row there for a new difference: key, where, when, difference, why); a row whose "
+    "markers are all gone is deleted."
+)
+
+
+def code_files() -> list[Path]:
+    """The project's Python files, tests excluded."""
+    skip = {"tests", ".git", ".venv", "venv", "build"}
+    return sorted(p for p in REPO.rglob("*.py") if not skip & set(p.relative_to(REPO).parts))
+
+
+def deviation_markers() -> list[tuple[str | None, str]]:
+    """(key or None, 'file:line') of every `# DEVIATION` marker in the project's code."""
+    found = []
+    for path in code_files():
+        for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
+            for match in _MARKER_RE.finditer(line):
+                found.append((match[1], f"{path.relative_to(REPO)}:{number}"))
+    return found
+
+
+def deviation_rows() -> list[str]:
+    """The keys of docs/deviations.md's table, in order."""
+    return _DEVIATION_ROW_RE.findall(DEVIATIONS.read_text(encoding="utf-8"))
+
+
+def test_deviation_marker_parser_reads_keys_and_bare_markers():
+    lines = [
+        "x = 1  # DEVIATION (bf16-ratio): why",
+        "# DEVIATION: no key",
+        "# DEVIATION(pad-logit): tight",
+        "# deviation",
+    ]
+    assert [m[1] for line in lines for m in _MARKER_RE.finditer(line)] == ["bf16-ratio", None, "pad-logit"]
+
+
+def test_every_deviation_marker_has_a_row_and_every_row_a_marker():
+    markers, rows = deviation_markers(), deviation_rows()
+    assert len(rows) == len(set(rows)), f"docs/deviations.md has a key twice: {sorted(rows)}"
+    unkeyed = [where for key, where in markers if not key]
+    assert not unkeyed, f"`# DEVIATION` markers without a key at {unkeyed}. {_FIX}"
+    unlisted = [f"{key} at {where}" for key, where in markers if key not in rows]
+    assert not unlisted, f"`# DEVIATION` markers whose key has no row in docs/deviations.md: {unlisted}. {_FIX}"
+    unmarked = sorted(set(rows) - {key for key, _ in markers})
+    assert not unmarked, f"docs/deviations.md rows that no `# DEVIATION (key):` marker names: {unmarked}. {_FIX}"
+
+
+def test_readme_and_docs_point_to_the_one_list_of_deviations():
+    readme = (REPO / "README.md").read_text(encoding="utf-8")
+    assert readme.count("(docs/deviations.md)") == 1, "README.md links to docs/deviations.md in one line"
+    for page in ("details.md", "implementation-details.md"):
+        text = (REPO / "docs" / page).read_text(encoding="utf-8")
+        assert "(deviations.md)" in text, f"docs/{page} does not link to deviations.md"
+        assert "| why |" not in text, f"docs/{page} keeps a table of deviations of its own: the list is deviations.md"
+
+
+# ---------------------------------------------------------------------------------------------------- layout
+_LAYOUT_LINK_RE = re.compile(r"\]\(\.\./(lm_human_preference_details/[^)#]+\.py)\)")
+
+
+def package_modules() -> set[str]:
+    """Every module of the package and its subpackages, as a path from the repository root (`__init__.py` aside)."""
+    return {str(p.relative_to(REPO)) for p in PACKAGE.rglob("*.py") if p.name != "__init__.py"}
+
+
+def layout_modules() -> set[str]:
+    """The package modules that docs/layout.md's table rows link to."""
+    rows = [line for line in LAYOUT.read_text(encoding="utf-8").splitlines() if line.startswith("| [")]
+    return {link for row in rows for link in _LAYOUT_LINK_RE.findall(row)}
+
+
+def test_layout_has_a_row_for_every_module_and_no_row_for_a_missing_one():
+    modules, rows = package_modules(), layout_modules()
+    missing = sorted(modules - rows)
+    assert not missing, f"docs/layout.md has no row linking {missing}: add one (file | what | OAI counterpart)"
+    gone = sorted(rows - modules)
+    assert not gone, f"docs/layout.md rows link modules that do not exist: {gone}: update or delete those rows"
+
+
+def test_layout_link_parser_reads_subpackages():
+    row = "| [a.py](../lm_human_preference_details/a.py), [b.py](../lm_human_preference_details/labeling/b.py) | x |"
+    assert set(_LAYOUT_LINK_RE.findall(row)) == {
+        "lm_human_preference_details/a.py",
+        "lm_human_preference_details/labeling/b.py",
+    }
+
+
+# ---------------------------------------------------------------------------------------------------- shared flags
+# flags both scripts take whose help rightly differs, and why; every other shared flag has the same help in both
+SCRIPT_SPECIFIC_HELP = {
+    "base_model": "it becomes the policy and its reference in one script, the reward model's trunk in the other",
+    "save_interval": "PPO updates that also save the policy vs reward optimizer steps that save a training state",
+    "bf16": "train_policy.py also says how PPO's ratio gets log-probs of the bf16 arithmetic",
+}
+
+
+def field_docs(cls: type) -> dict[str, str]:
+    """A dataclass's field docstrings (the string after each field, as tyro reads them), whitespace collapsed."""
+    body = ast.parse(textwrap.dedent(inspect.getsource(cls))).body[0].body
+    return {
+        field.target.id: " ".join(doc.value.value.split())
+        for field, doc in zip(body, body[1:])
+        if isinstance(field, ast.AnnAssign) and isinstance(doc, ast.Expr) and isinstance(doc.value, ast.Constant)
+    }
+
+
+def flag_help(cls: type, prefix: str = "") -> dict[str, str | None]:
+    """--flag name (underscores, dotted groups) -> its help text, for every flag of an Args dataclass."""
+    hints, docs, flags = typing.get_type_hints(cls, include_extras=True), field_docs(cls), {}
+    for field in dataclasses.fields(cls):
+        hint = hints[field.name]
+        if typing.get_origin(hint) is typing.Annotated and any("Suppress" in repr(m) for m in hint.__metadata__):
+            continue  # not a flag (tyro.conf.Suppress)
+        flags[prefix + field.name] = docs.get(field.name)
+        if dataclasses.is_dataclass(hint):
+            flags.update(flag_help(hint, f"{prefix}{field.name}."))
+    return flags
+
+
+def test_flags_of_both_training_scripts_have_the_same_help():
+    policy, reward = flag_help(train_policy.Args), flag_help(train_reward.Args)
+    shared = [name for name in policy if name in reward]
+    assert {"seed", "output_dir", "bf16", "task.query_length"} <= set(shared)
+    assert all(policy[name] and reward[name] for name in shared), "a shared flag has no help text"
+    differ = [name for name in shared if policy[name] != reward[name] and name not in SCRIPT_SPECIFIC_HELP]
+    assert not differ, (
+        "flags of both train_policy.py and train_reward.py with different help texts:\n"
+        + "\n".join(
+            f"--{name}\n  train_policy.py: {policy[name]}\n  train_reward.py: {reward[name]}" for name in differ
+        )
+        + "\nword them the same (or, where the flag means another thing per script, add it to SCRIPT_SPECIFIC_HELP)"
+    )
+    stale = [name for name in SCRIPT_SPECIFIC_HELP if name not in shared or policy[name] == reward[name]]
+    assert not stale, f"SCRIPT_SPECIFIC_HELP names flags that are not shared or whose help agrees: {stale}"
+
+
+# ---------------------------------------------------------------------------------------------------- reading path
+_TOY_SCRIPT = '''
+from dataclasses import dataclass, field
+import time
+from lm_human_preference_details import core
+from lm_human_preference_details.modeling import sample
+from lm_human_preference_details.ppo_plumbing import start_tracker
+
+
+@dataclass
+class Inner:
+    lr: float = 1.0
+
+
+@dataclass
+class Args:
+    seed: int = 1
+    inner: Inner = field(default_factory=Inner)
+
+
+LIMIT = 3
+
+
+def losses(x):
+    ratio = x.exp()
+    return ratio
+
+
+def main(args):
+    """Docstring."""
+    accelerator = core.make_accelerator(1.0)
+    tracker = start_tracker(args, accelerator)
+    # a comment
+    x = sample(args.seed, accelerator.device)
+    if accelerator.is_main_process:
+        print(x)
+    start = time.time()
+    y = losses(
+        x,
+    )
+    tracker.log({"y": y})
+    return y
+'''
+
+
+def test_reading_path_counts_a_script_by_its_documented_rules():
+    count = reading_path.count(_TOY_SCRIPT, "toy.py")
+    lines = _TOY_SCRIPT.splitlines()
+    assert count.total_lines == len(lines)
+    assert lines[count.anchor_line - 1].strip() == "ratio = x.exp()"
+    # imported from the package, then defined above the anchor line: dataclasses, a constant, the function holding it
+    assert count.concepts == ["core", "sample", "start_tracker", "Inner", "Args", "LIMIT", "losses"]
+    assert count.fields == ["Args.seed", "Args.inner", "Inner.lr"]
+    assert count.main_lines == lines.index("    return y") - lines.index("def main(args):") + 1
+    # algorithm: the sample call (it also reads the accelerator), the three lines of the losses call, the return;
+    # plumbing: the accelerator, the tracker and its log, the print and its `if`, the time
+    algorithm = [lines[line - 1].strip() for line in count.algorithm_lines]
+    assert algorithm == ["x = sample(args.seed, accelerator.device)", "y = losses(", "x,", ")", "return y"]
+    assert count.algorithm_statements == 3
+
+
+def test_reading_path_finds_the_first_ratio_and_the_reward_loss_of_the_scripts():
+    for script, anchor in (("train_policy.py", r"^\s*ratio\s*="), ("train_reward.py", r"^\s*loss\s*=")):
+        source = (REPO / script).read_text(encoding="utf-8")
+        count = reading_path.count(source, script)
+        first = next(i for i, line in enumerate(source.splitlines(), start=1) if re.search(anchor, line))
+        assert count.anchor_line == first
+        assert "Args" in count.concepts and count.fields and 0 < len(count.algorithm_lines) < count.main_lines
