@@ -248,6 +248,7 @@ def test_reading_path_finds_the_first_ratio_and_the_reward_loss_of_the_scripts()
     for script, anchor in (("train_policy.py", r"^\s*ratio\s*="), ("train_reward.py", r"^\s*loss\s*=")):
         source = (REPO / script).read_text(encoding="utf-8")
         count = reading_path.count(source, script)
-        first = next(i for i, line in enumerate(source.splitlines(), start=1) if re.search(anchor, line))
+        first = next((i for i, line in enumerate(source.splitlines(), start=1) if re.search(anchor, line)), None)
+        assert first is not None, f"{script} has no line matching {anchor!r}: update tools/reading_path.py's ANCHORS"
         assert count.anchor_line == first
         assert "Args" in count.concepts and count.fields and 0 < len(count.algorithm_lines) < count.main_lines
