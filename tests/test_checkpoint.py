@@ -17,6 +17,8 @@ import pytest
 from lm_human_preference_details import checkpoint
 from tests.planted import lock_record
 
+# ---------------------------------------------------------------- atomic writes
+
 
 def test_atomic_files_keep_the_old_files_on_error(tmp_path):
     target = tmp_path / "model"
@@ -29,6 +31,9 @@ def test_atomic_files_keep_the_old_files_on_error(tmp_path):
     assert os.listdir(target) == ["a.json"]  # no partial directory, no marker
 
 
+# ---------------------------------------------------------------- what an interrupted save left
+
+
 def test_a_cut_replace_gets_its_checkpoint_back(tmp_path, capsys):
     # killed between the two renames of a replace: step2 is gone, its previous copy is .step2.old
     root = checkpoint.state_dir(str(tmp_path))
@@ -38,6 +43,9 @@ def test_a_cut_replace_gets_its_checkpoint_back(tmp_path, capsys):
     )
     assert os.listdir(root) == ["step2"]
     assert checkpoint.clean_interrupted_saves(str(tmp_path)) is None
+
+
+# ---------------------------------------------------------------- the output directory's lock
 
 
 def test_a_filesystem_without_file_locks_warns_once_and_the_run_goes_on(tmp_path, monkeypatch, capsys):

@@ -1,5 +1,5 @@
 """tasks.py: the presets and TaskHParams, the per-text query construction (spec G3), the context formatting (G4), the
-truncation token named by its text, and the response truncation, filter and pass-rate alarm (P2).
+truncation token named by its text, the response truncation (P2), the filter (P3) and its pass-rate alarm.
 
 Elsewhere: each preset's queries from its real sources in tests/test_sources.py; the query stream that calls
 build_query in tests/test_data.py; the --task.* flag checks (`check_task`) among the scripts' flag checks in
@@ -249,7 +249,7 @@ def test_a_preset_whose_truncation_text_was_not_resolved_is_refused_where_the_fi
     check_truncation_resolved(dataclasses.replace(unresolved, truncate_text=None))  # no truncation at all: passes
 
 
-# ---------------------------------------------------------------- response truncation and the filter (spec P2)
+# ---------------------------------------------------------------- response truncation (spec P2) and the filter (P3)
 
 
 def test_truncate_response_pads_after_first_qualifying_token():
