@@ -35,6 +35,9 @@ FAMILIES = ("gpt2", "gpt_neox", "llama", "qwen2")
 VOCAB_SIZE = 600
 """BPE vocabulary size, special tokens included: enough for every word of the demo's world to be one token"""
 
+BOS_TEXT = "<|begin_of_text|>"
+"""the llama stand-in's BOS as text (Llama 3's), which a text may also hold as plain characters"""
+
 _SPECIALS = {
     # family: (bos, eos, pad, tokens added to every encoding's front)
     "gpt2": ("<|endoftext|>", "<|endoftext|>", None, False),

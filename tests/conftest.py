@@ -215,6 +215,14 @@ def tiny_model_dir(tmp_path_factory, tokenizer):
     return str(path)
 
 
+@pytest.fixture(scope="session")
+def family_dirs(tmp_path_factory) -> dict[str, str]:
+    """A saved tiny model and tokenizer of every family of tests/archs.py (a --base_model directory each)."""
+    from tests import archs  # imported here, by the tests that use the stand-ins only
+
+    return {family: archs.save_family(family, str(tmp_path_factory.mktemp(family))) for family in archs.FAMILIES}
+
+
 def small_vocab_gpt2(tokens: list[int], seed: int = 0, strength: float = 10.0) -> GPT2LMHeadModel:
     """A tiny GPT-2 that samples almost only `tokens` (nearly uniformly), so planted preferences are discoverable."""
     model = tiny_gpt2(seed)

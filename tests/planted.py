@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from lm_human_preference_details import checkpoint
 from lm_human_preference_details.labels import OAI_PAD_TOKEN
 from lm_human_preference_details.tasks import TASKS, TaskHParams
 
@@ -65,6 +66,14 @@ def run_script(script: str, *flags: str, timeout: int = 600, cwd: Path = REPO) -
             f"{script} failed ({result.returncode}):\n{result.stdout[-3000:]}\n{result.stderr[-5000:]}"
         )
     return result
+
+
+def lock_record(output_dir) -> dict | None:
+    """What the lock file of `output_dir` says about its holder (None while it says nothing)."""
+    try:
+        return json.loads(open(os.path.join(output_dir, checkpoint.LOCK_FILE)).read())
+    except (OSError, ValueError):
+        return None
 
 
 def write_policy_planted_labels(

@@ -1,5 +1,6 @@
-"""Tokenizer conventions of the supported architectures (BOS, PAD, special-token text) and the architecture check,
-on the offline stand-ins of tests/archs.py. The pads-invisible tests per architecture are in tests/test_modeling.py."""
+"""Tokenizer conventions of the supported architectures (BOS, PAD) and the architecture check, on the offline
+stand-ins of tests/archs.py. The pads-invisible tests per architecture are in tests/test_modeling.py; special-token
+text in data and the truncation token resolved by each tokenizer (tasks.py) in tests/test_tasks.py."""
 
 import dataclasses
 import json
@@ -10,7 +11,6 @@ from transformers import OPTConfig, OPTForCausalLM, Qwen2Config, Qwen2ForCausalL
 
 import train_policy
 import train_reward
-from lm_human_preference_details.checkpoint import RESUME_IGNORED, setting_differences
 from lm_human_preference_details.data import QueryStream
 from lm_human_preference_details.labels import save_labels
 from lm_human_preference_details.modeling import (
@@ -25,23 +25,13 @@ from lm_human_preference_details.modeling import (
 )
 from lm_human_preference_details.tasks import (
     TASKS,
-    check_truncation_resolved,
     encode_context_affixes,
     encode_texts,
     format_contexts,
-    resolve_truncation,
-    task_differences,
 )
 from lm_human_preference_details.tokenizer import added_bos_id, generation_tokenizer, load_tokenizer
 from tests import archs
-
-BOS_TEXT = "<|begin_of_text|>"
-
-
-@pytest.fixture(scope="module")
-def family_dirs(tmp_path_factory) -> dict[str, str]:
-    """A saved tiny model and tokenizer of every family (a --base_model directory each)."""
-    return {family: archs.save_family(family, str(tmp_path_factory.mktemp(family))) for family in archs.FAMILIES}
+from tests.archs import BOS_TEXT
 
 
 def test_added_bos_id_detects_the_post_processor_bos(family_dirs, tokenizer):
@@ -76,15 +66,6 @@ def test_generation_tokenizer_pad_inside_or_outside_the_embedding(family, family
     inside = generation_tokenizer(tokenizer, num_embeddings=pad_id + 40)
     assert (inside.pad_token_id, inside.padding_side) == (pad_id, "left")
     assert added_bos_id(outside) == added_bos_id(inside) == added_bos_id(tokenizer)  # plain generate adds the BOS
-
-
-@pytest.mark.parametrize("family", archs.FAMILIES)
-def test_special_token_text_in_data_is_plain_text(family, family_dirs):
-    tokenizer = load_tokenizer(family_dirs[family])
-    text = f"a {BOS_TEXT} b <|endoftext|> c <|end_of_text|> d [PAD] e"
-    (ids,) = encode_texts(tokenizer, [text])
-    assert not set(ids) & set(tokenizer.all_special_ids)
-    assert tokenizer.decode(ids) == text
 
 
 def _llama_queries(tokenizer, task) -> torch.Tensor:
@@ -164,34 +145,6 @@ def test_unsupported_architecture_is_refused_in_one_line(tmp_path):
 # ---------------------------------------------------------------- the truncation token, by text
 
 
-@pytest.mark.parametrize("family", archs.FAMILIES)
-def test_preset_truncation_text_resolves_to_each_tokenizers_own_id(family, family_dirs):
-    tokenizer = load_tokenizer(family_dirs[family])
-    for name, text in (("sentiment", "."), ("tldr", "\n")):
-        task = resolve_truncation(TASKS[name], tokenizer)
-        assert (
-            task.truncate_text == text
-            and task.truncate_token == tokenizer.convert_tokens_to_ids(tokenizer.tokenize(text))[0]
-            and encode_texts(tokenizer, [text]) == [[task.truncate_token]]
-        )
-        assert resolve_truncation(task, tokenizer) == task  # once: resolving a resolved task changes nothing
-    dot = resolve_truncation(TASKS["sentiment"], tokenizer).truncate_token
-    assert dot == (15 if family == "llama" else 14)  # not GPT-2's 13
-
-
-def test_truncation_text_of_several_tokens_or_naming_another_token_is_refused(family_dirs, tokenizer):
-    llama = load_tokenizer(family_dirs["llama"])
-    with pytest.raises(ValueError, match=r"--task.truncate_text 'TL;DR:' must be exactly one token") as error:
-        resolve_truncation(dataclasses.replace(TASKS["sentiment"], truncate_text="TL;DR:"), llama)
-    assert "\n" not in str(error.value)
-    conflict = dataclasses.replace(TASKS["sentiment"], truncate_token=13)  # GPT-2's "." with the llama tokenizer
-    with pytest.raises(ValueError, match=r"--task.truncate_token 13 and --task.truncate_text '.' \(token 15 in"):
-        resolve_truncation(conflict, llama)
-    assert resolve_truncation(conflict, tokenizer).truncate_token == 13  # the same token in GPT-2's: no conflict
-    by_id = dataclasses.replace(TASKS["sentiment"], truncate_token=198, truncate_text=None)
-    assert resolve_truncation(by_id, llama) == by_id  # an explicit id is used as it is
-
-
 @pytest.mark.parametrize(
     ("flags", "expected"),
     [
@@ -205,26 +158,6 @@ def test_truncation_text_of_several_tokens_or_naming_another_token_is_refused(fa
 def test_one_truncation_flag_unsets_the_others_preset_value(flags, expected):
     args = train_policy.parse(["--task", "sentiment", *flags])
     assert (args.task.truncate_token, args.task.truncate_text) == expected
-
-
-def test_task_check_compares_the_resolved_truncation_id(family_dirs, tokenizer):
-    llama = load_tokenizer(family_dirs["llama"])
-    gpt2_task = resolve_truncation(TASKS["sentiment"], tokenizer)
-    old_saved = {k: v for k, v in dataclasses.asdict(gpt2_task).items() if k != "truncate_text"}  # saved before it
-    assert old_saved["truncate_token"] == 13 and task_differences(old_saved, gpt2_task) == {}
-    assert task_differences(old_saved, TASKS["sentiment"]) == {}  # not resolved yet (a dry run): decided later
-    assert task_differences(old_saved, resolve_truncation(TASKS["sentiment"], llama)) == {"truncate_token": (13, 15)}
-    saved = dataclasses.asdict(gpt2_task)
-    assert task_differences(saved, TASKS["sentiment"]) == {}
-    newline = dataclasses.replace(TASKS["sentiment"], truncate_text="\n")
-    assert task_differences(saved, newline) == {"truncate_text": (".", "\n")}
-    by_id = dataclasses.replace(gpt2_task, truncate_text=None)  # the same token named by id: the same task
-    assert task_differences(saved, by_id) == {}
-    # a checkpoint written before truncate_text resumes: its settings hold the same (resolved) id
-    before = {"task": old_saved, "seed": 1}
-    assert setting_differences(before, {"task": dataclasses.asdict(gpt2_task), "seed": 1}, RESUME_IGNORED) == {}
-    changed = {"task": dataclasses.asdict(resolve_truncation(TASKS["sentiment"], llama)), "seed": 1}
-    assert setting_differences(before, changed, RESUME_IGNORED) == {"task.truncate_token": (13, 15)}
 
 
 def test_qwen2_sliding_window_layers_and_a_pad_inside_the_embedding(one_thread):
@@ -288,21 +221,3 @@ def test_train_reward_on_llama_records_its_bos_and_truncation_id(family_dirs, tm
     assert (metadata["task"]["truncate_text"], metadata["task"]["truncate_token"]) == (".", 15)
     saved_args = json.loads((tmp_path / "reward" / "args.json").read_text())
     assert saved_args["task"]["truncate_token"] == 15
-
-
-def test_a_preset_whose_truncation_text_was_not_resolved_is_refused_where_the_filter_applies(tokenizer):
-    import label_generation
-    from lm_human_preference_details.evaluation import sample_and_score
-    from lm_human_preference_details.rewards import normalize_reward
-
-    unresolved = TASKS["sentiment"]  # truncate_text '.', no id yet: its filter would silently pass every response
-    calls = [
-        lambda: sample_and_score(None, None, None, unresolved, tokenizer, None, {}, None),
-        lambda: normalize_reward(None, None, None, None, unresolved, 8, 0, None),
-        lambda: label_generation.sample_passing_responses(None, None, unresolved, 4, 0, None, 1.0, 1, 1),
-    ]
-    for call in calls:
-        with pytest.raises(ValueError, match=r"truncation text '\.' has no token id: call tasks.resolve_truncation"):
-            call()
-    check_truncation_resolved(resolve_truncation(unresolved, tokenizer))  # resolved: passes
-    check_truncation_resolved(dataclasses.replace(unresolved, truncate_text=None))  # no truncation at all: passes

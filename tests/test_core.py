@@ -1,4 +1,4 @@
-"""Tests for lm_human_preference_details.core: sizes, whitening (TV6), log-probs, seeding (TV13), sync, tracking."""
+"""Tests for lm_human_preference_details.core: sizes, whitening (TV6), seeding (TV13), sync, tracking."""
 
 import os
 import subprocess
@@ -23,15 +23,9 @@ from lm_human_preference_details.core import (
     set_seed,
     whiten,
 )
-from lm_human_preference_details.kernels import logprobs_and_entropy_from_logits, logprobs_from_logits
 from tests.planted import free_port
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-
-
-def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
-    """The plain formula the fused kernel must equal: logsumexp(z) - sum(softmax(z) * z) (OAI utils/core.py#L290)."""
-    return torch.logsumexp(logits, -1) - (torch.softmax(logits, -1) * logits).sum(-1)
 
 
 TV6_INPUT = [[1.2, 1.3, 1.4], [1.5, 1.6, 1.7], [1.8, 1.9, 2.0]]
@@ -91,64 +85,6 @@ def test_whiten_uses_population_not_unbiased_variance():
 def test_whiten_constant_input_is_finite():
     out = whiten(torch.full((4, 3), 2.5))
     assert torch.equal(out, torch.zeros(4, 3))
-
-
-@pytest.mark.parametrize("dtype, atol", [(torch.float32, 1e-6), (torch.float64, 1e-12)])
-def test_logprobs_from_logits_matches_log_softmax_gather(dtype, atol):
-    generator = torch.Generator().manual_seed(0)
-    logits = torch.randn(3, 7, 50, generator=generator, dtype=dtype)
-    tokens = torch.randint(0, 50, (3, 7), generator=generator)
-    expected = torch.log_softmax(logits, dim=-1).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
-    out = logprobs_from_logits(logits, tokens)
-    assert out.shape == (3, 7)
-    torch.testing.assert_close(out, expected, rtol=0, atol=atol)
-
-
-def test_logprobs_from_logits_gradient_matches_log_softmax_gather():
-    generator = torch.Generator().manual_seed(2)
-    logits = torch.randn(3, 7, 50, generator=generator, dtype=torch.float64, requires_grad=True)
-    tokens = torch.randint(0, 50, (3, 7), generator=generator)
-    weights = torch.randn(3, 7, generator=generator, dtype=torch.float64)
-    (grad,) = torch.autograd.grad((logprobs_from_logits(logits, tokens) * weights).sum(), logits)
-    expected_logprobs = torch.log_softmax(logits, dim=-1).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
-    (expected,) = torch.autograd.grad((expected_logprobs * weights).sum(), logits)
-    torch.testing.assert_close(grad, expected, rtol=0, atol=1e-12)
-    small = logits[:1, :2, :6].detach().requires_grad_()
-    assert torch.autograd.gradcheck(lambda z: logprobs_from_logits(z, tokens[:1, :2] % 6), (small,))
-
-
-def test_logprobs_and_entropy_from_logits_match_separate_functions():
-    generator = torch.Generator().manual_seed(4)
-    logits = torch.randn(2, 5, 40, generator=generator, dtype=torch.float64, requires_grad=True)
-    tokens = torch.randint(0, 40, (2, 5), generator=generator)
-    logprobs, entropy = logprobs_and_entropy_from_logits(logits, tokens)
-    torch.testing.assert_close(logprobs, logprobs_from_logits(logits, tokens), rtol=0, atol=1e-12)
-    torch.testing.assert_close(entropy, entropy_from_logits(logits.detach()), rtol=0, atol=1e-12)
-    assert logprobs.requires_grad and not entropy.requires_grad
-
-
-def test_logprobs_from_logits_leaves_input_unchanged_under_no_grad():
-    logits = torch.randn(4, 30, generator=torch.Generator().manual_seed(3))
-    before = logits.clone()
-    with torch.no_grad():
-        out = logprobs_from_logits(logits, torch.tensor([0, 5, 29, 7]))
-    assert torch.equal(logits, before)
-    torch.testing.assert_close(out, torch.log_softmax(before, -1)[torch.arange(4), [0, 5, 29, 7]], rtol=0, atol=1e-6)
-
-
-@pytest.mark.parametrize("dtype, atol", [(torch.float32, 1e-6), (torch.float64, 1e-12)])
-def test_entropy_from_logits_matches_definition(dtype, atol):
-    generator = torch.Generator().manual_seed(1)
-    logits = torch.randn(3, 7, 50, generator=generator, dtype=dtype)
-    logp = torch.log_softmax(logits, dim=-1)
-    expected = -(logp.exp() * logp).sum(-1)
-    out = entropy_from_logits(logits)
-    assert out.shape == (3, 7)
-    torch.testing.assert_close(out, expected, rtol=0, atol=atol)
-
-
-def test_entropy_from_logits_uniform_is_log_vocab():
-    torch.testing.assert_close(entropy_from_logits(torch.zeros(2, 16)), torch.full((2,), float(np.log(16))))
 
 
 def test_set_seed_numpy_legacy_rng_reproduces_tv13():

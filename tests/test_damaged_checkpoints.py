@@ -155,17 +155,6 @@ def test_a_stale_partial_save_is_removed_at_the_next_start_and_said(finished_run
     assert sorted(os.listdir(root)) == ["step1", "step2"]
 
 
-def test_a_cut_replace_gets_its_checkpoint_back(tmp_path, capsys):
-    # killed between the two renames of a replace: step2 is gone, its previous copy is .step2.old
-    root = checkpoint.state_dir(str(tmp_path))
-    os.makedirs(os.path.join(root, ".step2.old"))
-    assert checkpoint.clean_interrupted_saves(str(tmp_path)) == (
-        f"{root}: restored step2 from its .old copy, left by a run stopped while it saved a checkpoint"
-    )
-    assert os.listdir(root) == ["step2"]
-    assert checkpoint.clean_interrupted_saves(str(tmp_path)) is None
-
-
 def test_resume_auto_with_every_checkpoint_damaged_stops_and_keeps_them(finished_run, tmp_path):  # noqa: F811
     run_dir, flags = copy_run(finished_run, tmp_path)
     for step in (1, 2):

@@ -1,4 +1,5 @@
-"""Query construction (spec G3), query stream order and sharding (D3), context formatting (G4), label files (R7)."""
+"""Text sources, query stream order and sharding (spec D3), label files (R7). The per-text query construction (G3)
+and the context formatting (G4) of tasks.py are tested in tests/test_tasks.py."""
 
 import dataclasses
 import json
@@ -9,151 +10,13 @@ import datasets
 import numpy as np
 import pytest
 import torch
-import tyro
 
 from lm_human_preference_details.data import QueryStream, load_texts, oai_shuffle_order
 from lm_human_preference_details.labels import OAI_PAD_TOKEN, load_labels, read_label_rows, save_labels
 from lm_human_preference_details.sources import HubTexts
-from lm_human_preference_details.tasks import (
-    TASKS,
-    TaskHParams,
-    build_query,
-    encode_context_affixes,
-    encode_texts,
-    format_contexts,
-    resolve_truncation,
-    text_to_token,
-)
+from lm_human_preference_details.tasks import TASKS, build_query, encode_texts, text_to_token
 
 PAD = 50257
-P = 99  # pad id in the hand-written build_query cases
-
-
-# ---------------------------------------------------------------- build_query
-
-
-@pytest.mark.parametrize(
-    "tokens, length, start, end, expected",
-    [
-        ([5, 13, 7, 8], 5, 13, None, [7, 8, P, P, P]),  # start found: keep what follows it
-        ([13, 1, 13, 2], 5, 13, None, [1, 13, 2, P, P]),  # only the first start token counts
-        ([1, 2, 13], 4, 13, None, [1, 2, 13, P]),  # start is the last token: text kept whole
-        ([1, 2, 3], 4, 13, None, None),  # start not found: skipped
-        ([1, 2, 3, 4, 5, 6], 4, None, None, [1, 2, 3, 4]),  # truncation, no padding needed
-        ([1, 2], 4, None, None, [1, 2, P, P]),  # right padding
-        ([1, 13, 2, 13, 3], 5, None, 13, [1, 13, 2, 13, P]),  # end: up to the last occurrence
-        ([1, 2, 3, 13], 3, None, 13, None),  # end only searched after truncation: skipped
-        ([1, 2, 3], 3, None, 13, None),  # end not found: skipped
-        ([9, 13, 1, 2, 13, 3, 4], 6, 13, 13, [1, 2, 13, P, P, P]),  # start then end
-        ([9, 13, 1, 2, 3, 13, 4], 3, 13, 13, None),  # end lies beyond query_length after the start trim
-        ([], 3, None, None, None),  # empty text: skipped
-    ],
-)
-def test_build_query_oai_steps(tokens, length, start, end, expected):
-    assert build_query(tokens, length, start, end, P) == expected
-
-
-def test_build_query_tv1(tokenizer):
-    tokens = encode_texts(tokenizer, ["usually, he would", "she thought about it"])
-    queries = [build_query(t, 5, None, None, tokenizer.pad_token_id) for t in tokens]
-    assert queries == [[23073, 11, 339, 561, 50257], [7091, 1807, 546, 340, 50257]]
-
-
-def test_build_query_rejects_nonpositive_length():
-    with pytest.raises(ValueError, match="query_length"):
-        build_query([1, 2], 0, None, None, P)
-
-
-def test_text_to_token_single_tokens(tokenizer):
-    assert text_to_token(tokenizer, ".") == 13
-    assert text_to_token(tokenizer, "\n") == 198
-    assert text_to_token(tokenizer, None) is None
-    assert text_to_token(tokenizer, "") is None
-    with pytest.raises(ValueError, match="--task.end_text.*TL;DR"):
-        text_to_token(tokenizer, "TL;DR:", "--task.end_text")
-
-
-def test_encode_texts_treats_special_strings_as_text(tokenizer):
-    (tokens,) = encode_texts(tokenizer, ["a [PAD] b<|endoftext|>"])
-    assert PAD not in tokens and tokenizer.eos_token_id not in tokens
-
-
-# ---------------------------------------------------------------- presets and contexts
-
-
-def test_tasks_match_launch_presets(tokenizer):
-    # launch.py's truncate_token 13 and 198 are GPT-2's "." and "\n": the presets name the text, which GPT-2's
-    # tokenizer resolves to OAI's ids
-    tasks = {name: resolve_truncation(task, tokenizer) for name, task in TASKS.items()}
-    assert {name: (task.truncate_text, task.truncate_token) for name, task in tasks.items()} == {
-        "sentiment": (".", 13),
-        "descriptiveness": (".", 13),
-        "tldr": ("\n", 198),
-        "cnndm": ("\n", 198),
-    }
-    for name in ("sentiment", "descriptiveness"):
-        task = tasks[name]
-        assert (task.query_dataset, task.query_length, task.response_length) == ("books", 64, 24)
-        assert (task.start_text, task.end_text, task.truncate_token, task.truncate_after) == (".", ".", 13, 16)
-        assert (task.query_prefix, task.query_suffix, task.temperature) == ("", "", 0.7)
-    tldr, cnndm = tasks["tldr"], tasks["cnndm"]
-    assert (tldr.query_length, tldr.response_length) == (500, 75)
-    assert (tldr.query_prefix, tldr.query_suffix) == ("", "\n\nTL;DR:")
-    assert (tldr.start_text, tldr.end_text, tldr.truncate_token, tldr.truncate_after, tldr.temperature) == (
-        None,
-        None,
-        198,
-        55,
-        0.7,
-    )
-    assert (cnndm.query_prefix, cnndm.query_suffix, cnndm.start_text, cnndm.end_text) == (
-        "Article:\n\n",
-        "\n\nTL;DR:",
-        None,
-        "\n",
-    )
-    assert (cnndm.query_length, cnndm.response_length, cnndm.truncate_token, cnndm.truncate_after) == (500, 75, 198, 55)
-    assert cnndm.temperature == 0.5
-    assert all(task.penalty_reward_value == -1.0 for task in TASKS.values())
-
-
-def test_task_hparams_parse_with_tyro():
-    args = ["--query-length", "500", "--start-text", "None", "--truncate-token", "13", "--end-text", "."]
-    task = tyro.cli(TaskHParams, default=TASKS["tldr"], args=args)
-    assert (task.query_length, task.start_text, task.truncate_token, task.end_text) == (500, None, 13, ".")
-    assert task.query_dataset == "tldr" and task.response_length == 75
-
-
-def test_task_hparams_class_defaults_are_oai_lm_tasks_defaults():
-    # OAI lm_tasks.py#L11-L34: lengths and dataset required; start '.', no end text, no truncation, penalty -1, T 1.0
-    with pytest.raises(TypeError):
-        TaskHParams(query_length=64, response_length=24)  # query_dataset is required
-    task = TaskHParams(query_length=64, query_dataset="books", response_length=24)
-    assert (task.query_prefix, task.query_suffix, task.start_text, task.end_text) == ("", "", ".", None)
-    assert (task.truncate_token, task.truncate_after, task.penalty_reward_value, task.temperature) == (None, 0, -1, 1.0)
-
-
-def test_format_contexts_tldr_suffix(tokenizer):
-    prefix, suffix = encode_context_affixes(tokenizer, TASKS["tldr"])
-    assert prefix == [] and suffix == tokenizer("\n\nTL;DR:")["input_ids"]
-    queries = torch.tensor([[23073, 11, 339, 561, PAD], [7091, 1807, 546, 340, PAD]])
-    contexts = format_contexts(queries, prefix, suffix)
-    assert contexts.shape == (2, 5 + len(suffix)) and contexts.dtype == torch.long
-    assert torch.equal(contexts[:, :5], queries)
-    assert contexts[:, 5:].tolist() == [suffix, suffix]
-
-
-def test_format_contexts_cnndm_prefix_and_suffix(tokenizer):
-    prefix, suffix = encode_context_affixes(tokenizer, TASKS["cnndm"])
-    assert prefix == tokenizer("Article:\n\n")["input_ids"]
-    queries = torch.tensor([[1, 2, PAD]])
-    contexts = format_contexts(queries, prefix, suffix)
-    assert contexts.tolist() == [prefix + [1, 2, PAD] + suffix]
-
-
-def test_format_contexts_rejects_1d():
-    with pytest.raises(ValueError, match="shape"):
-        format_contexts(torch.tensor([1, 2]), [], [])
 
 
 # ---------------------------------------------------------------- text sources

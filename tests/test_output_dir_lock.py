@@ -2,8 +2,6 @@
 (started beside a live one, or at the same instant) stops with one line naming the holder, while a killed run's lock
 never blocks the run that continues it."""
 
-import errno
-import json
 import os
 import signal
 import socket
@@ -14,7 +12,7 @@ import time
 import pytest
 
 from lm_human_preference_details import checkpoint
-from tests.planted import REPO, run_script, script_env
+from tests.planted import REPO, lock_record, run_script, script_env
 from tests.test_resume import policy_flags, policy_world, script_command  # noqa: F401 (fixture)
 
 LAUNCHER = """
@@ -36,14 +34,6 @@ def wait_for(condition, timeout: float, what: str) -> None:
     while not condition():
         assert time.time() < deadline, f"timed out waiting for {what}"
         time.sleep(0.01)
-
-
-def lock_record(output_dir) -> dict | None:
-    """What the lock file of `output_dir` says about its holder (None while it says nothing)."""
-    try:
-        return json.loads(open(os.path.join(output_dir, checkpoint.LOCK_FILE)).read())
-    except (OSError, ValueError):
-        return None
 
 
 @pytest.mark.slow
@@ -121,28 +111,3 @@ def test_two_runs_started_at_the_same_instant_on_one_output_dir_let_exactly_one_
     # one run's TensorBoard logs only
     events = [name for _, _, names in os.walk(out / "tb") for name in names if name.startswith("events.")]
     assert len(events) == 1, events
-
-
-def test_a_filesystem_without_file_locks_warns_once_and_the_run_goes_on(tmp_path, monkeypatch, capsys):
-    def no_locks(fd, operation):
-        raise OSError(errno.ENOSYS, "Function not implemented")
-
-    monkeypatch.setattr(checkpoint.fcntl, "flock", no_locks)
-    for _ in range(2):
-        assert not checkpoint.lock_output_dir(str(tmp_path / "lustre"))  # not held: interrupted saves stay untouched
-    err = capsys.readouterr().err
-    assert err.count("warning:") == 1
-    where = tmp_path / "lustre"
-    assert f"--output_dir '{where}' is on a filesystem without file locks (Function not implemented)" in err
-    checkpoint.release_output_dir_locks()
-
-
-def test_a_released_lock_leaves_the_output_dir_as_it_found_it(tmp_path):
-    new, used = tmp_path / "new", tmp_path / "used"
-    used.mkdir()
-    for directory in (new, used):
-        checkpoint.lock_output_dir(str(directory))
-        assert lock_record(directory)["pid"] == os.getpid()
-    checkpoint.lock_output_dir(str(new))  # held already by this process: nothing to do
-    checkpoint.release_output_dir_locks()
-    assert not new.exists() and os.listdir(used) == []

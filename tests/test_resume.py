@@ -317,17 +317,6 @@ def test_failed_checkpoint_write_leaves_the_previous_one_whole(finished_run, tmp
     PolicyWithValueHead.load(str(run_dir))
 
 
-def test_atomic_files_keep_the_old_files_on_error(tmp_path):
-    target = tmp_path / "model"
-    with checkpoint.atomic_files(str(target)) as tmp:
-        open(os.path.join(tmp, "a.json"), "w").write(json.dumps({"v": 1}))
-    with pytest.raises(RuntimeError), checkpoint.atomic_files(str(target)) as tmp:
-        open(os.path.join(tmp, "a.json"), "w").write(json.dumps({"v": 2}))
-        raise RuntimeError("killed mid-write")
-    assert json.loads((target / "a.json").read_text()) == {"v": 1}
-    assert os.listdir(target) == ["a.json"]  # no partial directory, no marker
-
-
 @pytest.mark.parametrize("leftover", ["reward_model.json", "tb"])
 def test_reward_run_into_used_output_dir_stops(tmp_path, tiny_model_dir, reward_world, leftover):
     used = tmp_path / "rm"

@@ -539,10 +539,6 @@ def long_context_model_dir(tmp_path_factory, tokenizer):
     return str(path)
 
 
-def test_books_presets_share_one_task():
-    assert TASKS["sentiment"] == TASKS["descriptiveness"]  # they differ only in the reward model's labels
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("preset", ["sentiment", "tldr", "cnndm"])
 def test_tiny_policy_run_with_oai_task_settings(preset_sources, tmp_path, long_context_model_dir, one_thread, preset):

@@ -1,4 +1,5 @@
-"""train_policy.py: the inline algorithm (rewards, GAE, whitening, truncation, PPO losses, KL control) and tiny runs."""
+"""train_policy.py: the inline algorithm (rewards, GAE, whitening, PPO losses, KL control) and tiny runs. The
+response truncation and filter (tasks.py) are tested in tests/test_tasks.py."""
 
 import ast
 import dataclasses
@@ -26,7 +27,7 @@ from lm_human_preference_details.ppo_plumbing import (
     progress_text,
     run_summary,
 )
-from lm_human_preference_details.tasks import PassRateAlarm, TaskHParams, passes_filter, truncate_response
+from lm_human_preference_details.tasks import TaskHParams
 from lm_human_preference_details.tokenizer import load_tokenizer, tokenizer_fingerprint
 from tests.planted import REPO, free_port
 from train_policy import (
@@ -133,36 +134,6 @@ def test_compute_advantages_matches_discounted_loop_per_row():
     torch.testing.assert_close(advantages, expected)
 
 
-def test_truncate_response_pads_after_first_qualifying_token():
-    # truncate_token 13, truncate_after 2 (spec P2): a 13 before index 2 does not count, the 13 itself is kept
-    responses = torch.tensor(
-        [
-            [13, 5, 6, 13, 7, 13],  # first 13 at index 0 is too early; the one at 3 truncates
-            [5, 6, 13, 8, 9, 10],  # 13 exactly at index truncate_after counts
-            [13, 13, 5, 6, 7, 8],  # only early 13s: unchanged
-            [1, 2, 3, 4, 5, 13],  # 13 last: nothing to pad
-        ]
-    )
-    expected = torch.tensor(
-        [
-            [13, 5, 6, 13, PAD, PAD],
-            [5, 6, 13, PAD, PAD, PAD],
-            [13, 13, 5, 6, 7, 8],
-            [1, 2, 3, 4, 5, 13],
-        ]
-    )
-    assert torch.equal(truncate_response(responses, 13, 2, PAD), expected)
-    assert torch.equal(truncate_response(responses, None, 2, PAD), responses)
-
-
-def test_passes_filter_needs_truncate_token_at_or_after_truncate_after():
-    responses = torch.tensor(
-        [[13, 5, 6, 13, PAD, PAD], [5, 6, 13, PAD, PAD, PAD], [13, 13, 5, 6, 7, 8], [1, 2, 3, 4, 5, 13]]
-    )
-    assert passes_filter(responses, 13, 2).tolist() == [True, True, False, True]
-    assert passes_filter(responses, None, 2).tolist() == [True] * 4
-
-
 def test_closing_table_and_progress_text_name_the_figures_and_where_the_outputs_went():
     history = [
         {"objective/score": -1.0, "objective/kl": 0.0, "objective/kl_coef": 0.15, "elapsed/episodes": 32},
@@ -190,23 +161,6 @@ def test_closing_table_and_progress_text_name_the_figures_and_where_the_outputs_
     assert progress_text({"objective/score": 0.5, "objective/kl": 1.0, "objective/gold_score": 0.25}).endswith(
         "kl 1.000 gold 0.250"
     )
-
-
-def test_pass_rate_alarm_fires_every_interval_while_the_rate_stays_low():
-    task = TaskHParams(query_length=4, query_dataset="books", response_length=24, truncate_token=13, truncate_after=16)
-    alarm = PassRateAlarm(threshold=0.1, interval=3)
-    rates = [0.0, 0.05, 0.0, 0.02, 0.5, 0.0, 0.0, 0.0, 0.09, 0.0]
-    fired = {update: alarm.update(rate, update, task) for update, rate in enumerate(rates)}
-    # checks at updates 0, 3, 6, 9: fires when every rate since the last check was low (update 4 passed 50%)
-    assert [update for update, warning in fired.items() if warning] == [0, 3, 9]
-    assert "updates 1-3, highest 0.050" in fired[3] and "updates 7-9, highest 0.090" in fired[9]
-    for flag in ("--task.truncate_token 13", "--task.truncate_after 16", "--task.response_length 24"):
-        assert flag in fired[0]
-    assert "--task.penalty_reward_value -1.0" in fired[0]
-    # a rate that reached 0.5 and fell blames the training, not the filter's flags
-    assert "fell below 0.1 (updates 7-9, highest 0.090) after 0.500 at update 4" in fired[9]
-    assert "--ppo.lr" in fired[9] and "Check these flags" not in fired[9] and "Check these flags" in fired[3]
-    assert not any(PassRateAlarm(0.0, 1).update(0.0, update, task) for update in range(3))  # 0: never
 
 
 def test_divergence_watch_reports_a_kl_or_a_pass_rate_collapse_that_lasts():

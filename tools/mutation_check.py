@@ -135,7 +135,7 @@ BREAKAGES = [
         "lm_human_preference_details/tasks.py",
         "tokens = tokens[: len(tokens) - tokens[::-1].index(end_token)]",
         "tokens = tokens[: tokens.index(end_token) + 1]",
-        ["tests/test_data.py::test_build_query_oai_steps"],
+        ["tests/test_tasks.py::test_build_query_oai_steps"],
     ),
     Breakage(
         "G4-reward-sees-context",
@@ -394,7 +394,7 @@ BREAKAGES = [
         "lm_human_preference_details/tasks.py",
         "after_first_match = (matches.cumsum(1) - matches.long()) > 0",
         "after_first_match = matches.cumsum(1) > 0",
-        ["tests/test_train_policy.py::test_truncate_response_pads_after_first_qualifying_token"],
+        ["tests/test_tasks.py::test_truncate_response_pads_after_first_qualifying_token"],
     ),
     Breakage(
         "P3-no-penalty",
@@ -412,7 +412,7 @@ BREAKAGES = [
         "lm_human_preference_details/tasks.py",
         "return (responses[:, truncate_after:] == truncate_token).any(1)",
         "return (responses[:, truncate_after + 1 :] == truncate_token).any(1)",
-        ["tests/test_train_policy.py::test_passes_filter_needs_truncate_token_at_or_after_truncate_after"],
+        ["tests/test_tasks.py::test_passes_filter_needs_truncate_token_at_or_after_truncate_after"],
     ),
     Breakage(
         "P4-kl-sign",
@@ -520,7 +520,7 @@ BREAKAGES = [
         "lm_human_preference_details/kernels.py",
         "torch.sub(logits[..., chunk], maxes, out=products)",
         "torch.sub(logits[..., chunk], 0, out=products)",
-        ["tests/test_core.py::test_logprobs_and_entropy_from_logits_match_separate_functions"],
+        ["tests/test_kernels.py::test_logprobs_and_entropy_from_logits_match_separate_functions"],
     ),
     Breakage(
         "P12-one-permutation",
@@ -968,7 +968,7 @@ BREAKAGES = [
         "    return maxes + total.log() - (exps.unsqueeze(-2) @ logits.unsqueeze(-1)).squeeze(-1) / total",
         [
             "tests/test_kernels.py::test_fused_entropy_on_full_vocabulary_float32_logits_is_as_accurate_as_the_plain_formula",
-            "tests/test_core.py::test_logprobs_and_entropy_from_logits_match_separate_functions",
+            "tests/test_kernels.py::test_logprobs_and_entropy_from_logits_match_separate_functions",
         ],
     ),
     Breakage(
@@ -1179,7 +1179,7 @@ BREAKAGES = [
         "lm_human_preference_details/tasks.py",
         'token = text_to_token(tokenizer, task.truncate_text, "--task.truncate_text")',
         'token = {".": 13, "\\n": 198}.get(task.truncate_text)',
-        ["tests/test_architectures.py::test_preset_truncation_text_resolves_to_each_tokenizers_own_id"],
+        ["tests/test_tasks.py::test_preset_truncation_text_resolves_to_each_tokenizers_own_id"],
     ),
     Breakage(
         "P2-truncate-conflict-ignored",
@@ -1188,7 +1188,7 @@ BREAKAGES = [
         "lm_human_preference_details/tasks.py",
         "if task.truncate_token is not None and task.truncate_token != token:",
         "if False:",
-        ["tests/test_architectures.py::test_truncation_text_of_several_tokens_or_naming_another_token_is_refused"],
+        ["tests/test_tasks.py::test_truncation_text_of_several_tokens_or_naming_another_token_is_refused"],
     ),
     Breakage(
         "P2-truncate-flag-keeps-preset-text",
@@ -1206,7 +1206,7 @@ BREAKAGES = [
         "lm_human_preference_details/tasks.py",
         '    skipped = {"truncate_text"}\n',
         "    skipped = set()\n",
-        ["tests/test_architectures.py::test_task_check_compares_the_resolved_truncation_id"],
+        ["tests/test_tasks.py::test_task_check_compares_the_resolved_truncation_id"],
     ),
     Breakage(
         "G1-bos-not-given-to-reward-training",
@@ -1243,7 +1243,7 @@ BREAKAGES = [
         "    check_truncation_resolved(task)\n    pad_id = tokenizer.pad_token_id",
         "    pad_id = tokenizer.pad_token_id",
         [
-            "tests/test_architectures.py::test_a_preset_whose_truncation_text_was_not_resolved_is_refused_where_the_filter_applies"
+            "tests/test_tasks.py::test_a_preset_whose_truncation_text_was_not_resolved_is_refused_where_the_filter_applies"
         ],
     ),
     Breakage(
@@ -1254,7 +1254,7 @@ BREAKAGES = [
         "    check_truncation_resolved(task)\n    generator = torch.Generator(",
         "    generator = torch.Generator(",
         [
-            "tests/test_architectures.py::test_a_preset_whose_truncation_text_was_not_resolved_is_refused_where_the_filter_applies"
+            "tests/test_tasks.py::test_a_preset_whose_truncation_text_was_not_resolved_is_refused_where_the_filter_applies"
         ],
     ),
     Breakage(
@@ -1265,7 +1265,7 @@ BREAKAGES = [
         "    check_truncation_resolved(task)\n    batch_size, n, length",
         "    batch_size, n, length",
         [
-            "tests/test_architectures.py::test_a_preset_whose_truncation_text_was_not_resolved_is_refused_where_the_filter_applies"
+            "tests/test_tasks.py::test_a_preset_whose_truncation_text_was_not_resolved_is_refused_where_the_filter_applies"
         ],
     ),
 ]
