@@ -24,7 +24,7 @@ from lm_human_preference_details.core import (
     whiten,
 )
 from lm_human_preference_details.kernels import logprobs_and_entropy_from_logits, logprobs_from_logits
-from tests.planted import free_port
+from tests.planted import free_port, without_gpus
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -288,7 +288,7 @@ TWO_PROCESS_SCRIPT = textwrap.dedent(
 def test_allreduce_and_broadcast_two_processes(tmp_path):
     script = tmp_path / "sync_check.py"
     script.write_text(TWO_PROCESS_SCRIPT)
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO_ROOT))
+    env = without_gpus(dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO_ROOT)))
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2"]
     command += ["--master_addr", "127.0.0.1", "--master_port", str(free_port()), str(script), str(tmp_path)]
     proc = subprocess.run(command, env=env, capture_output=True, text=True, timeout=120)
