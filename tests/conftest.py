@@ -8,6 +8,8 @@ import warnings
 
 import pytest
 import torch
+from accelerate import Accelerator
+from accelerate.state import AcceleratorState, PartialState
 from transformers import GPT2Config, GPT2LMHeadModel
 
 from lm_human_preference_details.tokenizer import gpt2_tokenizer_offline
@@ -118,6 +120,30 @@ def no_deprecated_library_calls(monkeypatch):
             hf_logging._default_handler.setLevel(default_handler_level)
     if log.messages:
         pytest.fail(f"the project calls transformers in a deprecated way: {log.messages}", pytrace=False)
+
+
+def forget_accelerate_state_unless_on(device_type: str) -> None:
+    """Reset accelerate's process-wide state (its supported reset, `AcceleratorState._reset_state`) when it was built
+    on another device type than `device_type`. accelerate keeps one state per process: once a test on a GPU machine
+    ran a script in-process (CUDA), `Accelerator(cpu=True)` raises "AcceleratorState has already been initialized",
+    and once a test built a CPU one, a later `Accelerator()` stays on the CPU."""
+    devices = [state.get("device") for state in (PartialState._shared_state, AcceleratorState._shared_state)]
+    if any(device is not None and device.type != device_type for device in devices):
+        AcceleratorState._reset_state(reset_partial_state=True)
+
+
+def cpu_accelerator() -> Accelerator:
+    """A one-process CPU Accelerator, whichever Accelerator an earlier test in this process built."""
+    forget_accelerate_state_unless_on("cpu")
+    return Accelerator(cpu=True)
+
+
+@pytest.fixture(autouse=True)
+def accelerate_state_on_the_gpu():
+    """On a GPU machine, the next test's `Accelerator()` gets CUDA even when this test built a CPU Accelerator."""
+    yield
+    if torch.cuda.is_available():
+        forget_accelerate_state_unless_on("cuda")
 
 
 def _set_handler_level(hf_logging, verbosity: int) -> None:

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 from accelerate import Accelerator
+from accelerate.state import AcceleratorState, PartialState
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from lm_human_preference_details import core
@@ -24,6 +25,8 @@ from lm_human_preference_details.core import (
     whiten,
 )
 from lm_human_preference_details.kernels import logprobs_and_entropy_from_logits, logprobs_from_logits
+from tests.conftest import cpu_accelerator, forget_accelerate_state_unless_on
+from tests.fidelity import FakeWorld
 from tests.planted import free_port, without_gpus
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -238,7 +241,7 @@ def test_tracker_non_main_process_writes_nothing(tmp_path, monkeypatch):
 
 
 def test_allreduce_and_broadcast_single_process_are_noops():
-    accelerator = Accelerator(cpu=True)
+    accelerator = cpu_accelerator()
     assert accelerator.num_processes == 1
     model = torch.nn.Linear(3, 2)
     model.weight.grad = torch.arange(6.0).view(2, 3)
@@ -251,6 +254,19 @@ def test_allreduce_and_broadcast_single_process_are_noops():
     assert torch.equal(model.weight.grad, torch.arange(6.0).view(2, 3))
     assert model.bias.grad is None
     assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before_params))
+
+
+def test_a_cpu_accelerator_follows_one_built_on_a_gpu_in_the_same_process():
+    """accelerate keeps one state per process; on a GPU machine a test that ran a script in-process leaves it on
+    CUDA (faked here: the state's device), and the fidelity tests' `Accelerator(cpu=True)` raised at setup."""
+    Accelerator(cpu=True)
+    PartialState._shared_state["device"] = AcceleratorState._shared_state["device"] = torch.device("cuda")
+    with pytest.raises(ValueError, match="AcceleratorState has already been initialized"):
+        Accelerator(cpu=True)
+    assert FakeWorld(0).device == torch.device("cpu")
+    forget_accelerate_state_unless_on("cuda")  # after a test on a GPU machine: the next `Accelerator()` gets CUDA
+    assert not PartialState._shared_state and not AcceleratorState._shared_state
+    assert cpu_accelerator().device == torch.device("cpu")
 
 
 TWO_PROCESS_SCRIPT = textwrap.dedent(
