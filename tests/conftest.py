@@ -1,6 +1,7 @@
 """Shared offline fixtures: the real GPT-2 tokenizer (built from local files) and tiny random GPT-2 models."""
 
 import contextlib
+import importlib.util
 import logging
 import os
 import sys
@@ -33,10 +34,23 @@ def _site_package(filename: str) -> list[str] | None:
     return None
 
 
+def _package_directory(name: str) -> str | None:
+    """The directory of the installed package `name` (found without importing it), None when it is not installed."""
+    spec = importlib.util.find_spec(name)
+    return os.path.dirname(os.path.abspath(spec.origin)) if spec is not None and spec.origin else None
+
+
+LIBRARY_DIRECTORIES = {name: _package_directory(name) for name in CHECKED_LIBRARIES}
+"""where each checked library is installed: site-packages, or any directory (`pip install --target DIR`)"""
+
+
 def _library_of(filename: str) -> str | None:
     """The checked library a source file belongs to, None for any other file."""
-    parts = _site_package(filename)
-    return parts[0] if parts and parts[0] in CHECKED_LIBRARIES else None
+    path = os.path.abspath(filename)
+    for name, directory in LIBRARY_DIRECTORIES.items():
+        if directory is not None and path.startswith(directory + os.sep):
+            return name
+    return None
 
 
 def _is_project_file(filename: str) -> bool:
@@ -98,7 +112,7 @@ def no_deprecated_library_calls(monkeypatch):
             library = _deprecation_from_project_call()
             if library:
                 raise category(f"the project calls {library} in a deprecated way: {message}")
-            if category is DeprecationWarning and _site_package(filename):
+            if category is DeprecationWarning and (_site_package(filename) or _library_of(filename)):
                 return  # an installed package's internal deprecation, not the project's call: not shown, as before
         shown(message, category, filename, lineno, file, line)
 
