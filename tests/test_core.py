@@ -304,7 +304,9 @@ TWO_PROCESS_SCRIPT = textwrap.dedent(
 def test_allreduce_and_broadcast_two_processes(tmp_path):
     script = tmp_path / "sync_check.py"
     script.write_text(TWO_PROCESS_SCRIPT)
-    env = without_gpus(dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO_ROOT)))
+    # the repository in front of the machine's own PYTHONPATH (which may hold the installed libraries)
+    path = os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))
+    env = without_gpus(dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=path))
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2"]
     command += ["--master_addr", "127.0.0.1", "--master_port", str(free_port()), str(script), str(tmp_path)]
     proc = subprocess.run(command, env=env, capture_output=True, text=True, timeout=120)

@@ -29,7 +29,8 @@ def test_a_library_installed_outside_site_packages_is_checked_too(tmp_path):
     target = tmp_path / "target"
     target.mkdir()
     (target / "transformers").symlink_to(Path(transformers.__file__).parent, target_is_directory=True)
-    env = {**script_env(), "PYTHONPATH": os.pathsep.join([str(target), str(REPO)])}
+    path = os.pathsep.join(filter(None, [str(target), str(REPO), os.environ.get("PYTHONPATH")]))
+    env = {**script_env(), "PYTHONPATH": path}
     check = (
         "import transformers.utils.generic as generic, tests.conftest as checker; "
         "print(generic.__file__); print(checker._library_of(generic.__file__))"
