@@ -259,7 +259,7 @@ def test_allreduce_and_broadcast_single_process_are_noops():
 def test_a_cpu_accelerator_follows_one_built_on_a_gpu_in_the_same_process():
     """accelerate keeps one state per process; on a GPU machine a test that ran a script in-process leaves it on
     CUDA (faked here: the state's device), and the fidelity tests' `Accelerator(cpu=True)` raised at setup."""
-    Accelerator(cpu=True)
+    cpu_accelerator()  # a state on the CPU, whatever the tests before this one left
     PartialState._shared_state["device"] = AcceleratorState._shared_state["device"] = torch.device("cuda")
     with pytest.raises(ValueError, match="AcceleratorState has already been initialized"):
         Accelerator(cpu=True)
