@@ -44,6 +44,27 @@ def check_launch(environ: Mapping[str, str], script: str) -> None:
     )
 
 
+def check_gpus_per_process(environ: Mapping[str, str]) -> None:
+    """ValueError when a run on GPUs starts more processes on this machine than it has GPUs: two processes on one GPU
+    otherwise stop deep in NCCL ("Duplicate GPU detected"). Runs on CPU (no GPU visible, or accelerate's --cpu) pass.
+
+    torchrun (and accelerate launch --multi_gpu, which uses it) and MPI put the processes per machine in
+    LOCAL_WORLD_SIZE and its MPI counterparts (accelerate reads the same variables).
+    """
+    local_sizes = ("LOCAL_WORLD_SIZE", "MPI_LOCALNRANKS", "OMPI_COMM_WORLD_LOCAL_SIZE", "MV2_COMM_WORLD_LOCAL_SIZE")
+    processes = max(int(environ.get(name) or 1) for name in local_sizes)
+    on_cpu = environ.get("ACCELERATE_USE_CPU", "").lower() in ("y", "yes", "t", "true", "on", "1")
+    if processes <= 1 or on_cpu or not torch.cuda.is_available():
+        return
+    gpus = torch.cuda.device_count()
+    if processes > gpus:
+        raise ValueError(
+            f"{processes} processes on this machine (LOCAL_WORLD_SIZE) but {gpus} GPU(s) visible "
+            f"(torch.cuda.device_count()): start at most {gpus} per machine (torchrun --nproc_per_node {gpus}, "
+            f"accelerate launch --num_processes {gpus}), or run on CPU with the GPUs hidden (CUDA_VISIBLE_DEVICES=)"
+        )
+
+
 def make_accelerator(timeout: float = DIST_TIMEOUT) -> Accelerator:
     """An Accelerator that also runs several CPU processes (gloo) when torchrun/accelerate start them without GPUs.
 
@@ -52,6 +73,7 @@ def make_accelerator(timeout: float = DIST_TIMEOUT) -> Accelerator:
     noticed at once: torchrun stops the others, gloo reports the closed connection).
     """
     check_launch(os.environ, os.path.basename(sys.argv[0]))
+    check_gpus_per_process(os.environ)
     if not (timeout > 0 and math.isfinite(timeout)):
         raise ValueError(f"--dist_timeout must be a positive number of seconds (got {timeout})")
     multi_process = int(os.environ.get("WORLD_SIZE", "1")) > 1

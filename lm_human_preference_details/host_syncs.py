@@ -184,6 +184,8 @@ class HostSyncCounter:
             return False  # no data (transformers builds models there)
         if not isinstance(source, torch.Tensor):
             return device.type != "cpu"  # Python data: staged in pageable memory
+        if source.numel() == 0 or (destination is not None and destination.numel() == 0):
+            return False  # no elements: `copy_` returns before it copies (an empty tensor is not pinned, either)
         if source.device.type != "cpu":
             return False  # on the device already, or a device-to-host copy (counted as a read when it is `.cpu()`)
         if device.type != "cpu":

@@ -1,6 +1,7 @@
 """Shared offline fixtures: the real GPT-2 tokenizer (built from local files) and tiny random GPT-2 models."""
 
 import contextlib
+import importlib.util
 import logging
 import os
 import sys
@@ -8,6 +9,8 @@ import warnings
 
 import pytest
 import torch
+from accelerate import Accelerator
+from accelerate.state import AcceleratorState, PartialState
 from transformers import GPT2Config, GPT2LMHeadModel
 
 from lm_human_preference_details.tokenizer import gpt2_tokenizer_offline
@@ -31,10 +34,23 @@ def _site_package(filename: str) -> list[str] | None:
     return None
 
 
+def _package_directory(name: str) -> str | None:
+    """The directory of the installed package `name` (found without importing it), None when it is not installed."""
+    spec = importlib.util.find_spec(name)
+    return os.path.dirname(os.path.abspath(spec.origin)) if spec is not None and spec.origin else None
+
+
+LIBRARY_DIRECTORIES = {name: _package_directory(name) for name in CHECKED_LIBRARIES}
+"""where each checked library is installed: site-packages, or any directory (`pip install --target DIR`)"""
+
+
 def _library_of(filename: str) -> str | None:
     """The checked library a source file belongs to, None for any other file."""
-    parts = _site_package(filename)
-    return parts[0] if parts and parts[0] in CHECKED_LIBRARIES else None
+    path = os.path.abspath(filename)
+    for name, directory in LIBRARY_DIRECTORIES.items():
+        if directory is not None and path.startswith(directory + os.sep):
+            return name
+    return None
 
 
 def _is_project_file(filename: str) -> bool:
@@ -96,7 +112,7 @@ def no_deprecated_library_calls(monkeypatch):
             library = _deprecation_from_project_call()
             if library:
                 raise category(f"the project calls {library} in a deprecated way: {message}")
-            if category is DeprecationWarning and _site_package(filename):
+            if category is DeprecationWarning and (_site_package(filename) or _library_of(filename)):
                 return  # an installed package's internal deprecation, not the project's call: not shown, as before
         shown(message, category, filename, lineno, file, line)
 
@@ -118,6 +134,30 @@ def no_deprecated_library_calls(monkeypatch):
             hf_logging._default_handler.setLevel(default_handler_level)
     if log.messages:
         pytest.fail(f"the project calls transformers in a deprecated way: {log.messages}", pytrace=False)
+
+
+def forget_accelerate_state_unless_on(device_type: str) -> None:
+    """Reset accelerate's process-wide state (its supported reset, `AcceleratorState._reset_state`) when it was built
+    on another device type than `device_type`. accelerate keeps one state per process: once a test on a GPU machine
+    ran a script in-process (CUDA), `Accelerator(cpu=True)` raises "AcceleratorState has already been initialized",
+    and once a test built a CPU one, a later `Accelerator()` stays on the CPU."""
+    devices = [state.get("device") for state in (PartialState._shared_state, AcceleratorState._shared_state)]
+    if any(device is not None and device.type != device_type for device in devices):
+        AcceleratorState._reset_state(reset_partial_state=True)
+
+
+def cpu_accelerator() -> Accelerator:
+    """A one-process CPU Accelerator, whichever Accelerator an earlier test in this process built."""
+    forget_accelerate_state_unless_on("cpu")
+    return Accelerator(cpu=True)
+
+
+@pytest.fixture(autouse=True)
+def accelerate_state_on_the_gpu():
+    """On a GPU machine, the next test's `Accelerator()` gets CUDA even when this test built a CPU Accelerator."""
+    yield
+    if torch.cuda.is_available():
+        forget_accelerate_state_unless_on("cuda")
 
 
 def _set_handler_level(hf_logging, verbosity: int) -> None:

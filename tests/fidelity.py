@@ -12,9 +12,9 @@ from typing import Any
 
 import numpy as np
 import torch
-from accelerate import Accelerator
 
 from lm_human_preference_details import core
+from tests.conftest import cpu_accelerator
 
 # ---------------------------------------------------------------- a pretended second process
 
@@ -25,7 +25,7 @@ class FakeWorld:
     Accelerator."""
 
     def __init__(self, rank: int, world: int = 2, other=None):
-        self._real = Accelerator(cpu=True)
+        self._real = cpu_accelerator()
         self.process_index = self.local_process_index = rank
         self.num_processes = world
         self.is_main_process = self.is_local_main_process = rank == 0

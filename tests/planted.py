@@ -7,6 +7,7 @@ import random
 import socket
 import subprocess
 import sys
+from collections.abc import Mapping
 from pathlib import Path
 
 from lm_human_preference_details import checkpoint
@@ -42,6 +43,13 @@ def script_env() -> dict[str, str]:
     env = {key: value for key, value in os.environ.items() if key != "WANDB_SERVICE"}
     env.update(WANDB_MODE="offline", HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
     return env
+
+
+def without_gpus(env: Mapping[str, str]) -> dict[str, str]:
+    """`env` with every GPU hidden (CUDA_VISIBLE_DEVICES=""), for a test that starts several processes: the tests
+    compare CPU (gloo) runs, which on a machine with fewer GPUs than processes would otherwise share a GPU (NCCL:
+    "Duplicate GPU detected") or build their models on the CPU under an NCCL group."""
+    return {**env, "CUDA_VISIBLE_DEVICES": ""}
 
 
 def free_port() -> int:

@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 from lm_human_preference_details import core
 from tests.memory import PeakAllocation
-from tests.planted import REPO, free_port, write_policy_planted_labels, write_query_file
+from tests.planted import REPO, free_port, without_gpus, write_policy_planted_labels, write_query_file
 
 LAUNCHER = """
 import dataclasses, sys
@@ -96,7 +96,7 @@ def test_overlapped_allreduce_gives_each_step_the_mean_of_the_processes_gradient
     )
     launcher = tmp_path / "launch.py"
     launcher.write_text(LAUNCHER.format(repo=str(REPO)))
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "WANDB_MODE": "offline"}
+    env = without_gpus({**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "WANDB_MODE": "offline"})
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1"]
     command += ["--master_port", str(free_port()), str(launcher), str(tmp_path), tiny_model_dir, str(labels)]
     run = subprocess.run([*command, str(corpus)], env=env, capture_output=True, text=True, timeout=300)

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 from accelerate import Accelerator
+from accelerate.state import AcceleratorState, PartialState
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from lm_human_preference_details import core
@@ -23,7 +24,9 @@ from lm_human_preference_details.core import (
     set_seed,
     whiten,
 )
-from tests.planted import free_port
+from tests.conftest import cpu_accelerator, forget_accelerate_state_unless_on
+from tests.fidelity import FakeWorld
+from tests.planted import free_port, without_gpus
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -174,7 +177,7 @@ def test_tracker_non_main_process_writes_nothing(tmp_path, monkeypatch):
 
 
 def test_allreduce_and_broadcast_single_process_are_noops():
-    accelerator = Accelerator(cpu=True)
+    accelerator = cpu_accelerator()
     assert accelerator.num_processes == 1
     model = torch.nn.Linear(3, 2)
     model.weight.grad = torch.arange(6.0).view(2, 3)
@@ -187,6 +190,19 @@ def test_allreduce_and_broadcast_single_process_are_noops():
     assert torch.equal(model.weight.grad, torch.arange(6.0).view(2, 3))
     assert model.bias.grad is None
     assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before_params))
+
+
+def test_a_cpu_accelerator_follows_one_built_on_a_gpu_in_the_same_process():
+    """accelerate keeps one state per process; on a GPU machine a test that ran a script in-process leaves it on
+    CUDA (faked here: the state's device), and the fidelity tests' `Accelerator(cpu=True)` raised at setup."""
+    cpu_accelerator()  # a state on the CPU, whatever the tests before this one left
+    PartialState._shared_state["device"] = AcceleratorState._shared_state["device"] = torch.device("cuda")
+    with pytest.raises(ValueError, match="AcceleratorState has already been initialized"):
+        Accelerator(cpu=True)
+    assert FakeWorld(0).device == torch.device("cpu")
+    forget_accelerate_state_unless_on("cuda")  # after a test on a GPU machine: the next `Accelerator()` gets CUDA
+    assert not PartialState._shared_state and not AcceleratorState._shared_state
+    assert cpu_accelerator().device == torch.device("cpu")
 
 
 TWO_PROCESS_SCRIPT = textwrap.dedent(
@@ -224,7 +240,9 @@ TWO_PROCESS_SCRIPT = textwrap.dedent(
 def test_allreduce_and_broadcast_two_processes(tmp_path):
     script = tmp_path / "sync_check.py"
     script.write_text(TWO_PROCESS_SCRIPT)
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO_ROOT))
+    # the repository in front of the machine's own PYTHONPATH (which may hold the installed libraries)
+    path = os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))
+    env = without_gpus(dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=path))
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2"]
     command += ["--master_addr", "127.0.0.1", "--master_port", str(free_port()), str(script), str(tmp_path)]
     proc = subprocess.run(command, env=env, capture_output=True, text=True, timeout=120)

@@ -83,6 +83,23 @@ def test_counter_counts_host_to_device_copies_that_wait_for_the_device():
     assert syncs.count == 5 and all("host-to-device" in e for e in syncs.events), syncs.events
 
 
+def test_counter_does_not_count_a_copy_of_no_elements():
+    """torch's `copy_` returns before it copies when there are no elements, so nothing waits; an empty tensor is not
+    pinned by `pin_memory()`, so the pinned-memory test alone took `to_device` of an empty prefix for a waiting copy."""
+    counter = HostSyncCounter()
+    cuda = torch.device("cuda")  # the target device only: no GPU is needed to ask whether the copy waits
+    empty = torch.tensor([], dtype=torch.long).pin_memory() if torch.cuda.is_available() else torch.tensor([])
+    assert not empty.is_pinned()
+    assert not counter._copy_waits(empty, cuda, True, None)  # `to_device` of an empty prefix
+    assert not counter._copy_waits(empty, cuda, False, None)
+    assert not counter._copy_waits(torch.ones(1), cuda, False, torch.empty(0))  # into an empty destination
+    assert counter._copy_waits(torch.ones(1), cuda, True, None)  # one element from pageable memory still waits
+    with HostSyncCounter() as syncs:
+        torch.tensor([], dtype=torch.long).to(torch.device("cpu"))  # a CPU run: empty pageable memory, blocking
+        torch.tensor([1]).to(torch.device("cpu"))
+    assert syncs.count == 1, syncs.events
+
+
 def test_sampling_copies_nothing_from_the_host():
     policy = PolicyWithValueHead(tiny_gpt2())
     contexts = torch.tensor([[23073, 11, PAD, 13], [7091, 1807, 546, 340]])

@@ -20,7 +20,7 @@ from lm_human_preference_details.kernels import logprobs_from_logits
 from lm_human_preference_details.modeling import PolicyWithValueHead, load_causal_lm, reduce_training_memory
 from lm_human_preference_details.optim import make_optimizer
 from tests.conftest import tiny_gpt2, write_queries
-from tests.planted import REPO, free_port, run_script
+from tests.planted import REPO, free_port, run_script, without_gpus
 from tests.test_resume import (
     final_training_state,
     max_metric_difference,
@@ -328,7 +328,7 @@ def test_two_processes_keep_identical_adapters(world, tmp_path):
     command += ["--master_port", str(free_port()), str(launcher)]
     flags = run_flags(world, output_dir, "--ppo.batch_size", "16", "--save_interval", "0")
     flags += ["--gradient_checkpointing", "--bf16"]  # the memory savers, with LoRA, on two processes
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "WANDB_MODE": "offline"}
+    env = without_gpus({**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "WANDB_MODE": "offline"})
     run = subprocess.run([*command, *flags], env=env, capture_output=True, text=True, timeout=300, cwd=REPO)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-5000:]
     ranks = [torch.load(output_dir / f"rank{r}.pt") for r in range(2)]

@@ -13,11 +13,12 @@ from pathlib import Path
 import numpy as np
 import psutil
 import pytest
+import torch
 from safetensors.torch import load_file
 
 from lm_human_preference_details import core
 from lm_human_preference_details.compare import read_tensorboard
-from tests.planted import REPO, books_task, free_port, write_policy_planted_labels, write_query_file
+from tests.planted import REPO, books_task, free_port, without_gpus, write_policy_planted_labels, write_query_file
 from tests.test_train_policy import save_reward_model
 
 ENV = {"OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "WANDB_MODE": "offline", "TOKENIZERS_PARALLELISM": "false"}
@@ -74,7 +75,8 @@ def run_all(commands: list[list[str]], timeout: float, log_dir: Path) -> tuple[l
     procs = []
     for command, log in zip(commands, logs):
         with open(log, "w") as out:
-            procs.append(subprocess.Popen(command, env={**os.environ, **ENV}, stdout=out, stderr=subprocess.STDOUT))
+            env = without_gpus({**os.environ, **ENV})
+            procs.append(subprocess.Popen(command, env=env, stdout=out, stderr=subprocess.STDOUT))
     deadline = time.time() + timeout
     try:
         for proc in procs:
@@ -211,11 +213,51 @@ def test_check_launch_refuses_accelerates_one_process_launch():
         core.make_accelerator(0.0)
 
 
+def test_more_processes_per_machine_than_gpus_stop_at_the_start_in_one_line(monkeypatch):
+    # a machine with 1 GPU, faked: torchrun --nproc_per_node 2 (or accelerate launch --multi_gpu --num_processes 2)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    two = {"WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2", "MASTER_PORT": "29500"}
+    for environ in (two, {"OMPI_COMM_WORLD_SIZE": "2", "OMPI_COMM_WORLD_LOCAL_SIZE": "2"}):
+        with pytest.raises(ValueError) as error:
+            core.check_gpus_per_process(environ)
+        message = str(error.value)
+        assert "\n" not in message and "2 processes on this machine" in message and "1 GPU(s) visible" in message
+        assert "--nproc_per_node 1" in message and "CUDA_VISIBLE_DEVICES=" in message
+    core.check_gpus_per_process({**two, "WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "1"})  # 4 machines x 1 process
+    core.check_gpus_per_process({**two, "ACCELERATE_USE_CPU": "True"})  # accelerate launch --cpu: gloo on CPU
+    core.check_gpus_per_process({})  # one process
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    core.check_gpus_per_process(two)  # one GPU each
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    core.check_gpus_per_process({**two, "LOCAL_WORLD_SIZE": "8"})  # no GPU: every process on CPU (gloo)
+    # the training scripts' accelerator checks it before it starts a process group
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    for name, value in two.items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(ValueError, match="2 processes on this machine"):
+        core.make_accelerator()
+
+
+def test_every_multi_process_launch_of_the_tests_hides_the_gpus():
+    """The multi-process tests compare CPU (gloo) runs; on a GPU machine they would otherwise share its GPUs."""
+    assert without_gpus({"CUDA_VISIBLE_DEVICES": "0,1", "A": "1"}) == {"CUDA_VISIBLE_DEVICES": "", "A": "1"}
+    probe = [sys.executable, "-c", "import torch; print(torch.cuda.device_count())"]
+    seen = subprocess.run(probe, env=without_gpus(os.environ), capture_output=True, text=True, timeout=120)
+    assert seen.stdout.strip() == "0", seen.stderr[-2000:]
+    launchers = ("torch.distributed.run", "accelerate_cli")
+    sources = {path.name: path.read_text(encoding="utf-8") for path in (REPO / "tests").glob("*.py")}
+    launching = sorted(name for name, text in sources.items() if any(launcher in text for launcher in launchers))
+    assert len(launching) >= 9, launching
+    assert not [name for name in launching if "without_gpus(" not in sources[name]], launching
+
+
 @pytest.mark.slow
 def test_accelerate_launch_cpu_with_two_processes_stops_with_one_line(tmp_path):
     command = [sys.executable, "-m", "accelerate.commands.accelerate_cli", "launch", "--cpu", "--num_processes", "2"]
     command += ["--main_process_port", str(free_port()), str(REPO / "train_policy.py"), "--dry_run"]
-    env = {**os.environ, **ENV}
+    env = without_gpus({**os.environ, **ENV})
     result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=120, cwd=tmp_path)
     assert result.returncode != 0
     errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]

@@ -13,7 +13,7 @@ import pytest
 
 from tests.conftest import one_intra_op_thread
 from tests.fidelity import np_gae, np_whiten
-from tests.planted import REPO, free_port
+from tests.planted import REPO, free_port, without_gpus
 from train_policy import OAI_RANKS, Args, derive_sizes, main, oai_presets
 
 
@@ -136,7 +136,7 @@ def oai_ranks_reference(rewards: np.ndarray, values: np.ndarray, seed: int) -> t
 def test_one_two_and_four_processes_log_oai_eight_rank_whitening(tmp_path):
     launcher = tmp_path / "launch.py"
     launcher.write_text(_LAUNCHER.format(repo=str(REPO)))
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    env = without_gpus({**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"})
     env.pop("WORLD_SIZE", None)
     runs = {}
     for world in (1, 2, 4):

@@ -10,7 +10,7 @@ import pytest
 import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from tests.planted import REPO, free_port, run_script, write_policy_planted_labels
+from tests.planted import REPO, free_port, run_script, without_gpus, write_policy_planted_labels
 
 QUERY_LENGTH, RESPONSE_LENGTH = 12, 8
 BATCH, UPDATES, KL_TARGET = 32, 30, 2.0
@@ -177,7 +177,7 @@ def test_two_processes_share_kl_coef_and_draw_disjoint_queries(tmp_path, small_v
                    "queries": drawn}}, open({str(tmp_path)!r} + f"/rank{{rank}}.json", "w"))
     """)
     )
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "WANDB_MODE": "offline"}
+    env = without_gpus({**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "WANDB_MODE": "offline"})
     command = [
         sys.executable,
         "-m",

@@ -24,7 +24,15 @@ from lm_human_preference_details.resume_check import (  # noqa: F401 (imported f
     scalars,
 )
 from tests.conftest import write_queries
-from tests.planted import REPO, free_port, run_script, script_env, write_policy_planted_labels, write_query_file
+from tests.planted import (
+    REPO,
+    free_port,
+    run_script,
+    script_env,
+    without_gpus,
+    write_policy_planted_labels,
+    write_query_file,
+)
 from tests.test_train_policy import save_reward_model
 
 # one intra-op thread, as the scripts get from OMP_NUM_THREADS=1: in-process and subprocess runs add up floats alike
@@ -98,9 +106,11 @@ def reward_flags(model_dir: str, world: dict, output_dir, *extra: str) -> list[s
     ]
 
 
-def start_and_kill(command: list[str], output_dir, kill_after: int, delay: float) -> int:
-    """`resume_check.start_and_kill` in a user's fresh offline shell at the repository root."""
+def start_and_kill(command: list[str], output_dir, kill_after: int, delay: float, gpus: bool = True) -> int:
+    """`resume_check.start_and_kill` in a user's fresh offline shell at the repository root (the GPUs hidden unless
+    `gpus`)."""
     env = {**script_env(), "WANDB_SILENT": "true"}
+    env = env if gpus else without_gpus(env)
     return resume_check.start_and_kill(command, output_dir, kill_after, delay, env, REPO)
 
 
@@ -186,13 +196,14 @@ def test_two_process_policy_resume_equals_uninterrupted(tmp_path, tiny_model_dir
         return [*command, *policy_flags(tiny_model_dir, policy_world, output_dir, *sizes), *extra]
 
     def run(command: list[str]) -> None:
-        done = subprocess.run(command, cwd=REPO, env=script_env(), capture_output=True, text=True, timeout=600)
+        env = without_gpus(script_env())
+        done = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
         assert done.returncode == 0, done.stderr[-5000:]
 
     run(torchrun(tmp_path / "whole"))
     # torchrun and both processes SIGKILLed at once after checkpoint 2, between two checkpoints, then resumed
     killed = tmp_path / "killed"
-    resumed_from = start_and_kill(torchrun(killed), killed, kill_after=2, delay=0.05)
+    resumed_from = start_and_kill(torchrun(killed), killed, kill_after=2, delay=0.05, gpus=False)
     assert resumed_from in (2, 3)  # the run has 4 updates: killed before its last checkpoint
     assert {"rng_rank0.pt", "rng_rank1.pt"} <= set(os.listdir(checkpoint.step_dir(str(killed), resumed_from)))
     run(torchrun(killed, "--resume", "auto"))
@@ -263,7 +274,9 @@ def test_checkpoint_older_than_a_setting_resumes_while_the_run_leaves_it_at_its_
     del meta["settings"]["lora"], meta["settings"]["deterministic"]
     with open(meta_path, "w") as f:
         json.dump(meta, f)
-    resume = [*flags[:-2], "--output_dir", str(run_dir), "--resume", "auto"]
+    # the run leaves every one of them at its default: without --deterministic, which runs on a GPU pass
+    resume = [*(flag for flag in flags[:-2] if flag not in DETERMINISTIC), "--output_dir", str(run_dir)]
+    resume += ["--resume", "auto"]
     with pytest.raises(ValueError, match="other settings") as stop:  # a new setting away from its default is a change
         train_policy.main(train_policy.parse([*resume, "--lora.alpha", "8"]))
     assert "lora.alpha: checkpoint None, now 8" in str(stop.value) and "lora.rank" not in str(stop.value)

@@ -29,7 +29,7 @@ from lm_human_preference_details.ppo_plumbing import (
 )
 from lm_human_preference_details.tasks import TaskHParams
 from lm_human_preference_details.tokenizer import load_tokenizer, tokenizer_fingerprint
-from tests.planted import REPO, free_port
+from tests.planted import REPO, free_port, without_gpus
 from train_policy import (
     AdaptiveKLController,
     Args,
@@ -381,7 +381,7 @@ torch.save(policy.state_dict(), f"{{out}}/policy{{rank}}.pt")
 def test_one_process_with_two_virtual_ranks_reproduces_two_processes(tmp_path):
     launcher = tmp_path / "launch.py"
     launcher.write_text(_VIRTUAL_RANKS_LAUNCHER.format(repo=str(REPO)))
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    env = without_gpus({**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"})
     env.pop("WORLD_SIZE", None)
     results = {}
     for name, prefix in (("one", [sys.executable]), ("two", [sys.executable, "-m", "torch.distributed.run"])):

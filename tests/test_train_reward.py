@@ -20,7 +20,15 @@ from lm_human_preference_details.modeling import (
     load_reward_model,
     sample,
 )
-from tests.planted import REPO, books_task, free_port, run_script, write_policy_planted_labels, write_query_file
+from tests.planted import (
+    REPO,
+    books_task,
+    free_port,
+    run_script,
+    without_gpus,
+    write_policy_planted_labels,
+    write_query_file,
+)
 
 QUERY_LENGTH, RESPONSE_LENGTH = 16, 8
 TASK_FLAGS = [
@@ -411,7 +419,7 @@ def test_two_processes_agree_on_weights_and_shard_labels_like_oai(tmp_path, tiny
                   open({str(tmp_path)!r} + f"/rank{{rank}}.json", "w"))
     """)
     )
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "WANDB_MODE": "offline"}
+    env = without_gpus({**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "WANDB_MODE": "offline"})
     command = [
         sys.executable,
         "-m",
