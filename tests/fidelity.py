@@ -14,7 +14,7 @@ import numpy as np
 import torch
 from accelerate import Accelerator
 
-from lm_human_preference_details import core
+from lm_human_preference_details import distributed
 
 # ---------------------------------------------------------------- a pretended second process
 
@@ -165,7 +165,9 @@ def patch_collectives(monkeypatch, recorder: Recorder, modules) -> None:
 
 def fake_world(monkeypatch, modules, rank: int, other=None) -> None:
     """Scripts in `modules` get a FakeWorld accelerator."""
-    patch_everywhere(monkeypatch, "make_accelerator", lambda fn: lambda *_: FakeWorld(rank, 2, other), [core, *modules])
+    patch_everywhere(
+        monkeypatch, "make_accelerator", lambda fn: lambda *_: FakeWorld(rank, 2, other), [distributed, *modules]
+    )
 
 
 def state_copy(module: torch.nn.Module) -> dict[str, torch.Tensor]:

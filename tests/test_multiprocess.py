@@ -15,8 +15,8 @@ import psutil
 import pytest
 from safetensors.torch import load_file
 
-from lm_human_preference_details import core
-from lm_human_preference_details.compare import read_tensorboard
+from lm_human_preference_details import distributed
+from lm_human_preference_details.instruments.compare import read_tensorboard
 from tests.planted import REPO, books_task, free_port, write_policy_planted_labels, write_query_file
 from tests.test_train_policy import save_reward_model
 
@@ -92,12 +92,12 @@ FAILING_LAUNCHER = """
 import os, signal, sys, time
 import torch
 sys.path.insert(0, {repo!r})
-from lm_human_preference_details import cli, core
+from lm_human_preference_details import cli, distributed
 import {script} as script
 
 mode, marker = sys.argv[1], sys.argv[2]
 calls = 0
-average = core.GradientAverager.average
+average = distributed.GradientAverager.average
 
 
 def failing_average(self):
@@ -114,7 +114,7 @@ def failing_average(self):
     average(self)
 
 
-core.GradientAverager.average = failing_average
+distributed.GradientAverager.average = failing_average
 cli.run(script.main, script.parse, sys.argv[3:])
 """
 
@@ -200,15 +200,17 @@ def test_two_nodes_give_the_run_of_one_node_for_both_scripts(tmp_path, world):
 def test_check_launch_refuses_accelerates_one_process_launch():
     accelerate_cpu = {"ACCELERATE_USE_CPU": "True", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}
     with pytest.raises(ValueError, match=r"started 1 process.*torchrun --nproc_per_node N train_policy.py"):
-        core.check_launch(accelerate_cpu, "train_policy.py")
+        distributed.check_launch(accelerate_cpu, "train_policy.py")
     with pytest.raises(ValueError, match="started 1 process"):  # without --cpu on a machine with fewer GPUs
-        core.check_launch({**accelerate_cpu, "ACCELERATE_USE_CPU": "False"}, "train_reward.py")
-    core.check_launch({**accelerate_cpu, "WORLD_SIZE": "2", "RANK": "0"}, "x.py")  # torchrun, accelerate --multi_gpu
-    core.check_launch({**accelerate_cpu, "PMI_SIZE": "4"}, "x.py")  # accelerate launch --mpirun_hostfile
-    core.check_launch({"ACCELERATE_USE_CPU": "True"}, "x.py")  # accelerate launch --cpu with one process
-    core.check_launch({"MASTER_PORT": "29500"}, "x.py")  # a plain python run
+        distributed.check_launch({**accelerate_cpu, "ACCELERATE_USE_CPU": "False"}, "train_reward.py")
+    distributed.check_launch(
+        {**accelerate_cpu, "WORLD_SIZE": "2", "RANK": "0"}, "x.py"
+    )  # torchrun, accelerate --multi_gpu
+    distributed.check_launch({**accelerate_cpu, "PMI_SIZE": "4"}, "x.py")  # accelerate launch --mpirun_hostfile
+    distributed.check_launch({"ACCELERATE_USE_CPU": "True"}, "x.py")  # accelerate launch --cpu with one process
+    distributed.check_launch({"MASTER_PORT": "29500"}, "x.py")  # a plain python run
     with pytest.raises(ValueError, match="--dist_timeout must be a positive"):
-        core.make_accelerator(0.0)
+        distributed.make_accelerator(0.0)
 
 
 @pytest.mark.slow

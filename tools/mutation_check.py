@@ -572,7 +572,7 @@ BREAKAGES = [
         "P15",
         "nupdates = total_episodes // batch_size instead of ceil",
         TP,
-        "nupdates = core.ceil_div(ppo.total_episodes, ppo.batch_size)",
+        "nupdates = ceil_div(ppo.total_episodes, ppo.batch_size)",
         "nupdates = ppo.total_episodes // ppo.batch_size",
         [SCHEDULE],
     ),
@@ -664,7 +664,7 @@ BREAKAGES = [
         "O4-gradients-summed",
         "O4",
         "gradients are summed over processes instead of averaged",
-        "lm_human_preference_details/core.py",
+        "lm_human_preference_details/distributed.py",
         "flat.div_(self.world_size)",
         "flat.div_(1)",
         ["tests/test_core.py::test_allreduce_and_broadcast_two_processes"],
@@ -674,8 +674,8 @@ BREAKAGES = [
         "O4",
         "the policy's gradients are not all-reduced before the optimizer step",
         TP,
-        "gradients = core.GradientAverager(params, accelerator)",
-        "gradients = core.GradientAverager([], accelerator)",
+        "gradients = distributed.GradientAverager(params, accelerator)",
+        "gradients = distributed.GradientAverager([], accelerator)",
         [SYNC],
     ),
     Breakage(
@@ -693,8 +693,8 @@ BREAKAGES = [
         "D1",
         "ppo.batch_size is taken per process instead of global",
         TP,
-        'batch = core.exact_div(ppo.batch_size, world, "ppo.batch_size (episodes per update) / processes")',
-        'batch = core.exact_div(ppo.batch_size, 1, "ppo.batch_size (episodes per update) / processes")',
+        'batch = exact_div(ppo.batch_size, world, "ppo.batch_size (episodes per update) / processes")',
+        'batch = exact_div(ppo.batch_size, 1, "ppo.batch_size (episodes per update) / processes")',
         [ROLLOUT],
     ),
     Breakage(
@@ -756,8 +756,8 @@ BREAKAGES = [
         "D6",
         "rank 0's policy weights are not broadcast before training",
         TP,
-        "core.broadcast_parameters(policy, accelerator)",
-        "core.broadcast_parameters(torch.nn.Module(), accelerator)",
+        "distributed.broadcast_parameters(policy, accelerator)",
+        "distributed.broadcast_parameters(torch.nn.Module(), accelerator)",
         [SYNC],
     ),
     Breakage(
@@ -1085,8 +1085,8 @@ BREAKAGES = [
         "        lora.apply_lora(policy, args.lora, args.base_model)\n    # every process starts from rank 0's weights "
         "(spec D6); no DDP: gradients are all-reduced by hand (spec O4)\n    # https://github.com/openai/"
         "lm-human-preferences/blob/cbfd210bb8b08f6bc5c26878c10984b90f516c66/lm_human_preferences/train_policy.py"
-        "#L482-L485\n    core.broadcast_parameters(policy, accelerator)",
-        "        pass\n    core.broadcast_parameters(policy, accelerator)\n"
+        "#L482-L485\n    distributed.broadcast_parameters(policy, accelerator)",
+        "        pass\n    distributed.broadcast_parameters(policy, accelerator)\n"
         "    if args.lora.rank:\n        lora.apply_lora(policy, args.lora, args.base_model)",
         ["tests/test_lora.py::test_two_processes_keep_identical_adapters"],
     ),
