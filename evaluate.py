@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 import torch
 import tyro
 
-from lm_human_preference_details import checkpoint, cli, core, validation
+from lm_human_preference_details import checkpoint, cli, devices, files, sizes, validation
 from lm_human_preference_details.data import load_texts
 from lm_human_preference_details.evaluation import (
     BASE_RUN,
@@ -181,7 +181,7 @@ def defaults_from_run(run: dict) -> Args:
 def consumed_queries(run: dict) -> int:
     """Queries a training run drew from its stream: nupdates * ppo.batch_size (spec P15)."""
     batch = run["ppo"]["batch_size"]
-    return core.ceil_div(run["ppo"]["total_episodes"], batch) * batch
+    return sizes.ceil_div(run["ppo"]["total_episodes"], batch) * batch
 
 
 def first_policy_dir(argv: list[str]) -> str | None:
@@ -235,8 +235,8 @@ def main(args: Args) -> dict:
         console.print(f"warning: --allow_base_model_mismatch: {mismatch}", style="bold yellow", markup=False)
     skip = query_offset(args, known_runs)
     normalization = run_normalization(args.reward_model, runs)
-    tf32 = core.use_tf32(args.tf32)
-    core.use_deterministic(args.deterministic)
+    tf32 = devices.use_tf32(args.tf32)
+    devices.use_deterministic(args.deterministic)
     cli.print_table(
         console,
         "evaluation (evaluate.py)",
@@ -250,7 +250,7 @@ def main(args: Args) -> dict:
             "gold judge": args.gold or "-",
             "queries": f"{args.num_queries} of {args.task.query_dataset} ({args.split}), from query {skip}",
             "TF32": tf32,
-            "deterministic": core.describe_deterministic(),
+            "deterministic": devices.describe_deterministic(),
             "output dir": output_dir,
         },
     )
@@ -332,7 +332,7 @@ def main(args: Args) -> dict:
             report["curve"].append(curve_point(run_label(directory, runs[directory]), name, episodes[directory]))
 
     # 4. results.json, results.md, gold_vs_kl.png
-    core.write_json_atomic(os.path.join(output_dir, "results.json"), report)
+    files.write_json_atomic(os.path.join(output_dir, "results.json"), report)
     write_text_atomic(os.path.join(output_dir, "results.md"), markdown(report))
     written = [os.path.join(output_dir, name) for name in ("results.json", "results.md")]
     print_report(console, report)

@@ -38,11 +38,19 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 from transformers import PreTrainedTokenizerBase
 
-from lm_human_preference_details import cli, core, text_prefs, validation
-from lm_human_preference_details.agreement import agreement_report, format_figure
+from lm_human_preference_details import cli, devices, text_prefs, validation
 from lm_human_preference_details.data import QueryStream, load_texts
 from lm_human_preference_details.hub import HubUnavailableError
 from lm_human_preference_details.labelers import LabelingStopped, decode_without_pad, load_labeler
+from lm_human_preference_details.labeling.agreement import agreement_report, format_figure
+from lm_human_preference_details.labeling.labelstore import (
+    TASK_INSTRUCTIONS,
+    LabelStore,
+    judgements_path,
+    load_candidates,
+    read_judgements,
+    save_candidates,
+)
 from lm_human_preference_details.labels import (
     OAI_PAD_TOKEN,
     LabelType,
@@ -53,14 +61,6 @@ from lm_human_preference_details.labels import (
     oai_pad_compatible,
     read_label_rows,
     save_label_file,
-)
-from lm_human_preference_details.labelstore import (
-    TASK_INSTRUCTIONS,
-    LabelStore,
-    judgements_path,
-    load_candidates,
-    read_judgements,
-    save_candidates,
 )
 from lm_human_preference_details.modeling import PolicyWithValueHead, check_model_dir, load_causal_lm, sample
 from lm_human_preference_details.tasks import (
@@ -439,8 +439,8 @@ def generate(args: Generate) -> dict:
     label_type = generated_label_type(args)
     validation.check_generate_args(args)
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    tf32 = core.use_tf32(args.tf32)
-    core.use_deterministic(args.deterministic)
+    tf32 = devices.use_tf32(args.tf32)
+    devices.use_deterministic(args.deterministic)
     console = cli.make_console()
 
     # 1. tokenizer (and the truncation token's id in it), labeler (fails fast on a bad spec), resume state, model,
@@ -482,7 +482,7 @@ def generate(args: Generate) -> dict:
                 "task": args.task_id,
                 "rows": f"{args.num_queries} x {label_type.name}",
                 "TF32": tf32,
-                "deterministic": core.describe_deterministic(),
+                "deterministic": devices.describe_deterministic(),
                 "output": args.output,
                 "exists": os.path.exists(args.output),
             },
@@ -820,8 +820,8 @@ def sample_candidates(args: Sample) -> dict:
             "pass --overwrite to replace it."
         )
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    core.use_tf32(args.tf32)
-    core.use_deterministic(args.deterministic)
+    devices.use_tf32(args.tf32)
+    devices.use_deterministic(args.deterministic)
     console = cli.make_console()
     tokenizer = load_tokenizer(args.base_model)
     args = dataclasses.replace(args, task=resolve_truncation(args.task, tokenizer))  # the truncation token's id
@@ -898,7 +898,7 @@ def serve(args: Serve) -> dict:
     try:
         import uvicorn
 
-        from lm_human_preference_details import labelserver
+        from lm_human_preference_details.labeling import labelserver
     except ImportError as e:
         raise ImportError(f"serve needs the label extra ({e}): pip install -e '.[label]'") from e
     candidates = load_candidates(args.candidates)

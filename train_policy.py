@@ -25,9 +25,9 @@ import torch
 import tyro
 from accelerate import Accelerator
 
-from lm_human_preference_details import checkpoint, cli, core, lora, validation
+from lm_human_preference_details import checkpoint, cli, core, devices, distributed, lora, validation
 from lm_human_preference_details.data import QueryStream, load_texts
-from lm_human_preference_details.host_syncs import to_device
+from lm_human_preference_details.devices import to_device
 from lm_human_preference_details.hub import HubUnavailableError, hub_reachable
 from lm_human_preference_details.kernels import logprobs_and_entropy_from_logits, logprobs_from_logits
 from lm_human_preference_details.labelers import load_labeler
@@ -60,6 +60,7 @@ from lm_human_preference_details.ppo_plumbing import (
     write_summary,
 )
 from lm_human_preference_details.rewards import describe_normalization, load_reward, normalize_reward
+from lm_human_preference_details.sizes import ceil_div, exact_div
 from lm_human_preference_details.tasks import (
     TASKS,
     PassRateAlarm,
@@ -354,12 +355,12 @@ def derive_sizes(args: Args, world: int) -> Sizes:
     # https://github.com/openai/lm-human-preferences/blob/cbfd210bb8b08f6bc5c26878c10984b90f516c66/lm_human_preferences/train_policy.py#L157-L159
     validation.check_policy_sizes(args.ppo, world)  # errors that name the flag to change
     ppo = args.ppo
-    batch = core.exact_div(ppo.batch_size, world, "ppo.batch_size (episodes per update) / processes")
-    minibatch = core.exact_div(batch, ppo.nminibatches, "episodes per process / nminibatches")
-    micro = core.exact_div(minibatch, ppo.gradient_accumulation_steps, "minibatch / ppo.gradient_accumulation_steps")
+    batch = exact_div(ppo.batch_size, world, "ppo.batch_size (episodes per update) / processes")
+    minibatch = exact_div(batch, ppo.nminibatches, "episodes per process / nminibatches")
+    micro = exact_div(minibatch, ppo.gradient_accumulation_steps, "minibatch / ppo.gradient_accumulation_steps")
     group, not_oai_ranks = virtual_rank_size(ppo, batch, world)
-    virtual_ranks = core.exact_div(batch, group, "episodes per process / ppo.whiten_group_size")
-    whiten_group = core.exact_div(group, ppo.nminibatches, "episodes per virtual rank / nminibatches")
+    virtual_ranks = exact_div(batch, group, "episodes per process / ppo.whiten_group_size")
+    whiten_group = exact_div(group, ppo.nminibatches, "episodes per virtual rank / nminibatches")
     # whitening needs enough episodes per rank minibatch (spec P17)
     # https://github.com/openai/lm-human-preferences/blob/cbfd210bb8b08f6bc5c26878c10984b90f516c66/lm_human_preferences/train_policy.py#L69-L75
     if ppo.whiten_rewards and whiten_group < 8:
@@ -370,7 +371,7 @@ def derive_sizes(args: Args, world: int) -> Sizes:
         )
     # nupdates rounds up (spec P15): books ceil(1e6 / 512) = 1954
     # https://github.com/openai/lm-human-preferences/blob/cbfd210bb8b08f6bc5c26878c10984b90f516c66/lm_human_preferences/train_policy.py#L78-L79
-    nupdates = core.ceil_div(ppo.total_episodes, ppo.batch_size)
+    nupdates = ceil_div(ppo.total_episodes, ppo.batch_size)
     return Sizes(world, batch, minibatch, micro, group, virtual_ranks, whiten_group, nupdates, not_oai_ranks)
 
 
@@ -554,7 +555,7 @@ def ppo_update(
     micro-batches with gradients averaged over processes; -> the update's PPO statistics."""
     params = list(policy.parameters())
     # gradients averaged over processes (OAI's MPI all-reduce, spec O4), started during each step's last backward
-    gradients = core.GradientAverager(params, accelerator)
+    gradients = distributed.GradientAverager(params, accelerator)
     responses = rollout.query_responses[:, rollout.context_length :]  # (B, L)
     stats = PPOStats(rollout.values.device, ppo.noptepochs * ppo.nminibatches)
     accum = ppo.gradient_accumulation_steps
@@ -700,9 +701,9 @@ def main(args: Args) -> list[dict[str, float]]:
     validation.check_policy_args(args)
     lora.check_lora_args(args.lora)
     cli.quiet_transformers()
-    accelerator = core.make_accelerator(args.dist_timeout)
-    tf32 = core.use_tf32(args.tf32)
-    core.use_deterministic(args.deterministic)
+    accelerator = distributed.make_accelerator(args.dist_timeout)
+    tf32 = devices.use_tf32(args.tf32)
+    devices.use_deterministic(args.deterministic)
     device, ppo, task = accelerator.device, args.ppo, args.task
     sizes = derive_sizes(args, validation.dry_run_world(args, accelerator.num_processes))
     console = cli.make_console()
@@ -725,7 +726,7 @@ def main(args: Args) -> list[dict[str, float]]:
     # per-process seed (spec D2); the query order uses data_seed instead (spec D3)
     # https://github.com/openai/lm-human-preferences/blob/cbfd210bb8b08f6bc5c26878c10984b90f516c66/lm_human_preferences/utils/core.py#L108-L113
     local_seed = args.seed + accelerator.process_index * 100003
-    core.set_seed(local_seed)
+    devices.set_seed(local_seed)
     generator = torch.Generator(device=device).manual_seed(local_seed)
     # the PPO epochs' permutations: one NumPy RNG per virtual rank, seeded like the OAI rank it stands for (spec D4)
     order_rngs = virtual_rank_rngs(args.seed, accelerator.process_index, sizes.world, sizes.virtual_ranks)
@@ -742,7 +743,7 @@ def main(args: Args) -> list[dict[str, float]]:
         lora.apply_lora(policy, args.lora, args.base_model)
     # every process starts from rank 0's weights (spec D6); no DDP: gradients are all-reduced by hand (spec O4)
     # https://github.com/openai/lm-human-preferences/blob/cbfd210bb8b08f6bc5c26878c10984b90f516c66/lm_human_preferences/train_policy.py#L482-L485
-    core.broadcast_parameters(policy, accelerator)
+    distributed.broadcast_parameters(policy, accelerator)
     # the frozen reference policy: a copy of the initial policy, or under LoRA the policy with its adapters disabled
     reference = lora.ReferencePolicy(policy)
     reduce_training_memory(policy, args.gradient_checkpointing, args.bf16)  # the PPO forward only

@@ -19,18 +19,9 @@ import tyro
 from accelerate.utils import broadcast
 
 from lm_human_preference_details import checkpoint, cli, validation
-from lm_human_preference_details.core import (
-    GradientAverager,
-    broadcast_parameters,
-    ceil_div,
-    exact_div,
-    make_accelerator,
-    set_seed,
-    use_deterministic,
-    use_tf32,
-)
 from lm_human_preference_details.data import QueryStream, load_texts
-from lm_human_preference_details.host_syncs import to_device
+from lm_human_preference_details.devices import set_seed, to_device, use_deterministic, use_tf32
+from lm_human_preference_details.distributed import GradientAverager, broadcast_parameters, make_accelerator
 from lm_human_preference_details.labels import (
     Labels,
     LabelType,
@@ -62,6 +53,7 @@ from lm_human_preference_details.reward_plumbing import (
     save_reward_model,
     start_tracker,
 )
+from lm_human_preference_details.sizes import ceil_div, exact_div
 from lm_human_preference_details.tasks import (
     TASKS,
     TaskHParams,

@@ -1,5 +1,5 @@
 """Time per optimizer step of a random GPT-2 under several processes: the gradient all-reduce overlapped with the
-backward (core.GradientAverager, what the training scripts run) against one flattened all-reduce after it.
+backward (distributed.GradientAverager, what the training scripts run) against one flattened all-reduce after it.
 
     torchrun --nproc_per_node 2 benchmark/allreduce_overlap.py --model gpt2-124m --steps 5
     torchrun --nproc_per_node 8 benchmark/allreduce_overlap.py --model gpt2-124m   # one process per GPU
@@ -24,7 +24,7 @@ from transformers import GPT2LMHeadModel
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmark.shapes import gpt2_config  # noqa: E402
-from lm_human_preference_details import cli, core  # noqa: E402
+from lm_human_preference_details import cli, distributed  # noqa: E402
 from lm_human_preference_details.optim import AdamTensorFlowStyle  # noqa: E402
 
 
@@ -57,7 +57,7 @@ def flat_allreduce(params: list[torch.nn.Parameter], world_size: int) -> None:
 def time_steps(args: Args, mode: str, model, optimizer, accelerator, tokens: torch.Tensor) -> np.ndarray:
     """Seconds of each timed optimizer step in `mode`."""
     params = list(model.parameters())
-    gradients = core.GradientAverager(params, accelerator) if mode == "overlap" else None
+    gradients = distributed.GradientAverager(params, accelerator) if mode == "overlap" else None
     seconds = []
     for step in range(args.steps + 1):
         dist.barrier()
@@ -98,7 +98,7 @@ def time_allreduce(args: Args, model, cuda: bool) -> list[float]:
 
 def main(args: Args) -> None:
     torch.set_num_threads(args.threads)
-    accelerator = core.make_accelerator()
+    accelerator = distributed.make_accelerator()
     if accelerator.num_processes < 2:
         raise ValueError("run it under torchrun (or accelerate launch) with --nproc_per_node 2 or more")
     torch.manual_seed(0)
@@ -112,12 +112,13 @@ def main(args: Args) -> None:
     alone = time_allreduce(args, model, tokens.is_cuda)
     if accelerator.is_main_process:
         params = sum(p.numel() for p in model.parameters())
-        averager = core.GradientAverager(list(model.parameters()), accelerator)
+        averager = distributed.GradientAverager(list(model.parameters()), accelerator)
         buckets = len(averager.buckets)
         averager.close()
         print(
             f"model {args.model} ({params / 1e6:.1f}M params, {params * 4 / 2**20:.0f} MiB of float32 gradients, "
-            f"{buckets} buckets of <= {core.BUCKET_BYTES / 2**20:.0f} MiB), {accelerator.num_processes} processes "
+            f"{buckets} buckets of <= {distributed.BUCKET_BYTES / 2**20:.0f} MiB), "
+            f"{accelerator.num_processes} processes "
             f"({dist.get_backend()}), {args.rows} x {args.tokens} tokens per process, {args.threads} thread(s); "
             f"load average {os.getloadavg()[0]:.2f}"
         )

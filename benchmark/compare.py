@@ -28,7 +28,8 @@ from rich.console import Console
 from rich.table import Column, Table
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from lm_human_preference_details import cli, compare
+from lm_human_preference_details import cli
+from lm_human_preference_details.instruments import compare
 
 
 @dataclass

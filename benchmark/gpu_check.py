@@ -235,7 +235,7 @@ class CudaSyncCounter:
 
 def sync_counter(device: str, flags: tuple[str, ...]):
     """-> (what counts the syncs of a run with `flags`, and how it counts them)."""
-    from lm_human_preference_details.host_syncs import HostSyncCounter
+    from lm_human_preference_details.instruments.host_syncs import HostSyncCounter
 
     if device == "cuda":
         return CudaSyncCounter, "CUDA sync debug mode"

@@ -34,7 +34,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import train_policy  # noqa: E402
 from benchmark.lora_memory import count, footprint  # noqa: E402
 from benchmark.shapes import SHAPES, gpt2_config  # noqa: E402
-from lm_human_preference_details import cli, core, optim  # noqa: E402
+from lm_human_preference_details import cli, distributed, optim, sizes  # noqa: E402
 from lm_human_preference_details.tasks import TASKS  # noqa: E402
 
 GIB = 2**30
@@ -86,9 +86,9 @@ def estimate(args: Args, shape: str, rollout_rows: int | None) -> dict[str, floa
     layers, width = config.n_layer, config.n_embd
     task = TASKS[args.task]
     batch_size = args.batch_size or train_policy.oai_presets()[args.task].ppo.batch_size
-    batch = core.exact_div(batch_size, args.processes, "--batch_size / --processes")
-    minibatch = core.exact_div(batch, args.nminibatches, "episodes per process / --nminibatches")
-    micro = core.exact_div(minibatch, args.gradient_accumulation_steps, "minibatch / --gradient_accumulation_steps")
+    batch = sizes.exact_div(batch_size, args.processes, "--batch_size / --processes")
+    minibatch = sizes.exact_div(batch, args.nminibatches, "episodes per process / --nminibatches")
+    micro = sizes.exact_div(minibatch, args.gradient_accumulation_steps, "minibatch / --gradient_accumulation_steps")
     rows = min(rollout_rows or batch, batch)
     length, tokens = task.response_length, task.query_length + task.response_length
     lora_params = train_policy.LoraHParams(rank=args.lora_rank) if args.lora_rank else None
@@ -109,7 +109,8 @@ def estimate(args: Args, shape: str, rollout_rows: int | None) -> dict[str, floa
         * activation_floats_per_token(width, layers, args.bf16, args.gradient_checkpointing)
         * FLOAT,
         "logits": 3 * micro * length * VOCAB * FLOAT,
-        "step temporaries": max(optim.STEP_BUCKET_BYTES, largest) + (core.BUCKET_BYTES if args.processes > 1 else 0),
+        "step temporaries": max(optim.STEP_BUCKET_BYTES, largest)
+        + (distributed.BUCKET_BYTES if args.processes > 1 else 0),
     }
     held = parts["policy"] + parts["reference"] + parts["reward model"] + parts["Adam moments"]
     held += kv_cache if args.compile_sampler else 0

@@ -38,7 +38,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import train_policy  # noqa: E402
 from benchmark.shapes import SHAPES, gpt2_config  # noqa: E402
 from lm_human_preference_details import cli  # noqa: E402
-from lm_human_preference_details.host_syncs import HostSyncCounter  # noqa: E402
+from lm_human_preference_details.instruments.host_syncs import HostSyncCounter  # noqa: E402
 from lm_human_preference_details.modeling import RewardModel  # noqa: E402
 from lm_human_preference_details.tokenizer import gpt2_tokenizer_offline, tokenizer_fingerprint  # noqa: E402
 

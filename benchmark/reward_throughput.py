@@ -26,7 +26,7 @@ from transformers import GPT2Model
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmark.shapes import gpt2_config  # noqa: E402
 from lm_human_preference_details import cli  # noqa: E402
-from lm_human_preference_details.host_syncs import HostSyncCounter  # noqa: E402
+from lm_human_preference_details.instruments.host_syncs import HostSyncCounter  # noqa: E402
 from lm_human_preference_details.labels import best_of_n_loss  # noqa: E402
 from lm_human_preference_details.modeling import RewardModel, score_label_rows  # noqa: E402
 from lm_human_preference_details.optim import AdamTensorFlowStyle  # noqa: E402

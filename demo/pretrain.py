@@ -18,8 +18,8 @@ import torch
 from transformers import GPT2Config, GPT2LMHeadModel
 
 from lm_human_preference_details import cli
-from lm_human_preference_details.core import set_seed
 from lm_human_preference_details.data import load_texts
+from lm_human_preference_details.devices import set_seed
 from lm_human_preference_details.modeling import PolicyWithValueHead, load_causal_lm, sample
 from lm_human_preference_details.tasks import encode_texts
 from lm_human_preference_details.tokenizer import gpt2_tokenizer_offline

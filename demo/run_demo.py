@@ -190,7 +190,7 @@ def label_through_server(flags: dict[str, object], labels: Path, log_dir: Path) 
     the best of the responses as the page shows them) label every row over HTTP; seconds."""
     from vaderSentiment.vaderSentiment import SentimentIntensityAnalyzer
 
-    from lm_human_preference_details.labelclient import LabelClient
+    from lm_human_preference_details.labeling.labelclient import LabelClient
 
     start = time.time()
     candidates = labels.parent / "candidates.json"

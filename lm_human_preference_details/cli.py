@@ -25,7 +25,7 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from lm_human_preference_details.core import OutputError
+from lm_human_preference_details.files import OutputError
 from lm_human_preference_details.hub import HubUnavailableError
 from lm_human_preference_details.sources import SourceUnavailableError
 

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from transformers import PreTrainedTokenizerBase
 
-from lm_human_preference_details.core import write_atomic, write_json_atomic
+from lm_human_preference_details.files import write_atomic, write_json_atomic
 from lm_human_preference_details.hub import HubUnavailableError, check_available
 from lm_human_preference_details.sources import (
     OAI_URL,

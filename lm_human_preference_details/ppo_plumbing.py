@@ -16,7 +16,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 from transformers import PreTrainedTokenizerBase
 
-from lm_human_preference_details import checkpoint, cli, core, lora, validation
+from lm_human_preference_details import checkpoint, cli, devices, files, lora, tracking, validation
 from lm_human_preference_details.data import QueryStream, load_texts
 from lm_human_preference_details.modeling import PolicyWithValueHead, read_reward_metadata
 from lm_human_preference_details.rewards import reward_model_dir
@@ -51,7 +51,7 @@ def print_setup(console, args: Any, sizes: Any, tf32: Any, task_changes: list[st
             "reward model": args.rewards.trained_model,
             **({"LoRA": lora.describe(args.lora)} if args.lora.rank else {}),
             "TF32": tf32,
-            "deterministic": core.describe_deterministic(),
+            "deterministic": devices.describe_deterministic(),
             **({"task from the reward model": "; ".join(task_changes)} if task_changes else {}),
             "output dir": args.output_dir,
         },
@@ -82,11 +82,11 @@ def check_reward_model(rm_metadata: dict, tokenizer, args: Any, print_fn) -> Non
 
 def start_tracker(
     args: Any, accelerator: Accelerator, resumed: checkpoint.Resumed | None, settings: dict, nupdates: int
-) -> tuple[core.Tracker, dict]:
+) -> tuple[tracking.Tracker, dict]:
     """TensorBoard (and wandb) for this run, continuing a resumed run's; clears a previous run's outputs with
     --overwrite_output_dir; -> the tracker and the metadata every checkpoint records."""
     run_name = (
-        resumed.meta["run_name"] if resumed else core.run_name(accelerator, args.task_id, args.exp_name, args.seed)
+        resumed.meta["run_name"] if resumed else tracking.run_name(accelerator, args.task_id, args.exp_name, args.seed)
     )
     if resumed is None and args.overwrite_output_dir and accelerator.is_main_process:
         checkpoint.clear_previous_run(args.output_dir)  # every input has loaded: the old run's outputs can go
@@ -94,7 +94,7 @@ def start_tracker(
         with contextlib.suppress(FileNotFoundError):
             os.remove(os.path.join(args.output_dir, SUMMARY_FILE))
     config = {**dataclasses.asdict(args), "world_size": settings["world_size"], "nupdates": nupdates}
-    tracker = core.Tracker(
+    tracker = tracking.Tracker(
         args.output_dir,
         args.track,
         args.wandb_project_name,
@@ -322,7 +322,7 @@ def sample_table_rows(
     ]
 
 
-def print_samples(console, tracker: core.Tracker, rows: list[list], update: int) -> None:
+def print_samples(console, tracker: tracking.Tracker, rows: list[list], update: int) -> None:
     """The sample table on the console and in the trackers."""
     columns = ["query", "response (truncated)", "score", "kl", "total"]
     table = Table(*columns, title=f"update {update}", show_lines=True)
@@ -341,8 +341,8 @@ def save_policy(policy: PolicyWithValueHead, tokenizer: PreTrainedTokenizerBase,
             policy.save(path, tokenizer)
         else:  # the merged model in the same layout, the adapters in adapter/
             lora.save_policy(policy, tokenizer, path)
-            core.save_args(args, os.path.join(path, lora.ADAPTER_DIR))
-        core.save_args(args, path)
+            tracking.save_args(args, os.path.join(path, lora.ADAPTER_DIR))
+        tracking.save_args(args, path)
 
     validation.save_atomically(output_dir, write)
 
@@ -391,7 +391,7 @@ def save_checkpoint(
     nupdates: int,
     state: TrainingState,
     tokenizer: PreTrainedTokenizerBase,
-    tracker: core.Tracker,
+    tracker: tracking.Tracker,
     meta: dict,
     start_time: float,
     saves: checkpoint.BackgroundSaves,
@@ -470,7 +470,7 @@ def run_summary(
 
 def write_summary(output_dir: str, summary: dict) -> None:
     """OUTPUT_DIR/summary.json, atomically."""
-    core.write_json_atomic(os.path.join(output_dir, SUMMARY_FILE), summary)
+    files.write_json_atomic(os.path.join(output_dir, SUMMARY_FILE), summary)
 
 
 def print_summary(console, args: Any, summary: dict, hub: str | None) -> None:

@@ -9,8 +9,8 @@ from accelerate import Accelerator
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
 from lm_human_preference_details import checkpoint, cli, validation
-from lm_human_preference_details.core import Tracker, ceil_div, describe_deterministic, run_name, save_args
 from lm_human_preference_details.data import QueryStream, load_texts
+from lm_human_preference_details.devices import describe_deterministic
 from lm_human_preference_details.labels import (
     Labels,
     LabelType,
@@ -19,9 +19,11 @@ from lm_human_preference_details.labels import (
     get_label_type,
 )
 from lm_human_preference_details.modeling import RewardModel, model_vocab_size
+from lm_human_preference_details.sizes import ceil_div
 from lm_human_preference_details.tasks import resolve_truncation
 from lm_human_preference_details.text_prefs import load_labels_or_pairs
 from lm_human_preference_details.tokenizer import load_tokenizer, tokenizer_fingerprint
+from lm_human_preference_details.tracking import Tracker, run_name, save_args
 
 
 def print_setup(

@@ -17,9 +17,9 @@ from collections.abc import Callable
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from lm_human_preference_details.core import ceil_div
 from lm_human_preference_details.labelers import Labeler, decode_without_pad, load_labeler
 from lm_human_preference_details.modeling import RewardModel, load_reward_model, sample
+from lm_human_preference_details.sizes import ceil_div
 from lm_human_preference_details.tasks import TaskHParams, check_truncation_resolved, format_contexts, truncate_response
 
 FLAG = "--rewards.trained_model"

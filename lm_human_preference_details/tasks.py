@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from lm_human_preference_details.host_syncs import to_device
+from lm_human_preference_details.devices import to_device
 from lm_human_preference_details.tokenizer import added_bos_id
 
 

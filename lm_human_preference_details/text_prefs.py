@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from lm_human_preference_details.core import write_atomic
+from lm_human_preference_details.files import write_atomic
 from lm_human_preference_details.hub import check_available
 from lm_human_preference_details.labels import (
     OAI_LABEL_FOLDERS,

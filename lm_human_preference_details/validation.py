@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from lm_human_preference_details import checkpoint
-from lm_human_preference_details.core import OutputError
+from lm_human_preference_details.files import OutputError
 from lm_human_preference_details.modeling import REWARD_CONFIG_FILE, check_model_dir
 from lm_human_preference_details.rewards import check_reward_source, reward_input_path
 from lm_human_preference_details.tasks import check_task

@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from lm_human_preference_details import core
+from lm_human_preference_details import distributed
 from tests.conftest import cpu_accelerator
 
 # ---------------------------------------------------------------- a pretended second process
@@ -165,7 +165,9 @@ def patch_collectives(monkeypatch, recorder: Recorder, modules) -> None:
 
 def fake_world(monkeypatch, modules, rank: int, other=None) -> None:
     """Scripts in `modules` get a FakeWorld accelerator."""
-    patch_everywhere(monkeypatch, "make_accelerator", lambda fn: lambda *_: FakeWorld(rank, 2, other), [core, *modules])
+    patch_everywhere(
+        monkeypatch, "make_accelerator", lambda fn: lambda *_: FakeWorld(rank, 2, other), [distributed, *modules]
+    )
 
 
 def state_copy(module: torch.nn.Module) -> dict[str, torch.Tensor]:

@@ -4,8 +4,8 @@ import dataclasses
 import threading
 import time
 
+from lm_human_preference_details.labeling.labelstore import TASK_INSTRUCTIONS, save_candidates
 from lm_human_preference_details.labels import OAI_PAD_TOKEN, get_label_type
-from lm_human_preference_details.labelstore import TASK_INSTRUCTIONS, save_candidates
 from lm_human_preference_details.tokenizer import tokenizer_fingerprint
 from tests.planted import books_task
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from lm_human_preference_details import core
+from lm_human_preference_details import distributed
 from tests.memory import PeakAllocation
 from tests.planted import REPO, free_port, without_gpus, write_policy_planted_labels, write_query_file
 
@@ -20,7 +20,7 @@ import numpy as np, torch
 sys.path.insert(0, {repo!r})
 import train_policy as tp
 import train_reward as tr
-from lm_human_preference_details import core
+from lm_human_preference_details import distributed
 from lm_human_preference_details.modeling import PolicyWithValueHead, reduce_training_memory
 from lm_human_preference_details.optim import make_optimizer
 from tests.conftest import tiny_gpt2
@@ -28,10 +28,11 @@ from tests.planted import books_task
 
 torch.set_num_threads(1)
 out, model_dir, labels, corpus = sys.argv[1:5]
-core.BUCKET_BYTES = 64 * 1024  # several buckets in the tiny models: the embedding alone, then the blocks' weights
+# several buckets in the tiny models: the embedding alone, then the blocks' weights
+distributed.BUCKET_BYTES = 64 * 1024
 records, arms, local = [], [], {{}}
-average, launch = core.GradientAverager.average, core.GradientAverager.launch_in_next_backward
-start_bucket = core.GradientAverager._launch
+average, launch = distributed.GradientAverager.average, distributed.GradientAverager.launch_in_next_backward
+start_bucket = distributed.GradientAverager._launch
 
 
 def recording_launch(self):
@@ -53,9 +54,10 @@ def recording_average(self):
                         started=started, buckets=len(self.buckets)))
 
 
-core.GradientAverager.average, core.GradientAverager.launch_in_next_backward = recording_average, recording_launch
-core.GradientAverager._launch = recording_start_bucket
-accelerator = core.make_accelerator()
+distributed.GradientAverager.average = recording_average
+distributed.GradientAverager.launch_in_next_backward = recording_launch
+distributed.GradientAverager._launch = recording_start_bucket
+accelerator = distributed.make_accelerator()
 rank, world = accelerator.process_index, accelerator.num_processes
 runs = []
 for accum in (1, 2):
@@ -134,7 +136,7 @@ def test_gradient_averaging_holds_one_bucket_beyond_the_gradients():
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
     try:
         params = [torch.nn.Parameter(torch.zeros(2**18)) for _ in range(8)]
-        averager = core.GradientAverager(params, _TwoProcesses(), bucket_bytes=2 * 2**20)
+        averager = distributed.GradientAverager(params, _TwoProcesses(), bucket_bytes=2 * 2**20)
         averager.launch_in_next_backward()
         loss = sum((p * (i + 1)).sum() for i, p in enumerate(params))
         with PeakAllocation() as memory:

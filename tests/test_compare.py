@@ -1,4 +1,4 @@
-"""lm_human_preference_details.compare and benchmark/compare.py on runs written here (TensorBoard and CSV), offline."""
+"""instruments/compare.py and benchmark/compare.py on runs written here (TensorBoard and CSV), offline."""
 
 import csv
 import importlib.util
@@ -13,7 +13,7 @@ import pytest
 import tyro
 from torch.utils.tensorboard import SummaryWriter
 
-from lm_human_preference_details import compare
+from lm_human_preference_details.instruments import compare
 from tests.planted import REPO
 
 BATCH = 64

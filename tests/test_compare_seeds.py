@@ -2,7 +2,7 @@
 
 import pytest
 
-from lm_human_preference_details import compare
+from lm_human_preference_details.instruments import compare
 from tests.test_compare import SEED_UPDATES, run_cli, write_tb_run
 
 

@@ -1,4 +1,5 @@
-"""Tests for lm_human_preference_details.core: sizes, whitening (TV6), seeding (TV13), sync, tracking."""
+"""Tests for sizes (sizes.py), whitening (core.py, TV6), log-probs (kernels.py), seeding (devices.py, TV13), sync
+(distributed.py) and tracking (tracking.py)."""
 
 import os
 import subprocess
@@ -14,16 +15,12 @@ from accelerate import Accelerator
 from accelerate.state import AcceleratorState, PartialState
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from lm_human_preference_details import core
-from lm_human_preference_details.core import (
-    GradientAverager,
-    Tracker,
-    broadcast_parameters,
-    ceil_div,
-    exact_div,
-    set_seed,
-    whiten,
-)
+from lm_human_preference_details import tracking
+from lm_human_preference_details.core import whiten
+from lm_human_preference_details.devices import set_seed
+from lm_human_preference_details.distributed import GradientAverager, broadcast_parameters
+from lm_human_preference_details.sizes import ceil_div, exact_div
+from lm_human_preference_details.tracking import Tracker
 from tests.conftest import cpu_accelerator, forget_accelerate_state_unless_on
 from tests.fidelity import FakeWorld
 from tests.planted import free_port, without_gpus
@@ -167,7 +164,7 @@ def test_tracker_non_main_process_writes_nothing(tmp_path, monkeypatch):
     def fail_init(*args, **kwargs):
         raise AssertionError("wandb.init must not run on a non-main process")
 
-    monkeypatch.setattr(core.wandb, "init", fail_init)
+    monkeypatch.setattr(tracking.wandb, "init", fail_init)
     out = tmp_path / "out"
     tracker = Tracker(str(out), True, "project", None, "run", {"seed": 1}, is_main=False)
     tracker.log({"objective/score": 0.25}, step=1)
@@ -212,7 +209,7 @@ TWO_PROCESS_SCRIPT = textwrap.dedent(
     import torch
     from accelerate import Accelerator
 
-    from lm_human_preference_details.core import GradientAverager, broadcast_parameters
+    from lm_human_preference_details.distributed import GradientAverager, broadcast_parameters
 
     accelerator = Accelerator(cpu=True)
     rank = accelerator.process_index

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from evaluate import consumed_queries, held_out, main, parse, query_offset, run_normalization
-from lm_human_preference_details import core
+from lm_human_preference_details import files, tracking
 from lm_human_preference_details.data import QueryStream
 from lm_human_preference_details.evaluation import (
     GOLD,
@@ -240,7 +240,7 @@ def test_report_is_written_as_json_and_markdown(tmp_path, tokenizer):
         **summarize(base, trained),
         "examples": examples(tokenizer, queries, base, trained, 2),
     }
-    core.write_json_atomic(str(tmp_path / "results.json"), report)
+    files.write_json_atomic(str(tmp_path / "results.json"), report)
     saved = json.loads((tmp_path / "results.json").read_text())
     assert saved["win_rate"] == {SCORE: 1.0, GOLD: 1.0}
     assert saved["metrics"][GOLD]["trained"]["mean"] == pytest.approx(0.5)
@@ -307,7 +307,7 @@ def save_tiny_run(
     )
     args.rewards.trained_model, args.rewards.gold_model = reward_dir, "vader"
     args.ppo.total_episodes, args.ppo.batch_size = episodes, 8
-    core.save_args(args, str(path))
+    tracking.save_args(args, str(path))
     return str(path)
 
 
@@ -485,7 +485,7 @@ def save_small_vocab_run(path, model_dir: str, query_file: str, spec: str, norma
     args.task = dataclasses.replace(tiny_task(query_file), truncate_token=the)
     args.rewards.trained_model, args.rewards.normalization = spec, normalization
     args.ppo.total_episodes, args.ppo.batch_size = 8, 8
-    core.save_args(args, str(path))
+    tracking.save_args(args, str(path))
     return str(path)
 
 

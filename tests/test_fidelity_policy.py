@@ -13,7 +13,7 @@ import torch
 from transformers import GPT2LMHeadModel
 
 import train_policy
-from lm_human_preference_details import core, modeling, optim
+from lm_human_preference_details import distributed, modeling, optim, tracking
 from tests.fidelity import (
     Recorder,
     fake_world,
@@ -119,7 +119,7 @@ def run(tmp_path_factory, tokenizer) -> Run:
     torch.set_num_threads(1)
     with pytest.MonkeyPatch.context() as mp:
         fake_world(mp, [train_policy], rank=0, other=shift_nonzero)
-        patch_collectives(mp, events, [core, train_policy])
+        patch_collectives(mp, events, [distributed, tracking, train_policy])
         record_policy_calls(mp, events)
         history = train_policy.main(args)
     torch.set_num_threads(threads)

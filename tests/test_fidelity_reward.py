@@ -13,7 +13,7 @@ import torch
 from transformers import GPT2LMHeadModel
 
 import train_reward
-from lm_human_preference_details import core, modeling, optim
+from lm_human_preference_details import distributed, modeling, optim, tracking
 from lm_human_preference_details.labels import OAI_PAD_TOKEN
 from lm_human_preference_details.tasks import TaskHParams
 from tests.fidelity import (
@@ -129,7 +129,7 @@ def run(tmp_path_factory, tokenizer) -> Run:
     torch.set_num_threads(1)
     with pytest.MonkeyPatch.context() as mp:
         fake_world(mp, [train_reward], rank=RANK)
-        patch_collectives(mp, events, [core, train_reward])
+        patch_collectives(mp, events, [distributed, tracking, train_reward])
         patch_everywhere(mp, "broadcast", lambda fn: rank_zero_broadcast, [train_reward])
         record_reward_calls(mp, events)
         result = train_reward.main(args)
@@ -156,7 +156,7 @@ def record_reward_calls(mp: pytest.MonkeyPatch, events: Recorder) -> None:
     patch_everywhere(mp, "sample", lambda fn: events.wrap("sample", fn, sampling), [train_reward])
     mp.setattr(modeling.RewardModel, "forward", events.wrap("reward", modeling.RewardModel.forward, reward_model))
     mp.setattr(optim.AdamTensorFlowStyle, "step", events.wrap("step", optim.AdamTensorFlowStyle.step, optimizer))
-    mp.setattr(core.Tracker, "log", events.wrap("log", core.Tracker.log))
+    mp.setattr(tracking.Tracker, "log", events.wrap("log", tracking.Tracker.log))
 
 
 def label_tokens(rows: list[dict], index: int, pad: int) -> torch.Tensor:

@@ -16,8 +16,9 @@ import train_policy
 import train_reward
 from benchmark import memory_estimate
 from benchmark.shapes import gpt2_config
-from lm_human_preference_details import core, decoding_graph
-from lm_human_preference_details.host_syncs import HostSyncCounter, to_device
+from lm_human_preference_details import decoding_graph, tracking
+from lm_human_preference_details.devices import to_device
+from lm_human_preference_details.instruments.host_syncs import HostSyncCounter
 from lm_human_preference_details.modeling import (
     PolicyWithValueHead,
     reduce_training_memory,
@@ -166,7 +167,7 @@ def test_reward_step_stays_within_the_host_sync_budget(monkeypatch, tmp_path, ti
         **flags,
     )
     # logged: the held-out evaluation, steps 0, 1 and 2, the evaluation after training
-    per_step = syncs_between_calls(monkeypatch, core.Tracker, "log", lambda: train_reward.main(args))[1:-1]
+    per_step = syncs_between_calls(monkeypatch, tracking.Tracker, "log", lambda: train_reward.main(args))[1:-1]
     # measured: 3 per step before (the attention-mask test, 2 when a row holds a PAD; the leading-PAD check; both per
     # micro-batch; the statistics copy), then 1: the statistics copy; counting host-to-device copies from pageable
     # memory: 4 (the labels, then queries and samples in each micro-batch), now 1 again

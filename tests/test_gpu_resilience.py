@@ -20,7 +20,7 @@ import evaluate
 import label_generation
 import train_policy
 import train_reward
-from lm_human_preference_details import checkpoint, core
+from lm_human_preference_details import checkpoint, devices
 from lm_human_preference_details.modeling import PolicyWithValueHead
 from tests.conftest import tiny_gpt2
 from tests.planted import REPO, free_port, write_query_file
@@ -194,9 +194,9 @@ def float32_precision():
 def test_use_tf32_sets_tf32_and_its_default_leaves_torch_as_it_was(float32_precision):
     torch.backends.cuda.matmul.fp32_precision = "ieee"
     torch.backends.cudnn.conv.fp32_precision = "ieee"
-    assert core.use_tf32(False).startswith("off")
+    assert devices.use_tf32(False).startswith("off")
     assert (torch.backends.cuda.matmul.fp32_precision, torch.backends.cudnn.conv.fp32_precision) == ("ieee", "ieee")
-    assert core.use_tf32(True).startswith("on")
+    assert devices.use_tf32(True).startswith("on")
     assert (torch.backends.cuda.matmul.fp32_precision, torch.backends.cudnn.conv.fp32_precision) == ("tf32", "tf32")
 
 

@@ -14,10 +14,14 @@ import torch
 
 import label_generation
 from lm_human_preference_details import cli
-from lm_human_preference_details.agreement import agreement_report, cohen_kappa, fleiss_kappa, krippendorff_alpha
 from lm_human_preference_details.labelers import VaderLabeler
-from lm_human_preference_details.labels import OAI_PAD_TOKEN, load_labels
-from lm_human_preference_details.labelstore import (
+from lm_human_preference_details.labeling.agreement import (
+    agreement_report,
+    cohen_kappa,
+    fleiss_kappa,
+    krippendorff_alpha,
+)
+from lm_human_preference_details.labeling.labelstore import (
     Judgement,
     LabelStore,
     label_from_answer,
@@ -27,6 +31,7 @@ from lm_human_preference_details.labelstore import (
     read_judgements,
     shown_order,
 )
+from lm_human_preference_details.labels import OAI_PAD_TOKEN, load_labels
 from tests.labeling import QUERY_LENGTH, RESPONSE_LENGTH, write_candidates
 from tests.planted import REPO
 from tests.test_label_generation import generate_flags as world_flags
@@ -352,8 +357,8 @@ def test_a_failed_write_that_cannot_be_cut_back_stops_every_later_write(candidat
 
 
 def test_a_failing_export_keeps_the_judgement_saved_shows_why_and_retries(candidates, tmp_path, monkeypatch, capsys):
-    from lm_human_preference_details import labelstore
-    from lm_human_preference_details.core import OutputError
+    from lm_human_preference_details.files import OutputError
+    from lm_human_preference_details.labeling import labelstore
 
     output = str(tmp_path / "out.json")
     real_save = labelstore.save_label_file
@@ -396,7 +401,7 @@ def test_a_failing_export_keeps_the_judgement_saved_shows_why_and_retries(candid
 def client_for(store, host: str, client=("127.0.0.1", 50000)):
     from starlette.testclient import TestClient
 
-    from lm_human_preference_details.labelserver import access_token, create_app
+    from lm_human_preference_details.labeling.labelserver import access_token, create_app
 
     token = access_token(host, None)
     return TestClient(create_app(store, token), base_url="http://127.0.0.1:8765", client=client), token
@@ -496,7 +501,7 @@ def post_streamed(app, total: int, chunk: int, declared: int | None = None) -> t
 
 
 def test_a_large_body_is_refused_while_it_arrives(candidates, tmp_path):
-    from lm_human_preference_details.labelserver import MAX_BODY_BYTES, create_app
+    from lm_human_preference_details.labeling.labelserver import MAX_BODY_BYTES, create_app
 
     store = LabelStore(load_candidates(candidates), str(tmp_path / "out.json"))
     app = create_app(store, None)
@@ -510,7 +515,7 @@ def test_a_large_body_is_refused_while_it_arrives(candidates, tmp_path):
 def test_deep_json_and_internal_errors_answer_with_the_security_headers(candidates, tmp_path):
     from starlette.testclient import TestClient
 
-    from lm_human_preference_details.labelserver import SECURITY_HEADERS, create_app
+    from lm_human_preference_details.labeling.labelserver import SECURITY_HEADERS, create_app
 
     store = LabelStore(load_candidates(candidates), str(tmp_path / "out.json"))
     app = create_app(store, None)
@@ -548,7 +553,7 @@ def test_a_row_is_claimed_only_by_a_same_origin_json_post(candidates, tmp_path):
 def test_the_token_url_sets_a_cookie_and_redirects_to_the_url_without_it(candidates, tmp_path):
     from starlette.testclient import TestClient
 
-    from lm_human_preference_details.labelserver import create_app
+    from lm_human_preference_details.labeling.labelserver import create_app
 
     store = LabelStore(load_candidates(candidates), str(tmp_path / "out.json"))
     token = "t" * 24
@@ -565,7 +570,7 @@ def test_the_token_url_sets_a_cookie_and_redirects_to_the_url_without_it(candida
 
 
 def test_labeler_names_are_normalized_and_mixed_scripts_refused(candidates, tmp_path):
-    from lm_human_preference_details.labelstore import JudgementError
+    from lm_human_preference_details.labeling.labelstore import JudgementError
 
     store = LabelStore(load_candidates(candidates), str(tmp_path / "out.json"), shared_fraction=1.0)
     store.judge("Ann ", 0, 1)
@@ -651,7 +656,7 @@ def test_stats_of_many_labelers_take_time_linear_in_the_judgements():
 
 
 def test_stats_are_computed_off_the_event_loop_once_per_change(candidates, tmp_path, monkeypatch):
-    from lm_human_preference_details import labelserver
+    from lm_human_preference_details.labeling import labelserver
 
     calls = []
 

@@ -17,8 +17,8 @@ import time
 
 import pytest
 
-from lm_human_preference_details.labelclient import LabelClient, LabelServerError
-from lm_human_preference_details.labelstore import LabelStore, load_candidates, read_judgements, shown_order
+from lm_human_preference_details.labeling.labelclient import LabelClient, LabelServerError
+from lm_human_preference_details.labeling.labelstore import LabelStore, load_candidates, read_judgements, shown_order
 from lm_human_preference_details.modeling import load_reward_model
 from tests.labeling import QUERY_LENGTH, RESPONSE_LENGTH, SCRIPT, ThreadedServer, write_candidates
 from tests.planted import REPO, free_port, run_script, script_env, write_query_file
@@ -66,7 +66,7 @@ def served(tmp_path_factory, tokenizer, tiny_model_dir):
     root = tmp_path_factory.mktemp("browser-labels")
     candidates = write_candidates(root / "candidates.json", tokenizer, tiny_model_dir)
     store = LabelStore(load_candidates(str(candidates)), str(root / "human.json"), shared_fraction=1.0)
-    from lm_human_preference_details.labelserver import create_app
+    from lm_human_preference_details.labeling.labelserver import create_app
 
     server = ThreadedServer(create_app(store, None))
     yield {"root": root, "store": store, "url": server.url, "output": root / "human.json"}
@@ -184,7 +184,7 @@ def test_screenshot_shows_the_page(session):
 def test_scalar_compare_page_compares_two_responses(driver, tmp_path, tokenizer, tiny_model_dir):
     from selenium.webdriver.common.by import By
 
-    from lm_human_preference_details.labelserver import create_app
+    from lm_human_preference_details.labeling.labelserver import create_app
 
     candidates = write_candidates(tmp_path / "compare.json", tokenizer, tiny_model_dir, "scalar_compare")
     store = LabelStore(load_candidates(str(candidates)), str(tmp_path / "compare-labels.json"))
@@ -292,7 +292,7 @@ class ServedStore:
     """A label store of `label_type` candidates behind a ThreadedServer (polling every half second)."""
 
     def __init__(self, root, tokenizer, model_dir, label_type="best_of_4", shared=1.0, token=None, num_rows=6):
-        from lm_human_preference_details.labelserver import create_app
+        from lm_human_preference_details.labeling.labelserver import create_app
 
         root.mkdir(parents=True, exist_ok=True)
         candidates = write_candidates(root / "candidates.json", tokenizer, model_dir, label_type, num_rows)

@@ -305,7 +305,7 @@ import sys
 import torch
 sys.path.insert(0, {repo!r})
 import train_policy
-from lm_human_preference_details import core, lora
+from lm_human_preference_details import distributed, lora
 
 torch.set_num_threads(1)
 policies = []
@@ -313,7 +313,7 @@ apply_lora = lora.apply_lora
 lora.apply_lora = lambda policy, *args: (policies.append(policy), apply_lora(policy, *args))
 flags = sys.argv[1:]
 train_policy.main(train_policy.parse(flags))
-rank = core.make_accelerator().process_index
+rank = distributed.make_accelerator().process_index
 out = flags[flags.index("--output_dir") + 1]
 torch.save({{n: p.detach() for n, p in policies[0].named_parameters() if p.requires_grad}}, f"{{out}}/rank{{rank}}.pt")
 """

@@ -7,9 +7,15 @@ import pytest
 
 import train_policy
 import train_reward
-from lm_human_preference_details import core
+from lm_human_preference_details import tracking
+from lm_human_preference_details.instruments.metrics import (
+    GLOSSARY,
+    GLOSSARY_DOC,
+    glossary_block,
+    glossary_names,
+    render_glossary,
+)
 from lm_human_preference_details.labels import save_labels
-from lm_human_preference_details.metrics import GLOSSARY, GLOSSARY_DOC, glossary_block, glossary_names, render_glossary
 from tests.planted import REPO, books_task
 from tests.test_train_policy import save_reward_model, tiny_args, tiny_task
 
@@ -20,7 +26,7 @@ pytestmark = pytest.mark.usefixtures("single_thread")
 def logged_names(monkeypatch) -> set[str]:
     """Every scalar and table name the Tracker is asked to log while the test runs."""
     names: set[str] = set()
-    log, log_table = core.Tracker.log, core.Tracker.log_table
+    log, log_table = tracking.Tracker.log, tracking.Tracker.log_table
 
     def record(self, metrics, step):
         names.update(metrics)
@@ -30,8 +36,8 @@ def logged_names(monkeypatch) -> set[str]:
         names.add(key)
         return log_table(self, key, columns, rows, step)
 
-    monkeypatch.setattr(core.Tracker, "log", record)
-    monkeypatch.setattr(core.Tracker, "log_table", record_table)
+    monkeypatch.setattr(tracking.Tracker, "log", record)
+    monkeypatch.setattr(tracking.Tracker, "log_table", record_table)
     return names
 
 
@@ -43,7 +49,7 @@ def names_when(condition: str) -> set[str]:
 def test_docs_glossary_is_the_rendered_glossary():
     page = (REPO / GLOSSARY_DOC).read_text(encoding="utf-8")
     assert glossary_block(page) == render_glossary(), (
-        f"run: python -m lm_human_preference_details.metrics --write {GLOSSARY_DOC}"
+        f"run: python -m lm_human_preference_details.instruments.metrics --write {GLOSSARY_DOC}"
     )
 
 

@@ -16,8 +16,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from lm_human_preference_details import core
-from lm_human_preference_details.compare import read_tensorboard
+from lm_human_preference_details import distributed
+from lm_human_preference_details.instruments.compare import read_tensorboard
 from tests.planted import REPO, books_task, free_port, without_gpus, write_policy_planted_labels, write_query_file
 from tests.test_train_policy import save_reward_model
 
@@ -94,12 +94,12 @@ FAILING_LAUNCHER = """
 import os, signal, sys, time
 import torch
 sys.path.insert(0, {repo!r})
-from lm_human_preference_details import cli, core
+from lm_human_preference_details import cli, distributed
 import {script} as script
 
 mode, marker = sys.argv[1], sys.argv[2]
 calls = 0
-average = core.GradientAverager.average
+average = distributed.GradientAverager.average
 
 
 def failing_average(self):
@@ -116,7 +116,7 @@ def failing_average(self):
     average(self)
 
 
-core.GradientAverager.average = failing_average
+distributed.GradientAverager.average = failing_average
 cli.run(script.main, script.parse, sys.argv[3:])
 """
 
@@ -202,15 +202,17 @@ def test_two_nodes_give_the_run_of_one_node_for_both_scripts(tmp_path, world):
 def test_check_launch_refuses_accelerates_one_process_launch():
     accelerate_cpu = {"ACCELERATE_USE_CPU": "True", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}
     with pytest.raises(ValueError, match=r"started 1 process.*torchrun --nproc_per_node N train_policy.py"):
-        core.check_launch(accelerate_cpu, "train_policy.py")
+        distributed.check_launch(accelerate_cpu, "train_policy.py")
     with pytest.raises(ValueError, match="started 1 process"):  # without --cpu on a machine with fewer GPUs
-        core.check_launch({**accelerate_cpu, "ACCELERATE_USE_CPU": "False"}, "train_reward.py")
-    core.check_launch({**accelerate_cpu, "WORLD_SIZE": "2", "RANK": "0"}, "x.py")  # torchrun, accelerate --multi_gpu
-    core.check_launch({**accelerate_cpu, "PMI_SIZE": "4"}, "x.py")  # accelerate launch --mpirun_hostfile
-    core.check_launch({"ACCELERATE_USE_CPU": "True"}, "x.py")  # accelerate launch --cpu with one process
-    core.check_launch({"MASTER_PORT": "29500"}, "x.py")  # a plain python run
+        distributed.check_launch({**accelerate_cpu, "ACCELERATE_USE_CPU": "False"}, "train_reward.py")
+    distributed.check_launch(
+        {**accelerate_cpu, "WORLD_SIZE": "2", "RANK": "0"}, "x.py"
+    )  # torchrun, accelerate --multi_gpu
+    distributed.check_launch({**accelerate_cpu, "PMI_SIZE": "4"}, "x.py")  # accelerate launch --mpirun_hostfile
+    distributed.check_launch({"ACCELERATE_USE_CPU": "True"}, "x.py")  # accelerate launch --cpu with one process
+    distributed.check_launch({"MASTER_PORT": "29500"}, "x.py")  # a plain python run
     with pytest.raises(ValueError, match="--dist_timeout must be a positive"):
-        core.make_accelerator(0.0)
+        distributed.make_accelerator(0.0)
 
 
 def test_more_processes_per_machine_than_gpus_stop_at_the_start_in_one_line(monkeypatch):
@@ -220,24 +222,24 @@ def test_more_processes_per_machine_than_gpus_stop_at_the_start_in_one_line(monk
     two = {"WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2", "MASTER_PORT": "29500"}
     for environ in (two, {"OMPI_COMM_WORLD_SIZE": "2", "OMPI_COMM_WORLD_LOCAL_SIZE": "2"}):
         with pytest.raises(ValueError) as error:
-            core.check_gpus_per_process(environ)
+            distributed.check_gpus_per_process(environ)
         message = str(error.value)
         assert "\n" not in message and "2 processes on this machine" in message and "1 GPU(s) visible" in message
         assert "--nproc_per_node 1" in message and "CUDA_VISIBLE_DEVICES=" in message
-    core.check_gpus_per_process({**two, "WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "1"})  # 4 machines x 1 process
-    core.check_gpus_per_process({**two, "ACCELERATE_USE_CPU": "True"})  # accelerate launch --cpu: gloo on CPU
-    core.check_gpus_per_process({})  # one process
+    distributed.check_gpus_per_process({**two, "WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "1"})  # 4 machines x 1 process
+    distributed.check_gpus_per_process({**two, "ACCELERATE_USE_CPU": "True"})  # accelerate launch --cpu: gloo on CPU
+    distributed.check_gpus_per_process({})  # one process
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
-    core.check_gpus_per_process(two)  # one GPU each
+    distributed.check_gpus_per_process(two)  # one GPU each
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
-    core.check_gpus_per_process({**two, "LOCAL_WORLD_SIZE": "8"})  # no GPU: every process on CPU (gloo)
+    distributed.check_gpus_per_process({**two, "LOCAL_WORLD_SIZE": "8"})  # no GPU: every process on CPU (gloo)
     # the training scripts' accelerator checks it before it starts a process group
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     for name, value in two.items():
         monkeypatch.setenv(name, value)
     with pytest.raises(ValueError, match="2 processes on this machine"):
-        core.make_accelerator()
+        distributed.make_accelerator()
 
 
 def test_every_multi_process_launch_of_the_tests_hides_the_gpus():

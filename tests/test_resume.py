@@ -14,7 +14,7 @@ import torch
 
 import train_policy
 import train_reward
-from lm_human_preference_details import checkpoint, core, resume_check
+from lm_human_preference_details import checkpoint, devices, resume_check
 from lm_human_preference_details.modeling import PolicyWithValueHead, load_reward_model
 from lm_human_preference_details.resume_check import (  # noqa: F401 (imported from here by other test files)
     final_training_state,
@@ -41,7 +41,7 @@ pytestmark = pytest.mark.usefixtures("single_thread")
 DETERMINISTIC = ("--deterministic",) if torch.cuda.is_available() else ()
 """the runs compared bit for bit need deterministic kernels on a GPU (CPU kernels are deterministic anyway)"""
 # cuBLAS reads its workspace setting at its first call: set it before any test runs a model on a GPU
-os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", core.CUBLAS_DETERMINISTIC[0])
+os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", devices.CUBLAS_DETERMINISTIC[0])
 
 
 @pytest.fixture(autouse=True)
@@ -299,7 +299,7 @@ def test_failed_checkpoint_write_leaves_the_previous_one_whole(finished_run, tmp
 
     # checkpoint 2 written again, failing after the per-process file: step2 stays as it was, no partial step dir
     monkeypatch.setattr(checkpoint.torch, "save", failing_save)
-    accelerator = train_policy.core.make_accelerator()
+    accelerator = train_policy.distributed.make_accelerator()
     with pytest.raises(OSError, match="No space left"):
         checkpoint.save_training_state(str(run_dir), 2, accelerator, {"settings": {}}, {"x": 1}, {"y": 2}, keep=2)
     assert {name: (step2 / name).read_bytes() for name in before} == before

@@ -1,5 +1,6 @@
 """The house plan: scripts import only the package (never each other; train_both.py runs the two training scripts),
-the package has no import cycle."""
+the package has no import cycle, and its rooms (sub-packages) stand above its modules: a module never imports a room,
+a room never imports another, and no training script imports the instruments."""
 
 import ast
 from pathlib import Path
@@ -7,6 +8,11 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 PACKAGE = "lm_human_preference_details"
 SCRIPTS = sorted(p.stem for p in REPO.glob("*.py"))
+ROOMS = ("labeling", "instruments")
+"""The package's sub-packages: the labeling server and its store, and the analysis instruments (compare, metrics,
+host syncs) that benchmarks, tools and tests use."""
+ROOM_USERS = {"labeling": {"label_generation"}, "instruments": set()}
+"""The scripts at the repository root that may import each room (the demo, benchmarks, tools and tests may too)."""
 
 
 def imports(path: Path) -> set[str]:
@@ -21,8 +27,32 @@ def imports(path: Path) -> set[str]:
     return names
 
 
+def package_modules() -> dict[str, Path]:
+    """The package's modules by dotted name below the package: `cli`, `labeling.labelstore`, ..."""
+    paths = (REPO / PACKAGE).rglob("*.py")
+    return {".".join(p.relative_to(REPO / PACKAGE).with_suffix("").parts): p for p in paths if p.stem != "__init__"}
+
+
+def imported_modules(path: Path, modules: dict[str, Path]) -> set[str]:
+    """The package's modules that a file imports (`from PACKAGE.files import write_atomic` -> `files`)."""
+    found = set()
+    for name in imports(path):
+        parts = name.split(".")
+        if parts[0] != PACKAGE:
+            continue
+        dotted = [".".join(parts[1:k]) for k in range(len(parts), 1, -1)]
+        found |= set([d for d in dotted if d in modules][:1])
+    return found
+
+
+def room_of(module: str) -> str | None:
+    """The room that holds a module (`labeling.labelstore` -> `labeling`), None for the package's own modules."""
+    first = module.split(".")[0]
+    return first if first in ROOMS else None
+
+
 def test_no_script_imports_another_script():
-    users = [*REPO.glob("*.py"), *REPO.glob("demo/*.py"), *REPO.glob("benchmark/*.py"), *REPO.glob(f"{PACKAGE}/*.py")]
+    users = [*REPO.glob("*.py"), *REPO.glob("demo/*.py"), *REPO.glob("benchmark/*.py"), *(REPO / PACKAGE).rglob("*.py")]
     assert SCRIPTS, "no scripts found"
     for path in users:
         imported = {name.split(".")[0] for name in imports(path)}
@@ -33,11 +63,9 @@ def test_no_script_imports_another_script():
 
 
 def test_package_has_no_import_cycle():
-    modules = {p.stem: p for p in (REPO / PACKAGE).glob("*.py") if p.stem != "__init__"}
-    graph = {
-        name: {n.split(".")[1] for n in imports(path) if n.startswith(f"{PACKAGE}.") and n.split(".")[1] in modules}
-        for name, path in modules.items()
-    }
+    modules = package_modules()
+    assert {room_of(name) for name in modules} >= set(ROOMS), "a room is missing"
+    graph = {name: imported_modules(path, modules) for name, path in modules.items()}
 
     def visit(name: str, stack: tuple[str, ...]) -> None:
         assert name not in stack, f"import cycle: {' -> '.join((*stack, name))}"
@@ -48,6 +76,22 @@ def test_package_has_no_import_cycle():
         visit(name, ())
 
 
+def test_rooms_stand_above_the_package_modules():
+    modules = package_modules()
+    for name, path in modules.items():
+        rooms = {room_of(dep) for dep in imported_modules(path, modules)} - {None, room_of(name)}
+        below = "a room imports only the package's modules" if room_of(name) else "a module never imports a room"
+        assert not rooms, f"{path.relative_to(REPO)} imports the room(s) {sorted(rooms)}: {below}"
+
+
+def test_scripts_import_only_their_rooms():
+    modules = package_modules()
+    for path in REPO.glob("*.py"):
+        rooms = {room_of(dep) for dep in imported_modules(path, modules)} - {None}
+        unexpected = {room for room in rooms if path.stem not in ROOM_USERS[room]}
+        assert not unexpected, f"{path.name} imports the room(s) {sorted(unexpected)}, which no training script uses"
+
+
 def test_whitening_is_written_once():
-    sources = [p.read_text() for p in [*REPO.glob("*.py"), *(REPO / PACKAGE).glob("*.py")]]
+    sources = [p.read_text() for p in [*REPO.glob("*.py"), *(REPO / PACKAGE).rglob("*.py")]]
     assert sum(src.count("torch.rsqrt(var + 1e-8)") for src in sources) == 1

@@ -337,14 +337,14 @@ import json, sys
 import numpy as np, torch
 sys.path.insert(0, {repo!r})
 import train_policy as tp
-from lm_human_preference_details import core
+from lm_human_preference_details import distributed
 from lm_human_preference_details.modeling import PolicyWithValueHead
 from lm_human_preference_details.optim import make_optimizer
 from tests.conftest import tiny_gpt2
 
 torch.set_num_threads(1)
 out, group = sys.argv[1], 16
-accelerator = core.make_accelerator()
+accelerator = distributed.make_accelerator()
 rank, world = accelerator.process_index, accelerator.num_processes
 args = tp.Args()
 args.ppo.batch_size, args.ppo.nminibatches, args.ppo.noptepochs, args.ppo.gradient_accumulation_steps = 32, 2, 3, 2

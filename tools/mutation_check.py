@@ -581,7 +581,7 @@ BREAKAGES = [
         "P15",
         "nupdates = total_episodes // batch_size instead of ceil",
         TP,
-        "nupdates = core.ceil_div(ppo.total_episodes, ppo.batch_size)",
+        "nupdates = ceil_div(ppo.total_episodes, ppo.batch_size)",
         "nupdates = ppo.total_episodes // ppo.batch_size",
         [SCHEDULE],
     ),
@@ -673,7 +673,7 @@ BREAKAGES = [
         "O4-gradients-summed",
         "O4",
         "gradients are summed over processes instead of averaged",
-        "lm_human_preference_details/core.py",
+        "lm_human_preference_details/distributed.py",
         "flat.div_(self.world_size)",
         "flat.div_(1)",
         ["tests/test_core.py::test_allreduce_and_broadcast_two_processes"],
@@ -683,8 +683,8 @@ BREAKAGES = [
         "O4",
         "the policy's gradients are not all-reduced before the optimizer step",
         TP,
-        "gradients = core.GradientAverager(params, accelerator)",
-        "gradients = core.GradientAverager([], accelerator)",
+        "gradients = distributed.GradientAverager(params, accelerator)",
+        "gradients = distributed.GradientAverager([], accelerator)",
         [SYNC],
     ),
     Breakage(
@@ -702,15 +702,15 @@ BREAKAGES = [
         "D1",
         "ppo.batch_size is taken per process instead of global",
         TP,
-        'batch = core.exact_div(ppo.batch_size, world, "ppo.batch_size (episodes per update) / processes")',
-        'batch = core.exact_div(ppo.batch_size, 1, "ppo.batch_size (episodes per update) / processes")',
+        'batch = exact_div(ppo.batch_size, world, "ppo.batch_size (episodes per update) / processes")',
+        'batch = exact_div(ppo.batch_size, 1, "ppo.batch_size (episodes per update) / processes")',
         [ROLLOUT],
     ),
     Breakage(
         "D1-more-processes-than-gpus-pass",
         "D1",
         "a run on GPUs with more processes per machine than GPUs starts (and stops deep in NCCL)",
-        "lm_human_preference_details/core.py",
+        "lm_human_preference_details/distributed.py",
         "    if processes > gpus:",
         "    if processes > 2 * gpus:",
         ["tests/test_multiprocess.py::test_more_processes_per_machine_than_gpus_stop_at_the_start_in_one_line"],
@@ -719,7 +719,7 @@ BREAKAGES = [
         "D1-gpu-count-unchecked-at-launch",
         "D1",
         "the training scripts' accelerator does not check the processes per machine against the GPUs",
-        "lm_human_preference_details/core.py",
+        "lm_human_preference_details/distributed.py",
         "    check_gpus_per_process(os.environ)\n",
         "",
         ["tests/test_multiprocess.py::test_more_processes_per_machine_than_gpus_stop_at_the_start_in_one_line"],
@@ -783,8 +783,8 @@ BREAKAGES = [
         "D6",
         "rank 0's policy weights are not broadcast before training",
         TP,
-        "core.broadcast_parameters(policy, accelerator)",
-        "core.broadcast_parameters(torch.nn.Module(), accelerator)",
+        "distributed.broadcast_parameters(policy, accelerator)",
+        "distributed.broadcast_parameters(torch.nn.Module(), accelerator)",
         [SYNC],
     ),
     Breakage(
@@ -1112,8 +1112,8 @@ BREAKAGES = [
         "        lora.apply_lora(policy, args.lora, args.base_model)\n    # every process starts from rank 0's weights "
         "(spec D6); no DDP: gradients are all-reduced by hand (spec O4)\n    # https://github.com/openai/"
         "lm-human-preferences/blob/cbfd210bb8b08f6bc5c26878c10984b90f516c66/lm_human_preferences/train_policy.py"
-        "#L482-L485\n    core.broadcast_parameters(policy, accelerator)",
-        "        pass\n    core.broadcast_parameters(policy, accelerator)\n"
+        "#L482-L485\n    distributed.broadcast_parameters(policy, accelerator)",
+        "        pass\n    distributed.broadcast_parameters(policy, accelerator)\n"
         "    if args.lora.rank:\n        lora.apply_lora(policy, args.lora, args.base_model)",
         ["tests/test_lora.py::test_two_processes_keep_identical_adapters"],
     ),

@@ -13,14 +13,14 @@ What counts as one sync:
 - a host-to-device copy (`.to(device)`, `.cuda()`, `copy_`, an indexed assignment) of a tensor in pageable host
   memory, or any blocking one: on CUDA it waits for every kernel queued before it (torch copies through a staging
   buffer and synchronizes the stream), so one in the middle of queued work stalls the GPU. A copy from pinned memory
-  with `non_blocking=True` (`to_device`) does not wait.
+  with `non_blocking=True` (`devices.to_device`) does not wait.
 
 How the copies are told apart: with a GPU, from the tensors' devices and `is_pinned()`. On a CPU run, where host and
 device are one, the counter follows which tensors are host memory: those made by a factory without a `device`
 argument (`torch.tensor`, `torch.from_numpy`, `torch.zeros(...)`, ...), `.cpu()` copies, and what is computed from
 them alone; a `.to(device)` of such a tensor counts, unless `non_blocking=True` (the project passes it only where
-`to_device` pins the memory on CUDA). What this CPU proxy cannot see: a factory given `device="cpu"` and one given the
-run's device look alike, so `torch.tensor(data, device=device)` (a copy on CUDA) counts on GPU runs only; a
+`devices.to_device` pins the memory on CUDA). What this CPU proxy cannot see: a factory given `device="cpu"` and one
+given the run's device look alike, so `torch.tensor(data, device=device)` (a copy on CUDA) counts on GPU runs only; a
 `non_blocking=True` copy from pageable memory counts on GPU runs only; tensors made before the counted block are taken
 for device tensors. On a GPU, `torch.cuda.set_sync_debug_mode("warn")` sees every synchronizing call.
 
@@ -68,14 +68,6 @@ SYNC_OPS = {
 
 DATA_FACTORIES = {torch.tensor, torch.as_tensor, torch.asarray}
 """Factories that copy their data to the `device` they are given."""
-
-
-def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """`tensor` (in host memory) on `device`, without a host sync: on CUDA it is pinned first and copied
-    asynchronously (a copy from pageable memory waits for every kernel queued before it)."""
-    if device.type == "cuda":
-        tensor = tensor.pin_memory()
-    return tensor.to(device, non_blocking=True)
 
 
 def _copy_to_device(func, args, kwargs) -> tuple[object, torch.device, bool, torch.Tensor | None] | None:

@@ -22,7 +22,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
-from lm_human_preference_details.core import write_atomic
+from lm_human_preference_details.files import write_atomic
 
 try:
     import fcntl

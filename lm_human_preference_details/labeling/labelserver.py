@@ -30,8 +30,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from lm_human_preference_details.agreement import agreement_report
-from lm_human_preference_details.labelstore import (
+from lm_human_preference_details.labeling.agreement import agreement_report
+from lm_human_preference_details.labeling.labelstore import (
     COMPARE_SCALE,
     MAJORITY_RULE,
     RATING_SCALE,

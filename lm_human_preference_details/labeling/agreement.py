@@ -20,7 +20,7 @@ comparison (scalar_compare). Rows labelled by one person only do not enter any a
 
 from collections import Counter
 
-from lm_human_preference_details.labelstore import Judgement
+from lm_human_preference_details.labeling.labelstore import Judgement
 
 
 def _by_row(judgements: list[Judgement]) -> dict[int, list[Judgement]]:
