@@ -159,7 +159,7 @@ BREAKAGES = [
         "G4-empty-affix-copy-counted",
         "G4",
         "the host-sync counter takes the copy of an empty prefix or suffix (no elements, unpinned) for one that waits",
-        "lm_human_preference_details/host_syncs.py",
+        "lm_human_preference_details/instruments/host_syncs.py",
         "if source.numel() == 0 or (destination is not None and destination.numel() == 0):",
         "if False:",
         ["tests/test_gpu_paths.py::test_counter_does_not_count_a_copy_of_no_elements"],
