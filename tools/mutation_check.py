@@ -262,8 +262,8 @@ BREAKAGES = [
         "R2",
         "the reward is read at the last position (a PAD after truncation) instead of the last real token",
         MOD,
-        "last = _gather_positions(hidden, _last_real_index(mask)[:, -1:])[:, 0]  # (B, D)",
-        "last = hidden[:, -1]  # (B, D)",
+        "return _gather_positions(hidden, _last_real_index(mask)[:, start:])",
+        "return hidden[:, start:]",
         ["tests/test_modeling.py::test_reward_model_reads_last_real_token"],
     ),
     Breakage(
