@@ -108,7 +108,7 @@ BREAKAGES = [
         "lm_human_preference_details/labels.py",
         "query[query == file_pad_id] = pad_id",
         "query[query == file_pad_id] = file_pad_id",
-        ["tests/test_data.py::test_load_labels_maps_oai_pad"],
+        ["tests/test_labels.py::test_load_labels_maps_oai_pad"],
     ),
     Breakage(
         "G2-inclusive-positions",
