@@ -398,8 +398,8 @@ class PolicyWithValueHead(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Tempered logits (B, L, V) and values (B, L) at the positions that predict the L response tokens.
 
-        Every row must start with a real token. Unlike `sample`, `pad_invisible_hidden` and the reward model, this
-        hot-path forward does not check it: the check would cost a device-to-host sync per call, and its inputs are
+        Every row must start with a real token. Unlike `sample` and the reward model, this hot-path forward does not
+        check it (`check_first_token=False`): the check would cost a device-to-host sync per call, and its inputs are
         contexts that `sample` already checked followed by sampled (always real) tokens.
         `training_arithmetic`: the arithmetic of a training forward (bf16 autocast when `reduce_training_memory` set
         it) without recording gradients too; by default only forwards that record gradients use it.
