@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 import tyro
 from accelerate.utils import broadcast
 
@@ -27,8 +28,7 @@ from lm_human_preference_details.labels import (
     LabelType,
     check_label_task,
     get_label_type,
-    label_loss,
-    label_row_errors,
+    pearson_r,
     target_scales,
 )
 from lm_human_preference_details.modeling import (
@@ -203,8 +203,8 @@ RESUME_IGNORED = (*checkpoint.RESUME_IGNORED, "labels.allow_task_mismatch")
 
 
 # ---------------------------------------------------------------- algorithm
-# in the order a run uses them: normalization (steps 2 and 4), held-out evaluation and the non-finite counts of a
-# training step (step 3). The plumbing (label checks, tracking, checkpoints, saving) is in reward_plumbing.py.
+# in the order a run uses them: normalization (steps 2 and 4), the loss, held-out evaluation and the non-finite counts
+# of a training step (step 3). The plumbing (label checks, tracking, checkpoints, saving) is in reward_plumbing.py.
 @torch.no_grad()
 def reward_moments(args, accelerator, reward_model, ref_policy, query_stream, affixes, pad_id, generator, n) -> tuple:
     """Mean and population std, over all processes, of the rewards of ceil(n / rollout_batch_size) global rollout
@@ -273,6 +273,32 @@ def normalization_target(label_type: LabelType, train_labels: Labels) -> tuple[f
         return 0.0, 1.0
     var, mean = torch.var_mean(scales.double(), correction=0)  # TF-PARITY: tf.nn.moments
     return mean.item(), var.sqrt().item()
+
+
+def label_row_errors(label_type: LabelType, rewards: torch.Tensor, label: torch.Tensor) -> torch.Tensor:
+    """(b,) error of each label row from the rewards (b, S) of its S responses: the softmax cross-entropy with the
+    labeled best response as the target (best_of_N), the squared error of the reward (scalar_rating) or of r1 - r0
+    (scalar_compare)."""
+    # best_of_N: the S rewards of a row are the logits of a softmax over its responses (spec R5)
+    # https://github.com/openai/lm-human-preferences/blob/cbfd210bb8b08f6bc5c26878c10984b90f516c66/lm_human_preferences/label_types.py#L44-L49
+    if label_type.label_field == "best":
+        return F.cross_entropy(rewards, label, reduction="none")
+    # scalar_rating: squared error between score and reward; scalar_compare: between difference and r1 - r0
+    # https://github.com/openai/lm-human-preferences/blob/cbfd210bb8b08f6bc5c26878c10984b90f516c66/lm_human_preferences/label_types.py#L70-L77
+    # https://github.com/openai/lm-human-preferences/blob/cbfd210bb8b08f6bc5c26878c10984b90f516c66/lm_human_preferences/label_types.py#L95-L102
+    predicted = rewards[:, 0] if label_type.label_field == "score" else rewards[:, 1] - rewards[:, 0]
+    return (label - predicted) ** 2
+
+
+def label_loss(label_type: LabelType, rewards: torch.Tensor, label: torch.Tensor) -> dict[str, torch.Tensor]:
+    """OAI's loss of the label type, the mean of `label_row_errors`, and its statistics: loss and error (equal);
+    scalar_rating adds the labels' mean and population variance and the Pearson correlation of score and reward."""
+    error = label_row_errors(label_type, rewards, label).mean()
+    stats = {"loss": error, "error": error}
+    if label_type.label_field == "score":
+        label_var, label_mean = torch.var_mean(label, correction=0)  # TF-PARITY: tf.nn.moments
+        stats.update(label_mean=label_mean, label_var=label_var, corr=pearson_r(label, rewards[:, 0]))
+    return stats
 
 
 @torch.no_grad()

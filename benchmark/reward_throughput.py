@@ -24,10 +24,11 @@ from rich.table import Table
 from transformers import GPT2Model
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import train_reward  # noqa: E402
 from benchmark.shapes import gpt2_config  # noqa: E402
 from lm_human_preference_details import cli  # noqa: E402
 from lm_human_preference_details.instruments.host_syncs import HostSyncCounter  # noqa: E402
-from lm_human_preference_details.labels import best_of_n_loss  # noqa: E402
+from lm_human_preference_details.labels import get_label_type  # noqa: E402
 from lm_human_preference_details.modeling import RewardModel, score_label_rows  # noqa: E402
 from lm_human_preference_details.optim import AdamTensorFlowStyle  # noqa: E402
 from lm_human_preference_details.ppo_plumbing import PhaseTimer  # noqa: E402
@@ -73,10 +74,11 @@ def main(args: Args) -> None:
     query = torch.randint(0, 50257, (args.per_process_batch, args.query_length), device=device)
     samples = torch.randint(0, 50257, (args.per_process_batch, 4, args.response_length), device=device)
     best = torch.randint(0, 4, (args.per_process_batch,), device=device)
+    best_of_4 = get_label_type("best_of_4")
 
     def step(timer: PhaseTimer) -> None:
         timer.mark()
-        loss = best_of_n_loss(score_label_rows(reward_model, query, samples, pad), best)
+        loss = train_reward.label_loss(best_of_4, score_label_rows(reward_model, query, samples, pad), best)["loss"]
         timer.mark()
         loss.backward()
         timer.mark()

@@ -85,23 +85,20 @@ def logprobs_and_entropy_from_logits(logits: torch.Tensor, tokens: torch.Tensor)
     return logprobs, entropy
 
 
-def sample_categorical(logits: torch.Tensor, generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """One token per row of (B, V) logits and its log-probability: (B,), (B,).
+def categorical_uniforms(rows: int, generator: torch.Generator | None, device: torch.device) -> torch.Tensor:
+    """The (rows, 1) float64 uniforms in [0, 1) of one sampling step, drawn from `generator` (`sample` draws every
+    step's before decoding, so that a fixed-shape step draws nothing)."""
+    return torch.rand((rows, 1), generator=generator, dtype=torch.float64, device=device)
+
+
+def sample_categorical(logits: torch.Tensor, uniform: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token per row of (B, V) logits and its log-probability, (B,), (B,), from the row's uniform in `uniform`
+    (B, 1) (`categorical_uniforms`): no random draw, so a fixed-shape step can run it.
 
     Plain formula: `tokens = torch.multinomial(softmax(logits), 1)`, `logprobs = log_softmax(logits).gather(tokens)`.
     Drawn by inverse-CDF sampling instead: one uniform per row (torch.multinomial draws B*V exponentials), and the
     CDF's total gives the logsumexp for the log-prob.
     """
-    return sample_categorical_from_uniforms(logits, categorical_uniforms(logits.shape[0], generator, logits.device))
-
-
-def categorical_uniforms(rows: int, generator: torch.Generator | None, device: torch.device) -> torch.Tensor:
-    """The (rows, 1) float64 uniforms in [0, 1) that `sample_categorical` draws from `generator` for `rows` rows."""
-    return torch.rand((rows, 1), generator=generator, dtype=torch.float64, device=device)
-
-
-def sample_categorical_from_uniforms(logits: torch.Tensor, uniform: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """`sample_categorical` with its uniforms (B, 1) given: no random draw, so a fixed-shape step can run it."""
     # tf.random.categorical's kernel samples the same way: exp(logits - max) summed into a CDF in float64, then the
     # first index whose CDF exceeds uniform * total
     shifted = logits - logits.amax(dim=-1, keepdim=True)  # (B, V), <= 0

@@ -1,6 +1,8 @@
-"""Label files in OAI's schema: the label types and their losses, reading, validation, writing and the metadata file.
+"""Label files in OAI's schema: the label types, their normalization targets, reading, validation, writing and the
+metadata file.
 
-The counterpart of lm_human_preferences/label_types.py (schemas and losses) and train_reward.py's label download.
+The counterpart of lm_human_preferences/label_types.py (schemas; the losses are `label_loss` in train_reward.py) and
+train_reward.py's label download.
 OAI's files are JSON lists of rows padded with OAI's PAD 50259; files written by label_generation.py have a
 `<file>.meta.json` beside them (labeler, tokenizer fingerprint, PAD id written, task, counts).
 https://github.com/openai/lm-human-preferences/blob/cbfd210bb8b08f6bc5c26878c10984b90f516c66/lm_human_preferences/label_types.py
@@ -15,7 +17,6 @@ from typing import Any
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from transformers import PreTrainedTokenizerBase
 
 from lm_human_preference_details.files import write_atomic, write_json_atomic
@@ -100,41 +101,12 @@ def label_type_of_row(row: Any) -> LabelType | None:
     return get_label_type(f"best_of_{num_samples}") if "best" in row and num_samples >= 2 else None
 
 
-def best_of_n_loss(rewards: torch.Tensor, best: torch.Tensor) -> torch.Tensor:
-    """Softmax cross-entropy over the N responses of each label row (B, N), target = the labeled best one (B,)."""
-    # https://github.com/openai/lm-human-preferences/blob/cbfd210bb8b08f6bc5c26878c10984b90f516c66/lm_human_preferences/label_types.py#L44-L49
-    return F.cross_entropy(rewards, best)
-
-
 def pearson_r(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     """Pearson correlation of two 1-D tensors from population moments (OAI's utils/core.py pearson_r)."""
     # https://github.com/openai/lm-human-preferences/blob/cbfd210bb8b08f6bc5c26878c10984b90f516c66/lm_human_preferences/utils/core.py
     x_var, x_mean = torch.var_mean(x, correction=0)
     y_var, y_mean = torch.var_mean(y, correction=0)
     return ((x - x_mean) * (y - y_mean)).mean() / torch.sqrt(x_var * y_var)
-
-
-def label_row_errors(label_type: LabelType, rewards: torch.Tensor, label: torch.Tensor) -> torch.Tensor:
-    """(B,) error of each row: cross-entropy (best_of_N), squared error of the reward (scalar_rating) or of r1 - r0
-    (scalar_compare), from the rewards (B, S) of each row's S responses."""
-    if label_type.label_field == "best":
-        return F.cross_entropy(rewards, label, reduction="none")
-    # scalar_rating: MSE between score and reward; scalar_compare: MSE between difference and r1 - r0
-    # https://github.com/openai/lm-human-preferences/blob/cbfd210bb8b08f6bc5c26878c10984b90f516c66/lm_human_preferences/label_types.py#L70-L77
-    # https://github.com/openai/lm-human-preferences/blob/cbfd210bb8b08f6bc5c26878c10984b90f516c66/lm_human_preferences/label_types.py#L95-L102
-    predicted = rewards[:, 0] if label_type.label_field == "score" else rewards[:, 1] - rewards[:, 0]
-    return (label - predicted) ** 2
-
-
-def label_loss(label_type: LabelType, rewards: torch.Tensor, label: torch.Tensor) -> dict[str, torch.Tensor]:
-    """OAI's loss and statistics of a label type: loss and error (equal); scalar_rating adds the labels' mean and
-    population variance and the Pearson correlation of score and reward."""
-    error = label_row_errors(label_type, rewards, label).mean()
-    stats = {"loss": error, "error": error}
-    if label_type.label_field == "score":
-        label_var, label_mean = torch.var_mean(label, correction=0)
-        stats.update(label_mean=label_mean, label_var=label_var, corr=pearson_r(label, rewards[:, 0]))
-    return stats
 
 
 def target_scales(label_type: LabelType, labels: "Labels") -> torch.Tensor | None:

@@ -175,11 +175,6 @@ class ReferencePolicy:
                 yield policy
 
 
-def trainable_parameters(policy: nn.Module) -> list[nn.Parameter]:
-    """The parameters the optimizer updates: all of them, or under LoRA the adapters and the value head."""
-    return [p for p in policy.parameters() if p.requires_grad]
-
-
 # ---------------------------------------------------------------- saving and loading
 
 

@@ -31,7 +31,7 @@ from lm_human_preference_details.hub import check_available
 from lm_human_preference_details.kernels import (
     categorical_uniforms,
     logprobs_from_logits,
-    sample_categorical_from_uniforms,
+    sample_categorical,
     use_fused_gelu,
 )
 from lm_human_preference_details.tokenizer import (
@@ -308,10 +308,23 @@ def _checkpointed_blocks(model: PreTrainedModel):
             block.training = False
 
 
-def _transformer_hidden(
-    model: PreTrainedModel, tokens: torch.Tensor, pad_id: int, check_first_token: bool = True, bf16: bool = False
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Final-LayerNorm hidden states (B, T, D) with PADs masked out as attention keys, and the real mask (B, T).
+def with_bos(tokens: torch.Tensor, bos_token_id: int | None) -> torch.Tensor:
+    """(B, T) tokens with `bos_token_id` put in front of every row, (B, 1 + T); unchanged when it is None."""
+    if bos_token_id is None:
+        return tokens
+    return torch.cat([tokens.new_full((tokens.shape[0], 1), bos_token_id), tokens], dim=1)
+
+
+def pad_invisible_hidden(
+    model: PreTrainedModel,
+    tokens: torch.Tensor,
+    pad_id: int,
+    start: int = 0,
+    check_first_token: bool = True,
+    bf16: bool = False,
+) -> torch.Tensor:
+    """OAI transformer output, the final-LayerNorm hidden states at positions `start`.. (B, T - start, D; a negative
+    `start` counts from the end): pads invisible, and each PAD position holds the last real position's state.
 
     `bf16`: the transformer runs under bfloat16 autocast; the hidden states are returned in float32 either way.
     """
@@ -328,22 +341,10 @@ def _transformer_hidden(
             position_ids=position_ids_from_mask(mask),
             use_cache=False,
         )
-    return output.last_hidden_state.float(), mask
-
-
-def with_bos(tokens: torch.Tensor, bos_token_id: int | None) -> torch.Tensor:
-    """(B, T) tokens with `bos_token_id` put in front of every row, (B, 1 + T); unchanged when it is None."""
-    if bos_token_id is None:
-        return tokens
-    return torch.cat([tokens.new_full((tokens.shape[0], 1), bos_token_id), tokens], dim=1)
-
-
-def pad_invisible_hidden(model: PreTrainedModel, tokens: torch.Tensor, pad_id: int) -> torch.Tensor:
-    """OAI transformer output (B, T, D): pads invisible, and each PAD position holds the last real position's state."""
-    hidden, mask = _transformer_hidden(model, tokens, pad_id)
+    hidden = output.last_hidden_state.float()
     # after ln_f, every PAD position takes the hidden state of the most recent real position
     # https://github.com/openai/lm-human-preferences/blob/cbfd210bb8b08f6bc5c26878c10984b90f516c66/lm_human_preferences/language/model.py#L333-L340
-    return _gather_positions(hidden, _last_real_index(mask))
+    return _gather_positions(hidden, _last_real_index(mask)[:, start:])
 
 
 # ---------------------------------------------------------------- policy
@@ -397,8 +398,8 @@ class PolicyWithValueHead(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Tempered logits (B, L, V) and values (B, L) at the positions that predict the L response tokens.
 
-        Every row must start with a real token. Unlike `sample`, `pad_invisible_hidden` and the reward model, this
-        hot-path forward does not check it: the check would cost a device-to-host sync per call, and its inputs are
+        Every row must start with a real token. Unlike `sample` and the reward model, this hot-path forward does not
+        check it (`check_first_token=False`): the check would cost a device-to-host sync per call, and its inputs are
         contexts that `sample` already checked followed by sampled (always real) tokens.
         `training_arithmetic`: the arithmetic of a training forward (bf16 autocast when `reduce_training_memory` set
         it) without recording gradients too; by default only forwards that record gradients use it.
@@ -411,11 +412,11 @@ class PolicyWithValueHead(nn.Module):
             )
         # the last token predicts nothing: the causal trunk runs on the first T-1 tokens only
         bf16 = self.bf16_autocast and (torch.is_grad_enabled() or training_arithmetic)
-        hidden, mask = _transformer_hidden(self.lm, query_responses[:, :-1], pad_id, check_first_token=False, bf16=bf16)
         # only the response part: outputs at [ctx-1 : -1] predict the response tokens (LM head on L positions only)
         # https://github.com/openai/lm-human-preferences/blob/cbfd210bb8b08f6bc5c26878c10984b90f516c66/lm_human_preferences/policy.py#L114-L126
-        index = _last_real_index(mask)[:, context_length - 1 :]  # (B, L)
-        hidden = _gather_positions(hidden, index)  # (B, L, D)
+        hidden = pad_invisible_hidden(
+            self.lm, query_responses[:, :-1], pad_id, context_length - 1, check_first_token=False, bf16=bf16
+        )  # (B, L, D)
         logits = _tempered_logits(self.lm, hidden, pad_id, temperature)  # (B, L, V)
         values = self.value_head(hidden).squeeze(-1)  # (B, L)
         return logits, values
@@ -479,7 +480,7 @@ def _sample_next(
     # token and the value head come from the same pass
     # https://github.com/openai/lm-human-preferences/blob/cbfd210bb8b08f6bc5c26878c10984b90f516c66/lm_human_preferences/language/sample.py#L24-L43
     # https://github.com/openai/lm-human-preferences/blob/cbfd210bb8b08f6bc5c26878c10984b90f516c66/lm_human_preferences/policy.py#L97-L112
-    tokens, logprobs = sample_categorical_from_uniforms(logits, uniform)
+    tokens, logprobs = sample_categorical(logits, uniform)
     return tokens, logprobs, policy.value_head(hidden).squeeze(-1).float()
 
 
@@ -681,10 +682,9 @@ class RewardModel(nn.Module):
         if check_first_token:
             _check_first_token_real(query_responses != pad_id, pad_id)
         tokens = with_bos(query_responses, self.bos_token_id)
-        hidden, mask = _transformer_hidden(self.trunk, tokens, pad_id, check_first_token=False, bf16=bf16)
         # the head output at index -1 of query ⊕ response (a trailing PAD holds the last real token's state)
         # https://github.com/openai/lm-human-preferences/blob/cbfd210bb8b08f6bc5c26878c10984b90f516c66/lm_human_preferences/rewards.py#L130-L138
-        last = _gather_positions(hidden, _last_real_index(mask)[:, -1:])[:, 0]  # (B, D)
+        last = pad_invisible_hidden(self.trunk, tokens, pad_id, -1, check_first_token=False, bf16=bf16)[:, 0]  # (B, D)
         return self.gain * self.head(last).squeeze(-1) + self.bias
 
     @classmethod

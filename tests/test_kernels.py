@@ -6,6 +6,7 @@ import torch
 from transformers import GPT2Config, GPT2LMHeadModel
 
 from lm_human_preference_details.kernels import (
+    categorical_uniforms,
     logprobs_and_entropy_from_logits,
     logprobs_from_logits,
     sample_categorical,
@@ -124,7 +125,8 @@ def test_fused_entropy_on_full_vocabulary_float32_logits_is_as_accurate_as_the_p
 
 def test_inverse_cdf_sampler_draws_like_multinomial_and_returns_plain_logprobs():
     logits = torch.tensor([[0.3, -1.0, 2.0, 0.0, 1.5]]).expand(20000, -1)
-    tokens, logprobs = sample_categorical(logits, torch.Generator().manual_seed(1))
+    uniforms = categorical_uniforms(logits.shape[0], torch.Generator().manual_seed(1), logits.device)
+    tokens, logprobs = sample_categorical(logits, uniforms)
     reference = torch.multinomial(torch.softmax(logits, -1), 1, generator=torch.Generator().manual_seed(1))[:, 0]
     ours, theirs = torch.bincount(tokens, minlength=5).double(), torch.bincount(reference, minlength=5).double()
     probs = torch.softmax(logits[0], -1).double()

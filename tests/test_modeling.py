@@ -8,7 +8,7 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, GPT2Config, GPT2Model
 
 from lm_human_preference_details import hub
-from lm_human_preference_details.kernels import sample_categorical
+from lm_human_preference_details.kernels import categorical_uniforms, sample_categorical
 from lm_human_preference_details.modeling import (
     REWARD_HEAD_FILE,
     PolicyWithValueHead,
@@ -91,6 +91,10 @@ def test_pad_invisible_hidden_pad_rows_copy_previous_real(tiny_lm):
     assert torch.equal(hidden[0, 5], hidden[0, 4])
     assert torch.equal(hidden[1, 4], hidden[1, 3]) and torch.equal(hidden[1, 5], hidden[1, 3])
     assert not torch.allclose(hidden[0, 3], hidden[0, 0])
+    # the positions from `start` on, as the policy's forward (context_length - 1) and the reward model (-1) ask them
+    with torch.no_grad():
+        torch.testing.assert_close(pad_invisible_hidden(tiny_lm, tokens, PAD, 2), hidden[:, 2:], atol=1e-6, rtol=0)
+        torch.testing.assert_close(pad_invisible_hidden(tiny_lm, tokens, PAD, -1), hidden[:, -1:], atol=1e-6, rtol=0)
 
 
 @pytest.mark.parametrize("family", archs.FAMILIES)
@@ -204,7 +208,8 @@ def test_sample_categorical_frequencies_match_softmax():
     # the first and last tokens have probability 0: an inverse-CDF sampler must never return them
     logits = torch.tensor([torch.finfo(torch.float32).min, 0.5, -1.0, 2.0, 0.0, torch.finfo(torch.float32).min])
     rows = 40000
-    tokens, logprobs = sample_categorical(logits.expand(rows, -1), torch.Generator().manual_seed(0))
+    uniforms = categorical_uniforms(rows, torch.Generator().manual_seed(0), logits.device)
+    tokens, logprobs = sample_categorical(logits.expand(rows, -1), uniforms)
     probs = torch.softmax(logits, -1)
     counts = torch.bincount(tokens, minlength=6).double()
     assert counts[0] == 0 and counts[5] == 0

@@ -13,7 +13,7 @@ import label_generation
 import train_policy
 import train_reward
 from lm_human_preference_details import cli
-from lm_human_preference_details.labels import labels_meta_path, load_labels
+from lm_human_preference_details.labels import labels_meta_path
 from lm_human_preference_details.modeling import PolicyWithValueHead, load_causal_lm
 from lm_human_preference_details.tokenizer import load_tokenizer
 from tests.conftest import write_queries
@@ -175,20 +175,6 @@ def test_mistyped_relative_label_path_is_a_missing_file_not_a_download(tmp_path,
     argv = reward_argv(tiny_model_dir, world, "labls/labels.json", tmp_path / "rm", "--dry_run")
     line = one_error_line(*run_cli(train_reward, argv, capsys)[::2])
     assert "label file 'labls/labels.json' does not exist in" in line and "fix the path of --label_dataset" in line
-
-
-def test_json_lines_preference_pairs_name_the_expected_schema(tmp_path):
-    pairs = [{"prompt": "Hi", "chosen": " there", "rejected": " go"}, {"prompt": "A", "chosen": "b", "rejected": "c"}]
-    (tmp_path / "pairs.jsonl").write_text("\n".join(map(json.dumps, pairs)) + "\n")
-    with pytest.raises(ValueError) as error:
-        load_labels(str(tmp_path / "pairs.jsonl"), 16, 8, pad_id=50257, num_train=1)
-    message = str(error.value)
-    assert "JSON Lines of text preference pairs (prompt, chosen, rejected" in message and "Extra data" not in message
-    assert '"sample0": [ids]' in message and "--labels.type best_of_2" in message
-    # the fix: one best_of_2 row per pair, tokens padded to the lengths, loads
-    row = {"query": [1] * 16, "sample0": [2] * 8, "sample1": [3] * 8, "best": 0}
-    (tmp_path / "pairs.json").write_text(json.dumps([row]))
-    assert len(load_labels(str(tmp_path / "pairs.json"), 16, 8, 50257, 1, "best_of_2")) == 1
 
 
 # ---------------------------------------------------------------- mistakes that would give numbers nobody should trust
