@@ -84,6 +84,20 @@ def lock_record(output_dir) -> dict | None:
         return None
 
 
+def fake_checkpoint(output_dir, step: int, world_size: int) -> str:
+    """A checkpoint directory with the files `load_training_state` reads (no weights: only the decision is tested)."""
+    import torch
+
+    path = checkpoint.step_dir(str(output_dir), step)
+    os.makedirs(path)
+    with open(os.path.join(path, checkpoint.META_FILE), "w") as f:
+        json.dump({"step": step, "world_size": world_size, "settings": {}, "run_name": "r", "wandb_id": None}, f)
+    torch.save({}, os.path.join(path, checkpoint.SHARED_FILE))
+    for rank in range(world_size):
+        torch.save({}, os.path.join(path, checkpoint.RANK_FILE.format(rank=rank)))
+    return path
+
+
 def write_policy_planted_labels(
     path: Path,
     model_dir: str,
