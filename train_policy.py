@@ -777,8 +777,6 @@ def main(args: Args) -> list[dict[str, float]]:
             timer.mark()
 
             # 6. statistics under OAI's names (spec §4.1), all processes, one device-to-host copy
-
-            # 6. statistics under OAI's names (spec §4.1), all processes, one device-to-host copy
             # https://github.com/openai/lm-human-preferences/blob/cbfd210bb8b08f6bc5c26878c10984b90f516c66/lm_human_preferences/train_policy.py#L199-L261
             local_stats = {
                 "objective/kl": kl.sum(1).mean(),
@@ -789,6 +787,9 @@ def main(args: Args) -> list[dict[str, float]]:
                 **ppo_stats.local(),
                 "debug/num_eos": (responses == tokenizer.eos_token_id).sum(1).float().mean(),
                 "debug/filter_pass_rate": passed.float().mean(),
+            }
+            # reduced with them, the run's guards: non-finite counts (the first names the cause) and a stop signal
+            guards = {
                 "nonfinite/logprobs": validation.nonfinite_count([logprobs, ref_logprobs]),
                 "nonfinite/values": validation.nonfinite_count([ppo_values]),
                 "nonfinite/scores": validation.nonfinite_count([scores]),
@@ -796,7 +797,7 @@ def main(args: Args) -> list[dict[str, float]]:
                 "nonfinite/weights": validation.nonfinite_tensors(params),
                 "stop/signal": loop.stop.flag(device),  # a signal to any process stops all after this update
             }
-            stats = reduce_stats(local_stats, accelerator)
+            stats = reduce_stats({**local_stats, **guards}, accelerator)
             stopping = stats.pop("stop/signal") > 0
             validation.check_finite_stats(stats, f"update {update}", "Lower --ppo.lr or check the reward model.")
             add_elapsed_stats(stats, update, args, start_time, last_time)

@@ -1007,10 +1007,6 @@ class CheckpointedLoop:
         with self.stop:
             yield self
 
-    def save(self, steps: int) -> None:
-        """The checkpoint after `steps` steps, now."""
-        self._save(steps)
-
     def step_done(self, steps: int, stopping: bool) -> None:
         """After `steps` steps: raise a failed background save's error, write the checkpoint when it is due (every
         --save_interval steps, after the last step, on a stop); on a stop, cli.Stopped once that checkpoint is on
