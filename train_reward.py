@@ -182,7 +182,8 @@ RESUME_IGNORED = (*checkpoint.RESUME_IGNORED, "labels.allow_task_mismatch")
 
 # ---------------------------------------------------------------- algorithm
 # in the order a run uses them: normalization (steps 2 and 4), held-out evaluation and the non-finite counts of a
-# training step (step 3). The plumbing (label checks, tracking, checkpoints, saving) is in reward_plumbing.py.
+# training step (step 3). The sizes are derived in sizes.py, the plumbing (label checks, tracking, checkpoints,
+# saving) is in reward_plumbing.py.
 @torch.no_grad()
 def reward_moments(
     args, accelerator, reward_model, ref_policy, query_stream, affixes, pad_id, generator, rollout_batch: int, n: int
@@ -307,6 +308,8 @@ def nonfinite_stats(
 
 
 # ---------------------------------------------------------------- main
+# The plumbing calls name their module (checkpoint., cli., core., labels., reward_plumbing., sizing., validation.):
+# skip them to read the algorithm.
 @checkpoint.one_run_per_output_dir
 def main(args: Args) -> dict:
     """Train and save a reward model; returns the final figures, this process's label indices and the model."""

@@ -990,10 +990,9 @@ class CheckpointedLoop:
     ):
         self.output_dir, self.save_interval = args.output_dir, args.save_interval
         self.accelerator, self.unit, self.total = accelerator, unit, total
+        # the checkpoint this run continues from (None: a fresh start) and the first step it takes
         self.resumed = start_or_resume(args, settings, ignored, accelerator, f"{total} {unit}s")
-        """the checkpoint this run continues from; None: a fresh start"""
         self.first_step = self.resumed.step if self.resumed is not None else 0
-        """the steps done before this run: the first step it takes"""
         self.saves = BackgroundSaves()
         self.stop = cli.StopSignal(unit, args.output_dir, accelerator.is_main_process, args.dist_timeout)
         self._save: Callable[[int], None] = lambda steps: None
