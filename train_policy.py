@@ -15,7 +15,6 @@ On any number of processes the run whitens and reports statistics as OAI's 8 ran
 docs/implementation-details.md#p5 (a numbered one, spec §4.1, is that document's section 4.1).
 """
 
-import copy
 import dataclasses
 import time
 from dataclasses import dataclass, field
@@ -25,10 +24,10 @@ import torch
 import tyro
 from accelerate import Accelerator
 
-from lm_human_preference_details import checkpoint, cli, core, devices, distributed, lora, validation
+from lm_human_preference_details import checkpoint, cli, devices, distributed, lora, ppo_plumbing, validation
+from lm_human_preference_details import sizes as sizing
 from lm_human_preference_details.data import QueryStream, load_texts
 from lm_human_preference_details.devices import to_device
-from lm_human_preference_details.hub import HubUnavailableError, hub_reachable
 from lm_human_preference_details.kernels import logprobs_and_entropy_from_logits, logprobs_from_logits
 from lm_human_preference_details.labelers import load_labeler
 from lm_human_preference_details.modeling import (
@@ -39,31 +38,9 @@ from lm_human_preference_details.modeling import (
     training_logprobs_and_values,
 )
 from lm_human_preference_details.optim import make_optimizer
-from lm_human_preference_details.ppo_plumbing import (
-    RESUME_IGNORED,
-    DivergenceWatch,
-    PhaseTimer,
-    TrainingState,
-    check_policy_inputs,
-    check_reward_model,
-    print_samples,
-    print_setup,
-    print_summary,
-    progress_bar,
-    progress_text,
-    push_to_hub,
-    run_summary,
-    sample_table_rows,
-    save_checkpoint,
-    start_tracker,
-    task_from_reward_model,
-    write_summary,
-)
-from lm_human_preference_details.rewards import describe_normalization, load_reward, normalize_reward
-from lm_human_preference_details.sizes import ceil_div, exact_div
+from lm_human_preference_details.rewards import load_reward, normalize_from_initial_policy
 from lm_human_preference_details.tasks import (
     TASKS,
-    PassRateAlarm,
     TaskHParams,
     encode_context_affixes,
     format_contexts,
@@ -292,106 +269,128 @@ def oai_presets() -> dict[str, Args]:
 
 
 # ---------------------------------------------------------------------------------------------------- algorithm
-# in the order an update runs them: the KL controller (steps 4, 7), sizes and virtual ranks (step 0), the PPO epochs'
-# minibatch order, the rollout (step 2), per-token rewards (step 4), whitening and GAE, the PPO losses and epoch loop
-# (step 5), statistics (step 6). The plumbing (checks, tracking, checkpoints, saving) is in ppo_plumbing.py.
-class FixedKLController:
-    """kl_coef stays at its initial value (OAI's tldr and cnndm runs)."""
-
-    def __init__(self, kl_coef: float):
-        self.value = kl_coef
-
-    def update(self, current: float, n_steps: int) -> None:
-        """No-op."""
-
-
-class AdaptiveKLController:
-    """Proportional controller steering the measured KL towards a target (Ziegler et al. 2019, eq. 2)."""
-
-    def __init__(self, init_kl_coef: float, target: float, horizon: int):
-        self.value = init_kl_coef
-        self.target = target
-        self.horizon = horizon
-
-    def update(self, current: float, n_steps: int) -> None:
-        """Scale kl_coef by 1 + clip(KL/target - 1, -0.2, 0.2) * n_steps/horizon; n_steps = episodes in the update."""
-        # https://github.com/openai/lm-human-preferences/blob/cbfd210bb8b08f6bc5c26878c10984b90f516c66/lm_human_preferences/train_policy.py#L115-L124
-        proportional_error = float(np.clip(current / self.target - 1, -0.2, 0.2))
-        self.value *= 1 + proportional_error * n_steps / self.horizon
+# in the order one update runs them: per-token rewards (the reference policy's log-probs, the KL penalty and the score,
+# steps 2-4), whitening and GAE (per minibatch, as inside OAI's loss), the PPO losses, the update (its epochs'
+# minibatches and optimizer steps, step 5), statistics (step 6), the KL controller (step 7). The sizes are derived in
+# sizes.py, the plumbing (checks, tracking, checkpoints, saving) is in ppo_plumbing.py.
+def reference_logprobs(
+    ref_policy: PolicyWithValueHead,
+    query_responses: torch.Tensor,
+    context_length: int,
+    pad_id: int,
+    temperature: float,
+    rows: int,
+) -> torch.Tensor:
+    """Tempered log-probs (B, L) of the responses under the reference policy, `rows` episodes per forward; each
+    forward's (rows, L, V) logits are freed right away."""
+    responses = query_responses[:, context_length:]
+    return torch.cat(
+        [
+            logprobs_from_logits(ref_policy(chunk, context_length, pad_id, temperature)[0], chunk_responses)
+            for chunk, chunk_responses in zip(query_responses.split(rows), responses.split(rows))
+        ]
+    )
 
 
-@dataclass
-class Sizes:
-    """Per-process sizes derived from the global ones (spec D1)."""
-
-    world: int
-    """processes"""
-    batch: int
-    """episodes per process and update"""
-    minibatch: int
-    """episodes per process and optimizer step"""
-    micro: int
-    """episodes per backward pass"""
-    group: int
-    """episodes per virtual rank and update (spec D4)"""
-    virtual_ranks: int
-    """virtual ranks per process"""
-    whiten_group: int
-    """episodes whitened together: a virtual rank's minibatch"""
-    nupdates: int
-    """PPO updates in the run"""
-    not_oai_ranks: str | None = None
-    """why the default virtual ranks could not stand for OAI's 8 ranks (None: they do, or sizes were chosen)"""
+def compute_rewards(
+    scores: torch.Tensor, logprobs: torch.Tensor, ref_logprobs: torch.Tensor, kl_coef: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Rewards -kl_coef * (logprob - ref_logprob) per token, + score at the last; returns rewards, non_score, kl."""
+    # the score always lands on the last position, even when the response was truncated earlier (spec P4)
+    # https://github.com/openai/lm-human-preferences/blob/cbfd210bb8b08f6bc5c26878c10984b90f516c66/lm_human_preferences/train_policy.py#L149-L155
+    kl = logprobs - ref_logprobs  # (B, L)
+    non_score_reward = -kl_coef * kl
+    rewards = non_score_reward.clone()
+    rewards[:, -1] += scores
+    return rewards, non_score_reward, kl
 
 
-OAI_RANKS = 8
-"""processes of OAI's runs (launch.py runs every experiment with mpi=8): by default virtual ranks make any number of
-processes whiten, permute and average statistics as these 8 ranks did (spec D4)"""
-# https://github.com/openai/lm-human-preferences/blob/cbfd210bb8b08f6bc5c26878c10984b90f516c66/launch.py#L192
+def whiten(values: torch.Tensor, shift_mean: bool = True, group_size: int | None = None) -> torch.Tensor:
+    """(x - mean) / sqrt(var + 1e-8) over all elements of each group of `group_size` rows (None: one group of all rows).
+
+    The mean is added back when shift_mean is False. Groups stand for OAI's ranks when fewer processes run the same
+    batch ("virtual ranks", spec D4): OAI whitens each rank's tensor on its own.
+    """
+    # TF-PARITY: tf.nn.moments gives the population variance (divide by N, not N - 1)
+    # https://github.com/openai/lm-human-preferences/blob/cbfd210bb8b08f6bc5c26878c10984b90f516c66/lm_human_preferences/utils/core.py#L336-L341
+    groups = values.reshape(-1, group_size or values.shape[0], *values.shape[1:])  # (G, group_size, ...)
+    dims = tuple(range(1, groups.dim()))
+    var, mean = torch.var_mean(groups, dim=dims, correction=0, keepdim=True)
+    whitened = (groups - mean) * torch.rsqrt(var + 1e-8)
+    if not shift_mean:
+        whitened = whitened + mean
+    return whitened.reshape(values.shape)
 
 
-def derive_sizes(args: Args, world: int) -> Sizes:
-    """Split the global batch over processes, minibatches and micro-batches; ValueError naming sizes not dividing."""
-    # https://github.com/openai/lm-human-preferences/blob/cbfd210bb8b08f6bc5c26878c10984b90f516c66/lm_human_preferences/train_policy.py#L157-L159
-    validation.check_policy_sizes(args.ppo, world)  # errors that name the flag to change
-    ppo = args.ppo
-    batch = exact_div(ppo.batch_size, world, "ppo.batch_size (episodes per update) / processes")
-    minibatch = exact_div(batch, ppo.nminibatches, "episodes per process / nminibatches")
-    micro = exact_div(minibatch, ppo.gradient_accumulation_steps, "minibatch / ppo.gradient_accumulation_steps")
-    group, not_oai_ranks = virtual_rank_size(ppo, batch, world)
-    virtual_ranks = exact_div(batch, group, "episodes per process / ppo.whiten_group_size")
-    whiten_group = exact_div(group, ppo.nminibatches, "episodes per virtual rank / nminibatches")
-    # whitening needs enough episodes per rank minibatch (spec P17)
-    # https://github.com/openai/lm-human-preferences/blob/cbfd210bb8b08f6bc5c26878c10984b90f516c66/lm_human_preferences/train_policy.py#L69-L75
-    if ppo.whiten_rewards and whiten_group < 8:
-        raise ValueError(
-            f"ppo.whiten_rewards needs at least 8 episodes per whitening group, got {whiten_group} (a rank's "
-            f"{group} episodes / nminibatches {ppo.nminibatches}, ppo.whiten_group_size {ppo.whiten_group_size}); "
-            "raise ppo.batch_size or ppo.whiten_group_size, or pass --ppo.no_whiten_rewards"
-        )
-    # nupdates rounds up (spec P15): books ceil(1e6 / 512) = 1954
-    # https://github.com/openai/lm-human-preferences/blob/cbfd210bb8b08f6bc5c26878c10984b90f516c66/lm_human_preferences/train_policy.py#L78-L79
-    nupdates = ceil_div(ppo.total_episodes, ppo.batch_size)
-    return Sizes(world, batch, minibatch, micro, group, virtual_ranks, whiten_group, nupdates, not_oai_ranks)
+def compute_advantages(
+    rewards: torch.Tensor, values: torch.Tensor, gamma: float, lam: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """GAE(gamma, lam) backwards over the response (the episode ends after its last token); -> advantages, returns."""
+    # https://github.com/openai/lm-human-preferences/blob/cbfd210bb8b08f6bc5c26878c10984b90f516c66/lm_human_preferences/train_policy.py#L327-L339
+    lastgaelam = torch.zeros_like(values[:, 0])
+    advantages_reversed = []
+    gen_length = rewards.shape[1]
+    for t in reversed(range(gen_length)):
+        nextvalues = values[:, t + 1] if t < gen_length - 1 else 0.0
+        delta = rewards[:, t] + gamma * nextvalues - values[:, t]
+        lastgaelam = delta + gamma * lam * lastgaelam
+        advantages_reversed.append(lastgaelam)
+    advantages = torch.stack(advantages_reversed[::-1], 1)  # (B, L)
+    return advantages, advantages + values
 
 
-def virtual_rank_size(ppo: PpoHParams, batch: int, world: int) -> tuple[int, str | None]:
-    """Episodes per virtual rank: --ppo.whiten_group_size (0: the process's `batch`), else OAI's rank share
-    batch_size / 8; -> that size and, when the sizes rule OAI's 8 ranks out, the process's batch and the reason."""
-    if ppo.whiten_group_size is not None:
-        return ppo.whiten_group_size or batch, None
-    oai_group = ppo.batch_size // OAI_RANKS
-    if world > OAI_RANKS or OAI_RANKS % world:
-        reason = f"{world} processes do not divide OAI's {OAI_RANKS} ranks"
-    elif ppo.batch_size % OAI_RANKS or oai_group % ppo.nminibatches:
-        reason = (
-            f"ppo.batch_size {ppo.batch_size} is not a multiple of {OAI_RANKS} ranks x {ppo.nminibatches} minibatches"
-        )
-    elif ppo.whiten_rewards and oai_group // ppo.nminibatches < 8:
-        reason = f"a rank's minibatch of {oai_group // ppo.nminibatches} episodes is too small to whiten"
-    else:
-        return oai_group, None
-    return batch, reason
+def minibatch_advantages(
+    rewards: torch.Tensor, values: torch.Tensor, ppo: PpoHParams, whiten_group: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(Whitened) rewards, whitened GAE advantages and returns of one minibatch, each virtual rank's rows apart."""
+    # reward whitening and GAE run per minibatch, inside OAI's loss (spec P5, P6), on each rank's own rows (D4)
+    # https://github.com/openai/lm-human-preferences/blob/cbfd210bb8b08f6bc5c26878c10984b90f516c66/lm_human_preferences/train_policy.py#L324-L339
+    if ppo.whiten_rewards:
+        rewards = whiten(rewards, shift_mean=False, group_size=whiten_group)
+    advantages, returns = compute_advantages(rewards, values, ppo.gamma, ppo.lam)
+    return rewards, whiten(advantages, group_size=whiten_group), returns
+
+
+def ppo_losses(
+    new_logprobs: torch.Tensor,
+    vpred: torch.Tensor,
+    logprobs: torch.Tensor,
+    values: torch.Tensor,
+    advantages: torch.Tensor,
+    returns: torch.Tensor,
+    cliprange: float,
+    cliprange_value: float,
+    vf_coef: float,
+) -> dict[str, torch.Tensor]:
+    """Clipped PPO policy loss + vf_coef * clipped value loss (means over all tokens), and stats under OAI names."""
+    # value loss: the prediction may move at most cliprange_value from the rollout value (spec P8)
+    # https://github.com/openai/lm-human-preferences/blob/cbfd210bb8b08f6bc5c26878c10984b90f516c66/lm_human_preferences/train_policy.py#L343-L348
+    vpredclipped = torch.clamp(vpred, values - cliprange_value, values + cliprange_value)
+    vf_losses1 = (vpred - returns) ** 2
+    vf_losses2 = (vpredclipped - returns) ** 2
+    vf_loss = 0.5 * torch.max(vf_losses1, vf_losses2).mean()
+    vf_clipfrac = (vf_losses2 > vf_losses1).float().mean()
+    # policy loss (spec P9); no entropy bonus, the KL only enters through the rewards (spec P10)
+    # https://github.com/openai/lm-human-preferences/blob/cbfd210bb8b08f6bc5c26878c10984b90f516c66/lm_human_preferences/train_policy.py#L350-L357
+    logprob_diff = new_logprobs - logprobs
+    ratio = torch.exp(logprob_diff)
+    pg_losses = -advantages * ratio
+    pg_losses2 = -advantages * torch.clamp(ratio, 1.0 - cliprange, 1.0 + cliprange)
+    pg_loss = torch.max(pg_losses, pg_losses2).mean()
+    pg_clipfrac = (pg_losses2 > pg_losses).float().mean()
+    # approxkl = 0.5 * mean(dlogp^2), not the k1/k3 estimators (spec P11)
+    # https://github.com/openai/lm-human-preferences/blob/cbfd210bb8b08f6bc5c26878c10984b90f516c66/lm_human_preferences/train_policy.py#L359-L371
+    return {
+        "loss/total": pg_loss + vf_coef * vf_loss,
+        "loss/policy": pg_loss,
+        "loss/value": vf_loss,
+        "policy/approxkl": 0.5 * (logprob_diff**2).mean(),
+        "policy/clipfrac": pg_clipfrac,
+        "val/vpred": vpred.mean(),
+        "val/error": vf_losses1.mean(),
+        "val/clipfrac": vf_clipfrac,
+        "ratio": ratio,
+    }
 
 
 def virtual_rank_rngs(seed: int, rank: int, world: int, virtual_ranks: int) -> list[np.random.RandomState]:
@@ -437,116 +436,13 @@ class Rollout:
     """(B, L) per-token rewards: -kl_coef * kl, + score at the last token"""
 
 
-def reference_logprobs(
-    ref_policy: PolicyWithValueHead,
-    query_responses: torch.Tensor,
-    context_length: int,
-    pad_id: int,
-    temperature: float,
-    rows: int,
-) -> torch.Tensor:
-    """Tempered log-probs (B, L) of the responses under the reference policy, `rows` episodes per forward; each
-    forward's (rows, L, V) logits are freed right away."""
-    responses = query_responses[:, context_length:]
-    return torch.cat(
-        [
-            logprobs_from_logits(ref_policy(chunk, context_length, pad_id, temperature)[0], chunk_responses)
-            for chunk, chunk_responses in zip(query_responses.split(rows), responses.split(rows))
-        ]
-    )
-
-
-def compute_rewards(
-    scores: torch.Tensor, logprobs: torch.Tensor, ref_logprobs: torch.Tensor, kl_coef: float
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Rewards -kl_coef * (logprob - ref_logprob) per token, + score at the last; returns rewards, non_score, kl."""
-    # the score always lands on the last position, even when the response was truncated earlier (spec P4)
-    # https://github.com/openai/lm-human-preferences/blob/cbfd210bb8b08f6bc5c26878c10984b90f516c66/lm_human_preferences/train_policy.py#L149-L155
-    kl = logprobs - ref_logprobs  # (B, L)
-    non_score_reward = -kl_coef * kl
-    rewards = non_score_reward.clone()
-    rewards[:, -1] += scores
-    return rewards, non_score_reward, kl
-
-
-def minibatch_advantages(
-    rewards: torch.Tensor, values: torch.Tensor, ppo: PpoHParams, whiten_group: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(Whitened) rewards, whitened GAE advantages and returns of one minibatch, each virtual rank's rows apart."""
-    # reward whitening and GAE run per minibatch, inside OAI's loss (spec P5, P6), on each rank's own rows (D4)
-    # https://github.com/openai/lm-human-preferences/blob/cbfd210bb8b08f6bc5c26878c10984b90f516c66/lm_human_preferences/train_policy.py#L324-L339
-    if ppo.whiten_rewards:
-        rewards = core.whiten(rewards, shift_mean=False, group_size=whiten_group)
-    advantages, returns = compute_advantages(rewards, values, ppo.gamma, ppo.lam)
-    return rewards, core.whiten(advantages, group_size=whiten_group), returns
-
-
-def compute_advantages(
-    rewards: torch.Tensor, values: torch.Tensor, gamma: float, lam: float
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """GAE(gamma, lam) backwards over the response (the episode ends after its last token); -> advantages, returns."""
-    # https://github.com/openai/lm-human-preferences/blob/cbfd210bb8b08f6bc5c26878c10984b90f516c66/lm_human_preferences/train_policy.py#L327-L339
-    lastgaelam = torch.zeros_like(values[:, 0])
-    advantages_reversed = []
-    gen_length = rewards.shape[1]
-    for t in reversed(range(gen_length)):
-        nextvalues = values[:, t + 1] if t < gen_length - 1 else 0.0
-        delta = rewards[:, t] + gamma * nextvalues - values[:, t]
-        lastgaelam = delta + gamma * lam * lastgaelam
-        advantages_reversed.append(lastgaelam)
-    advantages = torch.stack(advantages_reversed[::-1], 1)  # (B, L)
-    return advantages, advantages + values
-
-
-def ppo_losses(
-    new_logprobs: torch.Tensor,
-    vpred: torch.Tensor,
-    logprobs: torch.Tensor,
-    values: torch.Tensor,
-    advantages: torch.Tensor,
-    returns: torch.Tensor,
-    cliprange: float,
-    cliprange_value: float,
-    vf_coef: float,
-) -> dict[str, torch.Tensor]:
-    """Clipped PPO policy loss + vf_coef * clipped value loss (means over all tokens), and stats under OAI names."""
-    # value loss: the prediction may move at most cliprange_value from the rollout value (spec P8)
-    # https://github.com/openai/lm-human-preferences/blob/cbfd210bb8b08f6bc5c26878c10984b90f516c66/lm_human_preferences/train_policy.py#L343-L348
-    vpredclipped = torch.clamp(vpred, values - cliprange_value, values + cliprange_value)
-    vf_losses1 = (vpred - returns) ** 2
-    vf_losses2 = (vpredclipped - returns) ** 2
-    vf_loss = 0.5 * torch.max(vf_losses1, vf_losses2).mean()
-    vf_clipfrac = (vf_losses2 > vf_losses1).float().mean()
-    # policy loss (spec P9); no entropy bonus, the KL only enters through the rewards (spec P10)
-    # https://github.com/openai/lm-human-preferences/blob/cbfd210bb8b08f6bc5c26878c10984b90f516c66/lm_human_preferences/train_policy.py#L350-L357
-    logprob_diff = new_logprobs - logprobs
-    ratio = torch.exp(logprob_diff)
-    pg_losses = -advantages * ratio
-    pg_losses2 = -advantages * torch.clamp(ratio, 1.0 - cliprange, 1.0 + cliprange)
-    pg_loss = torch.max(pg_losses, pg_losses2).mean()
-    pg_clipfrac = (pg_losses2 > pg_losses).float().mean()
-    # approxkl = 0.5 * mean(dlogp^2), not the k1/k3 estimators (spec P11)
-    # https://github.com/openai/lm-human-preferences/blob/cbfd210bb8b08f6bc5c26878c10984b90f516c66/lm_human_preferences/train_policy.py#L359-L371
-    return {
-        "loss/total": pg_loss + vf_coef * vf_loss,
-        "loss/policy": pg_loss,
-        "loss/value": vf_loss,
-        "policy/approxkl": 0.5 * (logprob_diff**2).mean(),
-        "policy/clipfrac": pg_clipfrac,
-        "val/vpred": vpred.mean(),
-        "val/error": vf_losses1.mean(),
-        "val/clipfrac": vf_clipfrac,
-        "ratio": ratio,
-    }
-
-
 def ppo_update(
     policy: PolicyWithValueHead,
     optimizer: torch.optim.Optimizer,
     accelerator: Accelerator,
     rollout: Rollout,
     indices: torch.Tensor,
-    sizes: Sizes,
+    sizes: sizing.Sizes,
     ppo: PpoHParams,
     temperature: float,
     pad_id: int,
@@ -692,36 +588,72 @@ def add_elapsed_stats(stats: dict[str, float], update: int, args: Args, start_ti
     stats["elapsed/time"] = now - start_time
 
 
+class FixedKLController:
+    """kl_coef stays at its initial value (OAI's tldr and cnndm runs)."""
+
+    def __init__(self, kl_coef: float):
+        self.value = kl_coef
+
+    def update(self, current: float, n_steps: int) -> None:
+        """No-op."""
+
+
+class AdaptiveKLController:
+    """Proportional controller steering the measured KL towards a target (Ziegler et al. 2019, eq. 2)."""
+
+    def __init__(self, init_kl_coef: float, target: float, horizon: int):
+        self.value = init_kl_coef
+        self.target = target
+        self.horizon = horizon
+
+    def update(self, current: float, n_steps: int) -> None:
+        """Scale kl_coef by 1 + clip(KL/target - 1, -0.2, 0.2) * n_steps/horizon; n_steps = episodes in the update."""
+        # https://github.com/openai/lm-human-preferences/blob/cbfd210bb8b08f6bc5c26878c10984b90f516c66/lm_human_preferences/train_policy.py#L115-L124
+        proportional_error = float(np.clip(current / self.target - 1, -0.2, 0.2))
+        self.value *= 1 + proportional_error * n_steps / self.horizon
+
+
+def make_kl_controller(rewards: RewardHParams) -> FixedKLController | AdaptiveKLController:
+    """The KL coefficient's controller: adaptive towards --rewards.adaptive_kl.target, or fixed (OAI: fixed when
+    rewards.adaptive_kl is None)."""
+    # https://github.com/openai/lm-human-preferences/blob/cbfd210bb8b08f6bc5c26878c10984b90f516c66/lm_human_preferences/train_policy.py#L136-L139
+    kl_params = rewards.adaptive_kl
+    if kl_params.enabled:
+        return AdaptiveKLController(rewards.kl_coef, kl_params.target, kl_params.horizon)
+    return FixedKLController(rewards.kl_coef)
+
+
 # ---------------------------------------------------------------------------------------------------- main
+# The plumbing calls name their module (checkpoint., cli., devices., distributed., ppo_plumbing., sizing., validation.):
+# skip them to read the algorithm.
 @checkpoint.one_run_per_output_dir
 def main(args: Args) -> list[dict[str, float]]:
     """Train the policy; returns the logged statistics of every update."""
     # 0. sizes: global as in OAI, split over the processes (spec D1); printed, then checked by --dry_run; seeds
-    args, task_changes = task_from_reward_model(args)
+    args, task_changes = ppo_plumbing.task_from_reward_model(args)
     validation.check_policy_args(args)
     lora.check_lora_args(args.lora)
     cli.quiet_transformers()
     accelerator = distributed.make_accelerator(args.dist_timeout)
     tf32 = devices.use_tf32(args.tf32)
     devices.use_deterministic(args.deterministic)
-    device, ppo, task = accelerator.device, args.ppo, args.task
-    sizes = derive_sizes(args, validation.dry_run_world(args, accelerator.num_processes))
+    device, ppo = accelerator.device, args.ppo
+    sizes = sizing.derive_sizes(args, validation.dry_run_world(args, accelerator.num_processes))
     console = cli.make_console()
     if accelerator.is_main_process:
-        print_setup(console, args, sizes, tf32, task_changes, OAI_RANKS)
+        ppo_plumbing.print_setup(console, args, sizes, tf32, task_changes, sizing.OAI_RANKS)
     if args.dry_run:
-        check_policy_inputs(args, accelerator)
-        accelerator.print("dry run: inputs checked; nothing trained or written")
-        return []
-    if args.push_to_hub and not hub_reachable():
-        raise HubUnavailableError("--push_to_hub needs the Hugging Face hub, which is unreachable; drop the flag")
+        return ppo_plumbing.dry_run(args, accelerator)
+    ppo_plumbing.check_hub_for_push(args)
     # the truncation token's id in the base model's tokenizer, once: in args.json, the checkpoints and the task check
     tokenizer = load_tokenizer(args.base_model)
     args = dataclasses.replace(args, task=resolve_truncation(args.task, tokenizer))
     task = args.task
     # a killed run continues from its checkpoint (--resume); a fresh one never writes into another run's output_dir
     settings = {**dataclasses.asdict(args), "world_size": sizes.world}
-    resumed = checkpoint.start_or_resume(args, settings, RESUME_IGNORED, accelerator, f"{sizes.nupdates} updates")
+    loop = checkpoint.CheckpointedLoop(
+        args, settings, ppo_plumbing.RESUME_IGNORED, accelerator, "update", sizes.nupdates
+    )
 
     # per-process seed (spec D2); the query order uses data_seed instead (spec D3)
     # https://github.com/openai/lm-human-preferences/blob/cbfd210bb8b08f6bc5c26878c10984b90f516c66/lm_human_preferences/utils/core.py#L108-L113
@@ -736,7 +668,7 @@ def main(args: Args) -> list[dict[str, float]]:
     pad_id = tokenizer.pad_token_id
     reward = load_reward(args.rewards.trained_model, tokenizer, pad_id, device)
     if reward.metadata is not None:  # a reward-model directory, not a programmatic reward
-        check_reward_model(reward.metadata, tokenizer, args, accelerator.print)  # tokenizer, task settings, task name
+        ppo_plumbing.check_reward_model(reward.metadata, tokenizer, args, accelerator.print)  # tokenizer, task, name
     # dropout is off everywhere: p=0 in the configs and eval mode (spec G7)
     policy = PolicyWithValueHead(load_causal_lm(args.base_model)).to(device).eval()
     if args.lora.rank:  # DEVIATION (lora): OAI fine-tunes every weight; LoRA trains adapters and the value head only
@@ -747,63 +679,39 @@ def main(args: Args) -> list[dict[str, float]]:
     # the frozen reference policy: a copy of the initial policy, or under LoRA the policy with its adapters disabled
     reference = lora.ReferencePolicy(policy)
     reduce_training_memory(policy, args.gradient_checkpointing, args.bf16)  # the PPO forward only
-    gold_labeler = None
-    if args.rewards.gold_model:
-        gold_labeler = load_labeler(args.rewards.gold_model, tokenizer, pad_id, device, flag="--rewards.gold_model")
+    gold = args.rewards.gold_model  # a held-out judge of every rollout that never trains the policy
+    gold_labeler = load_labeler(gold, tokenizer, pad_id, device, flag="--rewards.gold_model") if gold else None
     params = list(policy.parameters())
     optimizer = make_optimizer(params, ppo.lr, args.use_tensorflow_adam)
-    # fixed or adaptive KL coefficient (OAI: fixed when rewards.adaptive_kl is None)
-    # https://github.com/openai/lm-human-preferences/blob/cbfd210bb8b08f6bc5c26878c10984b90f516c66/lm_human_preferences/train_policy.py#L136-L139
-    kl_params = args.rewards.adaptive_kl
-    if kl_params.enabled:
-        kl_ctl = AdaptiveKLController(args.rewards.kl_coef, kl_params.target, kl_params.horizon)
-    else:
-        kl_ctl = FixedKLController(args.rewards.kl_coef)
+    kl_ctl = make_kl_controller(args.rewards)
     texts = load_texts(task.query_dataset)
     query_stream = QueryStream(texts, tokenizer, task, accelerator.process_index, sizes.world, args.data_seed)
-    prefix, suffix = encode_context_affixes(tokenizer, task)
-    if args.rewards.normalize_samples:  # a programmatic reward's gain and bias (spec R4); a resumed run keeps its own
-        stream = copy.deepcopy(query_stream)  # the queries that the first updates draw
-        normalization = resumed.meta.get("reward_normalization") if resumed else None
-        with reference() as ref_policy:
-            args.rewards.normalization = normalization or normalize_reward(
-                reward,
-                ref_policy,
-                stream,
-                (prefix, suffix),
-                task,
-                args.rewards.normalize_samples,
-                local_seed,
-                accelerator,
-            )  # in the run config, in args.json beside the policy and in the training state
-        reward.gain, reward.bias = args.rewards.normalization["gain"], args.rewards.normalization["bias"]
-        accelerator.print(describe_normalization(args.rewards.normalization))
+    affixes = encode_context_affixes(tokenizer, task)  # the task's prefix and suffix around each query
+    # a programmatic reward's gain and bias (spec R4), in the run config, args.json and the training state
+    args.rewards.normalization = normalize_from_initial_policy(
+        reward, args.rewards, loop.resumed, reference, query_stream, affixes, task, local_seed, accelerator
+    )
 
-    # plumbing: what a checkpoint saves and --resume restores, the tracker, the progress bar, background saves
-    state = TrainingState(policy, optimizer, kl_ctl, query_stream, generator, order_rngs)
-    tracker, meta = start_tracker(args, accelerator, resumed, settings, sizes.nupdates)  # TensorBoard (and wandb)
-    first_update, elapsed_before = 0, 0.0
-    if resumed is not None:
-        state.restore(resumed)
-        first_update, elapsed_before = resumed.step, resumed.shared["elapsed_time"]
-    progress, bar = progress_bar(console, accelerator, sizes.nupdates, first_update)
-    pass_rate_alarm = PassRateAlarm(args.filter_warning_rate, args.log_interval)
-    divergence = DivergenceWatch(args)  # detection only: reads the reduced statistics
-    history: list[dict[str, float]] = []
-    saves = checkpoint.BackgroundSaves()
+    # plumbing: what a checkpoint saves and --resume restores, the tracker, the logs and progress, the clock
+    state = ppo_plumbing.TrainingState(policy, optimizer, kl_ctl, query_stream, generator, order_rngs)
+    tracker, meta = ppo_plumbing.start_tracker(args, accelerator, loop.resumed, settings, sizes.nupdates)
+    if loop.resumed is not None:
+        state.restore(loop.resumed)
+    report = ppo_plumbing.RunReport(args, accelerator, console, tracker, tokenizer, sizes.nupdates, loop.first_step)
     last_time = time.time()
-    start_time = last_time - elapsed_before
+    start_time = last_time - (loop.resumed.shared["elapsed_time"] if loop.resumed else 0.0)
 
     def save(updates: int) -> None:
         """The training state and the policy after `updates` updates, written in the background (spec P20)."""
-        save_checkpoint(args, accelerator, updates, sizes.nupdates, state, tokenizer, tracker, meta, start_time, saves)
+        ppo_plumbing.save_checkpoint(
+            args, accelerator, updates, sizes.nupdates, state, tokenizer, tracker, meta, start_time, loop.saves
+        )
 
     # Ctrl-C or SIGTERM during training: the update in progress finishes, a checkpoint is saved, the run stops
-    stop = cli.StopSignal("update", args.output_dir, accelerator.is_main_process, args.dist_timeout)
-    with progress, stop:
+    with report, loop.saving(save, tracker.close):
         # OAI's step = number of completed updates, 0 at the first one
-        for update in range(first_update, sizes.nupdates):
-            timer = PhaseTimer(device)
+        for update in range(loop.first_step, sizes.nupdates):
+            timer = ppo_plumbing.PhaseTimer(device)
             timer.mark()
             # for step 5: each virtual rank's fresh permutation for each PPO epoch (spec P12, D4); host-to-device
             # copies go through pinned memory, so none waits for the kernels queued before it
@@ -813,7 +721,7 @@ def main(args: Args) -> list[dict[str, float]]:
                 # 2. rollout: responses, with logprobs and values from the sampling pass itself (spec P13); rows
                 # grouped by virtual rank, each holding the queries of the OAI rank it stands for (spec D3, D4)
                 queries = to_device(query_stream.next_batch(sizes.batch, sizes.virtual_ranks), device)  # (B, Lq)
-                contexts = format_contexts(queries, prefix, suffix)  # (B, C): prefix + query + suffix (spec G4)
+                contexts = format_contexts(queries, *affixes)  # (B, C): prefix + query + suffix (spec G4)
                 context_length = contexts.shape[1]
                 # DEVIATION (rollout-micro-batch): with --rollout_micro_batch_size only; OAI decodes a rank's episodes
                 # together; in chunks every episode keeps its random numbers and tokens, but log-probs and values move
@@ -887,77 +795,36 @@ def main(args: Args) -> list[dict[str, float]]:
                 **ppo_stats.local(),
                 "debug/num_eos": (responses == tokenizer.eos_token_id).sum(1).float().mean(),
                 "debug/filter_pass_rate": passed.float().mean(),
+            }
+            # reduced with them, the run's guards: non-finite counts (the first names the cause) and a stop signal
+            guards = {
                 "nonfinite/logprobs": validation.nonfinite_count([logprobs, ref_logprobs]),
                 "nonfinite/values": validation.nonfinite_count([ppo_values]),
                 "nonfinite/scores": validation.nonfinite_count([scores]),
                 "nonfinite/rewards": validation.nonfinite_count([rewards]),
                 "nonfinite/weights": validation.nonfinite_tensors(params),
-                "stop/signal": stop.flag(device),  # a signal to any process stops all after this update
+                "stop/signal": loop.stop.flag(device),  # a signal to any process stops all after this update
             }
-            stats = reduce_stats(local_stats, accelerator)
+            stats = reduce_stats({**local_stats, **guards}, accelerator)
             stopping = stats.pop("stop/signal") > 0
             validation.check_finite_stats(stats, f"update {update}", "Lower --ppo.lr or check the reward model.")
             add_elapsed_stats(stats, update, args, start_time, last_time)
             last_time = time.time()
             stats.update({"objective/kl_coef": kl_coef, "debug/lr": lr_now, **timer.durations()})
-            tracker.log(stats, step=update)
-            history.append(stats)
 
             # 7. adaptive KL from the KL of all processes, after PPO training (spec P14; the PyTorch predecessor
             # vwxyzjn/lm-human-preference-details used the rank-local KL)
             # https://github.com/openai/lm-human-preferences/blob/cbfd210bb8b08f6bc5c26878c10984b90f516c66/lm_human_preferences/train_policy.py#L305
             kl_ctl.update(stats["objective/kl"], ppo.batch_size)
 
-            # 8. samples every log_interval updates, progress, checkpoint every save_interval and at the end (P19, P20)
-            if update % args.log_interval == 0 and accelerator.is_main_process:
-                rows = sample_table_rows(
-                    tokenizer,
-                    pad_id,
-                    queries,
-                    postprocessed_responses,
-                    scores,
-                    kl.sum(1),
-                    args.rewards.kl_coef,
-                    args.print_samples,
-                )
-                print_samples(console, tracker, rows, update)
-            warning = pass_rate_alarm.update(stats["debug/filter_pass_rate"], update, task)
-            if warning and accelerator.is_main_process:
-                console.print(warning, style="bold red", markup=False)
-            if (diverged := divergence.update(stats, update)) and accelerator.is_main_process:
-                console.print(diverged, style="bold red", markup=False)
-            progress.update(bar, advance=1, description=progress_text(stats))
-            is_last = update == sizes.nupdates - 1
-            saves.raise_error()  # a failed background save stops the run at the next update
-            if is_last or stopping or (args.save_interval and (update + 1) % args.save_interval == 0):
-                save(update + 1)
-            if stopping and not is_last:
-                saves.wait()  # the checkpoint the message names is on disk before the run stops
-                tracker.close()
-                done = f"update {update + 1} of {sizes.nupdates}"
-                raise stop.stopped(done, checkpoint.step_dir(args.output_dir, update + 1), accelerator.is_main_process)
-        if first_update == sizes.nupdates:  # a finished run resumed: write its policy again, a kill may have cut it
-            save(first_update)
-
-    saves.wait()  # the last checkpoint and policy are on disk before the run ends
-    accelerator.wait_for_everyone()
-    tracker.close()
-    failed = divergence.diverged is not None and not args.allow_divergence
-    if accelerator.is_main_process and history:
-        summary = run_summary(history, first_update, sizes.nupdates, kl_ctl.value, divergence.diverged)
-        write_summary(args.output_dir, summary)
-        hub = None
-        if args.push_to_hub:  # a diverged policy is not published
-            hub = "not uploaded: the run diverged" if failed else push_to_hub(args)
-        print_summary(console, args, summary, hub)
-    if failed:
-        message = (
-            f"the run diverged at update {divergence.diverged['update']} (see the line then and "
-            f"{args.output_dir}/summary.json); its policy and checkpoints are saved, from the diverged run. Lower the "
-            "flag it names and train again, or pass --allow_divergence to end with status 0."
-        )
-        raise cli.Stopped(message if accelerator.is_main_process else "", cli.DIVERGED_EXIT_CODE)
-    return history
+            # 8. logs, samples every log_interval updates, warnings, progress (P19); a checkpoint every save_interval
+            # updates and at the end (P20), or now when a signal stops the run
+            report.update(stats, update, (queries, postprocessed_responses, scores, kl.sum(1)))
+            loop.step_done(update + 1, stopping)
+        if loop.first_step == sizes.nupdates:  # a finished run resumed: write its policy again, a kill may have cut it
+            save(loop.first_step)
+    loop.finish()  # the last checkpoint and policy are on disk before the run ends; the tracker closes
+    return report.finish(kl_ctl.value)  # summary.json, the closing table, --push_to_hub; a diverged run stops
 
 
 def parse(argv: list[str] | None = None) -> Args:

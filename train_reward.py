@@ -19,14 +19,13 @@ import torch.nn.functional as F
 import tyro
 from accelerate.utils import broadcast
 
-from lm_human_preference_details import checkpoint, cli, validation
+from lm_human_preference_details import checkpoint, cli, devices, distributed, labels, reward_plumbing, validation
+from lm_human_preference_details import sizes as sizing
 from lm_human_preference_details.data import QueryStream, load_texts
-from lm_human_preference_details.devices import set_seed, to_device, use_deterministic, use_tf32
-from lm_human_preference_details.distributed import GradientAverager, broadcast_parameters, make_accelerator
+from lm_human_preference_details.devices import to_device
 from lm_human_preference_details.labels import (
     Labels,
     LabelType,
-    check_label_task,
     get_label_type,
     pearson_r,
     target_scales,
@@ -41,19 +40,6 @@ from lm_human_preference_details.modeling import (
     score_label_rows,
 )
 from lm_human_preference_details.optim import make_optimizer
-from lm_human_preference_details.reward_plumbing import (
-    check_inputs,
-    print_normalization,
-    print_setup,
-    print_summary,
-    progress_bar,
-    read_labels,
-    restore,
-    save_checkpoint,
-    save_reward_model,
-    start_tracker,
-)
-from lm_human_preference_details.sizes import ceil_div, exact_div
 from lm_human_preference_details.tasks import (
     TASKS,
     TaskHParams,
@@ -204,17 +190,20 @@ RESUME_IGNORED = (*checkpoint.RESUME_IGNORED, "labels.allow_task_mismatch")
 
 # ---------------------------------------------------------------- algorithm
 # in the order a run uses them: normalization (steps 2 and 4), the loss, held-out evaluation and the non-finite counts
-# of a training step (step 3). The plumbing (label checks, tracking, checkpoints, saving) is in reward_plumbing.py.
+# of a training step (step 3). The sizes are derived in sizes.py, the plumbing (label checks, tracking, checkpoints,
+# saving) is in reward_plumbing.py.
 @torch.no_grad()
-def reward_moments(args, accelerator, reward_model, ref_policy, query_stream, affixes, pad_id, generator, n) -> tuple:
+def reward_moments(
+    args, accelerator, reward_model, ref_policy, query_stream, affixes, pad_id, generator, rollout_batch: int, n: int
+) -> tuple:
     """Mean and population std, over all processes, of the rewards of ceil(n / rollout_batch_size) global rollout
-    batches of the pretrained policy's samples; -> mean, std, number of samples."""
+    batches (`rollout_batch` queries per process) of the pretrained policy's samples; -> mean, std, number of
+    samples."""
     # sample at the task temperature (raw, untruncated), score raw query ⊕ response, all-reduce sums and squares
     # https://github.com/openai/lm-human-preferences/blob/cbfd210bb8b08f6bc5c26878c10984b90f516c66/lm_human_preferences/train_reward.py#L162-L168
-    local_rollout_batch_size = exact_div(args.rollout_batch_size, accelerator.num_processes, "rollout_batch_size")
     scores = []
-    for _ in range(ceil_div(n, args.rollout_batch_size)):
-        queries = query_stream.next_batch(local_rollout_batch_size).to(accelerator.device)
+    for _ in range(sizing.ceil_div(n, args.rollout_batch_size)):
+        queries = query_stream.next_batch(rollout_batch).to(accelerator.device)
         contexts = format_contexts(queries, *affixes)
         responses, _, _ = sample(
             ref_policy, contexts, args.task.response_length, args.task.temperature, pad_id, generator
@@ -228,7 +217,16 @@ def reward_moments(args, accelerator, reward_model, ref_policy, query_stream, af
 
 @torch.no_grad()
 def normalize_rewards(
-    args, accelerator, reward_model, ref_policy, query_stream, affixes, pad_id, generator, target: tuple[float, float]
+    args,
+    accelerator,
+    reward_model,
+    ref_policy,
+    query_stream,
+    affixes,
+    pad_id,
+    generator,
+    rollout_batch: int,
+    target: tuple[float, float],
 ) -> dict:
     """Set gain/bias so rewards of the pretrained policy's samples have the target mean and std over all processes."""
     # reset gain/bias, measure on ceil(normalize_samples/rollout_batch_size) global rollout batches, then
@@ -237,7 +235,7 @@ def normalize_rewards(
     # https://github.com/openai/lm-human-preferences/blob/cbfd210bb8b08f6bc5c26878c10984b90f516c66/lm_human_preferences/rewards.py#L73-L89
     reward_model.gain.fill_(1.0)
     reward_model.bias.fill_(0.0)
-    sampling = (args, accelerator, reward_model, ref_policy, query_stream, affixes, pad_id, generator)
+    sampling = (args, accelerator, reward_model, ref_policy, query_stream, affixes, pad_id, generator, rollout_batch)
     mean, std, count = reward_moments(*sampling, args.normalize_samples)
     target_mean, target_std = target
     if not torch.isfinite(std) or std <= 0:
@@ -344,51 +342,46 @@ def nonfinite_stats(
 
 
 # ---------------------------------------------------------------- main
+# The plumbing calls name their module (checkpoint., cli., devices., distributed., labels., reward_plumbing., sizing.,
+# validation.): skip them to read the algorithm.
 @checkpoint.one_run_per_output_dir
 def main(args: Args) -> dict:
     """Train and save a reward model; returns the final figures, this process's label indices and the model."""
     # 0. processes, derived sizes (spec D1), printed, then checked by --dry_run; seeds; --resume
     validation.check_reward_args(args)
-    label_task_warning = check_label_task(args.label_dataset, args.task_id, args.labels.allow_task_mismatch)
+    label_task_warning = labels.check_label_task(args.label_dataset, args.task_id, args.labels.allow_task_mismatch)
     cli.quiet_transformers()
-    accelerator = make_accelerator(args.dist_timeout)
-    tf32 = use_tf32(args.tf32)
-    use_deterministic(args.deterministic)
-    world, rank = validation.dry_run_world(args, accelerator.num_processes), accelerator.process_index
-    validation.check_reward_sizes(args, world)  # errors that name the flag to change
-    local_batch_size = exact_div(args.batch_size, world, "batch_size (labels per step) over processes")
-    accum = args.gradient_accumulation_steps
-    micro_batch_size = exact_div(local_batch_size, accum, "per-process batch over gradient_accumulation_steps")
-    exact_div(args.labels.num_train, args.batch_size, "labels.num_train over batch_size")  # OAI train_reward.py#L56-L58
-    exact_div(args.rollout_batch_size, world, "rollout_batch_size over processes")
-    num_steps = args.labels.num_train // args.batch_size
+    accelerator = distributed.make_accelerator(args.dist_timeout)
+    tf32 = devices.use_tf32(args.tf32)
+    devices.use_deterministic(args.deterministic)
+    sizes = sizing.derive_reward_sizes(args, validation.dry_run_world(args, accelerator.num_processes))
+    rank, world, accum = accelerator.process_index, sizes.world, args.gradient_accumulation_steps
     console = cli.make_console()
     if accelerator.is_main_process:
-        print_setup(console, args, world, local_batch_size, micro_batch_size, num_steps, tf32)
-        if label_task_warning:
-            console.print(f"warning: {label_task_warning}", style="bold red", markup=False)
+        reward_plumbing.print_setup(console, args, sizes, tf32, label_task_warning)
     if args.dry_run:
-        check_inputs(args, accelerator)
+        reward_plumbing.check_inputs(args, accelerator)
         return {}
     # per-process seeds; rank 0's NumPy RNG draws the label order
     # https://github.com/openai/lm-human-preferences/blob/cbfd210bb8b08f6bc5c26878c10984b90f516c66/lm_human_preferences/utils/core.py#L108-L113
-    set_seed(args.seed + rank * 100003)
+    devices.set_seed(args.seed + rank * 100003)
     generator = torch.Generator(accelerator.device).manual_seed(args.seed + rank * 100003)
     # the truncation token's id in the base model's tokenizer, once: in args.json, the checkpoints and the reward model
     tokenizer = load_tokenizer(args.base_model)
     args = dataclasses.replace(args, task=resolve_truncation(args.task, tokenizer))
     # a killed run continues from its checkpoint (--resume); a fresh one never writes into another run's output_dir
     settings = {**dataclasses.asdict(args), "world_size": world}
-    resumed = checkpoint.start_or_resume(args, settings, RESUME_IGNORED, accelerator, f"{num_steps} steps")
+    loop = checkpoint.CheckpointedLoop(args, settings, RESUME_IGNORED, accelerator, "step", sizes.steps)
 
     # 1. labels (validated before any model is loaded), models, optimizer, query stream
     label_type = get_label_type(args.labels.type)
     pad_id = tokenizer.pad_token_id
-    labels = read_labels(args, tokenizer)
-    train_labels, heldout_labels = labels[: args.labels.num_train], labels[args.labels.num_train :]
+    label_rows = reward_plumbing.read_labels(args, tokenizer)
+    train_labels, heldout_labels = label_rows[: args.labels.num_train], label_rows[args.labels.num_train :]
     # the reward model's inputs get the BOS that the tokenizer adds (Llama), recorded in its reward_model.json
     reward_model = RewardModel.from_base(args.base_model, bos_token_id=added_bos_id(tokenizer)).to(accelerator.device)
-    broadcast_parameters(reward_model, accelerator)  # rank 0's random head everywhere (OAI train_reward.py#L316-L318)
+    # rank 0's random head everywhere (OAI train_reward.py#L316-L318)
+    distributed.broadcast_parameters(reward_model, accelerator)
     reduce_training_memory(reward_model, args.gradient_checkpointing, args.bf16)  # the label loss's forward only
     ref_policy = PolicyWithValueHead(load_causal_lm(args.base_model)).to(accelerator.device).requires_grad_(False)
     # gain and bias are trained too (their effect is reset by normalize_after)
@@ -396,12 +389,12 @@ def main(args: Args) -> dict:
     params = list(reward_model.parameters())
     optimizer = make_optimizer(params, args.lr, args.use_tensorflow_adam)
     # gradients averaged over processes (spec O4), started during each step's last backward
-    gradients = GradientAverager(params, accelerator)
+    gradients = distributed.GradientAverager(params, accelerator)
     query_stream = QueryStream(load_texts(args.task.query_dataset), tokenizer, args.task, rank, world, args.data_seed)
     affixes = encode_context_affixes(tokenizer, args.task)
 
     # plumbing: the tracker, the checkpoints' metadata
-    tracker, meta = start_tracker(args, accelerator, resumed, settings)  # TensorBoard (and wandb)
+    tracker, meta = reward_plumbing.start_tracker(args, accelerator, loop.resumed, settings)  # TensorBoard (and wandb)
 
     def normalize(when: str, step: int, target: tuple[float, float]) -> dict | None:
         """Normalize the reward on fresh samples to `target` (mean, std); log and print what was measured."""
@@ -410,55 +403,49 @@ def main(args: Args) -> dict:
         if not args.normalize_samples:
             accelerator.print(f"normalize {when}: skipped (--normalize_samples 0)")
             return None
-        result = normalize_rewards(
-            args, accelerator, reward_model, ref_policy, query_stream, affixes, pad_id, generator, target
-        )
+        sampling = (reward_model, ref_policy, query_stream, affixes, pad_id, generator, sizes.rollout_batch)
+        result = normalize_rewards(args, accelerator, *sampling, target)
         tracker.log({f"normalize_{when}/{k}": v for k, v in result.items()}, step)
-        print_normalization(accelerator.print, when, result, target, bool(args.debug_normalize))
+        reward_plumbing.print_normalization(accelerator.print, when, result, target, bool(args.debug_normalize))
         return result
 
     def log_eval(step: int) -> dict | None:
         """Held-out loss (and accuracy), logged under eval/ (None when every label row is trained on)."""
         if len(heldout_labels) == 0:
             return None
-        result = evaluate_labels(accelerator, reward_model, heldout_labels, label_type, pad_id, micro_batch_size)
+        result = evaluate_labels(accelerator, reward_model, heldout_labels, label_type, pad_id, sizes.micro)
         tracker.log({f"eval/{k}": v for k, v in result.items() if k != "rows"}, step)
         return result
-
-    saves = checkpoint.BackgroundSaves()
 
     def save(steps: int) -> None:
         """The training state after `steps` steps, written in the background."""
         run_state = {"permutation": permutation, "normalization": norms, "eval_before": eval_before}
-        save_checkpoint(
-            args, accelerator, steps, reward_model, optimizer, run_state, query_stream, generator, tracker, meta, saves
-        )
+        saved = (reward_model, optimizer, run_state, query_stream, generator)
+        reward_plumbing.save_checkpoint(args, accelerator, steps, *saved, tracker, meta, loop.saves)
 
     # 2. normalize before training (a resumed run takes gain, bias and what was measured from its checkpoint)
     norms = {}
-    if args.normalize_before and resumed is None:
+    if args.normalize_before and loop.resumed is None:
         norms["before"] = normalize("before", 0, normalization_target(label_type, train_labels))
-    eval_before = log_eval(0) if resumed is None else resumed.shared["eval_before"]
+    eval_before = log_eval(0) if loop.resumed is None else loop.resumed.shared["eval_before"]
 
     # 3. one epoch over the labels: rank 0's permutation, rank-strided slices, lr annealed linearly
     # https://github.com/openai/lm-human-preferences/blob/cbfd210bb8b08f6bc5c26878c10984b90f516c66/lm_human_preferences/train_reward.py#L221-L254
-    first_step = 0
-    if resumed is None:
+    if loop.resumed is None:
         permutation = torch.from_numpy(np.random.permutation(args.labels.num_train)).to(accelerator.device)
         permutation = broadcast(permutation, from_process=0).cpu()
     else:
-        first_step, permutation, norms = resumed.step, resumed.shared["permutation"], resumed.shared["normalization"]
-        restore(resumed, reward_model, optimizer, query_stream, generator)
-        if args.eval_interval and first_step % args.eval_interval == 0:
-            log_eval(first_step)  # logged before the checkpoint, hidden by the TensorBoard purge at first_step
+        permutation, norms = loop.resumed.shared["permutation"], loop.resumed.shared["normalization"]
+        reward_plumbing.restore(loop.resumed, reward_model, optimizer, query_stream, generator)
+        if args.eval_interval and loop.first_step % args.eval_interval == 0:
+            log_eval(loop.first_step)  # logged before the checkpoint, hidden by the TensorBoard purge at first_step
     seen = []
-    progress = progress_bar(console, accelerator)
+    progress = reward_plumbing.progress_bar(console, accelerator)
     # Ctrl-C or SIGTERM during training: the step in progress finishes, a checkpoint is saved, the run stops
-    stop = cli.StopSignal("step", args.output_dir, accelerator.is_main_process, args.dist_timeout)
-    with progress, stop:
-        bar = progress.add_task("train", total=num_steps, stats="", completed=first_step)
+    with progress, loop.saving(save, gradients.close, tracker.close):
+        bar = progress.add_task("train", total=sizes.steps, stats="", completed=loop.first_step)
         for step, start in enumerate(range(0, args.labels.num_train, args.batch_size)):
-            if step < first_step:  # trained before the checkpoint this run resumed from
+            if step < loop.first_step:  # trained before the checkpoint this run resumed from
                 seen.append(permutation[start : start + args.batch_size][rank::world])
                 continue
             lr = args.lr * (1 - start / args.labels.num_train)
@@ -474,7 +461,7 @@ def main(args: Args) -> dict:
                 for rows in (train_labels.label, train_labels.query, train_labels.samples)
             )  # (b,), (b, Lq), (b, S, L)
             for query, samples, micro_label in zip(
-                queries.split(micro_batch_size), all_samples.split(micro_batch_size), label.split(micro_batch_size)
+                queries.split(sizes.micro), all_samples.split(sizes.micro), label.split(sizes.micro)
             ):
                 # queries of label files start with a real token (checked on loading): no check, no host sync
                 rewards = score_label_rows(reward_model, query, samples, pad_id, check_first_token=False)  # (b, S)
@@ -497,7 +484,7 @@ def main(args: Args) -> dict:
             if label_type.label_field == "best":
                 local_stats["debug/accuracy"] = (step_rewards.argmax(1) == label).float().mean()
             local_stats.update(nonfinite_stats(step_rewards, oai_stats["loss"], nonfinite_gradients, params))
-            local_stats["stop/signal"] = stop.flag(accelerator.device)  # a signal to any process stops all
+            local_stats["stop/signal"] = loop.stop.flag(accelerator.device)  # a signal to any process stops all
             values = accelerator.reduce(torch.stack(list(local_stats.values())), reduction="mean").tolist()
             stats = dict(zip(local_stats, values))
             stopping = stats.pop("stop/signal") > 0
@@ -508,30 +495,22 @@ def main(args: Args) -> dict:
                 log_eval(step + 1)
             accuracy = f" acc {stats['debug/accuracy']:.2f}" if "debug/accuracy" in stats else ""
             progress.update(bar, advance=1, stats=f"loss {cli.number(loss_value)}{accuracy}")
-            saves.raise_error()  # a failed background save stops the run at the next step
-            if step + 1 == num_steps or stopping or (args.save_interval and (step + 1) % args.save_interval == 0):
-                save(step + 1)
-            if stopping and step + 1 < num_steps:
-                saves.wait()  # the checkpoint the message names is on disk before the run stops
-                gradients.close()
-                tracker.close()
-                done = f"step {step + 1} of {num_steps}"
-                raise stop.stopped(done, checkpoint.step_dir(args.output_dir, step + 1), accelerator.is_main_process)
-    saves.wait()  # the last checkpoint is on disk before the model is normalized and saved
-    gradients.close()
-    eval_after = log_eval(num_steps)
+            # a checkpoint every save_interval steps and at the end, or now when a signal stops the run
+            loop.step_done(step + 1, stopping)
+    loop.wait()  # the last checkpoint is on disk before the model is normalized and saved
+    eval_after = log_eval(sizes.steps)
 
     # 4. normalize after training
     if args.normalize_after:
-        norms["after"] = normalize("after", num_steps, (0.0, 1.0))
+        norms["after"] = normalize("after", sizes.steps, (0.0, 1.0))
 
     # 5. save
     check_finite_weights(reward_model, "the trained reward model", "not saved; try a smaller --lr.")
     if accelerator.is_main_process:
-        save_reward_model(reward_model, tokenizer, args, label_type, (eval_before, eval_after))
-        print_summary(console, args, reward_model, label_type, len(heldout_labels), (eval_before, eval_after))
-    accelerator.wait_for_everyone()
-    tracker.close()
+        reward_plumbing.save_reward_model(reward_model, tokenizer, args, label_type, (eval_before, eval_after))
+        evals = (eval_before, eval_after)
+        reward_plumbing.print_summary(console, args, reward_model, label_type, len(heldout_labels), evals)
+    loop.finish()  # every process past the save; the gradient hooks and the tracker closed
     return {
         "eval_before": eval_before,
         "eval_after": eval_after,

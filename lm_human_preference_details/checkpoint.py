@@ -32,13 +32,15 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import numpy as np
 import torch
 import torch.distributed as dist
 from accelerate.utils import broadcast_object_list
 from torch.overrides import TorchFunctionMode
+
+from lm_human_preference_details import cli
 
 try:
     import fcntl
@@ -911,8 +913,17 @@ def _load_on_every_process(path: str, accelerator: Any) -> Resumed:
     return resumed
 
 
+class ResumeFlags(Protocol):
+    """What `start_or_resume` reads of a training script's Args."""
+
+    output_dir: str
+    resume: str | None
+    overwrite_output_dir: bool
+    allow_resume_changes: bool
+
+
 def start_or_resume(
-    args: Any, settings: dict[str, Any], ignored: Sequence[str], accelerator: Any, total: str
+    args: ResumeFlags, settings: dict[str, Any], ignored: Sequence[str], accelerator: Any, total: str
 ) -> Resumed | None:
     """Take --output_dir for this run (its lock, held until `main` ends: see `one_run_per_output_dir`), then the
     checkpoint that --resume names, its settings checked against `settings` (printed when --allow_resume_changes
@@ -945,6 +956,81 @@ def start_or_resume(
         accelerator.print(f"warning: --allow_resume_changes: the checkpoint's settings differ: {changes}")
     accelerator.print(f"resuming from {resumed.path} after {resumed.step} of {total}")
     return resumed
+
+
+class LoopFlags(ResumeFlags, Protocol):
+    """What `CheckpointedLoop` reads of a training script's Args."""
+
+    save_interval: int
+    dist_timeout: float
+
+
+class CheckpointedLoop:
+    """The protocol around a training loop of `total` steps (a policy's updates, a reward model's steps) that both
+    scripts share: start where a killed run's checkpoint left off (--resume), write a checkpoint in the background
+    every --save_interval steps and after the last one, and on Ctrl-C or SIGTERM stop after the checkpoint of the
+    step in progress.
+
+        loop = CheckpointedLoop(args, settings, ignored, accelerator, "update", total)  # loop.resumed: None or ...
+        with loop.saving(save, tracker.close):  # save(steps): the checkpoint after `steps` steps, into loop.saves
+            for step in range(loop.first_step, total):
+                ...  # the step reduces loop.stop.flag(device) with its statistics: `stopping`, the same everywhere
+                loop.step_done(step + 1, stopping)
+        loop.finish()
+    """
+
+    def __init__(
+        self,
+        args: LoopFlags,
+        settings: dict[str, Any],
+        ignored: Sequence[str],
+        accelerator: Any,
+        unit: str,
+        total: int,
+    ):
+        self.output_dir, self.save_interval = args.output_dir, args.save_interval
+        self.accelerator, self.unit, self.total = accelerator, unit, total
+        # the checkpoint this run continues from (None: a fresh start) and the first step it takes
+        self.resumed = start_or_resume(args, settings, ignored, accelerator, f"{total} {unit}s")
+        self.first_step = self.resumed.step if self.resumed is not None else 0
+        self.saves = BackgroundSaves()
+        self.stop = cli.StopSignal(unit, args.output_dir, accelerator.is_main_process, args.dist_timeout)
+        self._save: Callable[[int], None] = lambda steps: None
+        self._close: tuple[Callable[[], None], ...] = ()
+
+    @contextlib.contextmanager
+    def saving(self, save: Callable[[int], None], *close: Callable[[], None]) -> Iterator["CheckpointedLoop"]:
+        """Catch Ctrl-C and SIGTERM while the loop runs; `save(steps)` writes the checkpoint after `steps` steps
+        (through `saves`), `close` ends what the run opened (tracker, hooks) when it stops or finishes."""
+        self._save, self._close = save, close
+        with self.stop:
+            yield self
+
+    def step_done(self, steps: int, stopping: bool) -> None:
+        """After `steps` steps: raise a failed background save's error, write the checkpoint when it is due (every
+        --save_interval steps, after the last step, on a stop); on a stop, cli.Stopped once that checkpoint is on
+        disk and the run's trackers are closed."""
+        self.saves.raise_error()  # a failed background save stops the run at the next step
+        last = steps == self.total
+        if last or stopping or (self.save_interval and steps % self.save_interval == 0):
+            self._save(steps)
+        if stopping and not last:
+            self.saves.wait()  # the checkpoint the message names is on disk before the run stops
+            for close in self._close:
+                close()
+            done = f"{self.unit} {steps} of {self.total}"
+            raise self.stop.stopped(done, step_dir(self.output_dir, steps), self.accelerator.is_main_process)
+
+    def wait(self) -> None:
+        """Until the last checkpoint is on disk (its write's error raised)."""
+        self.saves.wait()
+
+    def finish(self) -> None:
+        """The last checkpoint on disk, every process past it, then what the run opened closed."""
+        self.saves.wait()
+        self.accelerator.wait_for_everyone()
+        for close in self._close:
+            close()
 
 
 def clear_previous_run(output_dir: str) -> None:

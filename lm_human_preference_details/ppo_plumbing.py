@@ -7,7 +7,7 @@ import os
 import shlex
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol, TypeVar
 
 import numpy as np
 import torch
@@ -18,13 +18,99 @@ from transformers import PreTrainedTokenizerBase
 
 from lm_human_preference_details import checkpoint, cli, devices, files, lora, tracking, validation
 from lm_human_preference_details.data import QueryStream, load_texts
+from lm_human_preference_details.hub import HubUnavailableError, hub_reachable
 from lm_human_preference_details.modeling import PolicyWithValueHead, read_reward_metadata
 from lm_human_preference_details.rewards import reward_model_dir
-from lm_human_preference_details.tasks import TaskHParams, resolve_truncation, task_differences
+from lm_human_preference_details.sizes import Sizes
+from lm_human_preference_details.tasks import PassRateAlarm, TaskHParams, resolve_truncation, task_differences
 from lm_human_preference_details.tokenizer import check_same_tokenizer, load_tokenizer
 
+# ---------------------------------------------------------------- what the plumbing reads of train_policy.Args
 
-def print_setup(console, args: Any, sizes: Any, tf32: Any, task_changes: list[str], oai_ranks: int) -> None:
+
+class AdaptiveKLFlags(Protocol):
+    """--rewards.adaptive_kl.*"""
+
+    enabled: bool
+    target: float
+    horizon: int
+
+
+class RewardFlags(Protocol):
+    """The --rewards.* flags the plumbing reads."""
+
+    trained_model: str
+    kl_coef: float
+    gold_model: str | None
+    task_from_reward_model: bool
+    allow_task_mismatch: bool
+    normalization: dict[str, float] | None
+
+    @property
+    def adaptive_kl(self) -> AdaptiveKLFlags: ...
+
+
+class PpoFlags(Protocol):
+    """The --ppo.* flags the plumbing reads."""
+
+    lr: float
+    batch_size: int
+    nminibatches: int
+    noptepochs: int
+    gradient_accumulation_steps: int
+
+
+class LoraFlags(Protocol):
+    """--lora.*"""
+
+    rank: int
+    alpha: float
+    dropout: float
+    target_modules: tuple[str, ...]
+
+
+class PolicyArgs(Protocol):
+    """What the plumbing reads of train_policy.Args: a typed view, so a reader sees which flags each helper uses."""
+
+    exp_name: str
+    seed: int
+    data_seed: int
+    base_model: str
+    output_dir: str
+    track: bool
+    wandb_project_name: str
+    wandb_entity: str | None
+    log_interval: int
+    filter_warning_rate: float
+    divergence_updates: int
+    divergence_kl: float | None
+    allow_divergence: bool
+    save_checkpoints: bool
+    keep_checkpoints: int
+    overwrite_output_dir: bool
+    print_samples: int
+    push_to_hub: bool
+    hf_repo_id: str | None
+    dry_run: bool
+    task_id: str
+
+    @property
+    def task(self) -> TaskHParams: ...
+
+    @property
+    def rewards(self) -> RewardFlags: ...
+
+    @property
+    def ppo(self) -> PpoFlags: ...
+
+    @property
+    def lora(self) -> LoraFlags: ...
+
+
+A = TypeVar("A", bound=PolicyArgs)
+
+
+def print_setup(console, args: PolicyArgs, sizes: Sizes, tf32: str, task_changes: list[str], oai_ranks: int) -> None:
     """The start-up table of resolved settings and per-process sizes, and a warning when the processes cannot whiten
     as OAI's `oai_ranks` ranks did (main process only)."""
     ppo, task, kl = args.ppo, args.task, args.rewards.adaptive_kl
@@ -65,7 +151,7 @@ def print_setup(console, args: Any, sizes: Any, tf32: Any, task_changes: list[st
         )
 
 
-def check_reward_model(rm_metadata: dict, tokenizer, args: Any, print_fn) -> None:
+def check_reward_model(rm_metadata: dict, tokenizer, args: PolicyArgs, print_fn) -> None:
     """The reward model's tokenizer, task settings and task name checked against the policy run's (ValueError when
     they differ, unless --rewards.allow_task_mismatch, which prints a warning instead)."""
     check_same_tokenizer(
@@ -81,7 +167,7 @@ def check_reward_model(rm_metadata: dict, tokenizer, args: Any, print_fn) -> Non
 
 
 def start_tracker(
-    args: Any, accelerator: Accelerator, resumed: checkpoint.Resumed | None, settings: dict, nupdates: int
+    args: PolicyArgs, accelerator: Accelerator, resumed: checkpoint.Resumed | None, settings: dict, nupdates: int
 ) -> tuple[tracking.Tracker, dict]:
     """TensorBoard (and wandb) for this run, continuing a resumed run's; clears a previous run's outputs with
     --overwrite_output_dir; -> the tracker and the metadata every checkpoint records."""
@@ -117,7 +203,7 @@ def progress_bar(console, accelerator: Accelerator, nupdates: int, first_update:
     return progress, progress.add_task("PPO updates", total=nupdates, completed=first_update)
 
 
-def check_reward_model_task(rm_metadata: dict, task: TaskHParams, rewards: Any) -> str | None:
+def check_reward_model_task(rm_metadata: dict, task: TaskHParams, rewards: RewardFlags) -> str | None:
     """ValueError listing where the reward model's task settings differ from the policy's, unless
     --rewards.allow_task_mismatch; -> the differences (None when equal)."""
     # OAI asserts that the reward model's task hyperparameters equal the policy's, every field
@@ -138,7 +224,7 @@ def check_reward_model_task(rm_metadata: dict, task: TaskHParams, rewards: Any) 
     return listed
 
 
-def check_reward_model_task_name(rm_metadata: dict, task_id: str, rewards: Any) -> str | None:
+def check_reward_model_task_name(rm_metadata: dict, task_id: str, rewards: RewardFlags) -> str | None:
     """ValueError when the reward model was trained for another --task (sentiment and descriptiveness have equal task
     settings, only their labels differ), unless --rewards.allow_task_mismatch; -> a warning, or None when they agree."""
     saved = rm_metadata.get("task_name")
@@ -160,7 +246,7 @@ def check_reward_model_task_name(rm_metadata: dict, task_id: str, rewards: Any) 
     return f"--rewards.allow_task_mismatch: {mismatch}"
 
 
-def check_policy_inputs(args: Any, accelerator: Accelerator) -> None:
+def check_policy_inputs(args: PolicyArgs, accelerator: Accelerator) -> None:
     """What --dry_run checks beyond the flags: the reward model's files and task, a local query file, a gold reward
     model's directory, then the tokenizers (from the hub: not checked when it is unreachable); errors name the flag."""
     if args.task.query_dataset.lower().endswith((".txt", ".jsonl")):
@@ -187,6 +273,19 @@ def check_policy_inputs(args: Any, accelerator: Accelerator) -> None:
         )
 
 
+def dry_run(args: PolicyArgs, accelerator: Accelerator) -> list:
+    """--dry_run: every input checked (`check_policy_inputs`), nothing trained or written; -> main's empty history."""
+    check_policy_inputs(args, accelerator)
+    accelerator.print("dry run: inputs checked; nothing trained or written")
+    return []
+
+
+def check_hub_for_push(args: PolicyArgs) -> None:
+    """HubUnavailableError before training when --push_to_hub could not upload at the end."""
+    if args.push_to_hub and not hub_reachable():
+        raise HubUnavailableError("--push_to_hub needs the Hugging Face hub, which is unreachable; drop the flag")
+
+
 def task_flags(differences: dict[str, tuple]) -> str:
     """The `--task.NAME VALUE` flags (quoted for a POSIX shell) that set the saved side of `differences`."""
 
@@ -200,7 +299,7 @@ def task_flags(differences: dict[str, tuple]) -> str:
     return " ".join(f"--task.{name} {quote(saved)}" for name, saved in recorded.items())
 
 
-def task_from_reward_model(args: Any) -> tuple[Any, list[str]]:
+def task_from_reward_model(args: A) -> tuple[A, list[str]]:
     """With --rewards.task_from_reward_model, `args` with the reward model's task settings; -> args, what changed."""
     if not args.rewards.task_from_reward_model:
         return args, []
@@ -226,7 +325,7 @@ class DivergenceWatch:
     response passing the truncation filter after some did, for `patience` updates in a row. Detection only: it reads
     the statistics the run logs and changes nothing the run computes. `diverged` holds the first detection."""
 
-    def __init__(self, args: Any):
+    def __init__(self, args: PolicyArgs):
         self.patience = args.divergence_updates
         target = args.rewards.adaptive_kl.target
         self.kl_limit = args.divergence_kl if args.divergence_kl is not None else 10 * target
@@ -332,7 +431,9 @@ def print_samples(console, tracker: tracking.Tracker, rows: list[list], update: 
     tracker.log_table("samples", columns, rows, step=update)
 
 
-def save_policy(policy: PolicyWithValueHead, tokenizer: PreTrainedTokenizerBase, args: Any, output_dir: str) -> None:
+def save_policy(
+    policy: PolicyWithValueHead, tokenizer: PreTrainedTokenizerBase, args: PolicyArgs, output_dir: str
+) -> None:
     """Write the policy (AutoModelForCausalLM-loadable + value_head.safetensors), tokenizer and args.json; a failed
     save (e.g. disk full) leaves `output_dir` as it was."""
 
@@ -385,7 +486,7 @@ class TrainingState:
 
 
 def save_checkpoint(
-    args: Any,
+    args: PolicyArgs,
     accelerator: Accelerator,
     updates: int,
     nupdates: int,
@@ -427,7 +528,7 @@ def save_checkpoint(
     )
 
 
-def push_to_hub(args: Any) -> str:
+def push_to_hub(args: PolicyArgs) -> str:
     """Upload output_dir (policy, value head, tokenizer, args; no logs) to the hub; returns the repo id."""
     from huggingface_hub import HfApi
 
@@ -473,7 +574,7 @@ def write_summary(output_dir: str, summary: dict) -> None:
     files.write_json_atomic(os.path.join(output_dir, SUMMARY_FILE), summary)
 
 
-def print_summary(console, args: Any, summary: dict, hub: str | None) -> None:
+def print_summary(console, args: PolicyArgs, summary: dict, hub: str | None) -> None:
     """The closing table: updates run, score and KL at this run's first and last update, kl_coef from its first
     update to after its last (a resumed run's start values are the resume point's), the divergence, where the outputs
     went."""
@@ -501,3 +602,73 @@ def print_summary(console, args: Any, summary: dict, hub: str | None) -> None:
         **({"hub": hub} if hub else {}),
     }
     cli.print_table(console, "policy training done", table)
+
+
+class RunReport:
+    """What a policy run shows and keeps of its updates: the tracker's logs, the history of statistics, the sample
+    table every --log_interval updates, the truncation filter's and the divergence's warnings, the progress bar; at
+    the end the summary, the upload and the divergence's exit status. Nothing here changes what an update computes."""
+
+    def __init__(
+        self,
+        args: PolicyArgs,
+        accelerator: Accelerator,
+        console,
+        tracker: tracking.Tracker,
+        tokenizer: PreTrainedTokenizerBase,
+        nupdates: int,
+        first_update: int,
+    ):
+        self.args, self.accelerator, self.console = args, accelerator, console
+        self.tracker, self.tokenizer = tracker, tokenizer
+        self.nupdates, self.first_update = nupdates, first_update
+        self.progress, self.bar = progress_bar(console, accelerator, nupdates, first_update)
+        self.pass_rate_alarm = PassRateAlarm(args.filter_warning_rate, args.log_interval)
+        self.divergence = DivergenceWatch(args)  # detection only: reads the reduced statistics
+        self.history: list[dict[str, float]] = []
+
+    def __enter__(self) -> "RunReport":
+        self.progress.__enter__()
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.progress.__exit__(*exc_info)
+
+    def _warn(self, line: str | None) -> None:
+        if line and self.accelerator.is_main_process:
+            self.console.print(line, style="bold red", markup=False)
+
+    def update(self, stats: dict[str, float], update: int, samples: tuple[torch.Tensor, ...]) -> None:
+        """Log update `update`'s reduced statistics; `samples`: its queries, truncated responses, scores and KL sums,
+        for the sample table (spec P19)."""
+        self.tracker.log(stats, step=update)
+        self.history.append(stats)
+        args = self.args
+        if update % args.log_interval == 0 and self.accelerator.is_main_process:
+            pad_id = self.tokenizer.pad_token_id
+            rows = sample_table_rows(self.tokenizer, pad_id, *samples, args.rewards.kl_coef, args.print_samples)
+            print_samples(self.console, self.tracker, rows, update)
+        self._warn(self.pass_rate_alarm.update(stats["debug/filter_pass_rate"], update, args.task))
+        self._warn(self.divergence.update(stats, update))
+        self.progress.update(self.bar, advance=1, description=progress_text(stats))
+
+    def finish(self, kl_coef: float) -> list[dict[str, float]]:
+        """OUTPUT_DIR/summary.json and the closing table, the upload with --push_to_hub; cli.Stopped with the
+        divergence's exit status when the run diverged (unless --allow_divergence); -> the history."""
+        args, diverged = self.args, self.divergence.diverged
+        failed = diverged is not None and not args.allow_divergence
+        if self.accelerator.is_main_process and self.history:
+            summary = run_summary(self.history, self.first_update, self.nupdates, kl_coef, diverged)
+            write_summary(args.output_dir, summary)
+            hub = None
+            if args.push_to_hub:  # a diverged policy is not published
+                hub = "not uploaded: the run diverged" if failed else push_to_hub(args)
+            print_summary(self.console, args, summary, hub)
+        if failed:
+            message = (
+                f"the run diverged at update {diverged['update']} (see the line then and "
+                f"{args.output_dir}/summary.json); its policy and checkpoints are saved, from the diverged run. Lower "
+                "the flag it names and train again, or pass --allow_divergence to end with status 0."
+            )
+            raise cli.Stopped(message if self.accelerator.is_main_process else "", cli.DIVERGED_EXIT_CODE)
+        return self.history

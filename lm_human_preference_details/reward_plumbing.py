@@ -2,7 +2,7 @@
 checkpoints and the reward model's save. Nothing here changes what a training step computes."""
 
 import dataclasses
-from typing import Any
+from typing import Protocol
 
 import torch
 from accelerate import Accelerator
@@ -19,17 +19,52 @@ from lm_human_preference_details.labels import (
     get_label_type,
 )
 from lm_human_preference_details.modeling import RewardModel, model_vocab_size
-from lm_human_preference_details.sizes import ceil_div
-from lm_human_preference_details.tasks import resolve_truncation
+from lm_human_preference_details.sizes import RewardSizes, ceil_div
+from lm_human_preference_details.tasks import TaskHParams, resolve_truncation
 from lm_human_preference_details.text_prefs import load_labels_or_pairs
 from lm_human_preference_details.tokenizer import load_tokenizer, tokenizer_fingerprint
 from lm_human_preference_details.tracking import Tracker, run_name, save_args
 
 
-def print_setup(
-    console, args: Any, world: int, local_batch_size: int, micro_batch_size: int, num_steps: int, tf32
-) -> None:
-    """The start-up table of resolved settings and per-process sizes (main process only)."""
+class LabelFlags(Protocol):
+    """The --labels.* flags the plumbing reads (train_reward.LabelHParams)."""
+
+    type: str
+    num_train: int
+
+
+class RewardArgs(Protocol):
+    """What the plumbing reads of train_reward.Args: a typed view, so a reader sees which flags each helper uses."""
+
+    exp_name: str
+    seed: int
+    data_seed: int
+    base_model: str
+    label_dataset: str
+    batch_size: int
+    gradient_accumulation_steps: int
+    lr: float
+    rollout_batch_size: int
+    normalize_samples: int
+    output_dir: str
+    keep_checkpoints: int
+    overwrite_output_dir: bool
+    track: bool
+    wandb_project_name: str
+    wandb_entity: str | None
+    dry_run: bool
+    task_id: str
+
+    @property
+    def task(self) -> TaskHParams: ...
+
+    @property
+    def labels(self) -> LabelFlags: ...
+
+
+def print_setup(console, args: RewardArgs, sizes: RewardSizes, tf32: str, label_task_warning: str | None) -> None:
+    """The start-up table of resolved settings and per-process sizes, and the label file's task warning (main process
+    only)."""
     normalize_batches = ceil_div(args.normalize_samples, args.rollout_batch_size)
     cli.print_table(
         console,
@@ -41,10 +76,10 @@ def print_setup(
             "temperature": args.task.temperature,
             "lr": f"{args.lr:g}, annealed linearly to {args.lr * args.batch_size / args.labels.num_train:g}",
             "seeds": f"seed {args.seed} (process r: seed + 100003 r), data_seed {args.data_seed}",
-            "processes": world,
-            "labels per step": f"{args.batch_size} ({local_batch_size} per process)",
-            "micro-batch": f"{micro_batch_size} x {args.gradient_accumulation_steps}",
-            "steps": f"{num_steps} (one epoch over {args.labels.num_train} labels)",
+            "processes": sizes.world,
+            "labels per step": f"{args.batch_size} ({sizes.batch} per process)",
+            "micro-batch": f"{sizes.micro} x {args.gradient_accumulation_steps}",
+            "steps": f"{sizes.steps} (one epoch over {args.labels.num_train} labels)",
             "label type": args.labels.type,
             "normalization samples": f"{normalize_batches} x {args.rollout_batch_size}"
             if args.normalize_samples
@@ -55,9 +90,11 @@ def print_setup(
             "output dir": args.output_dir,
         },
     )
+    if label_task_warning:
+        console.print(f"warning: {label_task_warning}", style="bold red", markup=False)
 
 
-def check_inputs(args: Any, accelerator: Accelerator) -> None:
+def check_inputs(args: RewardArgs, accelerator: Accelerator) -> None:
     """What --dry_run checks beyond the flags: a local query file and the label file (when it can be read)."""
     if args.task.query_dataset.lower().endswith((".txt", ".jsonl")):
         load_texts(args.task.query_dataset)
@@ -68,7 +105,7 @@ def check_inputs(args: Any, accelerator: Accelerator) -> None:
         accelerator.print(f"dry run: every input checked ({rows} label rows); nothing written")
 
 
-def read_labels(args: Any, tokenizer=None) -> Labels:
+def read_labels(args: RewardArgs, tokenizer=None) -> Labels:
     """The label file, checked against the run: its tokenizer, type, lengths, rows (>= num_train), token ids."""
     tokenizer = tokenizer or load_tokenizer(args.base_model)
     pad_id = tokenizer.pad_token_id
@@ -87,7 +124,7 @@ def read_labels(args: Any, tokenizer=None) -> Labels:
 
 
 def start_tracker(
-    args: Any, accelerator: Accelerator, resumed: checkpoint.Resumed | None, settings: dict
+    args: RewardArgs, accelerator: Accelerator, resumed: checkpoint.Resumed | None, settings: dict
 ) -> tuple[Tracker, dict]:
     """TensorBoard (and wandb) for this run, continuing a resumed run's; clears a previous run's outputs with
     --overwrite_output_dir; -> the tracker and the metadata every checkpoint records."""
@@ -140,7 +177,7 @@ def progress_bar(console, accelerator: Accelerator) -> Progress:
 
 
 def save_checkpoint(
-    args: Any,
+    args: RewardArgs,
     accelerator: Accelerator,
     steps: int,
     reward_model: RewardModel,
@@ -173,7 +210,11 @@ def save_checkpoint(
 
 
 def save_reward_model(
-    reward_model: RewardModel, tokenizer, args: Any, label_type: LabelType, evals: tuple[dict | None, dict | None]
+    reward_model: RewardModel,
+    tokenizer,
+    args: RewardArgs,
+    label_type: LabelType,
+    evals: tuple[dict | None, dict | None],
 ) -> None:
     """The reward model with its metadata (tokenizer, task name and settings, label file, held-out figures), its
     tokenizer and args.json in OUTPUT_DIR, atomically."""
@@ -200,7 +241,9 @@ def save_reward_model(
     validation.save_atomically(args.output_dir, write)
 
 
-def print_summary(console, args: Any, reward_model: RewardModel, label_type: LabelType, heldout: int, evals) -> None:
+def print_summary(
+    console, args: RewardArgs, reward_model: RewardModel, label_type: LabelType, heldout: int, evals
+) -> None:
     """The closing table: held-out rows and figure before -> after training, gain and bias, where the outputs went."""
     eval_before, eval_after = evals
     held_out = "accuracy" if label_type.label_field == "best" else "loss"

@@ -8,15 +8,19 @@ A programmatic reward can be normalized on samples of the initial policy as OAI 
 https://github.com/openai/lm-human-preferences/blob/cbfd210bb8b08f6bc5c26878c10984b90f516c66/lm_human_preferences/train_policy.py#L378-L390
 """
 
+import copy
 import importlib.util
 import math
 import os
 import sys
 from collections.abc import Callable
+from contextlib import AbstractContextManager
+from typing import Protocol
 
 import torch
 from transformers import PreTrainedTokenizerBase
 
+from lm_human_preference_details.checkpoint import Resumed
 from lm_human_preference_details.labelers import Labeler, decode_without_pad, load_labeler
 from lm_human_preference_details.modeling import RewardModel, load_reward_model, sample
 from lm_human_preference_details.sizes import ceil_div
@@ -268,6 +272,41 @@ def normalize_reward(
             "reward that varies across samples."
         )
     return {"gain": 1.0 / std, "bias": -mean / std, "mean": mean, "std": std, "samples": count}
+
+
+class NormalizationFlags(Protocol):
+    """What `normalize_from_initial_policy` reads of train_policy.py's --rewards.* flags."""
+
+    normalize_samples: int
+
+
+def normalize_from_initial_policy(
+    reward: Reward,
+    flags: NormalizationFlags,
+    resumed: Resumed | None,
+    reference: Callable[[], AbstractContextManager],
+    query_stream,
+    affixes: tuple[torch.Tensor, torch.Tensor],
+    task: TaskHParams,
+    seed: int,
+    accelerator,
+) -> dict[str, float] | None:
+    """--rewards.normalize_samples: set a programmatic reward's gain and bias (spec R4) from that many samples of
+    the initial policy (`reference()` lends it) on the queries the first updates draw (a copy of `query_stream`: the
+    stream itself does not move), or take a resumed run's own; print them; -> them, for the run config, args.json
+    and the training state (None: 0 samples, raw scores)."""
+    if not flags.normalize_samples:
+        return None
+    normalization = resumed.meta.get("reward_normalization") if resumed else None
+    if not normalization:
+        with reference() as ref_policy:
+            stream = copy.deepcopy(query_stream)
+            normalization = normalize_reward(
+                reward, ref_policy, stream, affixes, task, flags.normalize_samples, seed, accelerator
+            )
+    reward.gain, reward.bias = normalization["gain"], normalization["bias"]
+    accelerator.print(describe_normalization(normalization))
+    return normalization
 
 
 def describe_normalization(normalization: dict[str, float]) -> str:

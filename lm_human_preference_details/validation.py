@@ -12,7 +12,7 @@ import math
 import os
 import tempfile
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -20,7 +20,7 @@ from lm_human_preference_details import checkpoint
 from lm_human_preference_details.files import OutputError
 from lm_human_preference_details.modeling import REWARD_CONFIG_FILE, check_model_dir
 from lm_human_preference_details.rewards import check_reward_source, reward_input_path
-from lm_human_preference_details.tasks import check_task
+from lm_human_preference_details.tasks import TaskHParams, check_task
 
 NONFINITE_ORDER = ("logprobs", "values", "scores", "rewards", "advantages", "loss", "gradients", "weights")
 """Order in which a training step computes the tensors whose non-finite entries are counted (the first is the cause)."""
@@ -176,7 +176,123 @@ def check_not_reward_model(base_model: str) -> None:
         )
 
 
-def check_policy_args(args: Any) -> None:
+# ---------------------------------------------------------------- what the checks read of the scripts' Args
+
+
+class PpoFlags(Protocol):
+    """The --ppo.* flags `check_policy_args` reads (train_policy.PpoHParams)."""
+
+    total_episodes: int
+    batch_size: int
+    nminibatches: int
+    noptepochs: int
+    gradient_accumulation_steps: int
+    whiten_group_size: int | None
+    lr: float
+    cliprange: float
+    cliprange_value: float
+    vf_coef: float
+    gamma: float
+    lam: float
+
+
+class AdaptiveKLFlags(Protocol):
+    """--rewards.adaptive_kl.*"""
+
+    enabled: bool
+    target: float
+    horizon: int
+
+
+class PolicyRewardFlags(Protocol):
+    """The --rewards.* flags `check_policy_args` reads (train_policy.RewardHParams)."""
+
+    trained_model: str
+    normalize_samples: int
+    kl_coef: float
+    gold_model: str | None
+
+    @property
+    def adaptive_kl(self) -> AdaptiveKLFlags: ...
+
+
+class PolicyFlags(Protocol):
+    """What `check_policy_args` reads of train_policy.Args."""
+
+    base_model: str
+    output_dir: str
+    log_interval: int
+    divergence_updates: int
+    divergence_kl: float | None
+    save_interval: int
+    print_samples: int
+    rollout_micro_batch_size: int | None
+
+    @property
+    def task(self) -> TaskHParams: ...
+
+    @property
+    def ppo(self) -> PpoFlags: ...
+
+    @property
+    def rewards(self) -> PolicyRewardFlags: ...
+
+
+class LabelFlags(Protocol):
+    """--labels.num_train"""
+
+    num_train: int
+
+
+class RewardFlags(Protocol):
+    """What `check_reward_args` reads of train_reward.Args."""
+
+    base_model: str
+    label_dataset: str
+    output_dir: str
+    batch_size: int
+    gradient_accumulation_steps: int
+    lr: float
+    rollout_batch_size: int
+    normalize_samples: int
+    debug_normalize: int
+    eval_interval: int
+
+    @property
+    def task(self) -> TaskHParams: ...
+
+    @property
+    def labels(self) -> LabelFlags: ...
+
+
+class DryRunFlags(Protocol):
+    """--dry_run and --dry_run_processes, of either training script."""
+
+    dry_run: bool
+    dry_run_processes: int | None
+
+
+class GenerateFlags(Protocol):
+    """What `check_generate_args` reads of label_generation.py generate's arguments."""
+
+    base_model: str
+    labeler: str
+    output: str
+
+    @property
+    def task(self) -> TaskHParams: ...
+
+
+class ConvertFlags(Protocol):
+    """What `check_convert_args` reads of label_generation.py convert's arguments."""
+
+    input: str
+    base_model: str
+    source_tokenizer: str
+    output: str
+
+
+def check_policy_args(args: PolicyFlags) -> None:
     """Every train_policy.py flag whose value makes the run fail late or mean nothing, and its output directory."""
     ppo, rewards = args.ppo, args.rewards
     check_task(args.task)
@@ -224,7 +340,7 @@ def check_policy_args(args: Any) -> None:
     check_output_dir(args.output_dir, inputs)
 
 
-def check_reward_args(args: Any) -> None:
+def check_reward_args(args: RewardFlags) -> None:
     """Every train_reward.py flag whose value makes the run fail late or mean nothing, and its output directory."""
     check_task(args.task, response_filter=False)
     check_model_dir(args.base_model, "--base_model", tokenizer=True)
@@ -251,7 +367,7 @@ def check_reward_args(args: Any) -> None:
     check_output_dir(args.output_dir, inputs)
 
 
-def dry_run_world(args: Any, world: int) -> int:
+def dry_run_world(args: DryRunFlags, world: int) -> int:
     """The process count to derive sizes for: --dry_run_processes (which needs --dry_run), else this launch's."""
     if args.dry_run_processes is None:
         return world
@@ -273,57 +389,7 @@ def check_divides(parts: int, total: int, flag: str, what: str, fix: str = "") -
         raise ValueError(f"{flag} {parts} does not divide {what} ({total}); {fix or f'pass one of {divisors(total)}'}.")
 
 
-def check_policy_sizes(ppo: Any, world: int) -> None:
-    """ValueError naming the flag when ppo.batch_size does not split over `world` processes, nminibatches and
-    gradient_accumulation_steps (OAI derives every per-rank size by exact division)."""
-    if ppo.batch_size % world:
-        multiple = -(-ppo.batch_size // world) * world
-        raise ValueError(
-            f"--ppo.batch_size {ppo.batch_size} does not split over {world} processes; pass a multiple of {world} "
-            f"(e.g. --ppo.batch_size {multiple}) or run {divisors(ppo.batch_size)} processes."
-        )
-    batch = ppo.batch_size // world
-    where = f"the {batch} episodes per process (--ppo.batch_size {ppo.batch_size} over {world} processes)"
-    check_divides(ppo.nminibatches, batch, "--ppo.nminibatches", where, f"pass one of {divisors(batch)} (OAI: 1)")
-    minibatch = batch // ppo.nminibatches
-    check_divides(
-        ppo.gradient_accumulation_steps,
-        minibatch,
-        "--ppo.gradient_accumulation_steps",
-        f"the episodes per process and minibatch ({batch} / --ppo.nminibatches {ppo.nminibatches})",
-    )
-
-
-def check_reward_sizes(args: Any, world: int) -> None:
-    """ValueError naming the flag when batch_size, num_train, rollout_batch_size and gradient_accumulation_steps do
-    not divide as train_reward.py needs (whole batches per step, equal shares per process)."""
-    if args.batch_size % world:
-        raise ValueError(
-            f"--batch_size {args.batch_size} does not split over {world} processes; pass a multiple of {world}."
-        )
-    local = args.batch_size // world
-    check_divides(
-        args.gradient_accumulation_steps,
-        local,
-        "--gradient_accumulation_steps",
-        f"the labels per process and step (--batch_size {args.batch_size} over {world} processes)",
-    )
-    check_divides(
-        args.batch_size,
-        args.labels.num_train,
-        "--batch_size",
-        "--labels.num_train",
-        f"each step trains on one whole batch (OAI): pass --batch_size {divisors(args.labels.num_train)} or "
-        f"--labels.num_train {args.labels.num_train // args.batch_size * args.batch_size}",
-    )
-    if args.rollout_batch_size % world:
-        raise ValueError(
-            f"--rollout_batch_size {args.rollout_batch_size} does not split over {world} processes; pass a multiple "
-            f"of {world}."
-        )
-
-
-def check_generate_args(args: Any) -> None:
+def check_generate_args(args: GenerateFlags) -> None:
     """label_generation.py generate: the task, and an --output that overwrites no input."""
     check_task(args.task)
     check_model_dir(args.base_model, "--base_model", tokenizer=True)
@@ -335,7 +401,7 @@ def check_generate_args(args: Any) -> None:
     check_output_file(args.output, inputs)
 
 
-def check_convert_args(args: Any) -> None:
+def check_convert_args(args: ConvertFlags) -> None:
     """label_generation.py convert: an --output that overwrites no input."""
     inputs = {"--input": args.input, "--base_model": args.base_model, "--source_tokenizer": args.source_tokenizer}
     check_output_file(args.output, inputs)

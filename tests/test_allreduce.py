@@ -21,6 +21,7 @@ sys.path.insert(0, {repo!r})
 import train_policy as tp
 import train_reward as tr
 from lm_human_preference_details import distributed
+from lm_human_preference_details.sizes import derive_sizes
 from lm_human_preference_details.modeling import PolicyWithValueHead, reduce_training_memory
 from lm_human_preference_details.optim import make_optimizer
 from tests.conftest import tiny_gpt2
@@ -65,7 +66,7 @@ for accum in (1, 2):
     args = tp.Args()
     args.ppo = dataclasses.replace(args.ppo, batch_size=32, nminibatches=2, noptepochs=1,
                                    gradient_accumulation_steps=accum)
-    sizes = tp.derive_sizes(args, world)
+    sizes = derive_sizes(args, world)
     gen = torch.Generator().manual_seed(rank)
     context_length, length = 5, 6
     rollout = tp.Rollout(torch.randint(0, 50257, (16, context_length + length), generator=gen), context_length,

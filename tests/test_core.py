@@ -1,5 +1,5 @@
-"""Tests for sizes (sizes.py), whitening (core.py, TV6), log-probs (kernels.py), seeding (devices.py, TV13), sync
-(distributed.py) and tracking (tracking.py)."""
+"""Tests for sizes (sizes.py), seeding (devices.py, TV13), sync (distributed.py) and tracking (tracking.py); whitening
+is tested beside the PPO math in test_train_policy.py, log-probs in test_kernels.py."""
 
 import os
 import subprocess
@@ -16,7 +16,6 @@ from accelerate.state import AcceleratorState, PartialState
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from lm_human_preference_details import tracking
-from lm_human_preference_details.core import whiten
 from lm_human_preference_details.devices import set_seed
 from lm_human_preference_details.distributed import GradientAverager, broadcast_parameters
 from lm_human_preference_details.sizes import ceil_div, exact_div
@@ -28,18 +27,6 @@ from tests.planted import free_port, without_gpus
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
-TV6_INPUT = [[1.2, 1.3, 1.4], [1.5, 1.6, 1.7], [1.8, 1.9, 2.0]]
-TV6_KEEP_MEAN = [
-    [0.05080712, 0.4381051, 0.8254035],
-    [1.2127019, 1.6000004, 1.9872988],
-    [2.3745968, 2.7618952, 3.1491938],
-]
-TV6_SHIFT_MEAN = [
-    [-1.5491932, -1.1618949, -0.7745966],
-    [-0.3872983, 0.0, 0.3872983],
-    [0.7745966, 1.1618949, 1.5491932],
-]
-TV6_UNBIASED_KEEP_MEAN = [[0.1394, 0.5046, 0.8697], [1.2349, 1.6000, 1.9651], [2.3303, 2.6954, 3.0606]]
 
 
 def test_exact_div_returns_quotient():
@@ -62,29 +49,6 @@ def test_ceil_div_rounds_up():
     assert [ceil_div(a, 4) for a in (0, 1, 4, 5, 8, 9)] == [0, 1, 1, 2, 2, 3]
 
 
-def test_whiten_keep_mean_matches_tv6():
-    out = whiten(torch.tensor(TV6_INPUT), shift_mean=False)
-    torch.testing.assert_close(out, torch.tensor(TV6_KEEP_MEAN), rtol=0, atol=1e-5)
-
-
-def test_whiten_shift_mean_matches_tv6():
-    out = whiten(torch.tensor(TV6_INPUT), shift_mean=True)
-    torch.testing.assert_close(out, torch.tensor(TV6_SHIFT_MEAN), rtol=0, atol=1e-5)
-    assert abs(out.mean().item()) < 1e-6
-    assert abs(out.var(correction=0).item() - 1.0) < 1e-5
-
-
-def test_whiten_uses_population_not_unbiased_variance():
-    values = torch.tensor(TV6_INPUT)
-    unbiased = (values - values.mean()) * torch.rsqrt(values.var(correction=1) + 1e-8) + values.mean()
-    torch.testing.assert_close(unbiased, torch.tensor(TV6_UNBIASED_KEEP_MEAN), rtol=0, atol=1e-4)
-    out = whiten(values, shift_mean=False)
-    assert (out - torch.tensor(TV6_UNBIASED_KEEP_MEAN)).abs().max().item() > 0.05
-
-
-def test_whiten_constant_input_is_finite():
-    out = whiten(torch.full((4, 3), 2.5))
-    assert torch.equal(out, torch.zeros(4, 3))
 
 
 def test_set_seed_numpy_legacy_rng_reproduces_tv13():

@@ -13,7 +13,7 @@ import torch
 from transformers import GPT2LMHeadModel
 
 import train_policy
-from lm_human_preference_details import distributed, modeling, optim, tracking
+from lm_human_preference_details import distributed, modeling, optim, ppo_plumbing, tracking
 from tests.fidelity import (
     Recorder,
     fake_world,
@@ -152,7 +152,7 @@ def record_policy_calls(mp: pytest.MonkeyPatch, events: Recorder) -> None:
 
     extra = {"sample": sampling_weights}
     for name in ("sample", "compute_rewards", "compute_advantages", "ppo_losses", "sample_table_rows"):
-        patch_everywhere(mp, name, lambda fn, n=name: events.wrap(n, fn, extra.get(n)), [train_policy])
+        patch_everywhere(mp, name, lambda fn, n=name: events.wrap(n, fn, extra.get(n)), [train_policy, ppo_plumbing])
     forward = events.wrap("forward", modeling.PolicyWithValueHead.forward, grad_mode, loss_forward_entropy)
     mp.setattr(modeling.PolicyWithValueHead, "forward", forward)
     mp.setattr(modeling.RewardModel, "forward", events.wrap("reward", modeling.RewardModel.forward))

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import train_policy
+from lm_human_preference_details import ppo_plumbing
 from lm_human_preference_details.optim import make_optimizer
 from tests.fidelity import np_whiten
 
@@ -62,7 +63,7 @@ def test_sample_table_rows_total_is_score_minus_kl_coef_times_kl(tokenizer):
     pad = tokenizer.pad_token_id
     queries = torch.tensor([tokenizer.encode(" The cat") + [pad] * 2, tokenizer.encode(" A dog sat down")])
     responses = torch.tensor([tokenizer.encode(" ran off.") + [pad], tokenizer.encode(" ran away home.")])
-    rows = train_policy.sample_table_rows(
+    rows = ppo_plumbing.sample_table_rows(
         tokenizer, pad, queries, responses, torch.tensor([0.5, -1.0]), torch.tensor([2.0, 4.0]), 0.15, 2
     )
     assert [row[:2] for row in rows] == [[" The cat", " ran off."], [" A dog sat down", " ran away home."]]

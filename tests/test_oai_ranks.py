@@ -11,10 +11,11 @@ import sys
 import numpy as np
 import pytest
 
+from lm_human_preference_details.sizes import OAI_RANKS, derive_sizes
 from tests.conftest import one_intra_op_thread
 from tests.fidelity import np_gae, np_whiten
 from tests.planted import REPO, free_port, without_gpus
-from train_policy import OAI_RANKS, Args, derive_sizes, main, oai_presets
+from train_policy import Args, main, oai_presets
 
 
 @pytest.mark.parametrize("world", [1, 2, 4, 8])
@@ -70,6 +71,7 @@ import numpy as np, torch
 sys.path.insert(0, {repo!r})
 import train_policy as tp
 from lm_human_preference_details import distributed
+from lm_human_preference_details.sizes import derive_sizes
 from lm_human_preference_details.modeling import PolicyWithValueHead
 from lm_human_preference_details.optim import make_optimizer
 from tests.conftest import tiny_gpt2
@@ -80,7 +82,7 @@ accelerator = distributed.make_accelerator()
 rank, world = accelerator.process_index, accelerator.num_processes
 args = tp.Args()  # no whitening flag
 args.ppo.batch_size, args.ppo.nminibatches, args.ppo.noptepochs = 128, 2, 2
-sizes = tp.derive_sizes(args, world)
+sizes = derive_sizes(args, world)
 # one global rollout batch of 8 OAI ranks: rows [k * 16, (k + 1) * 16) are the episodes of rank k
 gen = torch.Generator().manual_seed(0)
 context_length, length = 4, 5

@@ -17,7 +17,6 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import train_policy
-from lm_human_preference_details import core
 from lm_human_preference_details.cli import parse_args
 from lm_human_preference_details.modeling import PolicyWithValueHead, RewardModel
 from lm_human_preference_details.ppo_plumbing import (
@@ -27,6 +26,7 @@ from lm_human_preference_details.ppo_plumbing import (
     progress_text,
     run_summary,
 )
+from lm_human_preference_details.sizes import derive_sizes
 from lm_human_preference_details.tasks import TaskHParams
 from lm_human_preference_details.tokenizer import load_tokenizer, tokenizer_fingerprint
 from tests.planted import REPO, free_port, without_gpus
@@ -38,13 +38,13 @@ from train_policy import (
     RewardHParams,
     compute_advantages,
     compute_rewards,
-    derive_sizes,
     main,
     minibatch_advantages,
     minibatch_indices,
     oai_presets,
     ppo_losses,
     virtual_rank_rngs,
+    whiten,
 )
 
 PAD = 50257
@@ -200,18 +200,57 @@ def test_divergence_watch_reports_a_kl_or_a_pass_rate_collapse_that_lasts():
     assert run([1e6] * 20, [0.0] * 20) == {} and watch.diverged is None
 
 
+TV6_INPUT = [[1.2, 1.3, 1.4], [1.5, 1.6, 1.7], [1.8, 1.9, 2.0]]
+TV6_KEEP_MEAN = [
+    [0.05080712, 0.4381051, 0.8254035],
+    [1.2127019, 1.6000004, 1.9872988],
+    [2.3745968, 2.7618952, 3.1491938],
+]
+TV6_SHIFT_MEAN = [
+    [-1.5491932, -1.1618949, -0.7745966],
+    [-0.3872983, 0.0, 0.3872983],
+    [0.7745966, 1.1618949, 1.5491932],
+]
+TV6_UNBIASED_KEEP_MEAN = [[0.1394, 0.5046, 0.8697], [1.2349, 1.6000, 1.9651], [2.3303, 2.6954, 3.0606]]
+
+
+def test_whiten_keep_mean_matches_tv6():
+    out = whiten(torch.tensor(TV6_INPUT), shift_mean=False)
+    torch.testing.assert_close(out, torch.tensor(TV6_KEEP_MEAN), rtol=0, atol=1e-5)
+
+
+def test_whiten_shift_mean_matches_tv6():
+    out = whiten(torch.tensor(TV6_INPUT), shift_mean=True)
+    torch.testing.assert_close(out, torch.tensor(TV6_SHIFT_MEAN), rtol=0, atol=1e-5)
+    assert abs(out.mean().item()) < 1e-6
+    assert abs(out.var(correction=0).item() - 1.0) < 1e-5
+
+
+def test_whiten_uses_population_not_unbiased_variance():
+    values = torch.tensor(TV6_INPUT)
+    unbiased = (values - values.mean()) * torch.rsqrt(values.var(correction=1) + 1e-8) + values.mean()
+    torch.testing.assert_close(unbiased, torch.tensor(TV6_UNBIASED_KEEP_MEAN), rtol=0, atol=1e-4)
+    out = whiten(values, shift_mean=False)
+    assert (out - torch.tensor(TV6_UNBIASED_KEEP_MEAN)).abs().max().item() > 0.05
+
+
+def test_whiten_constant_input_is_finite():
+    out = whiten(torch.full((4, 3), 2.5))
+    assert torch.equal(out, torch.zeros(4, 3))
+
+
 def test_whiten_groups_use_population_moments_per_group():
     values = torch.randn(8, 3, dtype=torch.float64) * 3 + torch.arange(8, dtype=torch.float64)[:, None]
-    whitened = core.whiten(values, group_size=4)
+    whitened = whiten(values, group_size=4)
     for rows in (slice(0, 4), slice(4, 8)):
         group = values[rows].numpy()
         expected = (group - group.mean()) / np.sqrt(group.var() + 1e-8)  # numpy var: population (ddof=0)
         np.testing.assert_allclose(whitened[rows].numpy(), expected, atol=1e-10)
-    kept = core.whiten(values, group_size=4, shift_mean=False)
+    kept = whiten(values, group_size=4, shift_mean=False)
     torch.testing.assert_close(kept[:4].mean(), values[:4].mean())
     torch.testing.assert_close(kept[4:].mean(), values[4:].mean())
     # one group = OAI's whiten over the whole per-rank tensor
-    torch.testing.assert_close(core.whiten(values, group_size=8), core.whiten(values))
+    torch.testing.assert_close(whiten(values, group_size=8), whiten(values))
 
 
 def test_whiten_group_matches_tv6():
@@ -219,7 +258,7 @@ def test_whiten_group_matches_tv6():
     expected = torch.tensor(
         [[0.05080712, 0.4381051, 0.8254035], [1.2127019, 1.6000004, 1.9872988], [2.3745968, 2.7618952, 3.1491938]]
     )
-    torch.testing.assert_close(core.whiten(values, group_size=3, shift_mean=False), expected, atol=1e-5, rtol=0)
+    torch.testing.assert_close(whiten(values, group_size=3, shift_mean=False), expected, atol=1e-5, rtol=0)
 
 
 def test_ppo_losses_hand_computed_example():
@@ -338,6 +377,7 @@ import numpy as np, torch
 sys.path.insert(0, {repo!r})
 import train_policy as tp
 from lm_human_preference_details import distributed
+from lm_human_preference_details.sizes import derive_sizes
 from lm_human_preference_details.modeling import PolicyWithValueHead
 from lm_human_preference_details.optim import make_optimizer
 from tests.conftest import tiny_gpt2
@@ -349,7 +389,7 @@ rank, world = accelerator.process_index, accelerator.num_processes
 args = tp.Args()
 args.ppo.batch_size, args.ppo.nminibatches, args.ppo.noptepochs, args.ppo.gradient_accumulation_steps = 32, 2, 3, 2
 args.ppo.whiten_group_size = group if world == 1 else 0  # 1 process: 2 virtual ranks; 2 processes: one rank each
-sizes = tp.derive_sizes(args, world)
+sizes = derive_sizes(args, world)
 # one global rollout batch; rows [r * 16, (r + 1) * 16) are the episodes of (virtual) rank r
 gen = torch.Generator().manual_seed(0)
 context_length, length = 5, 6
