@@ -9,8 +9,6 @@ queries per process of a normalization batch.
 from dataclasses import dataclass
 from typing import Protocol
 
-from lm_human_preference_details.validation import check_divides, divisors
-
 OAI_RANKS = 8
 """processes of OAI's runs (launch.py runs every experiment with mpi=8): by default virtual ranks make any number of
 processes whiten, permute and average statistics as these 8 ranks did (spec D4)"""
@@ -29,6 +27,18 @@ def ceil_div(a: int, b: int) -> int:
     """Smallest integer >= a / b."""
     # https://github.com/openai/lm-human-preferences/blob/cbfd210bb8b08f6bc5c26878c10984b90f516c66/lm_human_preferences/utils/core.py#L127-L128
     return -(-a // b)
+
+
+def divisors(n: int, most: int = 10) -> str:
+    """The divisors of `n` in increasing order ("1, 2, 4, ..."), at most `most` of them, for error messages."""
+    found = [d for d in range(1, n + 1) if n % d == 0]
+    return ", ".join(map(str, found[:most])) + (", ..." if len(found) > most else "")
+
+
+def check_divides(parts: int, total: int, flag: str, what: str, fix: str = "") -> None:
+    """ValueError unless `parts` (the value of `flag`) divides `total` (`what`), naming the values that would."""
+    if total % parts:
+        raise ValueError(f"{flag} {parts} does not divide {what} ({total}); {fix or f'pass one of {divisors(total)}'}.")
 
 
 def split(total: int, parts: int, flag: str, what: str, fix: str = "") -> int:

@@ -20,6 +20,7 @@ from lm_human_preference_details import checkpoint
 from lm_human_preference_details.files import OutputError
 from lm_human_preference_details.modeling import REWARD_CONFIG_FILE, check_model_dir
 from lm_human_preference_details.rewards import check_reward_source, reward_input_path
+from lm_human_preference_details.sizes import divisors
 from lm_human_preference_details.tasks import TaskHParams, check_task
 
 NONFINITE_ORDER = ("logprobs", "values", "scores", "rewards", "advantages", "loss", "gradients", "weights")
@@ -375,18 +376,6 @@ def dry_run_world(args: DryRunFlags, world: int) -> int:
     if not args.dry_run:
         raise ValueError("--dry_run_processes only sizes a dry run; add --dry_run (or drop --dry_run_processes).")
     return args.dry_run_processes
-
-
-def divisors(n: int, most: int = 10) -> str:
-    """The divisors of `n` in increasing order ("1, 2, 4, ..."), at most `most` of them, for error messages."""
-    found = [d for d in range(1, n + 1) if n % d == 0]
-    return ", ".join(map(str, found[:most])) + (", ..." if len(found) > most else "")
-
-
-def check_divides(parts: int, total: int, flag: str, what: str, fix: str = "") -> None:
-    """ValueError unless `parts` (the value of `flag`) divides `total` (`what`), naming the values that would."""
-    if total % parts:
-        raise ValueError(f"{flag} {parts} does not divide {what} ({total}); {fix or f'pass one of {divisors(total)}'}.")
 
 
 def check_generate_args(args: GenerateFlags) -> None:

@@ -27,8 +27,6 @@ from tests.planted import free_port, without_gpus
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
-
-
 def test_exact_div_returns_quotient():
     assert exact_div(512, 8, "ppo.batch_size / world_size") == 64
 
@@ -47,8 +45,6 @@ def test_exact_div_zero_divisor_raises_value_error():
 
 def test_ceil_div_rounds_up():
     assert [ceil_div(a, 4) for a in (0, 1, 4, 5, 8, 9)] == [0, 1, 1, 2, 2, 3]
-
-
 
 
 def test_set_seed_numpy_legacy_rng_reproduces_tv13():
