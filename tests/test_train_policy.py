@@ -928,3 +928,24 @@ def test_main_logs_eos_count_and_filter_pass_rate_of_the_raw_responses(tmp_path,
     assert stats["debug/num_eos"] == pytest.approx(eos.mean().item())
     passed = np_passes(responses.numpy(), 13, 2)
     assert 0 < passed.mean() < 1 and stats["debug/filter_pass_rate"] == pytest.approx(passed.mean())
+
+
+def test_elapsed_statistics_follow_their_formulas(monkeypatch):
+    # spec §4.1: elapsed/* of update 2 (0-based) of a global batch of 64 and 24-token responses, at a pinned clock:
+    # fps = int(batch * length / seconds since the previous update's statistics), time = seconds since the start
+    args = Args()
+    args.ppo.batch_size, args.task.response_length = 64, 24
+    monkeypatch.setattr(train_policy.time, "time", lambda: 1000.0)
+    stats = {"ppo/val/error": 0.5, "ppo/returns/var": 2.0}
+    train_policy.add_elapsed_stats(stats, 2, args, start_time=900.0, last_time=997.0)
+    assert stats == {
+        "ppo/val/error": 0.5,
+        "ppo/returns/var": 2.0,
+        "ppo/val/var_explained": 1 - 0.5 / 2.0,
+        "elapsed/updates": 3,
+        "elapsed/steps/serial": 3 * 24,
+        "elapsed/steps/total": 3 * 64 * 24,
+        "elapsed/episodes": 3 * 64,
+        "elapsed/fps": int(64 * 24 / 3.0),
+        "elapsed/time": 100.0,
+    }

@@ -97,6 +97,7 @@ LABEL_LOOP = REWARD_RUN + "test_reward_run_trains_one_epoch_in_rank_zero_order_w
 REWARD_LOGS = REWARD_RUN + "test_reward_run_logs_the_best_of_n_cross_entropy"
 PPO_LOSSES = UNITS + "test_ppo_losses_match_numpy_rederivation"
 REWARDS = "tests/test_rewards.py::"
+TP_TESTS = "tests/test_train_policy.py::"
 PPO_STATS = "tests/test_train_policy.py::test_ppo_update_logs_every_statistic_by_its_formula"
 REWARD_STATS = "tests/test_train_reward.py::test_reward_run_logs_each_statistic_by_its_formula"
 NORMALIZED_REWARD = (
@@ -1628,6 +1629,24 @@ BREAKAGES = [
         "scores.append(reward.raw(queries, truncated).float())",
         "scores.append(reward.raw(queries, responses).float())",
         [NORMALIZED_REWARD],
+    ),
+    Breakage(
+        "metrics-fps-per-episode",
+        "§4.1",
+        "elapsed/fps counts episodes per second instead of tokens",
+        TP,
+        'stats["elapsed/fps"] = int(batch * length / (now - last_time))',
+        'stats["elapsed/fps"] = int(batch / (now - last_time))',
+        [TP_TESTS + "test_elapsed_statistics_follow_their_formulas"],
+    ),
+    Breakage(
+        "metrics-time-since-last-update",
+        "§4.1",
+        "elapsed/time is the time since the previous update instead of since the start",
+        TP,
+        'stats["elapsed/time"] = now - start_time',
+        'stats["elapsed/time"] = now - last_time',
+        [TP_TESTS + "test_elapsed_statistics_follow_their_formulas"],
     ),
 ]
 
