@@ -489,3 +489,22 @@ def test_reward_run_logs_each_statistic_by_its_formula(tmp_path, tiny_model_dir,
         assert metrics["debug/accuracy"] == pytest.approx(accuracy), step
         assert metrics["debug/lr"] == pytest.approx(1e-2 * (1 - 8 * step / 24)), step
     assert len({metrics["debug/accuracy"] for metrics in steps}) > 1  # the accuracy moves: not a constant
+
+
+def test_scalar_labels_normalize_after_training_to_mean_zero_std_one(tmp_path, tiny_model_dir, world):
+    # spec R4: only normalize_before targets the labels' scale; normalize_after always targets N(0, 1), whatever the
+    # label type (a scalar_rating file whose scores have mean ~2.3 and std ~1.3 tells the two apart)
+    values = write_scalar_labels(world, tmp_path / "labels.json", "scalar_rating", 24)
+    labels = train_reward.LabelHParams(type="scalar_rating", num_train=16)
+    settings = dict(
+        batch_size=8, rollout_batch_size=8, normalize_samples=8, normalize_before=False, normalize_after=True
+    )
+    result = train_reward.main(
+        reward_args(tmp_path, tiny_model_dir, world, tmp_path / "labels.json", labels=labels, **settings)
+    )
+    after = result["normalization"]["after"]
+    assert (values[:16].mean(), values[:16].std()) != pytest.approx((0.0, 1.0), abs=0.1)
+    assert (after["target_mean"], after["target_std"]) == (0.0, 1.0)
+    assert (result["gain"], result["bias"]) == pytest.approx(
+        (1 / after["std"], -after["mean"] / after["std"]), rel=1e-5
+    )

@@ -1648,6 +1648,15 @@ BREAKAGES = [
         'stats["elapsed/time"] = now - last_time',
         [TP_TESTS + "test_elapsed_statistics_follow_their_formulas"],
     ),
+    Breakage(
+        "R4-after-targets-label-scale",
+        "R4",
+        "normalize_after targets the labels' scale (as normalize_before does) instead of mean 0 and std 1",
+        TR,
+        'norms["after"] = normalize("after", num_steps, (0.0, 1.0))',
+        'norms["after"] = normalize("after", num_steps, normalization_target(label_type, train_labels))',
+        ["tests/test_train_reward.py::test_scalar_labels_normalize_after_training_to_mean_zero_std_one"],
+    ),
 ]
 
 
