@@ -152,3 +152,17 @@ def test_fused_gelu_equals_gpt2_gelu_in_values_and_gradients():
     untouched = GPT2Config(activation_function="relu")
     use_fused_gelu(untouched)
     assert untouched.activation_function == "relu"
+
+
+def test_inverse_cdf_sampler_never_draws_a_token_whose_probability_underflows_to_zero():
+    # the sampler of every decoding step (modeling.sample) at the uniforms' two ends: float32 exp() of a logit 200
+    # below the top is 0, so tokens 0 and 3 have probability 0; a uniform of 0 must not land on token 0 (the CDF's
+    # first flat step), and one whose product with the total rounds up to the total (1.0 here) must neither leave
+    # the vocabulary nor land on token 3 (its last flat step)
+    from lm_human_preference_details.kernels import sample_categorical_from_uniforms
+
+    logits = torch.tensor([[-200.0, 0.0, 0.0, -200.0]]).expand(3, -1)
+    uniforms = torch.tensor([[0.0], [0.5], [1.0]], dtype=torch.float64)
+    tokens, logprobs = sample_categorical_from_uniforms(logits, uniforms)
+    assert tokens.tolist() == [1, 2, 2]
+    torch.testing.assert_close(logprobs, torch.full((3,), -torch.log(torch.tensor(2.0)).item()))

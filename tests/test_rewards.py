@@ -248,3 +248,45 @@ def test_normalization_gain_and_bias_are_saved_and_restored_on_resume(tmp_path, 
     (stats,) = main(resumed)
     assert stats["objective/score"] == 5.0
     assert json.loads((tmp_path / "policy" / "args.json").read_text())["rewards"]["normalization"]["bias"] == 5.0
+
+
+# ---------------------------------------------------------------- normalization against its formula
+
+
+def test_normalization_is_population_moments_of_truncated_samples_and_the_reward_is_gain_times_score_plus_bias(
+    tmp_path, tokenizer, small_vocab_model_dir, small_vocab_words, query_file
+):
+    # spec RS1, R4: normalize_reward scores what training scores (raw query, truncated response) and sets gain 1/std,
+    # bias -mean/std (population std); the reward training adds is gain * score + bias: mean 0, std 1 on those samples
+    import numpy as np
+
+    from lm_human_preference_details import core
+    from lm_human_preference_details.data import QueryStream, load_texts
+    from lm_human_preference_details.modeling import PolicyWithValueHead, load_causal_lm
+    from lm_human_preference_details.rewards import normalize_reward
+    from lm_human_preference_details.tasks import encode_context_affixes
+    from tests.fidelity import np_truncate
+
+    path = reward_file(tmp_path, "def length(queries, responses):\n    return [float(len(r)) for r in responses]\n")
+    reward = load_reward(f"python:{path}:length", tokenizer, PAD, torch.device("cpu"))
+    the = small_vocab_words["the"]  # sampled in about 1 of 14 positions: some responses truncate, some do not
+    task = dataclasses.replace(tiny_task(query_file), truncate_token=the, truncate_after=2)
+    seen, raw = [], reward.raw
+    reward.raw = lambda queries, responses: seen.append((queries, responses)) or raw(queries, responses)
+    policy = PolicyWithValueHead(load_causal_lm(small_vocab_model_dir)).eval()
+    stream = QueryStream(load_texts(query_file), tokenizer, task, 0, 1)
+    affixes = encode_context_affixes(tokenizer, task)
+    result = normalize_reward(reward, policy, stream, affixes, task, 24, 1, core.make_accelerator())
+    del reward.raw  # the class's own again
+    responses = torch.cat([r for _, r in seen]).numpy()
+    assert responses.shape == (24, task.response_length)
+    np.testing.assert_array_equal(responses, np_truncate(responses, the, 2, PAD))  # truncated ...
+    assert 0 < (responses == PAD).any(1).sum() < 24  # ... where 'the' came at index >= 2 (the model never samples PAD)
+    scores = torch.cat([raw(q, r) for q, r in seen]).double().numpy()
+    mean, std = scores.mean(), scores.std()  # numpy std: population
+    assert result["samples"] == 24 and (result["mean"], result["std"]) == pytest.approx((mean, std), rel=1e-5)
+    assert (result["gain"], result["bias"]) == pytest.approx((1 / std, -mean / std), rel=1e-5)
+    reward.gain, reward.bias = result["gain"], result["bias"]
+    normalized = torch.cat([reward(q, r) for q, r in seen]).double().numpy()
+    np.testing.assert_allclose(normalized, scores / std - mean / std, rtol=1e-5, atol=1e-5)
+    assert (normalized.mean(), normalized.std()) == pytest.approx((0.0, 1.0), abs=1e-5)

@@ -792,3 +792,154 @@ def test_main_raises_on_non_finite_scores(tmp_path, tiny_model_dir, query_file):
     with pytest.raises(ValueError, match=r"non-finite scores \(8 entries\), rewards .* at update 0; stopped before"):
         main(args)
     assert not os.path.exists(tmp_path / "policy" / "model.safetensors")  # nothing saved
+
+
+# ---------------------------------------------------------------- every PPO statistic against its formula
+
+
+def recorded_ppo_update(monkeypatch, **ppo) -> tuple[dict, list[dict], list[torch.Tensor]]:
+    """One real ppo_update of a tiny policy on 32 episodes, rollout log-probs its own; -> the reduced statistics, the
+    inputs of every ppo_losses call (float64 copies) and the entropy of every loss forward's full distribution."""
+    args = Args()
+    args.ppo = dataclasses.replace(args.ppo, batch_size=32, **ppo)
+    sizes = derive_sizes(args, 1)
+    from tests.conftest import tiny_gpt2
+
+    policy = PolicyWithValueHead(tiny_gpt2(seed=0))
+    generator = torch.Generator().manual_seed(0)
+    context_length, length, temperature = 4, 5, 0.7
+    query_responses = torch.randint(0, 50257, (32, context_length + length), generator=generator)
+    with torch.no_grad():
+        logits, _ = policy(query_responses, context_length, PAD, temperature)
+        logprobs = torch.log_softmax(logits, -1).gather(-1, query_responses[:, context_length:, None])[..., 0]
+    values = torch.randn(32, length, generator=generator)  # apart from vpred (0 at first): both clips fire
+    # rewards whose level differs between the two halves (virtual ranks), so per-group moments differ from global ones
+    rewards = torch.randn(32, length, generator=generator) + torch.arange(32.0)[:, None] / 8
+    rollout = train_policy.Rollout(query_responses, context_length, logprobs, values, rewards)
+    rngs = virtual_rank_rngs(args.seed, 0, 1, sizes.virtual_ranks)
+    indices = torch.from_numpy(minibatch_indices(rngs, sizes.group, args.ppo.nminibatches, args.ppo.noptepochs))
+    calls, entropies = [], []
+    losses, forward = train_policy.ppo_losses, PolicyWithValueHead.forward
+
+    def recording_losses(*inputs):
+        names = ("new_logprobs", "vpred", "logprobs", "values", "advantages", "returns")
+        calls.append({name: value.detach().double().clone() for name, value in zip(names, inputs)})
+        return losses(*inputs)
+
+    def recording_forward(self, *inputs, **kwargs):
+        out = forward(self, *inputs, **kwargs)
+        if torch.is_grad_enabled():
+            entropies.append(torch.distributions.Categorical(logits=out[0].detach().double()).entropy())
+        return out
+
+    monkeypatch.setattr(train_policy, "ppo_losses", recording_losses)
+    monkeypatch.setattr(PolicyWithValueHead, "forward", recording_forward)
+    optimizer = train_policy.make_optimizer(list(policy.parameters()), 1e-2, True)
+    accelerator = core.make_accelerator()
+    stats = train_policy.ppo_update(policy, optimizer, accelerator, rollout, indices, sizes, args.ppo, temperature, PAD)
+    return train_policy.reduce_stats(stats.local(), accelerator), calls, entropies
+
+
+def test_ppo_update_logs_every_statistic_by_its_formula(monkeypatch):
+    # spec §4.1, D4, D5, P8-P11: an update of 2 epochs x 2 minibatches of 16 episodes, each minibatch 2 micro-batches of
+    # 8 (--ppo.gradient_accumulation_steps 2), 2 virtual ranks of 16 episodes (a rank's minibatch of 8 is one
+    # micro-batch here), and cliprange 0.1 != cliprange_value 0.3 (their defaults are both 0.2): every ppo/* and
+    # debug/ratio* statistic re-derived from the inputs of the loss calls, not from what ppo_losses returned
+    cliprange, cliprange_value, vf_coef = 0.1, 0.3, 0.1
+    ppo = dict(nminibatches=2, noptepochs=2, gradient_accumulation_steps=2, whiten_group_size=16)
+    stats, calls, entropies = recorded_ppo_update(
+        monkeypatch, cliprange=cliprange, cliprange_value=cliprange_value, vf_coef=vf_coef, **ppo
+    )
+    assert len(calls) == len(entropies) == 2 * 2 * 2
+    per_call = {key: [] for key in ("policy", "value", "total", "approxkl", "pg_clip", "vf_clip", "vpred", "error")}
+    moments = {"returns/mean": [], "returns/var": [], "val/mean": [], "val/var": []}
+    ratios = []
+    for call in calls:
+        diff = (call["new_logprobs"] - call["logprobs"]).numpy()
+        ratio = np.exp(diff)
+        advantages, vpred, values, returns = (call[k].numpy() for k in ("advantages", "vpred", "values", "returns"))
+        pg1, pg2 = -advantages * ratio, -advantages * np.clip(ratio, 1 - cliprange, 1 + cliprange)
+        vf1 = (vpred - returns) ** 2
+        vf2 = (np.clip(vpred, values - cliprange_value, values + cliprange_value) - returns) ** 2
+        per_call["policy"].append(np.maximum(pg1, pg2).mean())
+        per_call["value"].append(0.5 * np.maximum(vf1, vf2).mean())
+        per_call["total"].append(per_call["policy"][-1] + vf_coef * per_call["value"][-1])
+        per_call["approxkl"].append(0.5 * (diff**2).mean())
+        per_call["pg_clip"].append((pg2 > pg1).mean())
+        per_call["vf_clip"].append((vf2 > vf1).mean())
+        per_call["vpred"].append(vpred.mean())
+        per_call["error"].append(vf1.mean())
+        # each micro-batch here is one virtual rank's block: population moments per virtual rank, then averaged
+        for name, x in (("returns", returns), ("val", values)):
+            moments[f"{name}/mean"].append(x.mean())
+            moments[f"{name}/var"].append(x.var())
+        ratios.append(ratio)
+    # both clips fire on some tokens and not on others (ties count as not clipped)
+    assert 0 < np.mean(per_call["pg_clip"]) < 1 and 0 < np.mean(per_call["vf_clip"]) < 1
+    names = {
+        "loss/policy": "policy",
+        "loss/value": "value",
+        "loss/total": "total",
+        "policy/approxkl": "approxkl",
+        "policy/clipfrac": "pg_clip",
+        "val/clipfrac": "vf_clip",
+        "val/vpred": "vpred",
+        "val/error": "error",
+    }
+    # the micro-batches are equal, so the mean over minibatch steps of their means is the mean over all calls
+    expected = {f"ppo/{key}": np.mean(per_call[name]) for key, name in names.items()}
+    expected.update({f"ppo/{key}": np.mean(values) for key, values in moments.items()})
+    expected["ppo/policy/entropy"] = np.mean([e.mean().item() for e in entropies])
+    expected["debug/ratio_mean"] = np.mean([r.mean() for r in ratios])
+    expected["debug/ratio_min"] = min(r.min() for r in ratios)
+    expected["debug/ratio_max"] = max(r.max() for r in ratios)
+    # the first minibatch of the first epoch (its 2 micro-batches): the ratio ~1 before any step
+    expected["debug/first_minibatch_ratio_max_abs_dev"] = max(np.abs(r - 1).max() for r in ratios[:2])
+    assert expected["debug/first_minibatch_ratio_max_abs_dev"] < 1e-5 < np.abs(ratios[-1] - 1).max()
+    assert set(expected) | {"nonfinite/advantages", "nonfinite/loss", "nonfinite/gradients"} == set(stats)
+    for key, value in expected.items():
+        assert stats[key] == pytest.approx(value, rel=1e-5, abs=1e-6), key
+
+
+def test_main_logs_eos_count_and_filter_pass_rate_of_the_raw_responses(tmp_path, tokenizer, query_file, monkeypatch):
+    # debug/num_eos counts EOS in the sampled (raw) responses, debug/filter_pass_rate is the share with the truncate
+    # token at index >= truncate_after: a model sampling almost only EOS, '.' and two words puts EOS after a
+    # truncating '.' in some responses, so counting in the truncated responses would tell apart
+    from tests.conftest import small_vocab_gpt2
+    from tests.fidelity import np_passes
+
+    model_dir = tmp_path / "model"
+    small_vocab_gpt2([tokenizer.eos_token_id, 13, *tokenizer.encode(" the cat")]).save_pretrained(model_dir)
+    tokenizer.save_pretrained(model_dir)
+    rm_dir = save_reward_model(tmp_path / "reward", str(model_dir), tiny_task(query_file))
+    sampled, sample = [], train_policy.sample
+    monkeypatch.setattr(train_policy, "sample", lambda *a, **k: sampled.append(sample(*a, **k)) or sampled[-1])
+    (stats,) = main(tiny_args(tmp_path / "policy", str(model_dir), rm_dir, query_file, total_episodes=8))
+    responses = sampled[0][0]
+    eos = (responses == tokenizer.eos_token_id).sum(1).double()
+    truncated = truncate_response(responses, 13, 2, PAD)
+    assert (truncated == tokenizer.eos_token_id).sum(1).double().mean() < eos.mean()
+    assert stats["debug/num_eos"] == pytest.approx(eos.mean().item())
+    passed = np_passes(responses.numpy(), 13, 2)
+    assert 0 < passed.mean() < 1 and stats["debug/filter_pass_rate"] == pytest.approx(passed.mean())
+
+
+def test_elapsed_statistics_follow_their_formulas(monkeypatch):
+    # spec §4.1: elapsed/* of update 2 (0-based) of a global batch of 64 and 24-token responses, at a pinned clock:
+    # fps = int(batch * length / seconds since the previous update's statistics), time = seconds since the start
+    args = Args()
+    args.ppo.batch_size, args.task.response_length = 64, 24
+    monkeypatch.setattr(train_policy.time, "time", lambda: 1000.0)
+    stats = {"ppo/val/error": 0.5, "ppo/returns/var": 2.0}
+    train_policy.add_elapsed_stats(stats, 2, args, start_time=900.0, last_time=997.0)
+    assert stats == {
+        "ppo/val/error": 0.5,
+        "ppo/returns/var": 2.0,
+        "ppo/val/var_explained": 1 - 0.5 / 2.0,
+        "elapsed/updates": 3,
+        "elapsed/steps/serial": 3 * 24,
+        "elapsed/steps/total": 3 * 64 * 24,
+        "elapsed/episodes": 3 * 64,
+        "elapsed/fps": int(64 * 24 / 3.0),
+        "elapsed/time": 100.0,
+    }

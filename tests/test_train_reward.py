@@ -445,3 +445,77 @@ def test_two_processes_agree_on_weights_and_shard_labels_like_oai(tmp_path, tiny
     for r in range(2):
         expected = np.concatenate([permutation[s : s + 16][r::2] for s in range(0, 64, 16)]).tolist()
         assert ranks[r]["indices"] == expected
+
+
+def test_reward_run_logs_each_statistic_by_its_formula(tmp_path, tiny_model_dir, world, monkeypatch):
+    # spec §4.2, R4, R6, O5: per step, train_reward/minibatch/loss and error = the cross-entropy of the step's rewards
+    # against its labels' best, debug/accuracy = the share whose best sample has the highest reward, debug/lr =
+    # lr * (1 - labels done / num_train); normalize_before/* from what was measured, and --debug_normalize 16 (not
+    # --normalize_samples 8) fresh samples after it
+    from lm_human_preference_details import core
+
+    logged, step_rewards, moments = [], [], []
+    score, measure = train_reward.score_label_rows, train_reward.reward_moments
+    monkeypatch.setattr(core.Tracker, "log", lambda self, metrics, step: logged.append((step, metrics)) or None)
+
+    def recording_score(*args, **kwargs):
+        rewards = score(*args, **kwargs)
+        if torch.is_grad_enabled():  # a training step's micro-batch, not the held-out evaluation
+            step_rewards.append(rewards.detach().double())
+        return rewards
+
+    def recording_moments(*args):
+        out = measure(*args)
+        moments.append((args[-1], out[0].item(), out[1].item(), out[2]))
+        return out
+
+    monkeypatch.setattr(train_reward, "score_label_rows", recording_score)
+    monkeypatch.setattr(train_reward, "reward_moments", recording_moments)
+    rows = json.loads(world["labels"].read_text())[:32]  # 24 to train on, 8 held out
+    (tmp_path / "labels.json").write_text(json.dumps(rows))
+    sizes = dict(batch_size=8, rollout_batch_size=8, normalize_samples=8, debug_normalize=16)
+    args = reward_args(tmp_path, tiny_model_dir, world, tmp_path / "labels.json", lr=1e-2, **sizes)
+    args.labels.num_train = 24
+    train_reward.main(args)
+    assert [(n, count) for n, _, _, count in moments] == [(8, 8), (16, 16)]
+    _, mean, std, _ = moments[0]
+    (normalized,) = [metrics for _, metrics in logged if "normalize_before/gain" in metrics]
+    assert (normalized["normalize_before/mean"], normalized["normalize_before/std"]) == pytest.approx((mean, std))
+    assert normalized["normalize_before/gain"] == pytest.approx(1 / std, rel=1e-5)
+    assert normalized["normalize_before/bias"] == pytest.approx(-mean / std, rel=1e-5, abs=1e-6)
+    assert (normalized["normalize_before/debug_mean"], normalized["normalize_before/debug_std"]) == (
+        pytest.approx(moments[1][1]),
+        pytest.approx(moments[1][2]),
+    )
+    best = torch.tensor([row["best"] for row in rows[:24]])
+    order = np.random.RandomState(args.seed).permutation(24)
+    steps = [metrics for _, metrics in logged if "train_reward/minibatch/loss" in metrics]
+    assert len(steps) == len(step_rewards) == 3
+    for step, (metrics, rewards) in enumerate(zip(steps, step_rewards)):
+        label = best[order[8 * step : 8 * (step + 1)]]
+        loss = (torch.logsumexp(rewards, 1) - rewards.gather(1, label[:, None])[:, 0]).mean().item()
+        accuracy = (rewards.argmax(1) == label).double().mean().item()
+        assert metrics["train_reward/minibatch/loss"] == pytest.approx(loss, rel=1e-5), step
+        assert metrics["train_reward/minibatch/error"] == metrics["train_reward/minibatch/loss"]
+        assert metrics["debug/accuracy"] == pytest.approx(accuracy), step
+        assert metrics["debug/lr"] == pytest.approx(1e-2 * (1 - 8 * step / 24)), step
+    assert len({metrics["debug/accuracy"] for metrics in steps}) > 1  # the accuracy moves: not a constant
+
+
+def test_scalar_labels_normalize_after_training_to_mean_zero_std_one(tmp_path, tiny_model_dir, world):
+    # spec R4: only normalize_before targets the labels' scale; normalize_after always targets N(0, 1), whatever the
+    # label type (a scalar_rating file whose scores have mean ~2.3 and std ~1.3 tells the two apart)
+    values = write_scalar_labels(world, tmp_path / "labels.json", "scalar_rating", 24)
+    labels = train_reward.LabelHParams(type="scalar_rating", num_train=16)
+    settings = dict(
+        batch_size=8, rollout_batch_size=8, normalize_samples=8, normalize_before=False, normalize_after=True
+    )
+    result = train_reward.main(
+        reward_args(tmp_path, tiny_model_dir, world, tmp_path / "labels.json", labels=labels, **settings)
+    )
+    after = result["normalization"]["after"]
+    assert (values[:16].mean(), values[:16].std()) != pytest.approx((0.0, 1.0), abs=0.1)
+    assert (after["target_mean"], after["target_std"]) == (0.0, 1.0)
+    assert (result["gain"], result["bias"]) == pytest.approx(
+        (1 / after["std"], -after["mean"] / after["std"]), rel=1e-5
+    )
