@@ -17,6 +17,7 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import train_policy
+from lm_human_preference_details import distributed
 from lm_human_preference_details.cli import parse_args
 from lm_human_preference_details.modeling import PolicyWithValueHead, RewardModel
 from lm_human_preference_details.ppo_plumbing import (
@@ -27,7 +28,7 @@ from lm_human_preference_details.ppo_plumbing import (
     run_summary,
 )
 from lm_human_preference_details.sizes import derive_sizes
-from lm_human_preference_details.tasks import TaskHParams
+from lm_human_preference_details.tasks import TaskHParams, truncate_response
 from lm_human_preference_details.tokenizer import load_tokenizer, tokenizer_fingerprint
 from tests.planted import REPO, free_port, without_gpus
 from train_policy import (
@@ -835,7 +836,7 @@ def recorded_ppo_update(monkeypatch, **ppo) -> tuple[dict, list[dict], list[torc
     monkeypatch.setattr(train_policy, "ppo_losses", recording_losses)
     monkeypatch.setattr(PolicyWithValueHead, "forward", recording_forward)
     optimizer = train_policy.make_optimizer(list(policy.parameters()), 1e-2, True)
-    accelerator = core.make_accelerator()
+    accelerator = distributed.make_accelerator()
     stats = train_policy.ppo_update(policy, optimizer, accelerator, rollout, indices, sizes, args.ppo, temperature, PAD)
     return train_policy.reduce_stats(stats.local(), accelerator), calls, entropies
 
