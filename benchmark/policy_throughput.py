@@ -37,7 +37,7 @@ from transformers import GPT2LMHeadModel, GPT2Model
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import train_policy  # noqa: E402
 from benchmark.shapes import SHAPES, gpt2_config  # noqa: E402
-from lm_human_preference_details import cli  # noqa: E402
+from lm_human_preference_details import cli, ppo_plumbing  # noqa: E402
 from lm_human_preference_details.instruments.host_syncs import HostSyncCounter  # noqa: E402
 from lm_human_preference_details.modeling import RewardModel  # noqa: E402
 from lm_human_preference_details.tokenizer import gpt2_tokenizer_offline, tokenizer_fingerprint  # noqa: E402
@@ -322,8 +322,9 @@ class UpdateProbe:
 
     @contextlib.contextmanager
     def attached(self):
-        """train_policy's PhaseTimer and reduce_stats report to this probe while the block runs."""
-        probe, timer, reduce_stats = self, train_policy.PhaseTimer, train_policy.reduce_stats
+        """train_policy's PhaseTimer (ppo_plumbing.PhaseTimer) and reduce_stats report to this probe while the block
+        runs."""
+        probe, timer, reduce_stats = self, ppo_plumbing.PhaseTimer, train_policy.reduce_stats
 
         class ProbedTimer(timer):
             def mark(self) -> None:
@@ -338,8 +339,8 @@ class UpdateProbe:
 
         with contextlib.ExitStack() as stack:
             self.counter = stack.enter_context(self.make_counter()) if self.count_syncs else None
-            train_policy.PhaseTimer, train_policy.reduce_stats = ProbedTimer, probed_reduce_stats
-            stack.callback(setattr, train_policy, "PhaseTimer", timer)
+            ppo_plumbing.PhaseTimer, train_policy.reduce_stats = ProbedTimer, probed_reduce_stats
+            stack.callback(setattr, ppo_plumbing, "PhaseTimer", timer)
             stack.callback(setattr, train_policy, "reduce_stats", reduce_stats)
             yield self
 
