@@ -325,6 +325,7 @@ def run(main: Callable[[T], Any], parse: Callable[[list[str]], T], argv: Sequenc
     debug = debug or os.environ.get(DEBUG_ENV, "0") not in ("", "0")
     try:
         main(parse(argv))
+        end_process_group()
     except Stopped as e:
         if str(e):
             print(str(e), file=sys.stderr, flush=True)
@@ -339,6 +340,16 @@ def run(main: Callable[[T], Any], parse: Callable[[list[str]], T], argv: Sequenc
             raise
         print(f"error: {e}\n(run with --debug for the traceback)", file=sys.stderr)
         sys.exit(2)
+
+
+def end_process_group() -> None:
+    """After a run that ended well: leave the process group (torchrun, accelerate launch) on every process, as torch
+    asks before a program exits; a process that exits with the group still up can abort in its teardown (SIGABRT,
+    "terminate called without an active exception") after all its work is done."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def quiet_transformers() -> None:

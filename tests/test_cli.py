@@ -227,3 +227,21 @@ def test_hub_name_offline_is_one_line():
     result = run("train_reward.py", "--base_model", "gpt2")
     assert result.returncode == 2 and "Traceback" not in result.stderr
     assert "hub is unreachable" in result.stderr and "--base_model DIR" in result.stderr
+
+
+def test_a_run_that_ends_well_leaves_the_process_group_and_one_that_fails_does_not(monkeypatch):
+    # a process that exits with the group still up can abort in its teardown after its work is done (SIGABRT)
+    import torch.distributed as dist
+
+    left = []
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "destroy_process_group", lambda: left.append(True))
+    cli.run(lambda args: None, lambda argv: argv, [])
+    assert left == [True]
+
+    def failing(args):
+        raise ValueError("bad flag")
+
+    with pytest.raises(SystemExit):  # the others may be gone: leaving the group could wait for them
+        cli.run(failing, lambda argv: argv, [])
+    assert left == [True]

@@ -190,6 +190,7 @@ TWO_PROCESS_SCRIPT = textwrap.dedent(
     }
     torch.save(result, f"{sys.argv[1]}/rank{rank}.pt")
     accelerator.wait_for_everyone()
+    torch.distributed.destroy_process_group()
     """
 )
 

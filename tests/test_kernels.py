@@ -159,10 +159,10 @@ def test_inverse_cdf_sampler_never_draws_a_token_whose_probability_underflows_to
     # below the top is 0, so tokens 0 and 3 have probability 0; a uniform of 0 must not land on token 0 (the CDF's
     # first flat step), and one whose product with the total rounds up to the total (1.0 here) must neither leave
     # the vocabulary nor land on token 3 (its last flat step)
-    from lm_human_preference_details.kernels import sample_categorical_from_uniforms
+    from lm_human_preference_details.kernels import sample_categorical
 
     logits = torch.tensor([[-200.0, 0.0, 0.0, -200.0]]).expand(3, -1)
     uniforms = torch.tensor([[0.0], [0.5], [1.0]], dtype=torch.float64)
-    tokens, logprobs = sample_categorical_from_uniforms(logits, uniforms)
+    tokens, logprobs = sample_categorical(logits, uniforms)
     assert tokens.tolist() == [1, 2, 2]
     torch.testing.assert_close(logprobs, torch.full((3,), -torch.log(torch.tensor(2.0)).item()))

@@ -260,7 +260,7 @@ def test_normalization_is_population_moments_of_truncated_samples_and_the_reward
     # bias -mean/std (population std); the reward training adds is gain * score + bias: mean 0, std 1 on those samples
     import numpy as np
 
-    from lm_human_preference_details import core
+    from lm_human_preference_details import distributed
     from lm_human_preference_details.data import QueryStream, load_texts
     from lm_human_preference_details.modeling import PolicyWithValueHead, load_causal_lm
     from lm_human_preference_details.rewards import normalize_reward
@@ -276,7 +276,7 @@ def test_normalization_is_population_moments_of_truncated_samples_and_the_reward
     policy = PolicyWithValueHead(load_causal_lm(small_vocab_model_dir)).eval()
     stream = QueryStream(load_texts(query_file), tokenizer, task, 0, 1)
     affixes = encode_context_affixes(tokenizer, task)
-    result = normalize_reward(reward, policy, stream, affixes, task, 24, 1, core.make_accelerator())
+    result = normalize_reward(reward, policy, stream, affixes, task, 24, 1, distributed.make_accelerator())
     del reward.raw  # the class's own again
     responses = torch.cat([r for _, r in seen]).numpy()
     assert responses.shape == (24, task.response_length)

@@ -452,11 +452,11 @@ def test_reward_run_logs_each_statistic_by_its_formula(tmp_path, tiny_model_dir,
     # against its labels' best, debug/accuracy = the share whose best sample has the highest reward, debug/lr =
     # lr * (1 - labels done / num_train); normalize_before/* from what was measured, and --debug_normalize 16 (not
     # --normalize_samples 8) fresh samples after it
-    from lm_human_preference_details import core
+    from lm_human_preference_details import tracking
 
     logged, step_rewards, moments = [], [], []
     score, measure = train_reward.score_label_rows, train_reward.reward_moments
-    monkeypatch.setattr(core.Tracker, "log", lambda self, metrics, step: logged.append((step, metrics)) or None)
+    monkeypatch.setattr(tracking.Tracker, "log", lambda self, metrics, step: logged.append((step, metrics)) or None)
 
     def recording_score(*args, **kwargs):
         rewards = score(*args, **kwargs)
