@@ -4,6 +4,7 @@ Every script parses the same way: `--task NAME` picks one of OAI's launch.py exp
 overrides one field of it (tyro), and `--debug` shows the traceback that bad input otherwise reports in one line.
 """
 
+import atexit
 import contextlib
 import functools
 import io
@@ -325,7 +326,7 @@ def run(main: Callable[[T], Any], parse: Callable[[list[str]], T], argv: Sequenc
     debug = debug or os.environ.get(DEBUG_ENV, "0") not in ("", "0")
     try:
         main(parse(argv))
-        end_process_group()
+        atexit.register(end_process_group)  # at the program's exit: a script run in-process may come next
     except Stopped as e:
         if str(e):
             print(str(e), file=sys.stderr, flush=True)
@@ -343,9 +344,10 @@ def run(main: Callable[[T], Any], parse: Callable[[list[str]], T], argv: Sequenc
 
 
 def end_process_group() -> None:
-    """After a run that ended well: leave the process group (torchrun, accelerate launch) on every process, as torch
+    """At the exit of a program whose run ended well: leave the process group (torchrun, accelerate launch), as torch
     asks before a program exits; a process that exits with the group still up can abort in its teardown (SIGABRT,
-    "terminate called without an active exception") after all its work is done."""
+    "terminate called without an active exception") after all its work is done. Not sooner: accelerate keeps its
+    state for the process, and a second script run in the same process reuses that state's process group."""
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():

@@ -233,10 +233,14 @@ def test_a_run_that_ends_well_leaves_the_process_group_and_one_that_fails_does_n
     # a process that exits with the group still up can abort in its teardown after its work is done (SIGABRT)
     import torch.distributed as dist
 
-    left = []
+    left, at_exit = [], []
     monkeypatch.setattr(dist, "is_initialized", lambda: True)
     monkeypatch.setattr(dist, "destroy_process_group", lambda: left.append(True))
+    monkeypatch.setattr(cli.atexit, "register", at_exit.append)
     cli.run(lambda args: None, lambda argv: argv, [])
+    # at the program's exit, not at once: a second script run in the same process reuses accelerate's process group
+    assert left == [] and at_exit == [cli.end_process_group]
+    at_exit.pop()()
     assert left == [True]
 
     def failing(args):
@@ -244,4 +248,4 @@ def test_a_run_that_ends_well_leaves_the_process_group_and_one_that_fails_does_n
 
     with pytest.raises(SystemExit):  # the others may be gone: leaving the group could wait for them
         cli.run(failing, lambda argv: argv, [])
-    assert left == [True]
+    assert left == [True] and at_exit == []
