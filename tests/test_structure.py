@@ -8,10 +8,14 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 PACKAGE = "lm_human_preference_details"
 SCRIPTS = sorted(p.stem for p in REPO.glob("*.py"))
-ROOMS = ("labeling", "instruments")
+ROOMS = ("labeling", "instruments", "nplus")
 """The package's sub-packages: the labeling server and its store, and the analysis instruments (compare, metrics,
-host syncs) that benchmarks, tools and tests use."""
-ROOM_USERS = {"labeling": {"label_generation"}, "instruments": set()}
+host syncs) that benchmarks, tools and tests use; and the successor recipe's own parts (nplus)."""
+ROOM_USERS = {
+    "labeling": {"label_generation"},
+    "instruments": set(),
+    "nplus": {"train_sft", "train_policy", "train_reward", "train_both", "evaluate"},
+}
 """The scripts at the repository root that may import each room (the demo, benchmarks, tools and tests may too)."""
 
 
