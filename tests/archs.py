@@ -9,6 +9,15 @@ its special tokens set like the family's real tokenizer:
 | gpt_neox | Pythia | no | `<|endoftext|>` (also BOS) | none |
 | llama | Llama 3 | yes, `<|begin_of_text|>` | `<|end_of_text|>` | none |
 | qwen2 | Qwen2 base | no (no BOS token) | `<|endoftext|>` | `<|endoftext|>`, i.e. EOS |
+
+With `chat=True` (llama and qwen2) the tokenizer is the family's instruct tokenizer instead: the chat's special tokens
+are added after the trained vocabulary, a chat template like the family's is set, and EOS is the token that ends an
+assistant turn (as in the instruct models' own tokenizer files):
+
+| family | like | a chat turn | EOS (ends a turn) | PAD |
+|---|---|---|---|---|
+| llama | Llama 3 Instruct | `<|start_header_id|>ROLE<|end_header_id|>\n\nTEXT<|eot_id|>` | `<|eot_id|>` | none |
+| qwen2 | Qwen2 Instruct | ChatML: `<|im_start|>ROLE\nTEXT<|im_end|>\n` | `<|im_end|>` | `<|endoftext|>` |
 """
 
 import functools
@@ -70,8 +79,32 @@ def _trained_bpe(specials: tuple[str, ...]) -> str:
     return bpe.to_str()
 
 
-def family_tokenizer(family: str) -> PreTrainedTokenizerFast:
-    """A tokenizer with the family's special-token conventions (see the module's table), as its hub files would give."""
+CHAT_TEMPLATES = {
+    # Llama 3 Instruct's template, without its default "Cutting Knowledge Date" system text
+    "llama": (
+        "{{ bos_token }}{% for message in messages %}<|start_header_id|>{{ message['role'] }}<|end_header_id|>\n\n"
+        "{{ message['content'] | trim }}<|eot_id|>{% endfor %}"
+        "{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n{% endif %}"
+    ),
+    # ChatML as Qwen2 Instruct writes it, without its default system message
+    "qwen2": (
+        "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' "
+        "+ '\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+    ),
+}
+"""the chat template of each family's instruct tokenizer (`family_tokenizer(family, chat=True)`)"""
+CHAT_SPECIALS = {
+    # family: (the chat's special tokens, the EOS that ends an assistant turn)
+    "llama": (("<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"), "<|eot_id|>"),
+    "qwen2": (("<|im_start|>", "<|im_end|>"), "<|im_end|>"),
+}
+
+
+def family_tokenizer(family: str, chat: bool = False) -> PreTrainedTokenizerFast:
+    """A tokenizer with the family's special-token conventions (see the module's table), as its hub files would give;
+    chat=True: the family's instruct tokenizer, with its chat tokens, chat template and turn-ending EOS."""
+    if chat and family not in CHAT_TEMPLATES:
+        raise ValueError(f"no chat template for {family!r}; one of {tuple(CHAT_TEMPLATES)}")
     bos, eos, pad, adds_bos = _SPECIALS[family]
     specials = tuple(dict.fromkeys(t for t in (bos, eos, pad) if t is not None))
     backend = Tokenizer.from_str(_trained_bpe(specials))
@@ -82,7 +115,13 @@ def family_tokenizer(family: str) -> PreTrainedTokenizerFast:
     else:
         backend.post_processor = processors.ByteLevel(trim_offsets=False)
     kwargs = {"bos_token": bos, "eos_token": eos, "pad_token": pad, "model_max_length": 256}
-    return PreTrainedTokenizerFast(tokenizer_object=backend, **{k: v for k, v in kwargs.items() if v is not None})
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, **{k: v for k, v in kwargs.items() if v is not None})
+    if chat:
+        tokens, turn_end = CHAT_SPECIALS[family]
+        tokenizer.add_special_tokens({"additional_special_tokens": list(tokens)})
+        tokenizer.eos_token = turn_end
+        tokenizer.chat_template = CHAT_TEMPLATES[family]
+    return tokenizer
 
 
 def family_model(family: str, tokenizer: PreTrainedTokenizerFast, seed: int = 0) -> PreTrainedModel:
@@ -106,9 +145,10 @@ def family_model(family: str, tokenizer: PreTrainedTokenizerFast, seed: int = 0)
     raise ValueError(f"unknown family {family!r}; one of {FAMILIES}")
 
 
-def save_family(family: str, directory: str, seed: int = 0) -> str:
-    """Write a tiny random model of the family and its tokenizer to `directory` (a --base_model); returns it."""
-    tokenizer = family_tokenizer(family)
+def save_family(family: str, directory: str, seed: int = 0, chat: bool = False) -> str:
+    """Write a tiny random model of the family and its tokenizer (chat=True: the instruct tokenizer) to `directory`
+    (a --base_model); returns it."""
+    tokenizer = family_tokenizer(family, chat)
     family_model(family, tokenizer, seed).save_pretrained(directory)
     tokenizer.save_pretrained(directory)
     return directory
