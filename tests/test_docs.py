@@ -11,6 +11,7 @@ OAI_COMMIT = "cbfd210bb8b08f6bc5c26878c10984b90f516c66"
 CODE_FILES = sorted(
     [*(REPO / "lm_human_preference_details").rglob("*.py")]
     + [REPO / name for name in ("train_reward.py", "train_policy.py", "label_generation.py", "evaluate.py")]
+    + [REPO / name for name in ("train_sft.py", "train_both.py") if (REPO / name).exists()]
     + [*(REPO / "demo").rglob("*.py"), *(REPO / "benchmark").rglob("*.py")]
 )
 
@@ -175,4 +176,72 @@ def test_docs_permalinks_are_pinned():
     assert not unpinned, (
         f"links to openai/lm-human-preferences must read .../blob/{OAI_COMMIT}/PATH, then nothing, #Lnn or #Lnn-Lmm:\n"
         + "\n".join(unpinned)
+    )
+
+
+NPLUS_DOC = REPO / "docs" / "nplus-details.md"
+_NPLUS_RE = re.compile(r"\bnplus\s+(N\d+(?:\s*(?:,|-|–)\s*N\d+)*)")
+# the upstream code that the successor recipe's spec cites, each at the commit its section 0 pins
+NPLUS_REPOS = {
+    "vwxyzjn/summarize_from_feedback_details": "ee77a9abc31f5338365ee087945c5bcafac7f1ca",
+    "huggingface/trl": (
+        "14ef1aba152fddbc5a58f3a8a712b6e509e7e69d",
+        "55f5433e15cc6203d3c731f9de5247b00878bebd",
+        "46d09bd2408f17605409fb3ee8ba12705add7faa",
+    ),
+    "openai/summarize-from-feedback": "700967448d10004279f138666442bf1497d0e705",
+}
+_NPLUS_LINK_RE = re.compile(
+    r"https?://github\.com/(vwxyzjn/summarize_from_feedback_details|huggingface/trl|openai/summarize-from-feedback)"
+    r"[^\s)\]>\"'`]*"
+)
+
+
+def nplus_citations(text: str) -> list[tuple[str, int]]:
+    """Every `nplus N20` (also `nplus N19-N21`, `nplus N19, N20`) in a text, expanded, with its line."""
+    found = []
+    for number, line in enumerate(text.splitlines(), start=1):
+        for match in _NPLUS_RE.finditer(line):
+            parts = re.split(r"\s*,\s*", match.group(1))
+            for part in parts:
+                ends = [int(n) for n in re.findall(r"N(\d+)", part)]
+                found += [(f"N{i}", number) for i in range(ends[0], ends[-1] + 1)]
+    return found
+
+
+def test_nplus_citation_parser_reads_every_form():
+    assert nplus_citations("x (nplus N20)\n# nplus N19-N21\ny nplus N2, N5") == [
+        ("N20", 1),
+        ("N19", 2),
+        ("N20", 2),
+        ("N21", 2),
+        ("N2", 3),
+        ("N5", 3),
+    ]
+
+
+def test_every_nplus_citation_in_code_resolves_to_an_anchor():
+    anchors = set(_ANCHOR_RE.findall(NPLUS_DOC.read_text(encoding="utf-8")))
+    missing = [
+        f"{tag} cited at {path.relative_to(REPO)}:{line}"
+        for path in CODE_FILES
+        for tag, line in nplus_citations(path.read_text(encoding="utf-8"))
+        if tag.lower() not in anchors
+    ]
+    assert not missing, f"successor-recipe details cited without an anchor in {NPLUS_DOC.name}:\n" + "\n".join(missing)
+
+
+def test_successor_recipe_links_are_pinned_to_the_specs_commits():
+    files = [NPLUS_DOC, *CODE_FILES, *sorted((REPO / "docs").glob("*.md"))]
+    unpinned = []
+    for path in files:
+        for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
+            for match in _NPLUS_LINK_RE.finditer(line):
+                link, repo = match.group(0).rstrip(".,;:"), match.group(1)
+                commits = NPLUS_REPOS[repo] if isinstance(NPLUS_REPOS[repo], tuple) else (NPLUS_REPOS[repo],)
+                if not any(link.startswith(f"https://github.com/{repo}/blob/{c}/") for c in commits):
+                    if link.rstrip("/") != f"https://github.com/{repo}":
+                        unpinned.append(f"{path.relative_to(REPO)}:{number}: {link}")
+    assert not unpinned, "links to the successor recipe's code must be pinned to the spec's commits:\n" + "\n".join(
+        unpinned
     )
