@@ -40,6 +40,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 REPO = Path(__file__).resolve().parents[1]
 DEMO = Path(__file__).resolve().parent
@@ -58,6 +59,10 @@ QUICK_MIN_GOLD_MARGIN = 0.3
 """mean VADER gain (trained - base) on held-out queries that --quick guarantees (tests/test_demo.py checks it)"""
 FULL_MIN_GOLD_MARGIN = 0.5
 """mean VADER gain that the full demo guarantees"""
+NPLUS_QUICK_MIN_GOLD_MARGIN = 0.3
+"""mean VADER gain (PPO policy - SFT policy) on held-out prompts that --recipe nplus --quick guarantees"""
+NPLUS_FULL_MIN_GOLD_MARGIN = 0.4
+"""mean VADER gain that the full --recipe nplus demo guarantees"""
 
 
 DEMO_THREADS = 2
@@ -85,6 +90,10 @@ class Args:
     label_server: bool = False
     """label step through the browser labeling server: `label_generation.py sample` writes the candidates, `serve`
     serves them and a scripted human (VADER behind the server's HTTP API) labels every row"""
+    recipe: Literal["oai", "nplus"] = "oai"
+    """oai: Ziegler et al. 2019's pipeline; nplus: the successor recipe's (Huang et al. 2024, docs/nplus.md): SFT on the
+    world's sentences, a reward model from the SFT model on VADER's best-of-2 labels of its EOS-ended samples, PPO with
+    responses that end at EOS, a critic initialized from the reward model and a fixed KL coefficient"""
     reward: str = REWARD_MODEL
     """what PPO maximizes: reward_model (labels from VADER -> a reward model; the full story) or a programmatic reward
     that train_policy.py's --rewards.trained_model takes, e.g. vader or python:demo/word_reward.py:word_count (stages
@@ -147,6 +156,62 @@ QUICK = Settings(
     checkpoint_interval=4,
     eval_queries=128,
 )
+
+
+@dataclass
+class NplusSettings:
+    """Sizes of one mode of the successor recipe's pipeline (--recipe nplus)."""
+
+    pretrain: pretrain.Args
+    """the base model and its pretraining budget (the OAI pipeline's)"""
+    num_sft: int
+    """supervised examples (demo/sft_data.py --num_sft): one epoch of train_sft.py over them"""
+    sft_lr: float
+    """train_sft.py --lr"""
+    sft_batch_size: int
+    """train_sft.py --batch_size"""
+    num_labels: int
+    """best-of-2 label rows (a prompt and 2 EOS-ended samples of the SFT model each) written by label_generation.py"""
+    heldout_labels: int
+    """the last rows of the label file, kept out of reward training to measure its accuracy"""
+    reward_lr: float
+    """train_reward.py --lr"""
+    reward_batch_size: int
+    """train_reward.py --batch_size"""
+    ppo_episodes: int
+    """train_policy.py --ppo.total_episodes"""
+    ppo_batch_size: int
+    """train_policy.py --ppo.batch_size"""
+    ppo_lr: float
+    """train_policy.py --ppo.lr"""
+    checkpoint_interval: int
+    """train_policy.py --save_interval with --save_checkpoints: the checkpoints of the gold-vs-KL curve"""
+    eval_queries: int
+    """held-out prompts sampled by the SFT and the trained policy for the before/after figures"""
+
+
+# the successor recipe's task: a prompt is a passage's first sentence (12 tokens, padded to 16), a response is written
+# until its EOS (a sentence is 12 tokens), at most 16 tokens; one without EOS scores the penalty (nplus N20)
+NPLUS_QUERY_LENGTH, NPLUS_RESPONSE_LENGTH = 16, 16
+NPLUS_KL_COEF = 0.05
+"""the fixed KL coefficient (nplus N21: beta 0.05, k1, no adaptive controller)"""
+
+NPLUS_FULL = NplusSettings(
+    pretrain=FULL.pretrain,
+    num_sft=4000,
+    sft_lr=1e-3,
+    sft_batch_size=32,
+    num_labels=1536,
+    heldout_labels=128,
+    reward_lr=1e-3,
+    reward_batch_size=16,
+    ppo_episodes=64 * 32,
+    ppo_batch_size=64,
+    ppo_lr=3e-4,
+    checkpoint_interval=4,
+    eval_queries=256,
+)
+NPLUS_QUICK = dataclasses.replace(NPLUS_FULL, num_labels=768, heldout_labels=64, ppo_episodes=64 * 12, eval_queries=128)
 
 
 def child_env() -> dict[str, str]:
@@ -362,10 +427,11 @@ def print_report(results: dict) -> None:
     )
 
 
-def run_stages(args: Args, settings: Settings, root: Path, run_dir: Path) -> tuple[Path, Path, dict[str, float]]:
-    """Stages 1-5 as subprocesses; returns the world directory, the base model directory and the stage timings."""
-    logs = run_dir / "logs"
-    timings: dict[str, float] = {}
+def prepare_base(
+    root: Path, pretrain_settings: pretrain.Args, logs: Path, timings: dict[str, float]
+) -> tuple[Path, Path]:
+    """Stages 1 and 2, the world and the pretrained model, each skipped when its settings already wrote it; -> the
+    world's and the base model's directories."""
 
     # 1. world: regenerated only when its settings changed (it is deterministic)
     world_args = world.Args(output_dir=str(root / "world"))
@@ -376,7 +442,7 @@ def run_stages(args: Args, settings: Settings, root: Path, run_dir: Path) -> tup
 
     # 2. pretraining, skipped when the same settings already produced a model from the same world
     pretrain_args = dataclasses.replace(
-        settings.pretrain, corpus=str(world_dir / "pretrain.txt"), output_dir=str(root / "base_model")
+        pretrain_settings, corpus=str(world_dir / "pretrain.txt"), output_dir=str(root / "base_model")
     )
     base_dir = Path(pretrain_args.output_dir)
     if fresh_world or not same_json(base_dir / pretrain.SETTINGS_FILE, "args", dataclasses.asdict(pretrain_args)):
@@ -384,6 +450,14 @@ def run_stages(args: Args, settings: Settings, root: Path, run_dir: Path) -> tup
         timings["pretrain"] = run_stage("pretrain", DEMO / "pretrain.py", flag_list(pretrain_flags), logs)
     else:
         print(f"\n=== pretrain === skipped: {base_dir} holds a model pretrained with the same settings")
+    return world_dir, base_dir
+
+
+def run_stages(args: Args, settings: Settings, root: Path, run_dir: Path) -> tuple[Path, Path, dict[str, float]]:
+    """Stages 1-5 as subprocesses; returns the world directory, the base model directory and the stage timings."""
+    logs = run_dir / "logs"
+    timings: dict[str, float] = {}
+    world_dir, base_dir = prepare_base(root, settings.pretrain, logs, timings)
 
     # 3-6 start from scratch in the seed's directory
     for name in ("labels", "reward", "policy", "evaluation"):
@@ -470,7 +544,7 @@ def run_policy(
     )
 
 
-def run_evaluation(args: Args, settings: Settings, world_dir: Path, run_dir: Path) -> tuple[dict, float]:
+def run_evaluation(args: Args, settings: Settings | NplusSettings, queries: Path, run_dir: Path) -> tuple[dict, float]:
     """Stage 6, evaluate.py: base vs trained policy and the gold-vs-KL curve; its results.json and the seconds."""
     # the task, the base model, the reward (a reward model, or a programmatic reward with its normalization) and the
     # gold judge (VADER) come from the policy's args.json; the queries come from texts the policy never saw
@@ -478,7 +552,7 @@ def run_evaluation(args: Args, settings: Settings, world_dir: Path, run_dir: Pat
     flags = {
         "--policy": run_dir / "policy",
         "--checkpoints": run_dir / "policy" / "checkpoints" / "update*",
-        "--task.query_dataset": world_dir / "heldout.txt",
+        "--task.query_dataset": queries,
         "--num_queries": settings.eval_queries,
         "--seed": args.seed,
         "--examples": args.samples_to_show,
@@ -568,7 +642,7 @@ def main_direct(args: Args, settings: Settings, root: Path, run_dir: Path, start
         path, _, function = args.reward.removeprefix("python:").rpartition(":")
         args = dataclasses.replace(args, reward=f"python:{Path(path).resolve()}:{function}")
     world_dir, _, timings = run_stages(args, settings, root, run_dir)
-    evaluation, timings["evaluation"] = run_evaluation(args, settings, world_dir, run_dir)
+    evaluation, timings["evaluation"] = run_evaluation(args, settings, world_dir / "heldout.txt", run_dir)
     timings["total"] = time.time() - start
     scalars = read_scalars(run_dir / "policy" / "tb")
     series = {tag: [value for _, value in scalars[tag]] for tag in ("objective/score", "objective/gold_score")}
@@ -600,18 +674,164 @@ def main_direct(args: Args, settings: Settings, root: Path, run_dir: Path, start
     return results
 
 
+# ---------------------------------------------------------------- the successor recipe (--recipe nplus)
+
+
+def nplus_task_flags(world_dir: Path) -> list[str]:
+    """The task of every N+ stage: the world's prompts as they are (no OAI trimming at a '.'), responses that end at
+    their first EOS and nothing else (no truncation token)."""
+    flags = {
+        "--task.query_dataset": world_dir / "prompts.jsonl",
+        "--task.query_length": NPLUS_QUERY_LENGTH,
+        "--task.response_length": NPLUS_RESPONSE_LENGTH,
+        "--task.start_text": None,
+        "--task.end_text": None,
+        "--task.truncate_text": None,
+        "--task.truncate_token": None,
+        "--task.truncate_after": 0,
+        "--task.temperature": 0.7,
+    }
+    return [*flag_list(flags), "--task.end_at_eos"]
+
+
+def run_nplus_stages(args: Args, settings: NplusSettings, root: Path, run_dir: Path) -> tuple[Path, dict[str, float]]:
+    """The successor recipe's stages as subprocesses: world, pretraining, SFT data, SFT, best-of-2 labels of the SFT
+    model's samples, reward model, PPO; -> the world directory and the stage timings."""
+    logs = run_dir / "logs"
+    timings: dict[str, float] = {}
+    world_dir, base_dir = prepare_base(root, settings.pretrain, logs, timings)
+    sft_data_flags = flag_list({"--world_dir": world_dir, "--num_sft": settings.num_sft})
+    timings["sft_data"] = run_stage("sft_data", DEMO / "sft_data.py", sft_data_flags, logs)
+    for name in ("sft", "labels", "reward", "policy", "evaluation"):
+        shutil.rmtree(run_dir / name, ignore_errors=True)
+    task_flags = nplus_task_flags(world_dir)
+    sft_dir = run_dir / "sft"
+    sft_flags = {
+        "--base_model": base_dir,
+        "--dataset": world_dir / "sft.jsonl",
+        "--lr": settings.sft_lr,
+        "--batch_size": settings.sft_batch_size,
+        "--seed": args.seed,
+        "--output_dir": sft_dir,
+    }
+    timings["sft"] = run_stage("sft", REPO / "train_sft.py", flag_list(sft_flags), logs)
+    # VADER picks the better of two EOS-ended samples of the SFT model per prompt (best_of_2)
+    labels = run_dir / "labels" / "vader.json"
+    label_flags = {
+        "--labeler": "vader",
+        "--base_model": sft_dir,
+        "--num_labels": 2,
+        "--num_queries": settings.num_labels,
+        "--batch_size": 32,
+        "--seed": args.seed,
+        "--output": labels,
+    }
+    timings["labels"] = run_stage(
+        "labels", REPO / "label_generation.py", ["generate", *flag_list(label_flags), *task_flags], logs
+    )
+    reward_flags = {
+        "--base_model": sft_dir,
+        "--label_dataset": labels,
+        "--labels.type": "best_of_2",
+        "--labels.num_train": settings.num_labels - settings.heldout_labels,
+        "--batch_size": settings.reward_batch_size,
+        "--lr": settings.reward_lr,
+        "--rollout_batch_size": 64,
+        "--normalize_samples": 256,
+        "--eval_interval": 4,
+        "--seed": args.seed,
+        "--output_dir": run_dir / "reward",
+    }
+    timings["reward"] = run_stage("reward", REPO / "train_reward.py", [*flag_list(reward_flags), *task_flags], logs)
+    policy_flags = {
+        "--base_model": sft_dir,
+        "--rewards.trained_model": run_dir / "reward",
+        "--ppo.value_model": "reward",  # a critic of its own, initialized from the reward model (nplus N16)
+        "--rewards.kl_estimator": "k1",
+        "--rewards.kl_coef": NPLUS_KL_COEF,
+        "--rewards.gold_model": "vader",
+        "--ppo.total_episodes": settings.ppo_episodes,
+        "--ppo.batch_size": settings.ppo_batch_size,
+        "--ppo.lr": settings.ppo_lr,
+        "--ppo.whiten_group_size": 0,
+        "--log_interval": 8,
+        "--save_interval": settings.checkpoint_interval,
+        "--seed": args.seed,
+        "--output_dir": run_dir / "policy",
+    }
+    policy_argv = [*flag_list(policy_flags), "--rewards.adaptive_kl.no_enabled", "--save_checkpoints", *task_flags]
+    timings["policy"] = run_stage("policy", REPO / "train_policy.py", policy_argv, logs)
+    return world_dir, timings
+
+
+def main_nplus(args: Args, settings: NplusSettings, run_dir: Path, start: float) -> dict:
+    """The successor recipe's pipeline on the demo world and its evaluation on held-out prompts; results.json with the
+    gold score of the SFT policy (before PPO) and of the trained policy."""
+    root = Path(args.output_dir).resolve()
+    world_dir, timings = run_nplus_stages(args, settings, root, run_dir)
+    evaluation, timings["evaluation"] = run_evaluation(args, settings, world_dir / "heldout_prompts.jsonl", run_dir)
+    policy_scalars = read_scalars(run_dir / "policy" / "tb")
+    with open(run_dir / "reward" / "reward_model.json", encoding="utf-8") as f:
+        reward_meta = json.load(f)
+    timings["total"] = time.time() - start
+    kl = [value for _, value in policy_scalars["objective/kl"]]
+    results = {
+        "seed": args.seed,
+        "recipe": "nplus",
+        "mode": "quick" if args.quick else "full",
+        "guaranteed_margin": NPLUS_QUICK_MIN_GOLD_MARGIN if args.quick else NPLUS_FULL_MIN_GOLD_MARGIN,
+        **evaluation_figures(evaluation),
+        "reward_model": {
+            "heldout_rows": reward_meta["eval_after"]["rows"],
+            "accuracy_before": reward_meta["eval_before"]["accuracy"],
+            "accuracy_after": reward_meta["eval_after"]["accuracy"],
+        },
+        "policy": {
+            "updates": len(kl),
+            "kl_coef": NPLUS_KL_COEF,
+            "final_kl": kl[-1],
+            "final_score": policy_scalars["objective/score"][-1][1],
+            "final_gold_score": policy_scalars["objective/gold_score"][-1][1],
+        },
+        "timings": {k: round(v, 1) for k, v in timings.items()},
+        "settings": {
+            **dataclasses.asdict(settings),
+            "query_length": NPLUS_QUERY_LENGTH,
+            "response_length": NPLUS_RESPONSE_LENGTH,
+            "kl_coef": NPLUS_KL_COEF,
+        },
+    }
+    with open(run_dir / "results.json", "w", encoding="utf-8") as f:
+        json.dump(results, f, indent=2)
+    gold, rm = results["gold"], results["reward_model"]
+    guaranteed = results["guaranteed_margin"]
+    verdict = "as guaranteed" if gold["margin"] >= guaranteed else "BELOW the guaranteed margin: something is off"
+    print(
+        f"\nsuccessor recipe, seed {args.seed} ({results['mode']}): VADER gold score on {gold['queries']} held-out "
+        f"prompts: SFT policy {gold['base']:+.3f} -> PPO policy {gold['trained']:+.3f}\nmargin {gold['margin']:+.3f}, "
+        f"{guaranteed:+.2f} guaranteed: {verdict}; win rate {results['win_rate']['gold_score']:.3f}; reward model "
+        f"held-out accuracy {rm['accuracy_before']:.3f} -> {rm['accuracy_after']:.3f} (best of 2, chance 0.5); final "
+        f"KL {kl[-1]:.2f} nats; {timings['total']:.0f}s\nwrote {run_dir / 'results.json'}, {run_dir / 'evaluation'}"
+    )
+    return results
+
+
 def main(args: Args) -> dict:
     """Run every stage, evaluate, write results.json and curves.png; returns the results."""
     start = time.time()
     settings = QUICK if args.quick else FULL
     root = Path(args.output_dir).resolve()
     run_dir = root / (f"quick-seed{args.seed}" if args.quick else f"seed{args.seed}")
+    if args.recipe == "nplus":
+        return main_nplus(
+            args, NPLUS_QUICK if args.quick else NPLUS_FULL, run_dir.with_name(f"nplus-{run_dir.name}"), start
+        )
     if args.reward != REWARD_MODEL:
         return main_direct(args, settings, root, run_dir.with_name(f"{run_dir.name}-{slug(args.reward)}"), start)
     world_dir, _, timings = run_stages(args, settings, root, run_dir)
 
     # 6. evaluation on held-out queries; the curves come from the TensorBoard events of the two training runs
-    evaluation, timings["evaluation"] = run_evaluation(args, settings, world_dir, run_dir)
+    evaluation, timings["evaluation"] = run_evaluation(args, settings, world_dir / "heldout.txt", run_dir)
     policy_scalars = read_scalars(run_dir / "policy" / "tb")
     reward_scalars = read_scalars(run_dir / "reward" / "tb")
     with open(run_dir / "reward" / "reward_model.json", encoding="utf-8") as f:

@@ -71,13 +71,12 @@ def main(args: Args) -> dict[str, str]:
     if len(pretrain) < args.num_sft:
         raise ValueError(f"--num_sft {args.num_sft}: pretrain.txt of '{args.world_dir}' has {len(pretrain)} passages")
     sft = [sft_row(passage) for passage in pretrain[: args.num_sft]]
+    queries, heldout = (read_passages(os.path.join(args.world_dir, name)) for name in ("queries.txt", "heldout.txt"))
     rows = {
         "sft": sft,
         "sft_messages": [chat_row(row) for row in sft],
-        "prompts": [{"prompt": sft_row(p)["prompt"]} for p in read_passages(os.path.join(args.world_dir, "queries.txt"))],
-        "heldout_prompts": [
-            {"prompt": sft_row(p)["prompt"]} for p in read_passages(os.path.join(args.world_dir, "heldout.txt"))
-        ],
+        "prompts": [{"prompt": sft_row(passage)["prompt"]} for passage in queries],
+        "heldout_prompts": [{"prompt": sft_row(passage)["prompt"]} for passage in heldout],
     }
     paths = {}
     for name, data in rows.items():
