@@ -135,10 +135,21 @@ def tokenize_pairs(
     response_length: int,
     pad_id: int,
     where: str = "--label_dataset",
+    eos_id: int | None = None,
 ) -> tuple[list[dict], dict[str, int]]:
     """best_of_2 rows of OAI's schema (tokenizer PAD): query = prompt, sample0 = chosen, sample1 = rejected, best 0;
-    -> the rows and how many queries and samples were truncated."""
+    -> the rows and how many queries and samples were truncated. With `eos_id` (responses that end at EOS,
+    --task.end_at_eos) every response ends with that token, kept when a long response is cut to response_length."""
     prompts, chosen, rejected = (encode_texts(tokenizer, [p[name] for p in pairs]) for name in PREFERENCE_PAIR_FIELDS)
+    with_eos = int(eos_id is not None)
+    truncated = {
+        "truncated_queries": sum(len(prompt) > query_length for prompt in prompts),
+        "truncated_samples": sum(len(tokens) + with_eos > response_length for tokens in [*chosen, *rejected]),
+    }
+    if eos_id is not None:
+        # the successor recipe appends EOS to every preference response, as a token (nplus N3)
+        # https://github.com/vwxyzjn/summarize_from_feedback_details/blob/ee77a9abc31f5338365ee087945c5bcafac7f1ca/summarize_from_feedback_details/tldr_dataset.py#L261-L266
+        chosen, rejected = ([t[: response_length - 1] + [eos_id] for t in side] for side in (chosen, rejected))
     rows = []
     for i, prompt in enumerate(prompts):
         if pad_id in prompt or pad_id in chosen[i] or pad_id in rejected[i]:
@@ -150,10 +161,6 @@ def tokenize_pairs(
     responses = _pad_tokens(chosen, response_length, pad_id), _pad_tokens(rejected, response_length, pad_id)
     for row, first, second in zip(rows, *responses):
         row.update(sample0=first, sample1=second, best=CHOSEN_INDEX)
-    truncated = {
-        "truncated_queries": sum(len(prompt) > query_length for prompt in prompts),
-        "truncated_samples": sum(len(tokens) > response_length for tokens in [*chosen, *rejected]),
-    }
     return rows, truncated
 
 
@@ -166,14 +173,17 @@ def load_text_labels(
     num_train: int,
     label_type: str,
     flag: str = "--label_dataset",
+    eos_id: int | None = None,
 ) -> Labels:
-    """Text preference pairs as best_of_2 Labels tokenized for this run; ValueError for another --labels.type."""
+    """Text preference pairs as best_of_2 Labels tokenized for this run (`eos_id`: each response ends with it, see
+    `tokenize_pairs`); ValueError for another --labels.type."""
     if get_label_type(label_type).name != "best_of_2":
         raise ValueError(
             f"{flag} '{source}' holds text preference pairs, which are best_of_2 labels (chosen vs rejected), not "
             f"{label_type}; pass --labels.type best_of_2."
         )
-    rows, _ = tokenize_pairs(read_text_pairs(source, flag), tokenizer, query_length, response_length, pad_id, flag)
+    pairs = read_text_pairs(source, flag)
+    rows, _ = tokenize_pairs(pairs, tokenizer, query_length, response_length, pad_id, flag, eos_id)
     if len(rows) < num_train:
         raise ValueError(
             f"{flag} '{source}' has {len(rows)} rows but num_train is {num_train}; lower --labels.num_train."
@@ -193,10 +203,14 @@ def load_labels_or_pairs(
     label_type: str,
     tokenizer: PreTrainedTokenizerBase,
     flag: str = "--label_dataset",
+    eos_id: int | None = None,
 ) -> Labels:
-    """--label_dataset as Labels: text pairs tokenized with `tokenizer`, else a label file of OAI's schema."""
+    """--label_dataset as Labels: text pairs tokenized with `tokenizer` (`eos_id`: each response ends with it), else a
+    label file of OAI's schema."""
     if is_text_preference_source(source):
-        return load_text_labels(source, tokenizer, query_length, response_length, pad_id, num_train, label_type, flag)
+        return load_text_labels(
+            source, tokenizer, query_length, response_length, pad_id, num_train, label_type, flag, eos_id
+        )
     return load_labels(source, query_length, response_length, pad_id, num_train, label_type, flag)
 
 

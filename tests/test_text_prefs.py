@@ -57,6 +57,15 @@ def test_pairs_tokenize_like_oai_label_rows_chosen_first(tokenizer):
     assert truncated == {"truncated_queries": 1, "truncated_samples": 1}
 
 
+def test_pairs_of_responses_that_end_at_eos_end_with_the_eos_token(tokenizer):
+    pad, eos = tokenizer.pad_token_id, tokenizer.eos_token_id
+    pairs = [{"prompt": "Hello world", "chosen": " good", "rejected": " bad bad bad bad bad bad bad bad bad bad"}]
+    rows, truncated = tokenize_pairs(pairs, tokenizer, QUERY_LENGTH, RESPONSE_LENGTH, pad, eos_id=eos)
+    assert rows[0]["sample0"] == tokenizer.encode(" good") + [eos] + [pad] * (RESPONSE_LENGTH - 2)  # nplus N3
+    assert rows[0]["sample1"] == tokenizer.encode(" bad" * 10)[: RESPONSE_LENGTH - 1] + [eos]  # cut, EOS kept
+    assert truncated["truncated_samples"] == 1
+
+
 def test_load_labels_reads_pairs_as_best_of_2_and_refuses_other_types(tmp_path, tokenizer, corpus):
     pairs = write_pairs(tmp_path / "prefs.jsonl", 6, corpus.read_text().splitlines())
     source = str(tmp_path / "prefs.jsonl")
