@@ -1,15 +1,17 @@
 """train_both.py: one command trains the reward model and then the policy on the offline demo world, with the task
 settings given once; killed during the policy stage, the same command keeps the finished reward model, resumes the
-policy and ends with the outputs of an uninterrupted run."""
+policy and ends with the outputs of an uninterrupted run. With --sft_dataset a supervised stage comes first, kept when
+finished."""
 
 import json
 
 import pytest
 
 import train_both
+from demo import sft_data
 from demo import world as demo_world
 from lm_human_preference_details import checkpoint
-from tests.planted import write_policy_planted_labels
+from tests.planted import run_script, write_policy_planted_labels
 from tests.test_resume import (
     max_metric_difference,
     max_weight_difference,
@@ -61,6 +63,27 @@ def test_route_flags_sends_shared_flags_to_both_and_others_to_their_stage():
         train_both.parse(["--resume", "models/x/training_state/step3"])
 
 
+def test_sft_stage_takes_the_flags_all_stages_take_and_gives_its_model_to_the_others(tmp_path):
+    flags = ["--sft_dataset", "sft.jsonl", "--base_model", "gpt2", "--seed", "4", "--lr", "1e-4"]
+    flags += ["--sft_stage.lr", "1e-5", "--sft_stage.batch_size", "8", "--output_dir", str(tmp_path)]
+    own, reward, policy, sft = train_both.route_stage_flags(flags)
+    assert own == {"sft_dataset": ["sft.jsonl"], "output_dir": [str(tmp_path)]}
+    assert sft == ["--base_model", "gpt2", "--seed", "4", "--lr", "1e-5", "--batch_size", "8"]  # not the reward's --lr
+    assert reward == ["--base_model", "gpt2", "--seed", "4", "--lr", "1e-4"]
+    assert policy == ["--base_model", "gpt2", "--seed", "4"]
+    pipeline = train_both.parse(flags)
+    sft_dir = str(tmp_path / "sft")
+    assert (pipeline.sft.dataset, pipeline.sft.base_model, pipeline.sft.output_dir) == ("sft.jsonl", "gpt2", sft_dir)
+    assert (pipeline.sft.lr, pipeline.sft.batch_size, pipeline.sft.seed) == (1e-5, 8, 4)
+    assert pipeline.reward.base_model == pipeline.policy.base_model == sft_dir and pipeline.reward.lr == 1e-4
+    assert pipeline.commands[0].startswith("train_sft.py ") and len(pipeline.commands) == 3
+    # without --sft_dataset: no SFT stage, the base model as given; an SFT flag then says what it lacks
+    plain = train_both.parse([*flags[2:8], "--output_dir", str(tmp_path)])
+    assert plain.sft is None and plain.reward.base_model == "gpt2" and len(plain.commands) == 2
+    with pytest.raises(ValueError, match="--sft_stage.lr is a flag of the SFT stage, which runs only with --sft_dat"):
+        train_both.parse(["--sft_stage.lr", "1e-5"])
+
+
 @pytest.mark.slow
 def test_pipeline_runs_on_the_demo_world_and_resumes_after_a_kill(tmp_path, tiny_model_dir, pipeline_world, capsys):
     whole = tmp_path / "whole"
@@ -89,6 +112,41 @@ def test_pipeline_runs_on_the_demo_world_and_resumes_after_a_kill(tmp_path, tiny
         max_weight_difference(saved_files(killed / "reward_model", model), saved_files(whole / "reward_model", model))
         == 0
     )
+    names = ("model.safetensors", "value_head.safetensors")
+    assert max_weight_difference(saved_files(killed / "policy", names), saved_files(whole / "policy", names)) <= 1e-6
+    assert max_metric_difference(scalars(killed / "policy"), scalars(whole / "policy"), 0) <= 1e-6
+
+
+@pytest.mark.slow
+def test_pipeline_with_sft_keeps_a_finished_sft_model_and_resumes_after_a_kill(
+    tmp_path, tiny_model_dir, pipeline_world
+):
+    # the supervised rows: a first sentence of the world and the next one; 16 rows, 2 steps of 8
+    passages = open(pipeline_world["queries"], encoding="utf-8").read().splitlines()
+    sft_rows = tmp_path / "sft.jsonl"
+    sft_rows.write_text("".join(json.dumps(sft_data.sft_row(p)) + "\n" for p in passages[:16]), encoding="utf-8")
+    sft_flags = ["--sft_dataset", str(sft_rows), "--sft_stage.lr", "1e-3", "--sft_stage.batch_size", "8"]
+    whole = tmp_path / "whole"
+    pipeline = train_both.parse([*pipeline_flags(tiny_model_dir, pipeline_world, whole), *sft_flags])
+    train_both.main(pipeline)
+    sft_args = json.loads((whole / "sft" / "args.json").read_text())
+    assert (sft_args["base_model"], sft_args["dataset"]) == (tiny_model_dir, str(sft_rows))
+    for stage in ("reward_model", "policy"):  # both start from the SFT model
+        assert json.loads((whole / stage / "args.json").read_text())["base_model"] == str(whole / "sft")
+    assert max_weight_difference(*(saved_files(d, ("model.safetensors",)) for d in (whole / "sft", tiny_model_dir))) > 0
+
+    # SIGKILL in the reward stage (its first checkpoint on disk), then the same command: the SFT model is kept
+    killed = tmp_path / "killed"
+    killed.mkdir()
+    flags = [*pipeline_flags(tiny_model_dir, pipeline_world, killed), *sft_flags]
+    start_and_kill(script_command("train_both.py", flags), killed / "reward_model", kill_after=1, delay=0.0)
+    sft_files = {p.name: p.stat().st_mtime_ns for p in (killed / "sft").iterdir() if p.is_file()}
+    result = run_script("train_both.py", *flags)
+    assert f"SFT model: {killed / 'sft'} is finished with these settings; kept" in result.stdout
+    assert "resuming from" in result.stdout and "pipeline done" in result.stdout
+    assert {p.name: p.stat().st_mtime_ns for p in (killed / "sft").iterdir() if p.is_file()} == sft_files
+    for stage, names in (("sft", ("model.safetensors",)), ("reward_model", ("model.safetensors",))):
+        assert max_weight_difference(saved_files(killed / stage, names), saved_files(whole / stage, names)) == 0
     names = ("model.safetensors", "value_head.safetensors")
     assert max_weight_difference(saved_files(killed / "policy", names), saved_files(whole / "policy", names)) <= 1e-6
     assert max_metric_difference(scalars(killed / "policy"), scalars(whole / "policy"), 0) <= 1e-6
