@@ -79,7 +79,7 @@ def _trained_bpe(specials: tuple[str, ...]) -> str:
     return bpe.to_str()
 
 
-CHAT_TEMPLATES = {
+INSTRUCT_TEMPLATES = {
     # Llama 3 Instruct's template, without its default "Cutting Knowledge Date" system text
     "llama": (
         "{{ bos_token }}{% for message in messages %}<|start_header_id|>{{ message['role'] }}<|end_header_id|>\n\n"
@@ -93,7 +93,7 @@ CHAT_TEMPLATES = {
     ),
 }
 """the chat template of each family's instruct tokenizer (`family_tokenizer(family, chat=True)`)"""
-CHAT_SPECIALS = {
+INSTRUCT_TOKENS = {
     # family: (the chat's special tokens, the EOS that ends an assistant turn)
     "llama": (("<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"), "<|eot_id|>"),
     "qwen2": (("<|im_start|>", "<|im_end|>"), "<|im_end|>"),
@@ -103,8 +103,8 @@ CHAT_SPECIALS = {
 def family_tokenizer(family: str, chat: bool = False) -> PreTrainedTokenizerFast:
     """A tokenizer with the family's special-token conventions (see the module's table), as its hub files would give;
     chat=True: the family's instruct tokenizer, with its chat tokens, chat template and turn-ending EOS."""
-    if chat and family not in CHAT_TEMPLATES:
-        raise ValueError(f"no chat template for {family!r}; one of {tuple(CHAT_TEMPLATES)}")
+    if chat and family not in INSTRUCT_TEMPLATES:
+        raise ValueError(f"no chat template for {family!r}; one of {tuple(INSTRUCT_TEMPLATES)}")
     bos, eos, pad, adds_bos = _SPECIALS[family]
     specials = tuple(dict.fromkeys(t for t in (bos, eos, pad) if t is not None))
     backend = Tokenizer.from_str(_trained_bpe(specials))
@@ -117,10 +117,10 @@ def family_tokenizer(family: str, chat: bool = False) -> PreTrainedTokenizerFast
     kwargs = {"bos_token": bos, "eos_token": eos, "pad_token": pad, "model_max_length": 256}
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, **{k: v for k, v in kwargs.items() if v is not None})
     if chat:
-        tokens, turn_end = CHAT_SPECIALS[family]
+        tokens, turn_end = INSTRUCT_TOKENS[family]
         tokenizer.add_special_tokens({"additional_special_tokens": list(tokens)})
         tokenizer.eos_token = turn_end
-        tokenizer.chat_template = CHAT_TEMPLATES[family]
+        tokenizer.chat_template = INSTRUCT_TEMPLATES[family]
     return tokenizer
 
 

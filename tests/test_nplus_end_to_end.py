@@ -20,8 +20,8 @@ def test_instruct_tokenizer_writes_the_family_chat_and_ends_a_turn_with_eos(fami
     plain, chat = archs.family_tokenizer(family), archs.family_tokenizer(family, chat=True)
     text = "Sadly, the cat felt sad."
     # the trained vocabulary and every id of a plain encoding are kept; the chat's tokens come after them
-    assert chat.encode(text) == plain.encode(text) and len(chat) == len(plain) + len(archs.CHAT_SPECIALS[family][0])
-    assert chat.eos_token == archs.CHAT_SPECIALS[family][1] and chat.eos_token_id >= len(plain)
+    assert chat.encode(text) == plain.encode(text) and len(chat) == len(plain) + len(archs.INSTRUCT_TOKENS[family][0])
+    assert chat.eos_token == archs.INSTRUCT_TOKENS[family][1] and chat.eos_token_id >= len(plain)
     assert plain.chat_template is None and plain.eos_token != chat.eos_token
     messages = [{"role": "user", "content": text}, {"role": "assistant", "content": "Luckily, the dog was happy."}]
     written = chat.apply_chat_template(messages, tokenize=False)
