@@ -19,6 +19,7 @@ import torch
 from lm_human_preference_details import checkpoint
 from lm_human_preference_details.files import OutputError
 from lm_human_preference_details.modeling import REWARD_CONFIG_FILE, check_model_dir
+from lm_human_preference_details.optim import check_weight_decay
 from lm_human_preference_details.rewards import check_reward_source, reward_input_path
 from lm_human_preference_details.sizes import divisors
 from lm_human_preference_details.tasks import TaskHParams, check_task
@@ -228,6 +229,8 @@ class PolicyFlags(Protocol):
     save_interval: int
     print_samples: int
     rollout_micro_batch_size: int | None
+    use_tensorflow_adam: bool
+    weight_decay: float
 
     @property
     def task(self) -> TaskHParams: ...
@@ -258,6 +261,8 @@ class RewardFlags(Protocol):
     normalize_samples: int
     debug_normalize: int
     eval_interval: int
+    use_tensorflow_adam: bool
+    weight_decay: float
 
     @property
     def task(self) -> TaskHParams: ...
@@ -308,6 +313,7 @@ def check_policy_args(args: PolicyFlags) -> None:
         fix = "omit it for OAI's 8 ranks (ppo.batch_size / 8), or pass 0 to whiten each process's batch"
         check_at_least(ppo.whiten_group_size, 0, "--ppo.whiten_group_size", fix)
     check_positive(ppo.lr, "--ppo.lr", "OAI uses 1e-5 (books) or 2e-6 (tldr, cnndm)")
+    check_weight_decay(args.weight_decay, args.use_tensorflow_adam)
     check_non_negative(ppo.cliprange, "--ppo.cliprange", "OAI uses 0.2")
     check_non_negative(ppo.cliprange_value, "--ppo.cliprange_value", "OAI uses 0.2")
     check_non_negative(ppo.vf_coef, "--ppo.vf_coef", "OAI uses 0.1")
@@ -356,6 +362,7 @@ def check_reward_args(args: RewardFlags) -> None:
         )
     check_at_least(args.gradient_accumulation_steps, 1, "--gradient_accumulation_steps")
     check_positive(args.lr, "--lr", "OAI uses 5e-5 (books) or 2.5e-5 (tldr, cnndm)")
+    check_weight_decay(args.weight_decay, args.use_tensorflow_adam)
     check_at_least(args.rollout_batch_size, 1, "--rollout_batch_size", "OAI uses 512 (books) or 128 (tldr, cnndm)")
     check_at_least(args.normalize_samples, 0, "--normalize_samples", "0 skips normalization")
     check_at_least(args.debug_normalize, 0, "--debug_normalize")

@@ -1682,6 +1682,54 @@ BREAKAGES = [
         'norms["after"] = normalize("after", sizes.steps, normalization_target(label_type, train_labels))',
         ["tests/test_train_reward.py::test_scalar_labels_normalize_after_training_to_mean_zero_std_one"],
     ),
+    # ---------------------------------------------------------------- N8: --weight_decay, torch AdamW (nplus N8)
+    Breakage(
+        "N8-weight-decay-coupled",
+        "N8",
+        "--weight_decay is an L2 term added to the gradient (torch.optim.Adam) instead of AdamW's decoupled decay",
+        "lm_human_preference_details/optim.py",
+        "return torch.optim.AdamW(params, lr=lr, eps=1e-5, weight_decay=weight_decay)",
+        "return torch.optim.Adam(params, lr=lr, eps=1e-5, weight_decay=weight_decay)",
+        ["tests/test_optim.py::test_make_optimizer_weight_decay_is_adamw_decoupled_decay_with_eps_1e5"],
+    ),
+    Breakage(
+        "N8-weight-decay-with-tf-adam-ignored",
+        "N8",
+        "a --weight_decay with OAI's TF1 Adam is accepted (and the run trains with AdamW) instead of stopping",
+        "lm_human_preference_details/optim.py",
+        "if weight_decay and use_tensorflow_adam:",
+        "if weight_decay and use_tensorflow_adam and not weight_decay:",
+        ["tests/test_optim.py::test_weight_decay_with_tensorflow_adam_stops_in_one_line_naming_both_flags"],
+    ),
+    Breakage(
+        "N8-policy-drops-weight-decay",
+        "N8",
+        "train_policy.py builds its optimizer without --weight_decay (torch Adam, no decay)",
+        TP,
+        "optimizer = make_optimizer(params, ppo.lr, args.use_tensorflow_adam, args.weight_decay)",
+        "optimizer = make_optimizer(params, ppo.lr, args.use_tensorflow_adam)",
+        ["tests/test_optim.py::test_train_policy_weight_decay_gives_adamw_over_the_trained_parameters"],
+    ),
+    Breakage(
+        "N8-reward-drops-weight-decay",
+        "N8",
+        "train_reward.py builds its optimizer without --weight_decay (torch Adam, no decay)",
+        TR,
+        "optimizer = make_optimizer(params, args.lr, args.use_tensorflow_adam, args.weight_decay)",
+        "optimizer = make_optimizer(params, args.lr, args.use_tensorflow_adam)",
+        ["tests/test_optim.py::test_train_reward_weight_decay_gives_adamw"],
+    ),
+    Breakage(
+        "N8-zero-weight-decay-is-adamw",
+        "N8",
+        "weight decay 0 builds torch AdamW for the ablation instead of today's torch.optim.Adam (another state dict)",
+        "lm_human_preference_details/optim.py",
+        "    if weight_decay:\n        # p <- p * (1 - lr * weight_decay)",
+        "    if not use_tensorflow_adam:\n        # p <- p * (1 - lr * weight_decay)",
+        [
+            "tests/test_optim.py::test_make_optimizer_without_weight_decay_keeps_oais_and_the_ablations_optimizer",
+        ],
+    ),
 ]
 
 
