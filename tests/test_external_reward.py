@@ -150,7 +150,7 @@ def test_scores_are_a_plain_transformers_call_on_prompt_and_response_text(classi
     torch.testing.assert_close(reward(queries, responses[:, 1]), expected[:, 1], atol=1e-5, rtol=1e-5)
 
 
-def test_score_is_read_past_the_pads_the_classifier_skips_whichever_pad_the_tokenizer_names(tmp_path, tokenizer):
+def test_rows_are_padded_with_the_id_the_classifier_skips_to_read_its_score(tmp_path, tokenizer):
     # a GPT-2-like tokenizer without PAD and a config without pad_token_id: both get EOS (transformers' convention)
     no_pad = save_classifier(tmp_path / "no-pad", rm_tokenizer(False, "gpt2"), "gpt2", pad_token_id=None)
     # a config whose pad_token_id differs from the tokenizer's PAD: the classifier skips the config's when it reads
@@ -159,8 +159,9 @@ def test_score_is_read_past_the_pads_the_classifier_skips_whichever_pad_the_toke
         tmp_path / "other-pad", other, "gpt2", pad_token_id=other.convert_tokens_to_ids("<|im_end|>")
     )
     queries, responses = policy_batch(tokenizer)
-    for path in (no_pad, other_pad):
-        labeler = load_labeler(f"sequence_classifier:{path}", tokenizer, tokenizer.pad_token_id, CPU)
+    labelers = {}
+    for path in (other_pad, no_pad):
+        labeler = labelers[path] = load_labeler(f"sequence_classifier:{path}", tokenizer, tokenizer.pad_token_id, CPU)
         model, tok = (
             AutoModelForSequenceClassification.from_pretrained(path).eval(),
             AutoTokenizer.from_pretrained(path),
@@ -169,7 +170,9 @@ def test_score_is_read_past_the_pads_the_classifier_skips_whichever_pad_the_toke
             [[alone(model, tok(q + r)["input_ids"]) for r in rs] for q, rs in zip(QUERIES, RESPONSES)]
         )
         torch.testing.assert_close(labeler.scores(queries, responses), expected, atol=1e-5, rtol=1e-5)
-    assert labeler.model.config.pad_token_id == labeler.padding_id == other.convert_tokens_to_ids("<|im_end|>")
+    im_end, eos = other.convert_tokens_to_ids("<|im_end|>"), labelers[no_pad].classifier_tokenizer.eos_token_id
+    assert labelers[other_pad].model.config.pad_token_id == labelers[other_pad].padding_id == im_end
+    assert labelers[no_pad].model.config.pad_token_id == labelers[no_pad].padding_id == eos
 
 
 def test_response_ends_at_its_first_eos_and_special_tokens_are_skipped(classifiers, tokenizer):
