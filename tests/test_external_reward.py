@@ -17,6 +17,7 @@ from transformers import (
     Qwen2ForSequenceClassification,
 )
 
+import label_generation
 import train_policy
 from lm_human_preference_details.hub import HubUnavailableError
 from lm_human_preference_details.labelers import check_labeler_source, load_labeler
@@ -339,15 +340,20 @@ def test_bad_sequence_classifier_is_one_line_naming_the_flag(
     assert "\n" not in str(caught.value) and flag in str(caught.value)
 
 
-def test_a_bad_sequence_classifier_stops_train_policy_before_anything_is_written(tmp_path, tiny_model_dir, query_file):
-    multi = save_classifier(tmp_path / "multi", rm_tokenizer(False), "gpt2", num_labels=2)
+def test_a_bad_sequence_classifier_stops_the_scripts_before_anything_is_written(tmp_path, tiny_model_dir, query_file):
+    multi = f"sequence_classifier:{save_classifier(tmp_path / 'multi', rm_tokenizer(False), 'gpt2', num_labels=2)}"
     output_dir = tmp_path / "policy"
     for flag in ("--rewards.trained_model", "--rewards.gold_model"):
         flags = ["--base_model", tiny_model_dir, "--task.query_dataset", query_file, "--output_dir", str(output_dir)]
-        flags += ["--rewards.trained_model", "vader", flag, f"sequence_classifier:{multi}"]
+        flags += ["--rewards.trained_model", "vader", flag, multi, "--dry_run"]  # a dry run loads no model
         with pytest.raises(ValueError, match=f"{flag} 'sequence_classifier:.*' has 2 outputs"):
             train_policy.main(train_policy.parse(flags))
         assert not output_dir.exists()
+    output = tmp_path / "labels.json"
+    flags = ["generate", "--base_model", tiny_model_dir, "--task.query_dataset", query_file, "--output", str(output)]
+    with pytest.raises(ValueError, match="--labeler 'sequence_classifier:.*' has 2 outputs"):
+        label_generation.main(label_generation.parse([*flags, "--labeler", multi]))
+    assert not output.exists()
 
 
 # ---------------------------------------------------------------- a policy trained against it
