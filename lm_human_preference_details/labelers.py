@@ -14,7 +14,13 @@ from typing import TextIO
 import torch
 from rich.console import Console
 from rich.text import Text
-from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer, PreTrainedTokenizerBase
+from transformers import (
+    AutoConfig,
+    AutoModelForSequenceClassification,
+    AutoTokenizer,
+    PretrainedConfig,
+    PreTrainedTokenizerBase,
+)
 
 from lm_human_preference_details.hub import HubUnavailableError, check_available
 from lm_human_preference_details.modeling import load_reward_model, score_label_rows
@@ -254,7 +260,7 @@ def _check_classifier_files(target: str, spec: str, flag: str) -> None:
         ) from e
 
 
-def check_sequence_classifier(spec: str, flag: str):
+def check_sequence_classifier(spec: str, flag: str) -> PretrainedConfig:
     """The config of the one-output sequence classifier that `sequence_classifier:NAME_OR_DIR` names (no weights
     read); one line naming `flag` for a missing directory, an unreachable hub id, another kind of model or more than
     one output."""
@@ -283,7 +289,7 @@ def check_labeler_source(spec: str | None, flag: str) -> None:
         check_sequence_classifier(spec, flag)
 
 
-def _padding_id(config, tokenizer: PreTrainedTokenizerBase, spec: str, flag: str) -> int:
+def _padding_id(config: PretrainedConfig, tokenizer: PreTrainedTokenizerBase, spec: str, flag: str) -> int:
     """The id that rows are padded with, the one the classifier's forward skips when it picks the token to read its
     score at (config.pad_token_id); the tokenizer pads with it. A config without one takes the tokenizer's PAD, or its
     EOS (transformers' convention for a tokenizer without PAD)."""
@@ -296,12 +302,18 @@ def _padding_id(config, tokenizer: PreTrainedTokenizerBase, spec: str, flag: str
             "rows of different lengths cannot be batched; set tokenizer.pad_token and config.pad_token_id, and save "
             "the model again."
         )
+    token = tokenizer.convert_ids_to_tokens(pad_id)
+    if token is None:
+        raise ValueError(
+            f"{flag} '{spec}': its config's pad_token_id {pad_id} is not a token of its tokenizer ({len(tokenizer)} "
+            "tokens); set config.pad_token_id to its tokenizer's PAD id and save the model again."
+        )
     config.pad_token_id = pad_id
-    tokenizer.pad_token = tokenizer.convert_ids_to_tokens(pad_id)
+    tokenizer.pad_token = token
     return pad_id
 
 
-def _max_length(config, tokenizer: PreTrainedTokenizerBase) -> int | None:
+def _max_length(config: PretrainedConfig, tokenizer: PreTrainedTokenizerBase) -> int | None:
     """The most tokens the classifier takes: its tokenizer's model_max_length and its position embeddings."""
     positions = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
     limits = [n for n in (tokenizer.model_max_length, positions) if n and n < 1e9]  # 1e30: the tokenizer sets none

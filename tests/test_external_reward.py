@@ -17,6 +17,7 @@ from transformers import (
     Qwen2ForSequenceClassification,
 )
 
+import evaluate
 import label_generation
 import train_policy
 from lm_human_preference_details.hub import HubUnavailableError
@@ -283,6 +284,7 @@ def test_sequence_classifier_is_a_programmatic_reward_that_may_be_normalized(cla
     check_reward_source(spec, 256)  # not normalized by train_reward.py: --rewards.normalize_samples applies
     check_labeler_source(spec, "--rewards.gold_model")
     assert reward_input_path("sequence_classifier:org/reward-model") == "org/reward-model"
+    evaluate.check_reward_input("sequence_classifier:org/reward-model", {})  # a hub id: its loader names a missing one
 
 
 @pytest.fixture
@@ -304,6 +306,7 @@ def offline_hub(monkeypatch, tmp_path):
         ("missing-dir", FileNotFoundError, r"directory '\./no/such/rm' does not exist"),
         ("offline-hub-id", HubUnavailableError, r"'someone/rm' is no directory here.*offline.*hf download someone/rm"),
         ("no-way-to-pad", ValueError, r"neither a PAD nor an EOS token and its config no pad_token_id"),
+        ("pad-not-a-token", ValueError, r"its config's pad_token_id 9999 is not a token of its tokenizer"),
         ("label", ValueError, r"takes no #LABEL; pass {flag} classifier:.*#POSITIVE"),
         ("trunk-reward-model", ValueError, r"saved as trunk/ and head .*; pass {flag} reward_model:"),
         ("empty", ValueError, r"names no model"),
@@ -321,6 +324,8 @@ def test_bad_sequence_classifier_is_one_line_naming_the_flag(
     elif case == "no-way-to-pad":
         tok = PreTrainedTokenizerFast(tokenizer_object=archs.family_tokenizer("qwen2").backend_tokenizer)
         save_classifier(tmp_path, tok, "gpt2", pad_token_id=None)
+    elif case == "pad-not-a-token":
+        save_classifier(tmp_path, rm_tokenizer(False), "gpt2", pad_token_id=9999)
     elif case == "label":
         target = f"{save_classifier(tmp_path, rm_tokenizer(False), 'gpt2')}#POSITIVE"
     elif case == "trunk-reward-model":
@@ -328,7 +333,7 @@ def test_bad_sequence_classifier_is_one_line_naming_the_flag(
         (tmp_path / "reward_model.json").write_text(json.dumps({"checkpoint": "trunk"}))
     spec = f"sequence_classifier:{target}"
     pattern = message.format(flag=flag)
-    if case != "no-way-to-pad":  # the start-up check reads the config only; the tokenizer is read on loading
+    if case not in ("no-way-to-pad", "pad-not-a-token"):  # the start-up check reads no tokenizer
         with pytest.raises(error, match=pattern) as caught:
             check_reward_source(spec, 0) if flag == "--rewards.trained_model" else check_labeler_source(spec, flag)
         assert "\n" not in str(caught.value) and flag in str(caught.value)

@@ -1699,7 +1699,7 @@ BREAKAGES = [
         "a sequence_classifier: reward pads with its tokenizer's PAD, not the config's pad_token_id that the "
         "classifier skips when it picks the token to read its score at",
         "lm_human_preference_details/labelers.py",
-        "    tokenizer.pad_token = tokenizer.convert_ids_to_tokens(pad_id)\n",
+        "    tokenizer.pad_token = token\n",
         "",
         ["tests/test_external_reward.py::test_rows_are_padded_with_the_id_the_classifier_skips_to_read_its_score"],
     ),
