@@ -364,7 +364,7 @@ class SequenceClassifierLabeler(Labeler):
         """Text of every response row: PAD, the first EOS and everything after it dropped, special tokens skipped."""
         rows = responses.reshape(-1, responses.shape[-1])
         keep = rows != self.pad_id
-        if self.eos_id is not None:
+        if self.eos_id is not None:  # the reward model scores the response up to its first EOS (nplus N19)
             keep = keep & ((rows == self.eos_id).cumsum(-1) == 0)
         kept = [[t for t, k in zip(row, mask) if k] for row, mask in zip(rows.tolist(), keep.tolist())]
         return self.tokenizer.batch_decode(kept, skip_special_tokens=True)
@@ -432,7 +432,8 @@ class SequenceClassifierLabeler(Labeler):
                 return_attention_mask=True,
                 return_tensors="pt",
             ).to(self.device)
-            # the classifier reads its score at each row's last token that is not config.pad_token_id
+            # TRL loads its reward model as a sequence classifier and reads its score head (nplus N28); the classifier
+            # reads it at each row's last token that is not config.pad_token_id
             # https://github.com/huggingface/trl/blob/14ef1aba152fddbc5a58f3a8a712b6e509e7e69d/trl/trainer/utils.py#L1069-L1116
             out.append(self.model(**batch).logits[:, 0].float())
         return torch.cat(out).view(responses.shape[:2]).to(responses.device)
