@@ -18,6 +18,7 @@ import torch
 
 from lm_human_preference_details import checkpoint
 from lm_human_preference_details.files import OutputError
+from lm_human_preference_details.labelers import check_labeler_source
 from lm_human_preference_details.modeling import REWARD_CONFIG_FILE, check_model_dir
 from lm_human_preference_details.optim import check_weight_decay
 from lm_human_preference_details.rewards import check_reward_source, reward_input_path
@@ -67,13 +68,14 @@ def local_path(name_or_path: str | None) -> str | None:
 
 
 def labeler_path(spec: str | None) -> str | None:
-    """The local model directory of a labeler spec (reward_model:DIR, classifier:DIR[#LABEL]); None otherwise."""
+    """The local model directory of a labeler spec (reward_model:DIR, classifier:DIR[#LABEL],
+    sequence_classifier:DIR); None otherwise."""
     if not spec or ":" not in spec:
         return None
     kind, _, target = spec.partition(":")
     if kind == "classifier" and "#" in target:
         target = target.rpartition("#")[0]
-    return local_path(target) if kind in ("reward_model", "classifier") else None
+    return local_path(target) if kind in ("reward_model", "classifier", "sequence_classifier") else None
 
 
 def _inside(path: str, directory: str) -> bool:
@@ -329,6 +331,7 @@ def check_policy_args(args: PolicyFlags) -> None:
         check_positive(rewards.adaptive_kl.target, "--rewards.adaptive_kl.target", "OAI uses 6.0 (nats)")
         check_at_least(rewards.adaptive_kl.horizon, 1, "--rewards.adaptive_kl.horizon", "OAI uses 10000")
     check_reward_source(rewards.trained_model, rewards.normalize_samples)
+    check_labeler_source(rewards.gold_model, "--rewards.gold_model")
     check_at_least(args.log_interval, 1, "--log_interval", "e.g. 10")
     check_at_least(args.divergence_updates, 0, "--divergence_updates", "0 never reports divergence")
     if args.divergence_kl is not None:
@@ -389,6 +392,7 @@ def check_generate_args(args: GenerateFlags) -> None:
     """label_generation.py generate: the task, and an --output that overwrites no input."""
     check_task(args.task)
     check_model_dir(args.base_model, "--base_model", tokenizer=True)
+    check_labeler_source(args.labeler, "--labeler")
     inputs = {
         "--base_model": args.base_model,
         "--labeler": labeler_path(args.labeler),

@@ -1730,6 +1730,56 @@ BREAKAGES = [
             "tests/test_optim.py::test_make_optimizer_without_weight_decay_keeps_oais_and_the_ablations_optimizer",
         ],
     ),
+    # ---------------------------------------------------------------- nplus: a reward model with its own tokenizer
+    Breakage(
+        "N28-seqcls-left-padded",
+        "N28",
+        "a sequence_classifier: reward left-pads its rows (as its tokenizer asks), so a shorter row's tokens sit at "
+        "other positions than when it is scored alone",
+        "lm_human_preference_details/labelers.py",
+        'padding_side="right",',
+        'padding_side="left",',
+        ["tests/test_external_reward.py::test_scores_are_a_plain_transformers_call_on_prompt_and_response_text"],
+    ),
+    Breakage(
+        "N28-seqcls-pad-not-skipped",
+        "N28",
+        "a sequence_classifier: reward pads with its tokenizer's PAD, not the config's pad_token_id that the "
+        "classifier skips when it picks the token to read its score at",
+        "lm_human_preference_details/labelers.py",
+        "    tokenizer.pad_token = token\n",
+        "",
+        ["tests/test_external_reward.py::test_rows_are_padded_with_the_id_the_classifier_skips_to_read_its_score"],
+    ),
+    Breakage(
+        "N28-seqcls-no-chat-template",
+        "N28",
+        "a sequence_classifier: reward ignores its tokenizer's chat template (plain prompt + response text)",
+        "lm_human_preference_details/labelers.py",
+        "self.chat = self.classifier_tokenizer.chat_template is not None",
+        "self.chat = False",
+        ["tests/test_external_reward.py::test_scores_are_a_plain_transformers_call_on_prompt_and_response_text"],
+    ),
+    Breakage(
+        "N19-seqcls-past-eos",
+        "N19",
+        "a sequence_classifier: reward decodes the response past its first EOS",
+        "lm_human_preference_details/labelers.py",
+        "keep = keep & ((rows == self.eos_id).cumsum(-1) == 0)",
+        "keep = keep",
+        ["tests/test_external_reward.py::test_response_ends_at_its_first_eos_and_special_tokens_are_skipped"],
+    ),
+    Breakage(
+        "N28-seqcls-prompt-not-cut",
+        "N28",
+        "a sequence_classifier: reward scores a row longer than the classifier's max length uncut",
+        "lm_human_preference_details/labelers.py",
+        "rows = self.fit(self.encode(prompts, texts), prompts, texts)",
+        "rows = self.encode(prompts, texts)",
+        [
+            "tests/test_external_reward.py::test_a_row_longer_than_the_classifier_takes_is_cut_from_the_left_of_its_prompt"
+        ],
+    ),
 ]
 
 
