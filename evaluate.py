@@ -390,7 +390,7 @@ def check_reward_input(spec: str, runs: dict[str, dict | None]) -> None:
     if spec.startswith("python:"):
         python_file_and_function(spec, "--reward_model")
     path = reward_input_path(spec)
-    if path is None or spec.startswith("classifier:") or os.path.exists(path):
+    if path is None or spec.startswith(("classifier:", "sequence_classifier:")) or os.path.exists(path):
         return  # vader; a classifier may be a hub name (its loader names a missing one)
     trained = [directory for directory, run in runs.items() if run and run["rewards"]["trained_model"] == spec]
     origin = f" (the --rewards.trained_model of {os.path.join(trained[0], 'args.json')})" if trained else ""

@@ -202,6 +202,9 @@ class Args:
     """rows of the sample table (OAI prints 3)"""
     use_tensorflow_adam: bool = True
     """TF1 Adam as OAI (epsilon added after bias correction); off: torch.optim.Adam with the same eps 1e-5"""
+    weight_decay: float = 0.0
+    """with --no_use_tensorflow_adam: torch.optim.AdamW's decoupled weight decay (the successor recipe uses AdamW's
+    default 0.01, eps 1e-5); 0: no decay, as OAI (the TF1 Adam refuses any other value)"""
     gradient_checkpointing: bool = False
     """recompute each transformer block's activations in the backward instead of storing them: much less activation
     memory (e.g. for gpt2-large/xl) for ~30% more compute, same updates; off: every activation is stored, as OAI"""
@@ -682,7 +685,7 @@ def main(args: Args) -> list[dict[str, float]]:
     gold = args.rewards.gold_model  # a held-out judge of every rollout that never trains the policy
     gold_labeler = load_labeler(gold, tokenizer, pad_id, device, flag="--rewards.gold_model") if gold else None
     params = list(policy.parameters())
-    optimizer = make_optimizer(params, ppo.lr, args.use_tensorflow_adam)
+    optimizer = make_optimizer(params, ppo.lr, args.use_tensorflow_adam, args.weight_decay)
     kl_ctl = make_kl_controller(args.rewards)
     texts = load_texts(task.query_dataset)
     query_stream = QueryStream(texts, tokenizer, task, accelerator.process_index, sizes.world, args.data_seed)

@@ -102,6 +102,9 @@ class Args:
     """set gain/bias again after training (OAI launch.py#L77)"""
     use_tensorflow_adam: bool = True
     """TF1 Adam as OAI (epsilon added after bias correction); off: torch.optim.Adam with the same eps 1e-5"""
+    weight_decay: float = 0.0
+    """with --no_use_tensorflow_adam: torch.optim.AdamW's decoupled weight decay (the successor recipe uses AdamW's
+    default 0.01, eps 1e-5); 0: no decay, as OAI (the TF1 Adam refuses any other value)"""
     gradient_checkpointing: bool = False
     """recompute each transformer block's activations in the backward instead of storing them: much less activation
     memory (e.g. for gpt2-large/xl) for ~30% more compute, same updates; off: every activation is stored, as OAI"""
@@ -387,7 +390,7 @@ def main(args: Args) -> dict:
     # gain and bias are trained too (their effect is reset by normalize_after)
     # https://github.com/openai/lm-human-preferences/blob/cbfd210bb8b08f6bc5c26878c10984b90f516c66/lm_human_preferences/rewards.py#L69-L71
     params = list(reward_model.parameters())
-    optimizer = make_optimizer(params, args.lr, args.use_tensorflow_adam)
+    optimizer = make_optimizer(params, args.lr, args.use_tensorflow_adam, args.weight_decay)
     # gradients averaged over processes (spec O4), started during each step's last backward
     gradients = distributed.GradientAverager(params, accelerator)
     query_stream = QueryStream(load_texts(args.task.query_dataset), tokenizer, args.task, rank, world, args.data_seed)

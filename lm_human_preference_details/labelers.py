@@ -8,21 +8,29 @@ https://github.com/openai/lm-human-preferences/blob/cbfd210bb8b08f6bc5c26878c109
 import os
 import sys
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from typing import TextIO
 
 import torch
 from rich.console import Console
 from rich.text import Text
-from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer, PreTrainedTokenizerBase
+from transformers import (
+    AutoConfig,
+    AutoModelForSequenceClassification,
+    AutoTokenizer,
+    PretrainedConfig,
+    PreTrainedTokenizerBase,
+)
 
 from lm_human_preference_details.hub import HubUnavailableError, check_available
 from lm_human_preference_details.modeling import load_reward_model, score_label_rows
-from lm_human_preference_details.tokenizer import check_same_tokenizer
+from lm_human_preference_details.tokenizer import TOKENIZER_FILES, check_same_tokenizer
 
 LABELER_FORMS = (
     "reward_model:DIR (a reward model written by train_reward.py)",
     "classifier:NAME_OR_DIR[#LABEL] (an HF sequence classifier; LABEL = a name of its config.id2label or an index, "
     "default the last label)",
+    "sequence_classifier:NAME_OR_DIR (a one-output HF reward model with its own tokenizer, on prompt + response)",
     "vader (VADER compound sentiment, pip install vaderSentiment)",
     "human (you pick the best response in the terminal)",
 )
@@ -192,6 +200,250 @@ def _label_index(id2label: dict, label: str | None, name_or_dir: str, flag: str)
     )
 
 
+# ---------------------------------------------------------------- a reward model with its own tokenizer
+
+SEQUENCE_CLASSIFIER = "sequence_classifier:"
+SEQUENCE_CLASSIFIER_BATCH = 32
+"""rows per forward of a sequence_classifier: reward model"""
+Conversation = list[dict[str, str]]
+ConversationOf = Callable[[list[int]], Conversation | None]
+"""a query's token ids (no PAD) -> the chat messages it was rendered from, or None for a plain-text query"""
+
+
+def sequence_classifier_target(spec: str, flag: str) -> str:
+    """NAME_OR_DIR of `sequence_classifier:NAME_OR_DIR`; ValueError in one line for an empty name or a #LABEL."""
+    target = spec.removeprefix(SEQUENCE_CLASSIFIER)
+    if not target:
+        raise ValueError(f"{flag} '{spec}' names no model; pass {flag} sequence_classifier:NAME_OR_DIR.")
+    if "#" in target:
+        raise ValueError(
+            f"{flag} '{spec}': sequence_classifier: reads the one output of a reward model and takes no #LABEL; pass "
+            f"{flag} classifier:{target} to score one label of a multi-label classifier."
+        )
+    return target
+
+
+def _check_classifier_files(target: str, spec: str, flag: str) -> None:
+    """FileNotFoundError, ValueError or HubUnavailableError (one line naming `flag`) unless `target` is a model
+    directory with a config and a tokenizer, or a hub id that is cached or fetchable now."""
+    if os.path.isdir(target):
+        if os.path.isfile(os.path.join(target, "config.json")):
+            if not any(os.path.isfile(os.path.join(target, name)) for name in TOKENIZER_FILES):
+                raise ValueError(
+                    f"{flag} '{spec}': '{target}' has no tokenizer files ({', '.join(TOKENIZER_FILES[:2])}); save "
+                    "the reward model's tokenizer there (tokenizer.save_pretrained(DIR))."
+                )
+            return
+        if os.path.isfile(os.path.join(target, "reward_model.json")):
+            raise ValueError(
+                f"{flag} '{spec}': '{target}' is a reward model of train_reward.py saved as trunk/ and head (no "
+                f"standard classifier holds its reward); pass {flag} reward_model:{target}."
+            )
+        raise ValueError(
+            f"{flag} '{spec}': '{target}' has no config.json, so it is no transformers model; pass {flag} "
+            "sequence_classifier:DIR with a directory written by save_pretrained (model and tokenizer)."
+        )
+    if os.path.exists(target):
+        raise ValueError(f"{flag} '{spec}': '{target}' is a file, not a model directory or hub id.")
+    if target.startswith((".", "/", "~")) or target.count("/") > 1:
+        raise FileNotFoundError(
+            f"{flag} '{spec}': directory '{target}' does not exist (a relative path is read from the working "
+            f"directory, {os.getcwd()}); pass {flag} sequence_classifier:DIR with an existing directory or a hub id."
+        )
+    try:
+        check_available(target, flag, kind="sequence classifier")
+    except HubUnavailableError as e:
+        raise HubUnavailableError(
+            f"{flag} '{spec}': '{target}' is no directory here, and as a hub id it cannot be fetched: the Hugging Face "
+            f"hub is unreachable (offline) and it is not in the local cache. Download it on a machine with internet "
+            f"(`hf download {target} --local-dir DIR`), copy DIR here and pass {flag} sequence_classifier:DIR."
+        ) from e
+
+
+def check_sequence_classifier(spec: str, flag: str) -> PretrainedConfig:
+    """The config of the one-output sequence classifier that `sequence_classifier:NAME_OR_DIR` names (no weights
+    read); one line naming `flag` for a missing directory, an unreachable hub id, another kind of model or more than
+    one output."""
+    target = sequence_classifier_target(spec, flag)
+    _check_classifier_files(target, spec, flag)
+    config = AutoConfig.from_pretrained(target)
+    architectures = config.architectures or []
+    if architectures and not any(a.endswith("ForSequenceClassification") for a in architectures):
+        raise ValueError(
+            f"{flag} '{spec}' is a {architectures[0]}, not a sequence classifier; pass {flag} "
+            "sequence_classifier:NAME_OR_DIR with a reward model that AutoModelForSequenceClassification loads with "
+            "one output (e.g. one trained with TRL's RewardTrainer)."
+        )
+    if config.num_labels != 1:
+        labels = ", ".join(str(name) for _, name in sorted(config.id2label.items()))
+        raise ValueError(
+            f"{flag} '{spec}' has {config.num_labels} outputs ({labels}), not one reward; pass {flag} "
+            f"classifier:{target}#LABEL to score one label of a multi-label classifier."
+        )
+    return config
+
+
+def check_labeler_source(spec: str | None, flag: str) -> None:
+    """The start-up check of a labeler spec that names a sequence classifier (other forms are checked on loading)."""
+    if spec and spec.startswith(SEQUENCE_CLASSIFIER):
+        check_sequence_classifier(spec, flag)
+
+
+def _padding_id(config: PretrainedConfig, tokenizer: PreTrainedTokenizerBase, spec: str, flag: str) -> int:
+    """The id that rows are padded with, the one the classifier's forward skips when it picks the token to read its
+    score at (config.pad_token_id); the tokenizer pads with it. A config without one takes the tokenizer's PAD, or its
+    EOS (transformers' convention for a tokenizer without PAD)."""
+    pad_id = config.pad_token_id
+    if pad_id is None:
+        pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    if pad_id is None:
+        raise ValueError(
+            f"{flag} '{spec}': its tokenizer has neither a PAD nor an EOS token and its config no pad_token_id, so "
+            "rows of different lengths cannot be batched; set tokenizer.pad_token and config.pad_token_id, and save "
+            "the model again."
+        )
+    token = tokenizer.convert_ids_to_tokens(pad_id)
+    if token is None:
+        raise ValueError(
+            f"{flag} '{spec}': its config's pad_token_id {pad_id} is not a token of its tokenizer ({len(tokenizer)} "
+            "tokens); set config.pad_token_id to its tokenizer's PAD id and save the model again."
+        )
+    config.pad_token_id = pad_id
+    tokenizer.pad_token = token
+    return pad_id
+
+
+def _max_length(config: PretrainedConfig, tokenizer: PreTrainedTokenizerBase) -> int | None:
+    """The most tokens the classifier takes: its tokenizer's model_max_length and its position embeddings."""
+    positions = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
+    limits = [n for n in (tokenizer.model_max_length, positions) if n and n < 1e9]  # 1e30: the tokenizer sets none
+    return min(limits) if limits else None
+
+
+class SequenceClassifierLabeler(Labeler):
+    """A reward model with its own tokenizer: the one output of an HF sequence classifier on prompt + response text.
+
+    The policy's raw query and truncated response are decoded with the policy's tokenizer (PAD, the response's first
+    EOS and everything after it dropped, special tokens skipped) and encoded again with the classifier's tokenizer:
+    through its chat template when it has one ([user: prompt, assistant: response], no generation prompt), else the
+    text prompt + response with the special tokens its tokenizer adds. `conversation_of` (optional) gives the chat
+    messages of a query, used instead of its decoded text under a chat template. A row longer than the classifier
+    takes loses tokens from the left of its prompt. Rows are right-padded with the id the classifier's forward skips
+    when it reads the score (its last token that is not that id), so every row scores as it would alone.
+    """
+
+    def __init__(
+        self,
+        name_or_dir: str,
+        tokenizer: PreTrainedTokenizerBase,
+        pad_id: int,
+        device,
+        flag: str,
+        conversation_of: ConversationOf | None = None,
+        batch_size: int = SEQUENCE_CLASSIFIER_BATCH,
+    ):
+        self.name = f"{SEQUENCE_CLASSIFIER}{name_or_dir}"
+        check_sequence_classifier(self.name, flag)
+        model, info = AutoModelForSequenceClassification.from_pretrained(name_or_dir, output_loading_info=True)
+        if info["missing_keys"]:
+            raise ValueError(
+                f"{flag} '{self.name}' cannot score text: its weights {sorted(info['missing_keys'])[:4]} are missing "
+                "(an untrained score head); pass a trained reward model."
+            )
+        self.classifier_tokenizer = AutoTokenizer.from_pretrained(name_or_dir)
+        config = model.config.get_text_config()
+        self.padding_id = _padding_id(config, self.classifier_tokenizer, self.name, flag)
+        self.max_length = _max_length(config, self.classifier_tokenizer)
+        self.chat = self.classifier_tokenizer.chat_template is not None
+        self.model = model.to(device).eval().requires_grad_(False)
+        self.tokenizer, self.pad_id, self.eos_id = tokenizer, pad_id, tokenizer.eos_token_id
+        self.device, self.batch_size, self.conversation_of = device, batch_size, conversation_of
+        self.warned_cut = False
+
+    def response_texts(self, responses: torch.Tensor) -> list[str]:
+        """Text of every response row: PAD, the first EOS and everything after it dropped, special tokens skipped."""
+        rows = responses.reshape(-1, responses.shape[-1])
+        keep = rows != self.pad_id
+        if self.eos_id is not None:  # the reward model scores the response up to its first EOS (nplus N19)
+            keep = keep & ((rows == self.eos_id).cumsum(-1) == 0)
+        kept = [[t for t, k in zip(row, mask) if k] for row, mask in zip(rows.tolist(), keep.tolist())]
+        return self.tokenizer.batch_decode(kept, skip_special_tokens=True)
+
+    def prompts(self, queries: torch.Tensor) -> list[str | Conversation]:
+        """Each query as the classifier's prompt: its chat messages (`conversation_of`, under a chat template) or its
+        text (PAD dropped, special tokens skipped)."""
+        ids = [[t for t in row if t != self.pad_id] for row in queries.tolist()]
+        texts = self.tokenizer.batch_decode(ids, skip_special_tokens=True)
+        if not (self.chat and self.conversation_of):
+            return texts
+        return [conversation or text for conversation, text in zip(map(self.conversation_of, ids), texts)]
+
+    def encode(self, prompts: list[str | Conversation], responses: list[str]) -> list[list[int]]:
+        """Token ids of each prompt + response in the classifier's tokenizer (its chat template when it has one)."""
+        tok = self.classifier_tokenizer
+        if self.chat:
+            chats = [_messages(prompt) + [{"role": "assistant", "content": r}] for prompt, r in zip(prompts, responses)]
+            texts = tok.apply_chat_template(chats, tokenize=False, add_generation_prompt=False)
+            return tok(texts, add_special_tokens=False)["input_ids"]
+        return tok([prompt + response for prompt, response in zip(prompts, responses)])["input_ids"]
+
+    def fit(self, rows: list[list[int]], prompts: list[str | Conversation], responses: list[str]) -> list[list[int]]:
+        """`rows` with each one longer than the classifier's max length cut from the left of its prompt (whole
+        tokens of the classifier's tokenizer; the response alone too long keeps its last max-length tokens)."""
+        too_long = [i for i, row in enumerate(rows) if self.max_length and len(row) > self.max_length]
+        for i in too_long:
+            rows[i] = self._cut_prompt(rows[i], prompts[i], responses[i])
+        if too_long and not self.warned_cut:
+            self.warned_cut = True
+            print(
+                f"warning: {self.name}: prompt + response longer than the reward model's {self.max_length} tokens; "
+                "the prompt is cut from its left (said once per run)",
+                file=sys.stderr,
+            )
+        return rows
+
+    def _cut_prompt(self, row: list[int], prompt: str | Conversation, response: str) -> list[int]:
+        """One row cut to max_length: tokens of the prompt's text (a conversation's last message) dropped from the
+        left until it fits."""
+        tok, limit = self.classifier_tokenizer, self.max_length
+        text = prompt if isinstance(prompt, str) else prompt[-1]["content"]
+        pieces = tok(text, add_special_tokens=False)["input_ids"]
+        while len(row) > limit and pieces:
+            pieces = pieces[len(row) - limit :]
+            shorter = tok.decode(pieces)
+            cut = shorter if isinstance(prompt, str) else [*prompt[:-1], {**prompt[-1], "content": shorter}]
+            row = self.encode([cut], [response])[0]
+        return row[len(row) - limit :] if len(row) > limit else row
+
+    @torch.no_grad()
+    def scores(self, queries: torch.Tensor, responses: torch.Tensor) -> torch.Tensor:
+        """The classifier's output (B, N), float32: logits[:, 0] of right-padded batches of its own tokens."""
+        _check_shapes(queries, responses)
+        n = responses.shape[1]
+        prompts = [prompt for prompt in self.prompts(queries) for _ in range(n)]
+        texts = self.response_texts(responses)
+        rows = self.fit(self.encode(prompts, texts), prompts, texts)
+        out = []
+        for start in range(0, len(rows), self.batch_size):
+            batch = self.classifier_tokenizer.pad(
+                {"input_ids": rows[start : start + self.batch_size]},
+                padding=True,
+                padding_side="right",
+                return_attention_mask=True,
+                return_tensors="pt",
+            ).to(self.device)
+            # TRL loads its reward model as a sequence classifier and reads its score head (nplus N28); the classifier
+            # reads it at each row's last token that is not config.pad_token_id
+            # https://github.com/huggingface/trl/blob/14ef1aba152fddbc5a58f3a8a712b6e509e7e69d/trl/trainer/utils.py#L1069-L1116
+            out.append(self.model(**batch).logits[:, 0].float())
+        return torch.cat(out).view(responses.shape[:2]).to(responses.device)
+
+
+def _messages(prompt: str | Conversation) -> Conversation:
+    """A prompt as chat messages: a conversation as it is, a text as one user message."""
+    return [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
+
+
 # ---------------------------------------------------------------- VADER
 
 
@@ -278,12 +530,20 @@ class HumanLabeler(Labeler):
 
 
 def load_labeler(
-    spec: str, tokenizer: PreTrainedTokenizerBase, pad_id: int, device, flag: str = "--labeler"
+    spec: str,
+    tokenizer: PreTrainedTokenizerBase,
+    pad_id: int,
+    device,
+    flag: str = "--labeler",
+    conversation_of: ConversationOf | None = None,
 ) -> Labeler:
-    """The labeler described by `spec`: reward_model:DIR, classifier:NAME_OR_DIR[#LABEL], vader or human."""
+    """The labeler described by `spec` (LABELER_FORMS); `conversation_of`: see SequenceClassifierLabeler."""
     kind, _, target = spec.partition(":")
     if kind == "reward_model" and target:
         return RewardModelLabeler(target, tokenizer, pad_id, device, flag)
+    if spec.startswith(SEQUENCE_CLASSIFIER):
+        target = sequence_classifier_target(spec, flag)
+        return SequenceClassifierLabeler(target, tokenizer, pad_id, device, flag, conversation_of)
     if kind == "classifier" and target:
         name, _, label = target.rpartition("#") if "#" in target else (target, "", "")
         return ClassifierLabeler(name, label or None, tokenizer, pad_id, device, flag)

@@ -1,8 +1,9 @@
 """What train_policy.py maximizes: a reward model of train_reward.py, or a programmatic reward scoring the text.
 
 `--rewards.trained_model` names the source: a reward-model directory (OAI's only source), `vader`,
-`classifier:NAME_OR_DIR[#LABEL]` (the labelers of labelers.py), or `python:FILE.py:FUNCTION`, a function of the decoded
-queries and truncated responses of a batch. Every source scores the raw query and the truncated response, as OAI's
+`classifier:NAME_OR_DIR[#LABEL]`, `sequence_classifier:NAME_OR_DIR` (a reward model with its own tokenizer; the
+labelers of labelers.py), or `python:FILE.py:FUNCTION`, a function of the decoded queries and truncated responses of a
+batch. Every source scores the raw query and the truncated response, as OAI's
 reward model does; the filter penalty, the score at the last token and the KL penalty stay in train_policy.py.
 A programmatic reward can be normalized on samples of the initial policy as OAI normalizes its reward model (spec RS1).
 https://github.com/openai/lm-human-preferences/blob/cbfd210bb8b08f6bc5c26878c10984b90f516c66/lm_human_preferences/train_policy.py#L378-L390
@@ -21,7 +22,16 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from lm_human_preference_details.checkpoint import Resumed
-from lm_human_preference_details.labelers import Labeler, decode_without_pad, load_labeler
+from lm_human_preference_details.labelers import (
+    SEQUENCE_CLASSIFIER,
+    ConversationOf,
+    Labeler,
+    SequenceClassifierLabeler,
+    check_sequence_classifier,
+    decode_without_pad,
+    load_labeler,
+    sequence_classifier_target,
+)
 from lm_human_preference_details.modeling import RewardModel, load_reward_model, sample
 from lm_human_preference_details.sizes import ceil_div
 from lm_human_preference_details.tasks import TaskHParams, check_truncation_resolved, format_contexts, truncate_response
@@ -31,15 +41,17 @@ REWARD_FORMS = (
     "DIR or reward_model:DIR (a reward model written by train_reward.py)",
     "vader (VADER compound sentiment of the response, pip install vaderSentiment)",
     "classifier:NAME_OR_DIR[#LABEL] (log-probability of a label of an HF sequence classifier on the response)",
+    "sequence_classifier:NAME_OR_DIR (a one-output HF reward model with its own tokenizer, on the prompt and response)",
     "python:FILE.py:FUNCTION (FUNCTION(queries, responses) of two lists of strings returns one float per episode)",
 )
-PROGRAMMATIC_PREFIXES = ("classifier:", "python:")
+PROGRAMMATIC_PREFIXES = ("classifier:", SEQUENCE_CLASSIFIER, "python:")
 NORMALIZE_BATCH = 64
 """queries per process and sampling batch of --rewards.normalize_samples"""
 
 
 def is_programmatic(spec: str) -> bool:
-    """True when `spec` names VADER, a classifier or a Python function rather than a reward-model directory."""
+    """True when `spec` names VADER, a classifier, a sequence classifier or a Python function rather than a
+    reward-model directory of train_reward.py."""
     return spec == "vader" or spec.startswith(PROGRAMMATIC_PREFIXES)
 
 
@@ -57,21 +69,27 @@ def reward_input_path(spec: str) -> str | None:
     if spec.startswith("classifier:"):
         target = spec.removeprefix("classifier:")
         return target.rpartition("#")[0] if "#" in target else target
+    if spec.startswith(SEQUENCE_CLASSIFIER):
+        return spec.removeprefix(SEQUENCE_CLASSIFIER) or None
     return reward_model_dir(spec)
 
 
 def check_reward_source(spec: str, normalize_samples: int) -> None:
-    """ValueError unless --rewards.normalize_samples is 0, or >= 2 with a programmatic reward."""
+    """ValueError unless --rewards.normalize_samples is 0, or >= 2 with a programmatic reward; a sequence classifier
+    is checked (its config: one output) before anything trains."""
     flag = "--rewards.normalize_samples"
     if isinstance(normalize_samples, bool) or not isinstance(normalize_samples, int) or normalize_samples < 0:
         raise ValueError(f"{flag} must be an integer >= 0, got {normalize_samples!r}; pass 0 for the raw scores.")
     if normalize_samples and not is_programmatic(spec):
         raise ValueError(
-            f"{flag} normalizes a programmatic reward (vader, classifier:, python:), but {FLAG} '{spec}' is a reward "
-            "model, which train_reward.py already normalized (its --normalize_samples); drop the flag."
+            f"{flag} normalizes a programmatic reward (vader, classifier:, sequence_classifier:, python:), but {FLAG} "
+            f"'{spec}' is a reward model, which train_reward.py already normalized (its --normalize_samples); drop "
+            "the flag."
         )
     if normalize_samples == 1:
         raise ValueError(f"{flag} 1 gives no std to normalize by; pass 0 for the raw scores or e.g. 256.")
+    if spec.startswith(SEQUENCE_CLASSIFIER):
+        check_sequence_classifier(spec, FLAG)
 
 
 class Reward:
@@ -107,7 +125,8 @@ class RewardModelReward(Reward):
 
 
 class LabelerReward(Reward):
-    """VADER or an HF classifier (labelers.py) on the decoded truncated response."""
+    """VADER or an HF classifier on the decoded truncated response, or a sequence classifier on the decoded prompt and
+    response (labelers.py)."""
 
     def __init__(self, labeler: Labeler, device: torch.device):
         self.labeler, self.device, self.name = labeler, device, labeler.name
@@ -213,11 +232,21 @@ def load_python_function(spec: str, flag: str = FLAG) -> Callable:
 
 
 def load_reward(
-    spec: str, tokenizer: PreTrainedTokenizerBase, pad_id: int, device: torch.device, flag: str = FLAG
+    spec: str,
+    tokenizer: PreTrainedTokenizerBase,
+    pad_id: int,
+    device: torch.device,
+    flag: str = FLAG,
+    conversation_of: ConversationOf | None = None,
 ) -> Reward:
-    """The reward that `spec` names (REWARD_FORMS), on `device`, with gain 1 and bias 0; errors name `flag`."""
+    """The reward that `spec` names (REWARD_FORMS), on `device`, with gain 1 and bias 0; errors name `flag`.
+    `conversation_of`: a query's chat messages, for a sequence classifier with a chat template (labelers.py)."""
     if spec.startswith("python:"):
         return PythonReward(spec, load_python_function(spec, flag), tokenizer, pad_id, device, flag)
+    if spec.startswith(SEQUENCE_CLASSIFIER):
+        target = sequence_classifier_target(spec, flag)
+        labeler = SequenceClassifierLabeler(target, tokenizer, pad_id, device, flag, conversation_of)
+        return LabelerReward(labeler, device)
     if is_programmatic(spec):
         return LabelerReward(load_labeler(spec, tokenizer, pad_id, device, flag=flag), device)
     directory = reward_model_dir(spec)
@@ -226,6 +255,15 @@ def load_reward(
         raise FileNotFoundError(f"reward model directory '{directory}' ({flag}) does not exist; valid forms: {forms}.")
     model, metadata = load_reward_model(directory, flag=flag)
     return RewardModelReward(model.to(device), pad_id, directory, metadata)
+
+
+def attach_conversations(conversation_of: ConversationOf | None, *scorers: Reward | Labeler | None) -> None:
+    """Give every sequence classifier among `scorers` (a reward, the gold labeler) the query stream's chat messages
+    (`conversation_of`); the other scorers see the decoded query text, as before."""
+    for scorer in scorers:
+        labeler = getattr(scorer, "labeler", scorer)
+        if isinstance(labeler, SequenceClassifierLabeler):
+            labeler.conversation_of = conversation_of
 
 
 # ---------------------------------------------------------------- normalization on the initial policy's samples

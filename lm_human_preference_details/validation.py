@@ -18,7 +18,9 @@ import torch
 
 from lm_human_preference_details import checkpoint
 from lm_human_preference_details.files import OutputError
+from lm_human_preference_details.labelers import check_labeler_source
 from lm_human_preference_details.modeling import REWARD_CONFIG_FILE, check_model_dir
+from lm_human_preference_details.optim import check_weight_decay
 from lm_human_preference_details.rewards import check_reward_source, reward_input_path
 from lm_human_preference_details.sizes import divisors
 from lm_human_preference_details.tasks import TaskHParams, check_task
@@ -66,13 +68,14 @@ def local_path(name_or_path: str | None) -> str | None:
 
 
 def labeler_path(spec: str | None) -> str | None:
-    """The local model directory of a labeler spec (reward_model:DIR, classifier:DIR[#LABEL]); None otherwise."""
+    """The local model directory of a labeler spec (reward_model:DIR, classifier:DIR[#LABEL],
+    sequence_classifier:DIR); None otherwise."""
     if not spec or ":" not in spec:
         return None
     kind, _, target = spec.partition(":")
     if kind == "classifier" and "#" in target:
         target = target.rpartition("#")[0]
-    return local_path(target) if kind in ("reward_model", "classifier") else None
+    return local_path(target) if kind in ("reward_model", "classifier", "sequence_classifier") else None
 
 
 def _inside(path: str, directory: str) -> bool:
@@ -228,6 +231,8 @@ class PolicyFlags(Protocol):
     save_interval: int
     print_samples: int
     rollout_micro_batch_size: int | None
+    use_tensorflow_adam: bool
+    weight_decay: float
 
     @property
     def task(self) -> TaskHParams: ...
@@ -258,6 +263,8 @@ class RewardFlags(Protocol):
     normalize_samples: int
     debug_normalize: int
     eval_interval: int
+    use_tensorflow_adam: bool
+    weight_decay: float
 
     @property
     def task(self) -> TaskHParams: ...
@@ -308,6 +315,7 @@ def check_policy_args(args: PolicyFlags) -> None:
         fix = "omit it for OAI's 8 ranks (ppo.batch_size / 8), or pass 0 to whiten each process's batch"
         check_at_least(ppo.whiten_group_size, 0, "--ppo.whiten_group_size", fix)
     check_positive(ppo.lr, "--ppo.lr", "OAI uses 1e-5 (books) or 2e-6 (tldr, cnndm)")
+    check_weight_decay(args.weight_decay, args.use_tensorflow_adam)
     check_non_negative(ppo.cliprange, "--ppo.cliprange", "OAI uses 0.2")
     check_non_negative(ppo.cliprange_value, "--ppo.cliprange_value", "OAI uses 0.2")
     check_non_negative(ppo.vf_coef, "--ppo.vf_coef", "OAI uses 0.1")
@@ -323,6 +331,7 @@ def check_policy_args(args: PolicyFlags) -> None:
         check_positive(rewards.adaptive_kl.target, "--rewards.adaptive_kl.target", "OAI uses 6.0 (nats)")
         check_at_least(rewards.adaptive_kl.horizon, 1, "--rewards.adaptive_kl.horizon", "OAI uses 10000")
     check_reward_source(rewards.trained_model, rewards.normalize_samples)
+    check_labeler_source(rewards.gold_model, "--rewards.gold_model")
     check_at_least(args.log_interval, 1, "--log_interval", "e.g. 10")
     check_at_least(args.divergence_updates, 0, "--divergence_updates", "0 never reports divergence")
     if args.divergence_kl is not None:
@@ -356,6 +365,7 @@ def check_reward_args(args: RewardFlags) -> None:
         )
     check_at_least(args.gradient_accumulation_steps, 1, "--gradient_accumulation_steps")
     check_positive(args.lr, "--lr", "OAI uses 5e-5 (books) or 2.5e-5 (tldr, cnndm)")
+    check_weight_decay(args.weight_decay, args.use_tensorflow_adam)
     check_at_least(args.rollout_batch_size, 1, "--rollout_batch_size", "OAI uses 512 (books) or 128 (tldr, cnndm)")
     check_at_least(args.normalize_samples, 0, "--normalize_samples", "0 skips normalization")
     check_at_least(args.debug_normalize, 0, "--debug_normalize")
@@ -382,6 +392,7 @@ def check_generate_args(args: GenerateFlags) -> None:
     """label_generation.py generate: the task, and an --output that overwrites no input."""
     check_task(args.task)
     check_model_dir(args.base_model, "--base_model", tokenizer=True)
+    check_labeler_source(args.labeler, "--labeler")
     inputs = {
         "--base_model": args.base_model,
         "--labeler": labeler_path(args.labeler),

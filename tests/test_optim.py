@@ -1,12 +1,19 @@
-"""AdamTensorFlowStyle against an independent float64 NumPy version of TF1's AdamOptimizer update (spec O1-O3, TV8)."""
+"""AdamTensorFlowStyle against an independent float64 NumPy version of TF1's AdamOptimizer update (spec O1-O3, TV8);
+make_optimizer's AdamW with decoupled weight decay (nplus N8) and the scripts' --weight_decay."""
+
+import json
 
 import numpy as np
 import pytest
 import torch
 
-from lm_human_preference_details import optim
-from lm_human_preference_details.optim import AdamTensorFlowStyle
+import train_policy
+import train_reward
+from lm_human_preference_details import cli, optim
+from lm_human_preference_details.optim import AdamTensorFlowStyle, make_optimizer
+from tests.conftest import write_queries
 from tests.memory import PeakAllocation
+from tests.test_train_policy import save_reward_model, tiny_args, tiny_task
 
 BETA1, BETA2, EPS = 0.9, 0.999, 1e-5
 NUM_STEPS = 50
@@ -168,3 +175,151 @@ def test_adam_tf_style_bucketed_step_equals_one_step_over_all_parameters(monkeyp
         results.append([p.detach().clone() for p in params])
     assert all(torch.equal(a, b) for a, b in zip(*results))
     assert not torch.equal(results[0][0], _layers(7, 1000, seed=1)[0].detach())
+
+
+# ---------------------------------------------------------------- --weight_decay: torch AdamW (nplus N8)
+
+
+def adamw_reference(p0: np.ndarray, grads: np.ndarray, lr: float, weight_decay: float) -> np.ndarray:
+    """torch's AdamW in float64: p *= 1 - lr * wd (decoupled, before the step), then Adam with eps added to the
+    bias-corrected sqrt(v): p -= lr * m_hat / (sqrt(v_hat) + eps)."""
+    p, m, v = p0.astype(np.float64), np.zeros_like(p0, np.float64), np.zeros_like(p0, np.float64)
+    for t, g in enumerate(grads, start=1):
+        p = p * (1 - lr * weight_decay)
+        m = BETA1 * m + (1 - BETA1) * g
+        v = BETA2 * v + (1 - BETA2) * g * g
+        m_hat, v_hat = m / (1 - BETA1**t), v / (1 - BETA2**t)
+        p = p - lr * m_hat / (np.sqrt(v_hat) + EPS)
+    return p
+
+
+def make_optimizer_run(
+    p0: np.ndarray, grads: np.ndarray, lr: float, **kwargs
+) -> tuple[np.ndarray, torch.optim.Optimizer]:
+    """Steps of the scripts' optimizer (make_optimizer) on a float64 parameter initialized at p0."""
+    param = torch.nn.Parameter(torch.tensor(p0, dtype=torch.float64))
+    optimizer = make_optimizer([param], lr, **kwargs)
+    for g in grads:
+        param.grad = torch.tensor(g, dtype=torch.float64)
+        optimizer.step()
+    return param.detach().numpy(), optimizer
+
+
+def test_make_optimizer_weight_decay_is_adamw_decoupled_decay_with_eps_1e5():
+    # nplus N8: the successor recipe trains with torch.optim.AdamW(lr, eps=1e-5), weight decay 0.01; a large decay
+    # here (lr * wd = 5e-3 per step) so that decoupled decay, L2 added to the gradient and no decay all differ
+    grads = grad_schedule(20)
+    p0 = np.random.default_rng(4).normal(size=16)
+    lr, weight_decay = 1e-2, 0.5
+    ours, optimizer = make_optimizer_run(p0, grads, lr, use_tensorflow_adam=False, weight_decay=weight_decay)
+    assert type(optimizer) is torch.optim.AdamW and optimizer.defaults["eps"] == 1e-5
+    np.testing.assert_allclose(ours, adamw_reference(p0, grads, lr, weight_decay), rtol=1e-12, atol=1e-15)
+    no_decay = adamw_reference(p0, grads, lr, 0.0)
+    assert np.abs(ours - no_decay).max() > 1e-3
+
+
+@pytest.mark.parametrize("use_tensorflow_adam", [True, False])
+def test_make_optimizer_without_weight_decay_keeps_oais_and_the_ablations_optimizer(use_tensorflow_adam):
+    # weight decay 0 (every OAI preset) builds exactly the optimizer of before: TF1 Adam, or torch.optim.Adam (not
+    # AdamW, whose state dict differs), eps 1e-5, and its numbers
+    grads = grad_schedule(10)
+    p0 = np.random.default_rng(5).normal(size=16)
+    ours, optimizer = make_optimizer_run(p0, grads, 1e-3, use_tensorflow_adam=use_tensorflow_adam)
+    expected_class = AdamTensorFlowStyle if use_tensorflow_adam else torch.optim.Adam
+    assert type(optimizer) is expected_class and optimizer.defaults["eps"] == 1e-5
+    assert optimizer.defaults.get("weight_decay", 0) == 0
+    same, _ = make_optimizer_run(p0, grads, 1e-3, use_tensorflow_adam=use_tensorflow_adam, weight_decay=0.0)
+    np.testing.assert_array_equal(ours, same)
+    if use_tensorflow_adam:
+        np.testing.assert_allclose(ours - p0, tf1_adam_reference(p0, grads, [1e-3] * 10) - p0, rtol=1e-12, atol=0)
+    else:
+        np.testing.assert_array_equal(ours, run_optimizer(torch.optim.Adam, p0, grads, [1e-3] * 10, torch.float64))
+
+
+@pytest.mark.parametrize("weight_decay", [-0.01, float("nan"), float("inf")])
+def test_make_optimizer_rejects_a_weight_decay_that_is_not_a_number_at_least_zero(weight_decay):
+    with pytest.raises(ValueError, match=r"^--weight_decay must be a finite number >= 0"):
+        make_optimizer([torch.nn.Parameter(torch.zeros(1))], 1e-3, False, weight_decay)
+
+
+def run_cli(script, argv: list[str], capsys) -> tuple[int, str]:
+    """`python script.py ARGV` through cli.run; -> exit code, stderr."""
+    capsys.readouterr()
+    try:
+        cli.run(script.main, script.parse, argv)
+        code = 0
+    except SystemExit as e:
+        code = e.code
+    return code, capsys.readouterr().err
+
+
+@pytest.mark.parametrize("script", [train_policy, train_reward])
+def test_weight_decay_with_tensorflow_adam_stops_in_one_line_naming_both_flags(
+    script, tmp_path, tiny_model_dir, capsys
+):
+    # OAI's TF1 Adam has no weight decay: asking for one without --no_use_tensorflow_adam is a mistake, caught
+    # before anything loads (also by --dry_run), not silently ignored
+    other = ["--rewards.trained_model", "vader"] if script is train_policy else ["--label_dataset", "labels.json"]
+    argv = ["--base_model", tiny_model_dir, *other, "--weight_decay", "0.01", "--output_dir", str(tmp_path / "out")]
+    code, err = run_cli(script, [*argv, "--dry_run"], capsys)
+    assert code == 2 and "Traceback" not in err, err
+    line = err.strip().splitlines()[0]
+    assert line.startswith("error: --weight_decay 0.01 needs --no_use_tensorflow_adam"), err
+    assert "--weight_decay 0" in line and "no weight decay" in line
+    assert not (tmp_path / "out").exists()
+
+
+class OptimizerBuilt(Exception):
+    """Stops a script's run once its optimizer exists."""
+
+
+def stop_at_optimizer(monkeypatch, script) -> list[torch.optim.Optimizer]:
+    """Make `script` build its optimizer with the real make_optimizer, record it, then stop the run."""
+    built = []
+
+    def record(*args, **kwargs):
+        built.append(make_optimizer(*args, **kwargs))
+        raise OptimizerBuilt
+
+    monkeypatch.setattr(script, "make_optimizer", record)
+    return built
+
+
+def test_train_policy_weight_decay_gives_adamw_over_the_trained_parameters(tmp_path, tiny_model_dir, monkeypatch):
+    queries = write_queries(tmp_path / "queries.txt")
+    reward = save_reward_model(tmp_path / "reward", tiny_model_dir, tiny_task(queries))
+    args = tiny_args(tmp_path / "policy", tiny_model_dir, reward, queries)
+    args.use_tensorflow_adam, args.weight_decay = False, 0.01
+    built = stop_at_optimizer(monkeypatch, train_policy)
+    with pytest.raises(OptimizerBuilt):
+        train_policy.main(args)
+    (optimizer,) = built
+    assert type(optimizer) is torch.optim.AdamW
+    assert optimizer.defaults["weight_decay"] == 0.01 and optimizer.defaults["eps"] == 1e-5
+    assert optimizer.defaults["lr"] == args.ppo.lr
+    assert sum(p.numel() for g in optimizer.param_groups for p in g["params"]) > 10_000  # the policy and its value head
+
+
+def test_train_reward_weight_decay_gives_adamw(tmp_path, tiny_model_dir, monkeypatch):
+    queries = write_queries(tmp_path / "queries.txt")
+    rows = [{"query": [100 + i] * 16, **{f"sample{k}": [200 + k] * 8 for k in range(4)}, "best": 0} for i in range(16)]
+    (tmp_path / "labels.json").write_text(json.dumps(rows))
+    task = tiny_task(queries)
+    args = train_reward.Args(
+        base_model=tiny_model_dir,
+        label_dataset=str(tmp_path / "labels.json"),
+        output_dir=str(tmp_path / "rm"),
+        task=task,
+        batch_size=8,
+        rollout_batch_size=8,
+        normalize_samples=8,
+        use_tensorflow_adam=False,
+        weight_decay=0.01,
+    )
+    args.labels.num_train = 16
+    built = stop_at_optimizer(monkeypatch, train_reward)
+    with pytest.raises(OptimizerBuilt):
+        train_reward.main(args)
+    (optimizer,) = built
+    assert type(optimizer) is torch.optim.AdamW
+    assert optimizer.defaults["weight_decay"] == 0.01 and optimizer.defaults["lr"] == args.lr

@@ -10,10 +10,12 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 README = REPO / "README.md"
 DOC = REPO / "docs" / "implementation-details.md"
+NPLUS_DOC = REPO / "docs" / "nplus-details.md"
+"""the successor recipe's spec: its details (N1..N28) have rows in docs/details.md and Guarded-by lines there"""
 DETAILS = REPO / "docs" / "details.md"
 PAGES = [README, *sorted((REPO / "docs").glob("*.md"))]
 
-_ROW_RE = re.compile(r"^\| \[([^\]]+)\]\(implementation-details\.md#([\w.-]+)\)(.*)\|\s*$", re.MULTILINE)
+_ROW_RE = re.compile(r"^\| \[([^\]]+)\]\(((?:implementation|nplus)-details)\.md#([\w.-]+)\)(.*)\|\s*$", re.MULTILINE)
 _README_ROW_RE = re.compile(r"^\| \[([^\]]+)\]\(docs/implementation-details\.md#([\w.-]+)\) \| [^|]+ \|$", re.MULTILINE)
 _GUARDED_RE = re.compile(r"^Guarded by: <!-- tests:(\S+) -->(.*)$", re.MULTILINE)
 _TEST_NAME_RE = re.compile(r"`(test_\w+)`")
@@ -32,17 +34,18 @@ def defined_tests() -> set[str]:
 
 
 def details_rows() -> dict[str, dict]:
-    """The implementation-details table of docs/details.md: tag -> anchor and the tests named in the last column."""
+    """The implementation-details tables of docs/details.md (OAI's details, then the successor recipe's): tag -> the
+    spec page it links, its anchor there and the tests named in the last column."""
     rows = {}
-    for tag, anchor, rest in _ROW_RE.findall(DETAILS.read_text(encoding="utf-8")):
+    for tag, page, anchor, rest in _ROW_RE.findall(DETAILS.read_text(encoding="utf-8")):
         assert tag not in rows, f"docs/details.md has two rows for {tag}"
-        rows[tag] = {"anchor": anchor, "tests": _TEST_NAME_RE.findall(rest.split("|")[-1])}
+        rows[tag] = {"page": page, "anchor": anchor, "tests": _TEST_NAME_RE.findall(rest.split("|")[-1])}
     return rows
 
 
 def guarded_by() -> dict[str, list[str]]:
-    """The docs' `Guarded by: <!-- tests:TAG -->` lines: tag -> test names."""
-    lines = _GUARDED_RE.findall(DOC.read_text(encoding="utf-8"))
+    """The spec pages' `Guarded by: <!-- tests:TAG -->` lines: tag -> test names."""
+    lines = [line for page in (DOC, NPLUS_DOC) for line in _GUARDED_RE.findall(page.read_text(encoding="utf-8"))]
     tags = [tag for tag, _ in lines]
     assert len(tags) == len(set(tags)), f"a tag has two Guarded-by lines: {tags}"
     return {tag: _TEST_NAME_RE.findall(rest) for tag, rest in lines}
@@ -75,7 +78,7 @@ def test_docs_guarded_by_lines_name_existing_tests():
 
 def test_details_table_covers_every_guarded_detail_with_the_same_tests():
     rows, guarded = details_rows(), guarded_by()
-    anchors = set(_ANCHOR_RE.findall(DOC.read_text(encoding="utf-8")))
+    anchors = {page.stem: set(_ANCHOR_RE.findall(page.read_text(encoding="utf-8"))) for page in (DOC, NPLUS_DOC)}
     details = {tag for tag in guarded if not tag.startswith("TV")}  # test vectors are listed in the docs only
     assert details - set(rows) == set(), (
         f"details with a Guarded-by line but no row in docs/details.md: {details - set(rows)}"
@@ -88,8 +91,8 @@ def test_details_table_covers_every_guarded_detail_with_the_same_tests():
         assert expected <= set(rows), f"docs/details.md lacks {sorted(expected - set(rows))}"
     assert {"§4.1", "§4.2"} <= set(rows)
     for tag, row in rows.items():
-        assert row["anchor"] in anchors, (
-            f"docs/details.md row {tag} links to #{row['anchor']}, not an anchor of the docs"
+        assert row["anchor"] in anchors[row["page"]], (
+            f"docs/details.md row {tag} links to {row['page']}.md#{row['anchor']}, not an anchor there"
         )
         assert row["tests"] == guarded[tag], f"{tag}: docs/details.md names {row['tests']}, the docs {guarded[tag]}"
 
@@ -97,8 +100,9 @@ def test_details_table_covers_every_guarded_detail_with_the_same_tests():
 def test_readme_lists_every_detail_of_the_table_in_its_order():
     listed = _README_ROW_RE.findall(README.read_text(encoding="utf-8"))
     assert len(listed) == len({tag for tag, _ in listed}), "README.md lists a detail twice"
-    assert listed == [(tag, row["anchor"]) for tag, row in details_rows().items()], (
-        "README.md's list of details must name the rows of docs/details.md, in order, with the same links"
+    oai_rows = [(tag, row["anchor"]) for tag, row in details_rows().items() if row["page"] == DOC.stem]
+    assert listed == oai_rows, (
+        "README.md's list of details must name the OAI rows of docs/details.md, in order, with the same links"
     )
 
 

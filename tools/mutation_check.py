@@ -1682,6 +1682,104 @@ BREAKAGES = [
         'norms["after"] = normalize("after", sizes.steps, normalization_target(label_type, train_labels))',
         ["tests/test_train_reward.py::test_scalar_labels_normalize_after_training_to_mean_zero_std_one"],
     ),
+    # ---------------------------------------------------------------- N8: --weight_decay, torch AdamW (nplus N8)
+    Breakage(
+        "N8-weight-decay-coupled",
+        "N8",
+        "--weight_decay is an L2 term added to the gradient (torch.optim.Adam) instead of AdamW's decoupled decay",
+        "lm_human_preference_details/optim.py",
+        "return torch.optim.AdamW(params, lr=lr, eps=1e-5, weight_decay=weight_decay)",
+        "return torch.optim.Adam(params, lr=lr, eps=1e-5, weight_decay=weight_decay)",
+        ["tests/test_optim.py::test_make_optimizer_weight_decay_is_adamw_decoupled_decay_with_eps_1e5"],
+    ),
+    Breakage(
+        "N8-weight-decay-with-tf-adam-ignored",
+        "N8",
+        "a --weight_decay with OAI's TF1 Adam is accepted (and the run trains with AdamW) instead of stopping",
+        "lm_human_preference_details/optim.py",
+        "if weight_decay and use_tensorflow_adam:",
+        "if weight_decay and use_tensorflow_adam and not weight_decay:",
+        ["tests/test_optim.py::test_weight_decay_with_tensorflow_adam_stops_in_one_line_naming_both_flags"],
+    ),
+    Breakage(
+        "N8-policy-drops-weight-decay",
+        "N8",
+        "train_policy.py builds its optimizer without --weight_decay (torch Adam, no decay)",
+        TP,
+        "optimizer = make_optimizer(params, ppo.lr, args.use_tensorflow_adam, args.weight_decay)",
+        "optimizer = make_optimizer(params, ppo.lr, args.use_tensorflow_adam)",
+        ["tests/test_optim.py::test_train_policy_weight_decay_gives_adamw_over_the_trained_parameters"],
+    ),
+    Breakage(
+        "N8-reward-drops-weight-decay",
+        "N8",
+        "train_reward.py builds its optimizer without --weight_decay (torch Adam, no decay)",
+        TR,
+        "optimizer = make_optimizer(params, args.lr, args.use_tensorflow_adam, args.weight_decay)",
+        "optimizer = make_optimizer(params, args.lr, args.use_tensorflow_adam)",
+        ["tests/test_optim.py::test_train_reward_weight_decay_gives_adamw"],
+    ),
+    Breakage(
+        "N8-zero-weight-decay-is-adamw",
+        "N8",
+        "weight decay 0 builds torch AdamW for the ablation instead of today's torch.optim.Adam (another state dict)",
+        "lm_human_preference_details/optim.py",
+        "    if weight_decay:\n        # p <- p * (1 - lr * weight_decay)",
+        "    if not use_tensorflow_adam:\n        # p <- p * (1 - lr * weight_decay)",
+        [
+            "tests/test_optim.py::test_make_optimizer_without_weight_decay_keeps_oais_and_the_ablations_optimizer",
+        ],
+    ),
+    # ---------------------------------------------------------------- nplus: a reward model with its own tokenizer
+    Breakage(
+        "N28-seqcls-left-padded",
+        "N28",
+        "a sequence_classifier: reward left-pads its rows (as its tokenizer asks), so a shorter row's tokens sit at "
+        "other positions than when it is scored alone",
+        "lm_human_preference_details/labelers.py",
+        'padding_side="right",',
+        'padding_side="left",',
+        ["tests/test_external_reward.py::test_scores_are_a_plain_transformers_call_on_prompt_and_response_text"],
+    ),
+    Breakage(
+        "N28-seqcls-pad-not-skipped",
+        "N28",
+        "a sequence_classifier: reward pads with its tokenizer's PAD, not the config's pad_token_id that the "
+        "classifier skips when it picks the token to read its score at",
+        "lm_human_preference_details/labelers.py",
+        "    tokenizer.pad_token = token\n",
+        "",
+        ["tests/test_external_reward.py::test_rows_are_padded_with_the_id_the_classifier_skips_to_read_its_score"],
+    ),
+    Breakage(
+        "N28-seqcls-no-chat-template",
+        "N28",
+        "a sequence_classifier: reward ignores its tokenizer's chat template (plain prompt + response text)",
+        "lm_human_preference_details/labelers.py",
+        "self.chat = self.classifier_tokenizer.chat_template is not None",
+        "self.chat = False",
+        ["tests/test_external_reward.py::test_scores_are_a_plain_transformers_call_on_prompt_and_response_text"],
+    ),
+    Breakage(
+        "N19-seqcls-past-eos",
+        "N19",
+        "a sequence_classifier: reward decodes the response past its first EOS",
+        "lm_human_preference_details/labelers.py",
+        "keep = keep & ((rows == self.eos_id).cumsum(-1) == 0)",
+        "keep = keep",
+        ["tests/test_external_reward.py::test_response_ends_at_its_first_eos_and_special_tokens_are_skipped"],
+    ),
+    Breakage(
+        "N28-seqcls-prompt-not-cut",
+        "N28",
+        "a sequence_classifier: reward scores a row longer than the classifier's max length uncut",
+        "lm_human_preference_details/labelers.py",
+        "rows = self.fit(self.encode(prompts, texts), prompts, texts)",
+        "rows = self.encode(prompts, texts)",
+        [
+            "tests/test_external_reward.py::test_a_row_longer_than_the_classifier_takes_is_cut_from_the_left_of_its_prompt"
+        ],
+    ),
 ]
 
 
