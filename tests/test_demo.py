@@ -128,3 +128,87 @@ def test_run_demo_reward_flag_trains_straight_against_that_reward(tmp_path, monk
     assert written == results and results["score"] == {"first": 0.0, "last5": pytest.approx(0.9)}
     assert results["gold"]["base"] == -0.05 and results["gold"]["margin"] == pytest.approx(0.75)
     assert results["win_rate"]["gold_score"] == 0.8 and results["samples"][0]["trained"] == "b"
+
+
+@pytest.mark.slow
+def test_run_demo_nplus_quick_raises_gold_score(tmp_path):
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "WANDB_MODE": "offline", "TOKENIZERS_PARALLELISM": "false"}
+    command = [sys.executable, str(REPO / "demo" / "run_demo.py"), "--recipe", "nplus", "--quick"]
+    run = subprocess.run(
+        [*command, "--output_dir", str(tmp_path)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900
+    )
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-5000:]
+    seed_dir = tmp_path / "nplus-quick-seed1"
+    results = json.loads((seed_dir / "results.json").read_text())
+    assert (results["recipe"], results["mode"]) == ("nplus", "quick")
+    assert results["gold"]["margin"] >= results["guaranteed_margin"] >= 0.2, results["gold"]
+    accuracy = results["reward_model"]
+    assert accuracy["accuracy_after"] > max(0.5, accuracy["accuracy_before"]), accuracy
+    # the SFT model ends its responses at EOS: nearly every sample of the base (SFT) and trained policy passes
+    assert min(results["filter_pass_rate"].values()) > 0.9, results["filter_pass_rate"]
+    assert "SFT policy" in run.stdout and "guaranteed: as guaranteed" in run.stdout
+
+
+def test_run_demo_nplus_runs_each_stage_with_the_successor_recipes_flags(tmp_path, monkeypatch):
+    # the stages are recorded, not run: world and base model count as present
+    run_demo = load_run_demo(monkeypatch)
+    stages = []
+
+    def record_stage(name, script, flags, log_dir):
+        log_dir.mkdir(parents=True, exist_ok=True)
+        stages.append((name, script.name, [str(flag) for flag in flags]))
+        output = {"reward": "--output_dir", "evaluation": "--output_dir"}.get(name)
+        if output:
+            output_dir = Path(flags[flags.index(output) + 1])
+            output_dir.mkdir(parents=True)
+            if name == "evaluation":
+                (output_dir / "results.json").write_text(json.dumps(fake_evaluation(-0.05, 0.7)))
+            else:
+                meta = {"eval_before": {"accuracy": 0.5, "rows": 64}, "eval_after": {"accuracy": 0.8, "rows": 64}}
+                (output_dir / "reward_model.json").write_text(json.dumps(meta))
+        return 1.0
+
+    curve = [(step, 0.1 * step) for step in range(12)]
+    monkeypatch.setattr(run_demo, "run_stage", record_stage)
+    monkeypatch.setattr(run_demo, "same_json", lambda *_: True)
+    monkeypatch.setattr(
+        run_demo,
+        "read_scalars",
+        lambda _: dict.fromkeys(("objective/score", "objective/gold_score", "objective/kl"), curve),
+    )
+    results = run_demo.main(run_demo.Args(output_dir=str(tmp_path), quick=True, recipe="nplus", seed=2))
+    assert [(name, script) for name, script, _ in stages] == [
+        ("sft_data", "sft_data.py"),
+        ("sft", "train_sft.py"),
+        ("labels", "label_generation.py"),
+        ("reward", "train_reward.py"),
+        ("policy", "train_policy.py"),
+        ("evaluation", "evaluate.py"),
+    ]
+    run_dir, world_dir = tmp_path / "nplus-quick-seed2", tmp_path / "world"
+    flags = {name: flags for name, _, flags in stages}
+
+    def values(stage: str) -> dict[str, str]:
+        return {f: flags[stage][i + 1] for i, f in enumerate(flags[stage][:-1]) if f.startswith("--")}
+
+    sft, labels, reward, policy = values("sft"), values("labels"), values("reward"), values("policy")
+    assert (sft["--base_model"], sft["--dataset"]) == (str(tmp_path / "base_model"), str(world_dir / "sft.jsonl"))
+    assert flags["labels"][0] == "generate" and labels["--base_model"] == str(run_dir / "sft")
+    assert (labels["--labeler"], labels["--num_labels"]) == ("vader", "2")  # best of 2, VADER the labeler
+    assert (reward["--base_model"], reward["--labels.type"]) == (str(run_dir / "sft"), "best_of_2")
+    assert policy["--base_model"] == str(run_dir / "sft") and policy["--rewards.trained_model"] == str(
+        run_dir / "reward"
+    )
+    assert (policy["--ppo.value_model"], policy["--rewards.kl_estimator"], policy["--rewards.gold_model"]) == (
+        "reward",
+        "k1",
+        "vader",
+    )
+    assert "--rewards.adaptive_kl.no_enabled" in flags["policy"] and policy["--seed"] == "2"
+    for stage in ("labels", "reward", "policy"):  # one task: the world's prompts, responses that end at EOS
+        assert "--task.end_at_eos" in flags[stage]
+        assert values(stage)["--task.query_dataset"] == str(world_dir / "prompts.jsonl")
+    assert values("evaluation")["--task.query_dataset"] == str(world_dir / "heldout_prompts.jsonl")
+    written = json.loads((run_dir / "results.json").read_text())
+    assert written == results and results["gold"]["margin"] == pytest.approx(0.75)
+    assert results["reward_model"]["accuracy_after"] == 0.8 and results["recipe"] == "nplus"
