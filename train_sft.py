@@ -236,9 +236,9 @@ def main(args: Args) -> dict:
             for group in optimizer.param_groups:
                 group["lr"] = lr
             rows = order[step * args.batch_size : (step + 1) * args.batch_size]
-            # DEVIATION (sft-token-mean): the mean over every counted token of the global batch, whatever the
-            # micro-batches and processes; SFD averages each micro-batch's token mean (1 pair per process and
-            # micro-batch: a mean of per-pair means), which weighs a short pair's tokens more
+            # the mean over every counted token of the global batch, whatever the micro-batches and processes (unlike
+            # SFD, nplus N10, whose mean of micro-batch token means, 1 pair per process and micro-batch, is a mean of
+            # per-pair means that weighs a short pair's tokens more)
             counted = int(data.counted[rows.numpy()].sum())  # host counts: no device sync
             local = rows[rank::world]
             # the step's rows, copied at its start, cut to its longest row (host lengths)
