@@ -3,6 +3,7 @@ nplus N10 names, its independence of micro-batches and processes, the cosine lr,
 tiny GPT-2 and Llama-like (chat template) models whose output loads as --base_model, resume, and bad input."""
 
 import json
+import signal
 import subprocess
 import sys
 
@@ -28,6 +29,7 @@ from tests import archs
 from tests.conftest import tiny_gpt2
 from tests.planted import REPO, free_port, run_script, script_env, without_gpus
 from tests.test_resume import script_command, start_and_kill
+from tests.test_stop_signal import signal_after
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
@@ -253,6 +255,21 @@ def test_killed_and_resumed_run_equals_the_uninterrupted_one(tmp_path, tiny_mode
     assert max_metric_difference(scalars(killed), scalars(tmp_path / "whole"), resumed_from) <= 1e-6
     assert max_weight_difference(final_weights(killed), final_weights(tmp_path / "whole")) <= 1e-6
     assert max_weight_difference(final_training_state(killed), final_training_state(tmp_path / "whole")) <= 1e-6
+
+
+@pytest.mark.slow
+def test_sigterm_saves_stops_and_resume_auto_finishes_like_an_uninterrupted_run(tmp_path, tiny_model_dir, pairs_file):
+    run_flags = ("--batch_size", "4", "--save_interval", "1", "--keep_checkpoints", "0")  # 8 steps
+    train_sft.main(make_args(tiny_model_dir, pairs_file, tmp_path / "whole", *run_flags))
+    stopped = tmp_path / "stopped"
+    command = script_command("train_sft.py", flags(tiny_model_dir, pairs_file, stopped, *run_flags))
+    code, output, _ = signal_after(command, checkpoint.step_dir(str(stopped), 1), signal.SIGTERM)
+    assert code == 128 + signal.SIGTERM, output[-3000:]
+    step, path = checkpoint.list_checkpoints(str(stopped))[-1]
+    assert 1 <= step < 8 and not (stopped / "model.safetensors").exists()
+    assert f"stopped by SIGTERM after step {step} of 8; checkpoint {path}" in output
+    train_sft.main(make_args(tiny_model_dir, pairs_file, stopped, *run_flags, "--resume", "auto"))
+    assert max_weight_difference(final_weights(stopped), final_weights(tmp_path / "whole")) <= 1e-6
 
 
 def test_used_output_dir_stops_unless_resumed_or_overwritten(tmp_path, tiny_model_dir, pairs_file):
