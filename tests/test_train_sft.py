@@ -319,14 +319,19 @@ def test_bad_input_stops_with_one_line_naming_the_flag(tmp_path, tiny_model_dir,
     assert "--batch_size 64 is more than the 32 usable pairs" in error(pairs_file, "--batch_size", "64")
 
 
-def test_hf_dataset_column_that_does_not_exist_lists_those_that_do(tmp_path, tiny_model_dir):
+def test_hf_dataset_column_or_split_that_does_not_exist_lists_those_that_do(tmp_path, tiny_model_dir):
     import datasets
 
-    datasets.Dataset.from_dict({"question": ["q"] * 8, "completion": ["a"] * 8}).save_to_disk(tmp_path / "d")
+    table = datasets.Dataset.from_dict({"question": ["q"] * 8, "completion": ["a"] * 8})
+    datasets.DatasetDict({"train": table}).save_to_disk(tmp_path / "d")
+    dataset = f"hf:{tmp_path / 'd'}"
     with pytest.raises(
         ValueError, match=r"--prompt_column 'prompt' is not a column .*its columns: question, completion"
     ):
-        train_sft.main(make_args(tiny_model_dir, f"hf:{tmp_path / 'd'}", tmp_path / "out", "--dry_run"))
+        train_sft.main(make_args(tiny_model_dir, dataset, tmp_path / "out", "--dry_run"))
+    with pytest.raises(ValueError, match=r"--eval_split 'validation' is not a split of --dataset .*its splits: train"):
+        args = ("--prompt_column", "question", "--eval_split", "validation", "--dry_run")
+        train_sft.main(make_args(tiny_model_dir, dataset, tmp_path / "out", *args))
 
 
 def test_command_line_error_is_one_line(tmp_path, tiny_model_dir):
