@@ -1693,6 +1693,15 @@ BREAKAGES = [
         ["tests/test_train_sft.py::test_eos_is_appended_and_pads_are_distinct_and_never_targets"],
     ),
     Breakage(
+        "N5-sft-prompt-not-stripped",
+        "N5",
+        "the SFT text is prompt + completion instead of prompt.strip() + completion",
+        "lm_human_preference_details/nplus/sft.py",
+        "prompts = [p if chat else p.strip() for p, chat in zip(pairs.prompts, pairs.chat)]",
+        "prompts = list(pairs.prompts)",
+        ["tests/test_train_sft.py::test_eos_is_appended_and_pads_are_distinct_and_never_targets"],
+    ),
+    Breakage(
         "N10-sft-pad-counted",
         "N10",
         "the SFT loss counts PAD positions as targets",
