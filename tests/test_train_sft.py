@@ -14,7 +14,7 @@ from transformers import get_cosine_schedule_with_warmup
 
 import train_reward
 import train_sft
-from lm_human_preference_details import checkpoint, validation
+from lm_human_preference_details import checkpoint, cli, validation
 from lm_human_preference_details.modeling import PolicyWithValueHead, load_causal_lm
 from lm_human_preference_details.nplus import sft
 from lm_human_preference_details.resume_check import (
@@ -242,25 +242,33 @@ def test_two_processes_give_the_run_of_one(tmp_path, tiny_model_dir, pairs_file)
     assert max_weight_difference(final_weights(tmp_path / "two"), final_weights(tmp_path / "one")) <= 1e-6
 
 
+@pytest.fixture(scope="module")
+def whole_run(tmp_path_factory, tiny_model_dir, pairs_file):
+    """The output directory of an uninterrupted run of 8 steps of 4 pairs."""
+    output_dir = tmp_path_factory.mktemp("sft-whole") / "run"
+    train_sft.main(make_args(tiny_model_dir, pairs_file, output_dir, "--batch_size", "4"))
+    return output_dir
+
+
 @pytest.mark.slow
-def test_killed_and_resumed_run_equals_the_uninterrupted_one(tmp_path, tiny_model_dir, pairs_file):
+def test_killed_and_resumed_run_equals_the_uninterrupted_one(tmp_path, tiny_model_dir, pairs_file, whole_run):
     run_flags = ("--batch_size", "4")  # 8 steps, a checkpoint every 2
-    train_sft.main(make_args(tiny_model_dir, pairs_file, tmp_path / "whole", *run_flags))
     killed = tmp_path / "killed"
     command = script_command("train_sft.py", flags(tiny_model_dir, pairs_file, killed, *run_flags))
     resumed_from = start_and_kill(command, killed, kill_after=2, delay=0.0)
     assert resumed_from < 8 and not (killed / "model.safetensors").exists()
     result = run_script("train_sft.py", *flags(tiny_model_dir, pairs_file, killed, *run_flags, "--resume", "auto"))
     assert f"resuming from {checkpoint.step_dir(str(killed), resumed_from)}" in result.stdout
-    assert max_metric_difference(scalars(killed), scalars(tmp_path / "whole"), resumed_from) <= 1e-6
-    assert max_weight_difference(final_weights(killed), final_weights(tmp_path / "whole")) <= 1e-6
-    assert max_weight_difference(final_training_state(killed), final_training_state(tmp_path / "whole")) <= 1e-6
+    assert max_metric_difference(scalars(killed), scalars(whole_run), resumed_from) <= 1e-6
+    assert max_weight_difference(final_weights(killed), final_weights(whole_run)) <= 1e-6
+    assert max_weight_difference(final_training_state(killed), final_training_state(whole_run)) <= 1e-6
 
 
 @pytest.mark.slow
-def test_sigterm_saves_stops_and_resume_auto_finishes_like_an_uninterrupted_run(tmp_path, tiny_model_dir, pairs_file):
+def test_sigterm_saves_stops_and_resume_auto_finishes_like_an_uninterrupted_run(
+    tmp_path, tiny_model_dir, pairs_file, whole_run
+):
     run_flags = ("--batch_size", "4", "--save_interval", "1", "--keep_checkpoints", "0")  # 8 steps
-    train_sft.main(make_args(tiny_model_dir, pairs_file, tmp_path / "whole", *run_flags))
     stopped = tmp_path / "stopped"
     command = script_command("train_sft.py", flags(tiny_model_dir, pairs_file, stopped, *run_flags))
     code, output, _ = signal_after(command, checkpoint.step_dir(str(stopped), 1), signal.SIGTERM)
@@ -269,7 +277,7 @@ def test_sigterm_saves_stops_and_resume_auto_finishes_like_an_uninterrupted_run(
     assert 1 <= step < 8 and not (stopped / "model.safetensors").exists()
     assert f"stopped by SIGTERM after step {step} of 8; checkpoint {path}" in output
     train_sft.main(make_args(tiny_model_dir, pairs_file, stopped, *run_flags, "--resume", "auto"))
-    assert max_weight_difference(final_weights(stopped), final_weights(tmp_path / "whole")) <= 1e-6
+    assert max_weight_difference(final_weights(stopped), final_weights(whole_run)) <= 1e-6
 
 
 def test_used_output_dir_stops_unless_resumed_or_overwritten(tmp_path, tiny_model_dir, pairs_file):
@@ -334,8 +342,11 @@ def test_hf_dataset_column_or_split_that_does_not_exist_lists_those_that_do(tmp_
         train_sft.main(make_args(tiny_model_dir, dataset, tmp_path / "out", *args))
 
 
-def test_command_line_error_is_one_line(tmp_path, tiny_model_dir):
-    command = script_command("train_sft.py", flags(tiny_model_dir, str(tmp_path / "none.jsonl"), tmp_path / "out"))
-    done = subprocess.run(command, cwd=REPO, env=script_env(), capture_output=True, text=True, timeout=120)
-    assert done.returncode == 2
-    assert done.stderr.splitlines()[0].startswith("error: --dataset") and "does not exist" in done.stderr
+def test_command_line_error_is_one_line(tmp_path, tiny_model_dir, capsys):
+    argv = flags(tiny_model_dir, str(tmp_path / "none.jsonl"), tmp_path / "out")
+    with pytest.raises(SystemExit) as stop:
+        cli.run(train_sft.main, train_sft.parse, argv)
+    assert stop.value.code == 2
+    assert capsys.readouterr().err.splitlines()[0] == (
+        f"error: --dataset '{tmp_path / 'none.jsonl'}' does not exist; pass a .jsonl file or hf:NAME_OR_DIR."
+    )
