@@ -322,6 +322,7 @@ def test_bad_input_stops_with_one_line_naming_the_flag(tmp_path, tiny_model_dir,
     assert "--base_model" in error(chat) and "no chat template" in error(chat)
     too_long = error(pairs_file, "--max_length", "4")
     assert "no usable pair" in too_long and "--max_length 4" in too_long
+    assert "--dataset_split 'test' picks a split of an hf: --dataset" in error(pairs_file, "--dataset_split", "test")
     assert "--batch_size 8 does not split over 3 processes" in error(pairs_file, "--dry_run_processes", "3")
     assert "--gradient_accumulation_steps 3" in error(pairs_file, "--gradient_accumulation_steps", "3")
     assert "--batch_size 64 is more than the 32 usable pairs" in error(pairs_file, "--batch_size", "64")

@@ -373,6 +373,11 @@ def check_args(args: SftArgs) -> None:
     """Every flag whose value makes the run fail late or mean nothing, the inputs' existence, and the output dir."""
     check_model_dir(args.base_model, "--base_model", tokenizer=True)
     if not is_hf_dataset(args.dataset):
+        if args.dataset_split != "train":
+            raise ValueError(
+                f"--dataset_split '{args.dataset_split}' picks a split of an hf: --dataset; a .jsonl file has none: "
+                "drop the flag (a .jsonl --eval_split gives held-out rows)."
+            )
         for path, flag in ((args.dataset, "--dataset"), (args.eval_split, "--eval_split")):
             if path is not None and not os.path.isfile(path):
                 raise FileNotFoundError(
