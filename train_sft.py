@@ -1,0 +1,305 @@
+"""Supervised fine-tuning of a causal LM on prompt/completion pairs, the first stage of the successor recipe (N+,
+Huang et al. 2024, arXiv:2403.17031), as vwxyzjn/summarize_from_feedback_details sft.py trains it.
+https://github.com/vwxyzjn/summarize_from_feedback_details/blob/ee77a9abc31f5338365ee087945c5bcafac7f1ca/summarize_from_feedback_details/sft.py
+
+Run:   torchrun --nproc_per_node 8 train_sft.py --base_model EleutherAI/pythia-1b-deduped --dataset hf:trl-lib/tldr
+       python train_sft.py --dataset pairs.jsonl --base_model gpt2 --gradient_accumulation_steps 16
+Steps: tokenize prompt ⊕ completion ⊕ EOS (a `messages` row through the tokenizer's chat template), right-padded with
+a PAD distinct from EOS; one epoch of next-token cross-entropy over every non-PAD token (or only the completion's:
+--loss_on completion), AdamW with a cosine lr; save a directory that --base_model of train_reward.py and
+train_policy.py takes. Batch sizes are global (summed over processes).
+
+`nplus NX` in the comments is docs/nplus-details.md#nx, the section on N+'s detail X.
+"""
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from transformers import PreTrainedModel
+
+from lm_human_preference_details import checkpoint, cli, devices, distributed, validation
+from lm_human_preference_details.devices import to_device
+from lm_human_preference_details.modeling import (
+    check_finite_weights,
+    load_causal_lm,
+    model_vocab_size,
+    pad_invisible_hidden,
+)
+from lm_human_preference_details.nplus import sft
+from lm_human_preference_details.tokenizer import load_tokenizer
+
+IGNORE_INDEX = -100
+"""the target of a token the loss does not count (F.cross_entropy's default ignore_index)"""
+
+
+# ---------------------------------------------------------------- hyperparameters
+# defaults are N+'s SFT stage (nplus §1, §4): batch 128, one epoch, AdamW lr 3e-6 eps 1e-5, cosine, loss on all tokens
+@dataclass
+class Args:
+    exp_name: str = "train_sft"
+    """experiment name, part of the run name"""
+    seed: int = 1
+    """run seed: process r seeds Python, NumPy and torch with seed + 100003 * r, and the one shuffle of the pairs (the
+    same on every process) is drawn from it (nplus N9)"""
+    base_model: str = "gpt2"
+    """pretrained causal LM to fine-tune, hub id or local directory (gpt2, gpt_neox, llama or qwen2; N+: Pythia)"""
+    dataset: str = "hf:trl-lib/tldr"
+    """the pairs: a .jsonl file (rows with --prompt_column and --completion_column texts, or `messages`: a chat whose
+    last message is the assistant's completion) or hf:NAME_OR_DIR (a hub dataset or a directory of `datasets`'
+    save_to_disk)"""
+    dataset_split: str = "train"
+    """the split of an hf: --dataset to train on"""
+    eval_split: str | None = None
+    """rows whose loss is evaluated before and after training (and every --eval_interval steps): a split of an hf:
+    --dataset, or a second .jsonl file for a .jsonl --dataset; None: no evaluation"""
+    prompt_column: str = "prompt"
+    """the column (JSONL field) of the prompt texts"""
+    completion_column: str = "completion"
+    """the column (JSONL field) of the completion texts (N+: a leading space, then the summary)"""
+    loss_on: Literal["all", "completion"] = "all"
+    """the tokens the loss counts: all (every non-PAD token of prompt and completion but the first, N+, nplus N10) or
+    completion (the completion's tokens and EOS only)"""
+    max_length: int = 562
+    """pairs longer than this many tokens (EOS included) are dropped, counted in the start-up table (N+'s longest SFT
+    pair has 562, nplus N4)"""
+    batch_size: int = 128
+    """pairs per optimizer step, summed over all processes (N+: 128)"""
+    gradient_accumulation_steps: int = 1
+    """micro-batches per process and step; gives the same update with less memory"""
+    lr: float = 3e-6
+    """AdamW learning rate at the first step, annealed to 0 on a cosine without warm-up (nplus N8)"""
+    eps: float = 1e-5
+    """AdamW epsilon (nplus N8)"""
+    weight_decay: float = 0.01
+    """AdamW's decoupled weight decay (torch's default, which N+ kept, nplus N8)"""
+    bf16: bool = False
+    """run the transformer under bfloat16 autocast (weights, optimizer and logits stay float32); off: float32"""
+    tf32: bool = False
+    """run float32 matmuls on TF32 tensor cores (NVIDIA Ampere or newer), relative errors up to ~1e-3 (docs/gpu.md)"""
+    deterministic: bool = False
+    """use torch's deterministic algorithms: on the same GPU model and software a killed and resumed run equals the
+    uninterrupted one bit for bit (docs/reliability.md); CPU runs are deterministic anyway"""
+    eval_interval: int = 0
+    """evaluate the --eval_split loss every this many steps (0: only before and after training)"""
+    output_dir: str = "models/sft"
+    """where the run writes the fine-tuned model with its tokenizer and args.json, its training states
+    (training_state/) and TensorBoard logs (tb/)"""
+    save_interval: int = 100
+    """write a training-state checkpoint every this many steps, and always after the last one; 0 = only then"""
+    keep_checkpoints: int = 2
+    """training-state checkpoints kept in OUTPUT_DIR/training_state/step{N}, the newest; 0 keeps all"""
+    resume: str | None = None
+    """continue a killed run from a training-state checkpoint: its directory, or `auto` for the newest in
+    --output_dir (none there: start afresh); the run then logs and saves what the uninterrupted run would"""
+    allow_resume_changes: bool = False
+    """resume even though settings that change the run differ from the checkpoint's; the differences are printed"""
+    overwrite_output_dir: bool = False
+    """start afresh in an --output_dir that holds another run: its training states and TensorBoard logs are deleted,
+    its model is replaced when this run saves its own"""
+    track: bool = False
+    """log to Weights & Biases (set WANDB_MODE=offline to log without network)"""
+    wandb_project_name: str = "lm_human_preference_details"
+    """Weights & Biases project"""
+    wandb_entity: str | None = None
+    """Weights & Biases entity (team or user); None = your default entity"""
+    dist_timeout: float = 1800.0
+    """seconds a process waits in an all-reduce or broadcast for the others before it stops with an error"""
+    dry_run: bool = False
+    """check every input (model, tokenizer, dataset and its columns), print the settings, the data and the derived
+    per-process sizes, and exit without training"""
+    dry_run_processes: int | None = None
+    """with --dry_run: derive the sizes for this many processes (e.g. 8 GPUs) instead of this launch's"""
+
+
+RESUME_IGNORED = (*checkpoint.RESUME_IGNORED, "eval_interval")
+"""settings that may change on --resume: they do not change what the run computes"""
+
+
+# ---------------------------------------------------------------- algorithm
+def next_token_loss_sum(
+    model: PreTrainedModel, tokens: torch.Tensor, loss_mask: torch.Tensor, pad_id: int, bf16: bool = False
+) -> torch.Tensor:
+    """Sum over the tokens of `loss_mask` of -log p(token | the tokens before it), PADs invisible (B, T right-padded
+    rows that start with a real token)."""
+    # the model sees PAD ids as 0 with PAD keys masked out of attention (nplus N3); the last token predicts nothing
+    hidden = pad_invisible_hidden(model, tokens[:, :-1], pad_id, check_first_token=False, bf16=bf16)  # (B, T-1, D)
+    logits = model.get_output_embeddings()(hidden)[..., : model.config.vocab_size].float()
+    # SFD: labels = tokens with PAD -> ignored, shifted by one (nplus N10)
+    # https://github.com/vwxyzjn/summarize_from_feedback_details/blob/ee77a9abc31f5338365ee087945c5bcafac7f1ca/summarize_from_feedback_details/sft.py#L389-L402
+    targets = tokens[:, 1:].masked_fill(~loss_mask[:, 1:], IGNORE_INDEX)
+    return F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=IGNORE_INDEX, reduction="sum")
+
+
+def make_optimizer(model: PreTrainedModel, args: Args) -> torch.optim.Optimizer:
+    """torch's AdamW, betas (0.9, 0.999), with --eps and --weight_decay (nplus N8)."""
+    # https://github.com/vwxyzjn/summarize_from_feedback_details/blob/ee77a9abc31f5338365ee087945c5bcafac7f1ca/summarize_from_feedback_details/sft.py#L347-L356
+    return torch.optim.AdamW(model.parameters(), lr=args.lr, eps=args.eps, weight_decay=args.weight_decay)
+
+
+@torch.no_grad()
+def evaluate_loss(accelerator, model, data: sft.SftData, pad_id: int, micro: int, bf16: bool) -> float:
+    """Mean next-token loss over every counted token of `data`; each process scores a rank-strided part."""
+    rows = torch.arange(accelerator.process_index, len(data.tokens), accelerator.num_processes)
+    total = torch.zeros((), device=accelerator.device)
+    for chunk in rows.split(micro):
+        width = int(data.lengths[chunk.numpy()].max())  # host lengths: no device sync
+        tokens = to_device(data.tokens[chunk, :width], accelerator.device)
+        mask = to_device(data.loss_mask[chunk, :width], accelerator.device)
+        total += next_token_loss_sum(model, tokens, mask, pad_id, bf16)
+    return accelerator.reduce(total, reduction="sum").item() / int(data.counted.sum())
+
+
+# ---------------------------------------------------------------- main
+# The plumbing calls name their module (checkpoint., cli., devices., distributed., sft., validation.): skip
+# them to read the algorithm.
+@checkpoint.one_run_per_output_dir
+def main(args: Args) -> dict:
+    """Fine-tune and save a causal LM; returns the losses and the model."""
+    # 0. processes, the pairs tokenized, derived sizes, printed, then --dry_run stops; seeds; --resume
+    sft.check_args(args)
+    cli.quiet_transformers()
+    accelerator = distributed.make_accelerator(args.dist_timeout)
+    tf32 = devices.use_tf32(args.tf32)
+    devices.use_deterministic(args.deterministic)
+    console = cli.make_console()
+    tokenizer = load_tokenizer(args.base_model)  # a PAD distinct from EOS, right padding (nplus N3, N5)
+    pad_id = tokenizer.pad_token_id
+
+    # 1. the pairs: prompt.strip() ⊕ completion ⊕ EOS, right-padded, and the tokens the loss counts
+    data = sft.tokenize_pairs(sft.read_pairs(args, tokenizer), tokenizer, args.max_length, args.loss_on)
+    sft.check_usable(data, f"--dataset {args.dataset}", args.max_length)
+    eval_data = None
+    if args.eval_split is not None:
+        eval_data = sft.tokenize_pairs(sft.read_pairs(args, tokenizer, True), tokenizer, args.max_length, args.loss_on)
+        sft.check_usable(eval_data, f"--eval_split {args.eval_split}", args.max_length)
+    sizes = sft.derive_sizes(args, validation.dry_run_world(args, accelerator.num_processes), len(data.tokens))
+    rank, world, accum = accelerator.process_index, sizes.world, args.gradient_accumulation_steps
+    if accelerator.is_main_process:
+        sft.print_setup(console, args, sizes, data, tf32)
+    if args.dry_run:
+        sft.check_token_ids(data, model_vocab_size(args.base_model), pad_id, args.base_model)
+        accelerator.print("dry run: every input checked; nothing written")
+        return {}
+    # per-process seeds (nplus N9)
+    # https://github.com/vwxyzjn/summarize_from_feedback_details/blob/ee77a9abc31f5338365ee087945c5bcafac7f1ca/summarize_from_feedback_details/ppo.py#L421
+    devices.set_seed(args.seed + rank * 100003)
+    generator = torch.Generator().manual_seed(args.seed + rank * 100003)
+    settings = sft.settings_of(args, world)
+    loop = checkpoint.CheckpointedLoop(args, settings, RESUME_IGNORED, accelerator, "step", sizes.steps)
+
+    # 2. the model (dropout off: load_causal_lm zeroes every dropout probability, nplus N6), rank 0's weights
+    # everywhere, AdamW, the gradients averaged over processes
+    model = load_causal_lm(args.base_model).to(accelerator.device)
+    sft.check_token_ids(data, model.config.vocab_size, pad_id, args.base_model)
+    distributed.broadcast_parameters(model, accelerator)
+    optimizer = make_optimizer(model, args)
+    params = [p for p in model.parameters() if p.requires_grad]
+    gradients = distributed.GradientAverager(params, accelerator)
+    # the one shuffle, the same on every process; a step trains on the next batch_size rows, process r on every
+    # world-th of them (SFD's DataLoader with 1 pair per process and micro-batch gives the same split, nplus N9)
+    order = sft.data_order(len(data.tokens), args.seed)
+    tracker, meta = sft.start_tracker(args, accelerator, loop.resumed, settings)
+
+    def log_eval(step: int) -> float | None:
+        """The --eval_split loss, logged under eval/ (None without --eval_split)."""
+        if eval_data is None:
+            return None
+        loss = evaluate_loss(accelerator, model, eval_data, pad_id, sizes.micro, args.bf16)
+        tracker.log({"eval/loss": loss}, step)
+        return loss
+
+    def save(steps: int) -> None:
+        """The training state after `steps` steps, written in the background."""
+        run_state = {"eval_before": eval_before, "train_first": train_first}
+        sft.save_checkpoint(args, accelerator, steps, model, optimizer, run_state, generator, tracker, meta, loop.saves)
+
+    if loop.resumed is None:
+        eval_before, train_first = log_eval(0), None
+    else:
+        sft.restore(loop.resumed, model, optimizer, generator)
+        eval_before, train_first = loop.resumed.shared["eval_before"], loop.resumed.shared["train_first"]
+        if args.eval_interval and loop.first_step % args.eval_interval == 0:
+            log_eval(loop.first_step)  # logged before the checkpoint, hidden by the TensorBoard purge at first_step
+
+    # 3. one epoch: next-token cross-entropy, mean over the counted tokens of the global batch; AdamW, lr on a cosine
+    loss_value = None
+    progress = sft.progress_bar(console, accelerator)
+    # Ctrl-C or SIGTERM during training: the step in progress finishes, a checkpoint is saved, the run stops
+    with progress, loop.saving(save, gradients.close, tracker.close):
+        bar = progress.add_task("train", total=sizes.steps, stats="", completed=loop.first_step)
+        for step in range(loop.first_step, sizes.steps):
+            # cosine from lr to 0 over the run's steps, no warm-up, one value per optimizer step (nplus N8)
+            # https://github.com/vwxyzjn/summarize_from_feedback_details/blob/ee77a9abc31f5338365ee087945c5bcafac7f1ca/summarize_from_feedback_details/sft.py#L405-L406
+            lr = args.lr * sft.cosine_factor(step, sizes.steps)
+            for group in optimizer.param_groups:
+                group["lr"] = lr
+            rows = order[step * args.batch_size : (step + 1) * args.batch_size]
+            # the mean over every counted token of the global batch, whatever the micro-batches and processes (unlike
+            # SFD, nplus N10, whose mean of micro-batch token means, 1 pair per process and micro-batch, is a mean of
+            # per-pair means that weighs a short pair's tokens more)
+            counted = int(data.counted[rows.numpy()].sum())  # host counts: no device sync
+            local = rows[rank::world]
+            # the step's rows, copied at its start, cut to its longest row (host lengths)
+            width = int(data.lengths[local.numpy()].max())
+            tokens = to_device(data.tokens[local, :width], accelerator.device)
+            loss_mask = to_device(data.loss_mask[local, :width], accelerator.device)
+            loss_sum = torch.zeros((), device=accelerator.device)
+            for micro, (micro_tokens, micro_mask) in enumerate(
+                zip(tokens.split(sizes.micro), loss_mask.split(sizes.micro))
+            ):
+                micro_sum = next_token_loss_sum(model, micro_tokens, micro_mask, pad_id, args.bf16)
+                if micro == accum - 1:
+                    gradients.launch_in_next_backward()  # the last micro-batch's backward overlaps the all-reduces
+                # the processes' gradients are averaged: world x this process's share of the global token mean
+                (micro_sum * (world / counted)).backward()
+                loss_sum += micro_sum.detach()
+            gradients.average()
+            nonfinite_gradients = validation.nonfinite_tensors(p.grad for p in params if p.grad is not None)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            local_stats = {
+                "train/loss": loss_sum * (world / counted),  # averaged over processes: the global token mean
+                "nonfinite/loss": validation.nonfinite_count([loss_sum]),
+                "nonfinite/gradients": nonfinite_gradients,
+                "nonfinite/weights": validation.nonfinite_tensors(params),
+                "stop/signal": loop.stop.flag(accelerator.device),  # a signal to any process stops all
+            }
+            values = accelerator.reduce(torch.stack([v.float() for v in local_stats.values()]), reduction="mean")
+            stats = dict(zip(local_stats, values.tolist()))
+            stopping = stats.pop("stop/signal") > 0
+            validation.check_finite_stats(stats, f"SFT step {step}", "Try a smaller --lr.")
+            loss_value = stats["train/loss"]
+            train_first = loss_value if train_first is None else train_first
+            tracker.log({**stats, "train/lr": lr, "train/tokens": counted}, step)
+            if args.eval_interval and (step + 1) % args.eval_interval == 0:
+                log_eval(step + 1)
+            progress.update(bar, advance=1, stats=f"loss {cli.number(loss_value)}")
+            # a checkpoint every save_interval steps and at the end, or now when a signal stops the run
+            loop.step_done(step + 1, stopping)
+    loop.wait()  # the last checkpoint is on disk before the model is saved
+    eval_after = log_eval(sizes.steps) if eval_data is not None else None
+
+    # 4. save: the model, its tokenizer, args.json (also when a finished run is resumed: a kill may have cut it)
+    check_finite_weights(model, "the fine-tuned model", "not saved; try a smaller --lr.")
+    losses = {
+        "train_first": train_first,
+        "train_last": loss_value,
+        "eval_before": eval_before,
+        "eval_after": eval_after,
+    }
+    if accelerator.is_main_process:
+        sft.save_model(model, tokenizer, args)
+        sft.print_summary(console, args, losses)
+    loop.finish()  # every process past the save; the gradient hooks and the tracker closed
+    return {**losses, "steps": sizes.steps, "model": model}
+
+
+def parse(argv: list[str] | None = None) -> Args:
+    """Args from the command line."""
+    return cli.tyro_cli(Args, description=cli.keep_line_breaks(__doc__), use_underscores=True, args=argv)
+
+
+if __name__ == "__main__":
+    cli.run(main, parse)
