@@ -681,13 +681,13 @@ def main(args: Args) -> list[dict[str, float]]:
     policy = PolicyWithValueHead(load_causal_lm(args.base_model)).to(device).eval()
     if args.lora.rank:  # DEVIATION (lora): OAI fine-tunes every weight; LoRA trains adapters and the value head only
         lora.apply_lora(policy, args.lora, args.base_model)
+    # every process starts from rank 0's weights (spec D6); no DDP: gradients are all-reduced by hand (spec O4)
+    # https://github.com/openai/lm-human-preferences/blob/cbfd210bb8b08f6bc5c26878c10984b90f516c66/lm_human_preferences/train_policy.py#L482-L485
+    distributed.broadcast_parameters(policy, accelerator)
     # --ppo.value_model: a separate critic instead of the value head on the policy's trunk (nplus N16); None: none
     critic = nplus_critic.load_critic(
         args.ppo.value_model, args.rewards.trained_model, args.base_model, tokenizer, policy
     )
-    # every process starts from rank 0's weights (spec D6); no DDP: gradients are all-reduced by hand (spec O4)
-    # https://github.com/openai/lm-human-preferences/blob/cbfd210bb8b08f6bc5c26878c10984b90f516c66/lm_human_preferences/train_policy.py#L482-L485
-    distributed.broadcast_parameters(policy, accelerator)
     if critic is not None:
         distributed.broadcast_parameters(critic, accelerator)
     # the frozen reference policy: a copy of the initial policy, or under LoRA the policy with its adapters disabled
@@ -700,8 +700,9 @@ def main(args: Args) -> list[dict[str, float]]:
         learner = nplus_critic.PolicyWithCritic(policy, critic)
     gold = args.rewards.gold_model  # a held-out judge of every rollout that never trains the policy
     gold_labeler = load_labeler(gold, tokenizer, pad_id, device, flag="--rewards.gold_model") if gold else None
-    params = list(learner.parameters())  # one optimizer over policy and critic (nplus N16)
-    optimizer = make_optimizer(params, ppo.lr, args.use_tensorflow_adam)
+    critic_params = list(critic.parameters()) if critic is not None else []  # one optimizer for both (nplus N16)
+    params = list(policy.parameters())
+    optimizer = make_optimizer(params + critic_params, ppo.lr, args.use_tensorflow_adam)
     kl_ctl = make_kl_controller(args.rewards)
     texts = load_texts(task.query_dataset)
     query_stream = QueryStream(texts, tokenizer, task, accelerator.process_index, sizes.world, args.data_seed)
