@@ -498,6 +498,14 @@ class TrainingState:
 
     def restore(self, resumed: checkpoint.Resumed) -> None:
         """Weights, Adam moments and step, kl_coef, query position and every RNG as the checkpoint holds them."""
+        if (self.critic is None) != ("critic" not in resumed.shared):
+            raise ValueError(
+                f"checkpoint '{resumed.path}' was written "
+                + ("without" if self.critic is not None else "with")
+                + " a separate critic (--ppo.value_model), this run has "
+                + ("one" if self.critic is not None else "none")
+                + "; resume with the checkpoint's --ppo.value_model."
+            )
         self.policy.load_state_dict(resumed.shared["policy"])
         if self.critic is not None:
             self.critic.load_state_dict(resumed.shared["critic"])
