@@ -703,6 +703,7 @@ def main(args: Args) -> list[dict[str, float]]:
     critic_params = list(critic.parameters()) if critic is not None else []  # one optimizer for both (nplus N16)
     params = list(policy.parameters())
     optimizer = make_optimizer(params + critic_params, ppo.lr, args.use_tensorflow_adam)
+    params += critic_params  # the non-finite weights guard covers the critic too
     kl_ctl = make_kl_controller(args.rewards)
     texts = load_texts(task.query_dataset)
     query_stream = QueryStream(texts, tokenizer, task, accelerator.process_index, sizes.world, args.data_seed)

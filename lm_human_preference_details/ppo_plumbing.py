@@ -630,6 +630,7 @@ def print_summary(console, args: PolicyArgs, summary: dict, hub: str | None) -> 
             else {}
         ),
         "policy, value head, tokenizer": args.output_dir,
+        **({"critic": os.path.join(args.output_dir, CRITIC_DIR)} if args.ppo.value_model else {}),
         "TensorBoard": f"{args.output_dir}/tb",
         "summary": os.path.join(args.output_dir, SUMMARY_FILE),
         **({"hub": hub} if hub else {}),
