@@ -128,11 +128,15 @@ def test_critic_on_the_policy_trunk_gives_the_policy_value_heads_values(tokenize
 
 
 def test_critic_from_the_policy_starts_at_zero_on_a_copy_of_the_base_trunk(tokenizer, tiny_model_dir):
-    critic = Critic.from_policy_base(tiny_model_dir)
+    policy = PolicyWithValueHead(tiny_gpt2())
+    critic = nplus_critic.load_critic("policy", "vader", tiny_model_dir, load_tokenizer(tiny_model_dir), policy)
     assert not critic.head.weight.any() and not critic.head.bias.any()  # OAI's value head init (spec G8)
     trunk_weights = dict(critic.trunk.named_parameters())
     reference = dict(tiny_gpt2().transformer.named_parameters())
+    assert trunk_weights.keys() == reference.keys()
     assert all(torch.equal(trunk_weights[name], reference[name]) for name in reference)
+    assert all(p.data_ptr() != q.data_ptr() for p, q in zip(critic.parameters(), policy.parameters()))  # its own
+    assert critic.bos_token_id is None and critic.metadata["value_model"] == "policy"
 
 
 def test_one_optimizer_trains_the_critic_and_never_the_policys_value_head(tokenizer):
