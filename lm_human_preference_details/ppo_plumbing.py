@@ -5,6 +5,7 @@ import contextlib
 import dataclasses
 import os
 import shlex
+import shutil
 import time
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
@@ -178,6 +179,8 @@ def start_tracker(
     )
     if resumed is None and args.overwrite_output_dir and accelerator.is_main_process:
         checkpoint.clear_previous_run(args.output_dir)  # every input has loaded: the old run's outputs can go
+        # and its critic, which a run without one would leave beside a policy it does not belong to
+        shutil.rmtree(os.path.join(args.output_dir, CRITIC_DIR), ignore_errors=True)
     if accelerator.is_main_process:  # a run that starts or continues makes the summary of its last end stale
         with contextlib.suppress(FileNotFoundError):
             os.remove(os.path.join(args.output_dir, SUMMARY_FILE))

@@ -237,6 +237,18 @@ def test_critic_run_killed_after_a_checkpoint_resumes_exactly(critic_run, tmp_pa
     assert max_weight_difference(critic_state(output_dir / "critic"), critic_state(resumed / "critic")) <= 1e-6
 
 
+def test_run_without_a_critic_overwriting_a_critic_run_leaves_no_stale_critic(
+    critic_run, tmp_path, tiny_model_dir, world
+):
+    output_dir, _ = critic_run
+    overwritten = tmp_path / "overwritten"
+    shutil.copytree(output_dir, overwritten)
+    flags = run_flags(tiny_model_dir, world, overwritten, "--overwrite_output_dir", "--ppo.total_episodes", "8")
+    flags = [f for i, f in enumerate(flags) if "--ppo.value_model" not in flags[max(i - 1, 0) : i + 1]]
+    train_policy.main(train_policy.parse(flags))
+    assert (overwritten / "value_head.safetensors").exists() and not (overwritten / "critic").exists()
+
+
 # ---------------------------------------------------------------- bad input
 
 
