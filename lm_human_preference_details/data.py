@@ -139,12 +139,14 @@ class QueryStream:
         n = len(self.texts)
         positions = self._cursor + np.arange(self.chunk_size)
         indices = self.order[positions % n]
-        if isinstance(self.texts, (HubTexts, PromptRows)):
-            texts = self.texts.take(indices)
+        if self.prompts is not None:
+            queries = self._prompt_queries(indices, first_pass=indices[positions < n])
+        elif isinstance(self.texts, HubTexts):
+            queries = self._queries(self.texts.take(indices))
         else:
-            texts = [self.texts[i] for i in indices.tolist()]
+            queries = self._queries([self.texts[i] for i in indices.tolist()])
         found = []
-        for offset, query in enumerate(self._queries(texts, indices)):
+        for offset, query in enumerate(queries):
             if query is None:
                 continue
             # tf.data shard(num_ranks, rank) after repeat(): rank r gets valid queries r, r + R, r + 2R, ...
@@ -166,16 +168,21 @@ class QueryStream:
                 "or use another dataset."
             )
         if not self._logged and found:
-            self._log_stats(len(found), len(texts), found)
+            self._log_stats(len(found), len(queries), found)
 
-    def _queries(self, texts: list, indices: np.ndarray) -> list[list[int] | None]:
-        """The query (or None: no query) of each text, or of each prompt row at file rows `indices`."""
-        if self.prompts is not None:
-            return self.prompts.queries(texts, indices)
+    def _queries(self, texts: list[str]) -> list[list[int] | None]:
+        """The query of each text (None: the text gives none)."""
         return [
             build_query(tokens, self.query_length, self.start_token, self.end_token, self.pad_id)
             for tokens in encode_texts(self.tokenizer, texts)
         ]
+
+    def _prompt_queries(self, indices: np.ndarray, first_pass: np.ndarray) -> list[list[int] | None]:
+        """The query (None: none) of each prompt row at file rows `indices`, each distinct row built once; the rows
+        in `first_pass` (read for the first time) are counted in the prompts' statistics."""
+        rows, inverse = np.unique(indices, return_inverse=True)
+        built = self.prompts.queries(self.texts.take(rows), rows, counted=np.isin(rows, first_pass))
+        return [built[i] for i in inverse.tolist()]
 
     def _log_stats(self, num_found: int, num_texts: int, found: list[list[int]]) -> None:
         """Log once how many texts give a query and how long queries are (spec G3: watch the padding)."""

@@ -117,11 +117,13 @@ def load_hf_rows(query_dataset: str, split: str) -> PromptRows:
         else:
             _check_hub_dataset(name, query_dataset)
             dataset = datasets.load_dataset(name)
-    except (FileNotFoundError, ValueError) as e:
+    except HubUnavailableError:
+        raise
+    except Exception as e:  # datasets raises many kinds (an empty data file: StopIteration, an empty table: IndexError)
         if str(e).startswith(shown):
             raise
-        first = str(e).splitlines()[0] if str(e) else type(e).__name__
-        raise ValueError(f"{shown} could not be read as a dataset ({first}).") from e
+        first = str(e).splitlines()[0] if str(e) else "no rows?"
+        raise ValueError(f"{shown} could not be read as a dataset ({type(e).__name__}: {first}).") from e
     if isinstance(dataset, datasets.DatasetDict):
         if split not in dataset:
             raise ValueError(
@@ -341,23 +343,26 @@ class PromptQueries:
             tokens = self._encode([prompt])[0]
         return prompt, tokens
 
-    def queries(self, rows: list[dict], indices: Sequence[int]) -> list[list[int] | None]:
+    def queries(
+        self, rows: list[dict], indices: Sequence[int], counted: Sequence[bool] | None = None
+    ) -> list[list[int] | None]:
         """Each row's query (file rows `indices`): its prompt's tokens, cut to fit, right-padded with PAD to
-        query_length; None for a row dropped (see `counts`)."""
+        query_length; None for a row dropped. `counted`: which rows `counts` counts (default all)."""
         prompts = [self._prompt(row, int(index)) for row, index in zip(rows, indices)]
+        counted = [True] * len(prompts) if counted is None else counted
         queries = []
-        for prompt, tokens in zip(prompts, self._encode(prompts)):
-            self.counts["rows"] += 1
+        for prompt, tokens, count in zip(prompts, self._encode(prompts), counted):
+            self.counts["rows"] += int(count)
             if len(tokens) > self.query_length:
                 fitted = self._fit(prompt, tokens)
                 if fitted is None:
-                    self.counts["too_long"] += 1
+                    self.counts["too_long"] += int(count)
                     queries.append(None)
                     continue
-                self.counts["cut"] += 1
+                self.counts["cut"] += int(count)
                 prompt, tokens = fitted
             if not tokens:
-                self.counts["empty"] += 1
+                self.counts["empty"] += int(count)
                 queries.append(None)
                 continue
             self._remember(tokens, prompt.conversation())
