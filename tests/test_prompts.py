@@ -5,6 +5,7 @@ query for a reward model with its own tokenizer; right padding giving the log-pr
 import dataclasses
 import json
 import logging
+import random
 
 import datasets
 import pytest
@@ -156,12 +157,32 @@ def test_cut_at_the_last_newline_matches_a_plain_reimplementation_of_nplus_n2(tm
 def test_cut_keeps_whole_lines_and_drops_characters_only_without_a_newline(tmp_path, tokenizer):
     lines = ["one two three", "four five six", "seven eight nine"]
     path = write_jsonl(tmp_path / "p.jsonl", [{"prompt": "\n".join(lines)}, {"prompt": "a b c d e f g h i j k l"}])
-    stream, queries = one_pass(None, tokenizer, prompt_task(path, query_length=9))
+    stream, queries = one_pass(None, tokenizer, prompt_task(path, query_length=4))
     texts = sorted(tokenizer.decode(q) for q in queries)
-    # several cuts, each at the last newline: the first two lines stay whole (8 tokens); the line without a newline
-    # loses one character at a time until it fits: 9 tokens, its last word cut to nothing
-    assert texts == ["a b c d e f g h i", "one two three\nfour five six"]
+    # two cuts, each at the last newline: the first line stays whole (3 tokens); the text without a newline loses one
+    # character at a time until it fits: 4 tokens (with its trailing space it would be 5)
+    assert texts == ["a b c d", "one two three"]
     assert stream.prompts.counts == dict(rows=2, cut=2, too_long=0, empty=0)
+
+
+@pytest.mark.parametrize("query_length", [30, 61, 95])
+def test_a_long_cut_without_newlines_drops_characters_as_nplus_n2_does(tmp_path, tokenizer, query_length):
+    # hundreds of characters to drop: found by bisection and a step over the last STEP_WINDOW, the same cut as N+'s
+    # one character at a time; words of the merges' edge cases (URLs, digits, punctuation) make the counts uneven
+    rng = random.Random(query_length)
+    words = ["the", "cat", "https://example.org/a_b?c=1", "1234567", "don't", "...", "Mr.", "naïve", "日本", "x"]
+    post = " ".join(rng.choice(words) for _ in range(120))
+    path = write_jsonl(tmp_path / "p.jsonl", [{"title": "A title", "post": post}])
+    task = prompt_task(path, query_length, query_template="TITLE: {title}\n\nPOST: {post}\n\nTL;DR:")
+    _, queries = one_pass(None, tokenizer, dataclasses.replace(task, query_truncate_field="post"))
+    expected = nplus_reference(
+        task.query_template,
+        {"title": "A title", "post": post},
+        "post",
+        query_length,
+        lambda t: encode_texts(tokenizer, [t])[0],
+    )
+    assert queries == [expected] and len(tokenizer.decode(expected)) < len(post) - 64
 
 
 def test_prompts_that_cannot_be_cut_are_dropped_and_counted(tmp_path, tokenizer, caplog):

@@ -1701,7 +1701,10 @@ BREAKAGES = [
         "lm_human_preference_details/prompts.py",
         "        while len(tokens) > self.query_length:\n            value = prompt.cut_value()",
         "        if len(tokens) > self.query_length:\n            value = prompt.cut_value()",
-        ["tests/test_prompts.py::test_cut_keeps_whole_lines_and_drops_characters_only_without_a_newline"],
+        [
+            "tests/test_prompts.py::test_cut_keeps_whole_lines_and_drops_characters_only_without_a_newline",
+            "tests/test_prompts.py::test_cut_at_the_last_newline_matches_a_plain_reimplementation_of_nplus_n2",
+        ],
     ),
     Breakage(
         "N2-drop-instead-of-cut",
@@ -1756,6 +1759,24 @@ BREAKAGES = [
         "                prompt, tokens = fitted",
         "                tokens = fitted[1]",
         ["tests/test_prompts.py::test_conversation_of_gives_the_messages_of_each_query"],
+    ),
+    Breakage(
+        "N2-characters-shortest-prefix",
+        "N2",
+        "a prompt without a newline left keeps the shortest prefix tried, not the longest that fits",
+        "lm_human_preference_details/prompts.py",
+        "            low, high, best = (middle, high, found) if found is not None else (low, middle, best)",
+        "            low, high, best = (middle, high, best) if found is not None else (low, middle, best)",
+        ["tests/test_prompts.py::test_a_long_cut_without_newlines_drops_characters_as_nplus_n2_does"],
+    ),
+    Breakage(
+        "N2-characters-bisected-only",
+        "N2",
+        "the character-dropping cut trusts bisection alone: a longer prefix that fits again within a word is missed",
+        "lm_human_preference_details/prompts.py",
+        "STEP_WINDOW = 64\n",
+        "STEP_WINDOW = 0\n",
+        ["tests/test_prompts.py::test_cut_at_the_last_newline_matches_a_plain_reimplementation_of_nplus_n2"],
     ),
 ]
 
