@@ -12,6 +12,7 @@ https://github.com/vwxyzjn/summarize_from_feedback_details/blob/ee77a9abc31f5338
 """
 
 import hashlib
+import inspect
 import json
 import logging
 import os
@@ -20,6 +21,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
+import transformers
 from transformers import PreTrainedTokenizerBase
 
 from lm_human_preference_details.hub import HubUnavailableError, check_available
@@ -212,6 +214,7 @@ class PromptQueries:
         self.bos = added_bos_id(tokenizer)
         self.template = task.query_template
         self.truncate_field = task.query_truncate_field
+        self._chat_checked = False
         self.kind, needed = self._kind(rows.columns)
         self.rows = rows.narrowed(needed)
         if self.kind == MESSAGES_COLUMN:
@@ -246,12 +249,20 @@ class PromptQueries:
         )
 
     def _check_chat_template(self) -> None:
-        """ValueError naming the flags when the rows hold chats but the tokenizer has no chat template."""
+        """ValueError naming the flags when the rows hold chats but the tokenizer has no chat template, or the
+        installed transformers cannot keep the messages' text plain (`sanitize_control_tokens`)."""
+        self._chat_checked = True
         if not getattr(self.tokenizer, "chat_template", None):
             raise ValueError(
                 f"{FLAG} '{self.source}' holds chats (lists of role/content messages), but the tokenizer of "
                 "--base_model has no chat template to render them; use a chat model's tokenizer, or rows with a "
                 "`prompt` text (or a --task.query_template)."
+            )
+        if "sanitize_control_tokens" not in inspect.signature(self.tokenizer.apply_chat_template).parameters:
+            raise ValueError(
+                f"{FLAG} '{self.source}' holds chats, but this transformers ({transformers.__version__}) cannot "
+                "encode a message's text as plain characters (apply_chat_template's sanitize_control_tokens); "
+                "upgrade transformers (5.24 can)."
             )
 
     # ------------------------------------------------------------ rows to prompts
@@ -282,7 +293,7 @@ class PromptQueries:
 
     def _chat(self, messages: list, index: int) -> _Prompt:
         """The prompt of one chat row: its messages, the last user message's content to cut."""
-        if self.kind != MESSAGES_COLUMN:
+        if not self._chat_checked:
             self._check_chat_template()
         where = f"{FLAG} '{self.source}': row {index}"
         if not messages or not all(

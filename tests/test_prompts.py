@@ -270,6 +270,15 @@ def test_chats_too_long_lose_the_last_lines_of_the_last_user_message(tmp_path, f
     assert stream.conversation_of(queries[0]) == [CHATS[0][0], {"role": "user", "content": "the cat sat\non the mat"}]
 
 
+def test_a_prompt_column_holding_chats_reads_as_messages(tmp_path):
+    tokenizer = chat_tokenizer("qwen2")  # TRL's conversational prompt-only rows: {"prompt": [messages]}
+    as_prompt = write_jsonl(tmp_path / "p.jsonl", [{"prompt": chat} for chat in CHATS])
+    as_messages = write_jsonl(tmp_path / "m.jsonl", [{"messages": chat} for chat in CHATS])
+    _, first = one_pass(None, tokenizer, prompt_task(as_prompt, 120))
+    _, second = one_pass(None, tokenizer, prompt_task(as_messages, 120))
+    assert first == second and len(first) == 2
+
+
 def test_chats_need_a_tokenizer_with_a_chat_template(tmp_path, tokenizer):
     path = write_jsonl(tmp_path / "chats.jsonl", [{"messages": CHATS[0]}])
     with pytest.raises(ValueError, match=r"holds chats .*tokenizer of --base_model has no chat template"):
