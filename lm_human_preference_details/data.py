@@ -113,9 +113,10 @@ class QueryStream:
         self.rank, self.world_size, self.data_seed = rank, world_size, data_seed
         self.chunk_size = chunk_size
         self.pad_id = tokenizer.pad_token_id
-        self.start_token = text_to_token(tokenizer, task.start_text, "--task.start_text")
-        self.end_token = text_to_token(tokenizer, task.end_text, "--task.end_text")
         self.prompts = PromptQueries(texts, tokenizer, task, 4 * chunk_size) if isinstance(texts, PromptRows) else None
+        oai = self.prompts is None  # OAI's start_text/end_text trimming: OAI's texts only
+        self.start_token = text_to_token(tokenizer, task.start_text, "--task.start_text") if oai else None
+        self.end_token = text_to_token(tokenizer, task.end_text, "--task.end_text") if oai else None
         if self.prompts is not None and (task.start_text or task.end_text):
             # nplus N2 has no such trimming: a prompt is used whole, cut to fit only by its own rule
             logger.warning(
@@ -189,7 +190,7 @@ class QueryStream:
         self._logged = True
         lengths = (np.asarray(found) != self.pad_id).sum(1)
         if self.prompts is not None:
-            log = logger.warning if self.prompts.counts["rows"] > num_found else logger.info
+            log = logger.warning if self.prompts.counts["too_long"] + self.prompts.counts["empty"] else logger.info
             log(
                 "query stream: %s; query length mean %.1f, min %d, max %d of %d tokens",
                 self.prompts.describe(),
