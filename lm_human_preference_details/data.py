@@ -235,7 +235,8 @@ class QueryStream:
         tokenizer and chat template of its own: a chat row's messages (its last user message as cut to fit), or for a
         `prompt` text or --task.query_template row [{"role": "user", "content": the prompt text as formatted and cut}];
         None for OAI's text sources (books, tldr, cnndm, .txt, .jsonl of texts), whose queries are no chat. Known for
-        the queries this stream handed out lately (at least the last two batches); KeyError for other tokens.
+        the queries this stream or a deep copy of it handed out lately (at least the last two batches); None (and a
+        warning, once) for other tokens.
         """
         if self.prompts is None:
             return None

@@ -221,7 +221,8 @@ class PromptQueries:
             self._check_chat_template()
         self.counts = dict(rows=0, cut=0, too_long=0, empty=0)
         self.keep = keep
-        self._conversations: OrderedDict[bytes, list[dict[str, str]]] = OrderedDict()
+        self._conversations = _SharedConversations()
+        self._warned_unknown = False
 
     def _kind(self, columns: list[str]) -> tuple[str, list[str]]:
         """How rows become prompts ('template', 'prompt' or 'messages') and the columns read; ValueError naming the flag
@@ -458,14 +459,27 @@ class PromptQueries:
         while len(self._conversations) > self.keep:
             self._conversations.popitem(last=False)
 
-    def conversation_of(self, query_tokens: Sequence[int]) -> list[dict[str, str]]:
-        """The chat messages of the prompt whose query tokens (PAD dropped) are `query_tokens`; KeyError when no query
-        of the last `keep` built had them."""
+    def conversation_of(self, query_tokens: Sequence[int]) -> list[dict[str, str]] | None:
+        """The chat messages of the prompt whose query tokens (PAD dropped) are `query_tokens`; None (with a warning,
+        once) when no query of the last `keep` built, by this stream or a copy of it, had them."""
         tokens = [int(t) for t in query_tokens if int(t) != self.pad_id]
-        key = self._key(tokens)
-        if key not in self._conversations:
-            raise KeyError(
-                f"no query of the last {self.keep} that the query stream of {FLAG} '{self.source}' built has these "
-                f"{len(tokens)} tokens; ask for the messages of queries the stream handed out recently."
+        conversation = self._conversations.get(self._key(tokens))
+        if conversation is None and not self._warned_unknown:
+            self._warned_unknown = True
+            logger.warning(
+                "no query of the last %d that the query stream of %s '%s' built has these %d tokens: its reward "
+                "model reads the query's text instead of its chat messages",
+                self.keep,
+                FLAG,
+                self.source,
+                len(tokens),
             )
-        return [dict(m) for m in self._conversations[key]]
+        return None if conversation is None else [dict(m) for m in conversation]
+
+
+class _SharedConversations(OrderedDict):
+    """Query key -> chat messages, one memory for a query stream and its deep copies (the reward's normalization
+    samples the first queries from a copy, and its reward model asks the stream for their messages)."""
+
+    def __deepcopy__(self, memo: dict) -> "_SharedConversations":
+        return self

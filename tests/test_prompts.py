@@ -2,6 +2,7 @@
 template's columns, cut to query_length as N+ cuts them, streamed in OAI's order and sharding; the chat messages of a
 query for a reward model with its own tokenizer; right padding giving the log-probs of N+'s left padding."""
 
+import copy
 import dataclasses
 import json
 import logging
@@ -301,6 +302,9 @@ def test_conversation_of_gives_the_messages_of_each_query(tmp_path, tokenizer):
     path = write_jsonl(tmp_path / "posts.jsonl", POSTS)
     task = prompt_task(path, 30, query_template=TLDR_TEMPLATE, query_truncate_field="post")
     stream = QueryStream(load_texts(path), tokenizer, task, 0, 1)
+    copied = copy.deepcopy(stream)  # the reward's normalization samples the first queries from a copy of the stream
+    drawn = copied.next_batch(4).tolist()
+    assert [stream.conversation_of(row) for row in drawn] == [copied.conversation_of(row) for row in drawn]
     batch = stream.next_batch(4)
     for row in batch.tolist():  # padded or not, the same messages: one user message, the prompt as formatted and cut
         conversation = stream.conversation_of(row)
@@ -310,8 +314,7 @@ def test_conversation_of_gives_the_messages_of_each_query(tmp_path, tokenizer):
     contents = [stream.conversation_of(row)[0]["content"] for row in batch.tolist()]
     assert "SUBREDDIT: r/books\n\nTITLE: Short\n\nPOST: Fine.\n\nTL;DR:" in contents
     assert any(c.endswith("POST: The cat sat.\n\nTL;DR:") for c in contents)  # cut at the post's last newlines
-    with pytest.raises(KeyError, match="no query of the last"):
-        stream.conversation_of([1, 2, 3])
+    assert stream.conversation_of([1, 2, 3]) is None  # no query of this stream: the reward model reads the text
     oai = QueryStream(["A text. Another one."], tokenizer, TASKS["sentiment"], 0, 1)
     assert oai.conversation_of(oai.next_batch(1)[0].tolist()) is None
 

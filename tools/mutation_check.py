@@ -1778,6 +1778,15 @@ BREAKAGES = [
         "STEP_WINDOW = 0\n",
         ["tests/test_prompts.py::test_cut_at_the_last_newline_matches_a_plain_reimplementation_of_nplus_n2"],
     ),
+    Breakage(
+        "N2-conversations-of-a-copy-lost",
+        "N2",
+        "a deep copy of the query stream (the reward's normalization) keeps its prompts' messages to itself",
+        "lm_human_preference_details/prompts.py",
+        '    def __deepcopy__(self, memo: dict) -> "_SharedConversations":\n        return self\n',
+        "    pass\n",
+        ["tests/test_prompts.py::test_conversation_of_gives_the_messages_of_each_query"],
+    ),
 ]
 
 
