@@ -708,7 +708,7 @@ def main(args: Args) -> list[dict[str, float]]:
     optimizer = make_optimizer(params + critic_params, ppo.lr, args.use_tensorflow_adam, args.weight_decay)
     params += critic_params  # the non-finite weights guard covers the critic too
     kl_ctl = make_kl_controller(args.rewards)
-    texts = load_texts(task.query_dataset)
+    texts = load_texts(task.query_dataset, task.query_split)
     query_stream = QueryStream(texts, tokenizer, task, accelerator.process_index, sizes.world, args.data_seed)
     affixes = encode_context_affixes(tokenizer, task)  # the task's prefix and suffix around each query
     # a programmatic reward's gain and bias (spec R4), in the run config, args.json and the training state
