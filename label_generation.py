@@ -298,7 +298,8 @@ class Sampler:
 def start_sampler(args: Sample, tokenizer: PreTrainedTokenizerBase, device, stream_state: dict | None) -> Sampler:
     """The base model on `device` and the query stream (at `stream_state` when resuming)."""
     policy = PolicyWithValueHead(load_causal_lm(args.base_model)).to(device).eval()
-    stream = QueryStream(load_texts(args.task.query_dataset), tokenizer, args.task, 0, 1, args.data_seed)
+    texts = load_texts(args.task.query_dataset, args.task.query_split)
+    stream = QueryStream(texts, tokenizer, args.task, 0, 1, args.data_seed)
     if stream_state is not None:
         stream.load_state_dict(stream_state)
     prefix, suffix = encode_context_affixes(tokenizer, args.task)

@@ -37,6 +37,7 @@ from lm_human_preference_details.modeling import (
     sample,
     training_logprobs_and_values,
 )
+from lm_human_preference_details.nplus import critic as nplus_critic
 from lm_human_preference_details.optim import make_optimizer
 from lm_human_preference_details.rewards import load_reward, normalize_from_initial_policy
 from lm_human_preference_details.tasks import (
@@ -122,6 +123,12 @@ class PpoHParams:
     """episodes per virtual rank, a fixed share of the process's batch that permutes, cuts and whitens its own
     minibatches like one of OAI's ranks; None: batch_size / 8, OAI's 8 ranks on any number of processes (the whole
     process when the sizes do not allow it, with a warning); 0: the whole process, each process one rank"""
+    value_model: str | None = None
+    """the value function: None, OAI's zero-initialized value head on the policy's trunk; or a separate critic (a
+    trunk and a head of its own, trained with the policy by the same optimizer, nplus N16) from: `reward`, the reward
+    model of --rewards.trained_model (values start as its normalized score, the N+ recipe's choice); `policy`, a copy
+    of --base_model's trunk with a zero head; or DIR, a reward model (train_reward.py) or a critic a run saved
+    (OUTPUT_DIR/critic). The critic is saved to OUTPUT_DIR/critic (docs/nplus.md#critic)"""
 
 
 @dataclass
@@ -636,6 +643,7 @@ def main(args: Args) -> list[dict[str, float]]:
     args, task_changes = ppo_plumbing.task_from_reward_model(args)
     validation.check_policy_args(args)
     lora.check_lora_args(args.lora)
+    nplus_critic.check_value_model_flag(args.ppo.value_model, args.rewards.trained_model, args.lora.rank)
     cli.quiet_transformers()
     accelerator = distributed.make_accelerator(args.dist_timeout)
     tf32 = devices.use_tf32(args.tf32)
@@ -679,15 +687,28 @@ def main(args: Args) -> list[dict[str, float]]:
     # every process starts from rank 0's weights (spec D6); no DDP: gradients are all-reduced by hand (spec O4)
     # https://github.com/openai/lm-human-preferences/blob/cbfd210bb8b08f6bc5c26878c10984b90f516c66/lm_human_preferences/train_policy.py#L482-L485
     distributed.broadcast_parameters(policy, accelerator)
+    # --ppo.value_model: a separate critic instead of the value head on the policy's trunk (nplus N16); None: none
+    critic = nplus_critic.load_critic(
+        args.ppo.value_model, args.rewards.trained_model, args.base_model, tokenizer, policy
+    )
+    if critic is not None:
+        distributed.broadcast_parameters(critic, accelerator)
     # the frozen reference policy: a copy of the initial policy, or under LoRA the policy with its adapters disabled
     reference = lora.ReferencePolicy(policy)
     reduce_training_memory(policy, args.gradient_checkpointing, args.bf16)  # the PPO forward only
+    # what PPO trains: the policy with its value head, or the policy and the critic, its value head frozen (nplus N16)
+    learner = policy
+    if critic is not None:
+        reduce_training_memory(critic, args.gradient_checkpointing, args.bf16)
+        learner = nplus_critic.PolicyWithCritic(policy, critic)
     gold = args.rewards.gold_model  # a held-out judge of every rollout that never trains the policy
     gold_labeler = load_labeler(gold, tokenizer, pad_id, device, flag="--rewards.gold_model") if gold else None
+    critic_params = list(critic.parameters()) if critic is not None else []  # one optimizer for both (nplus N16)
     params = list(policy.parameters())
-    optimizer = make_optimizer(params, ppo.lr, args.use_tensorflow_adam, args.weight_decay)
+    optimizer = make_optimizer(params + critic_params, ppo.lr, args.use_tensorflow_adam, args.weight_decay)
+    params += critic_params  # the non-finite weights guard covers the critic too
     kl_ctl = make_kl_controller(args.rewards)
-    texts = load_texts(task.query_dataset)
+    texts = load_texts(task.query_dataset, task.query_split)
     query_stream = QueryStream(texts, tokenizer, task, accelerator.process_index, sizes.world, args.data_seed)
     affixes = encode_context_affixes(tokenizer, task)  # the task's prefix and suffix around each query
     # a programmatic reward's gain and bias (spec R4), in the run config, args.json and the training state
@@ -696,7 +717,7 @@ def main(args: Args) -> list[dict[str, float]]:
     )
 
     # plumbing: what a checkpoint saves and --resume restores, the tracker, the logs and progress, the clock
-    state = ppo_plumbing.TrainingState(policy, optimizer, kl_ctl, query_stream, generator, order_rngs)
+    state = ppo_plumbing.TrainingState(policy, optimizer, kl_ctl, query_stream, generator, order_rngs, critic)
     tracker, meta = ppo_plumbing.start_tracker(args, accelerator, loop.resumed, settings, sizes.nupdates)
     if loop.resumed is not None:
         state.restore(loop.resumed)
@@ -745,13 +766,17 @@ def main(args: Args) -> list[dict[str, float]]:
                 )  # (B, L) each
                 query_responses = torch.cat([contexts, responses], 1)  # (B, C + L)
                 ppo_logprobs, ppo_values = logprobs, values
+                if critic is not None and not args.bf16:  # the sampler's values are the policy head's (nplus N16)
+                    ppo_values = nplus_critic.rollout_values(
+                        critic, query_responses, context_length, pad_id, rollout_rows
+                    )
                 if args.bf16:
                     # DEVIATION (bf16-ratio): OAI's ratio and value clipping use the sampling pass's log-probs and
                     # values (spec P13); under bf16 autocast of the PPO forward, float32 ones put the first minibatch's
                     # ratio ~1.5e-3 off 1 and clipping fires on rounding noise, so PPO gets those of the loss forward's
                     # arithmetic (one more forward); the KL penalty keeps the float32 ones, like the reference's
                     ppo_logprobs, ppo_values = training_logprobs_and_values(
-                        policy, query_responses, context_length, pad_id, task.temperature, sizes.micro
+                        learner, query_responses, context_length, pad_id, task.temperature, sizes.micro
                     )
                 # the frozen reference policy's log-probs, --rollout_micro_batch_size rows per forward
                 with reference() as ref_policy:
@@ -783,7 +808,7 @@ def main(args: Args) -> list[dict[str, float]]:
                 group["lr"] = lr_now
             rollout = Rollout(query_responses, context_length, ppo_logprobs, ppo_values, rewards)
             ppo_stats = ppo_update(
-                policy, optimizer, accelerator, rollout, indices, sizes, ppo, task.temperature, pad_id
+                learner, optimizer, accelerator, rollout, indices, sizes, ppo, task.temperature, pad_id
             )
             timer.mark()
 

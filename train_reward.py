@@ -393,7 +393,8 @@ def main(args: Args) -> dict:
     optimizer = make_optimizer(params, args.lr, args.use_tensorflow_adam, args.weight_decay)
     # gradients averaged over processes (spec O4), started during each step's last backward
     gradients = distributed.GradientAverager(params, accelerator)
-    query_stream = QueryStream(load_texts(args.task.query_dataset), tokenizer, args.task, rank, world, args.data_seed)
+    texts = load_texts(args.task.query_dataset, args.task.query_split)
+    query_stream = QueryStream(texts, tokenizer, args.task, rank, world, args.data_seed)
     affixes = encode_context_affixes(tokenizer, args.task)
 
     # plumbing: the tracker, the checkpoints' metadata

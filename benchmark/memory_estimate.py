@@ -4,16 +4,19 @@ whether it fits a GPU; with the largest --rollout_micro_batch_size that fits whe
     python benchmark/memory_estimate.py                                   # 124M .. 1.5B, OAI's sentiment run, 8 GPUs
     python benchmark/memory_estimate.py --shapes gpt2-1.5b --compile_sampler --gpu_gib 80
     python benchmark/memory_estimate.py --shapes gpt2-1.5b --bf16 --gradient_checkpointing --lora_rank 8
+    python benchmark/memory_estimate.py --value_model reward                # a separate critic (docs/nplus.md)
 
 Parameter counts come from the real modules (built as train_policy.py builds them, on the meta device: nothing is
 downloaded or allocated, see benchmark/lora_memory.py); the rest is arithmetic on the shapes, float32 unless --bf16:
-- held through the run: policy, reference copy (none under LoRA), reward model, Adam's two moments, and with
-  --compile_sampler the decoding step's KV cache (reused by every rollout, so it stays allocated while PPO trains);
+- held through the run: policy, reference copy (none under LoRA), reward model, with --value_model a critic (a trunk
+  of the policy's shape and a head), Adam's two moments, and with --compile_sampler the decoding step's KV cache
+  (reused by every rollout, so it stays allocated while PPO trains);
 - rollout: the KV cache of --rollout_micro_batch_size episodes (2 x layers x rows x tokens x width), one step's
   sampling buffers (logits, their exponentials and a float64 CDF: 20 bytes x rows x vocab), and the reference
   forward's (rows, L, V) logits with their softmax;
 - PPO: gradients, the micro-batch's stored activations (~16 floats per token, layer and width unit in float32, half of
-  them in bfloat16; with --gradient_checkpointing the blocks' inputs plus one block recomputed), its (b, L, V) logits,
+  them in bfloat16; with --gradient_checkpointing the blocks' inputs plus one block recomputed; a critic's trunk stores
+  as many again), its (b, L, V) logits,
   softmax and logit gradient; then the optimizer step's temporaries (one STEP_BUCKET_BYTES bucket or the largest
   parameter) and the all-reduce's bucket.
 Activations are a rule-of-thumb estimate (no attention matrix: SDPA); allocator fragmentation and the CUDA context
@@ -66,6 +69,9 @@ class Args:
     """--lora.rank (0: full fine-tuning with a reference copy)"""
     rollout_micro_batch_size: int | None = None
     """--rollout_micro_batch_size (None: the process's whole batch decodes at once)"""
+    value_model: str | None = None
+    """--ppo.value_model: any value (reward, policy, DIR) adds a separate critic of the policy's shape, trained with
+    it (weights, gradients, Adam moments, activations); None: OAI's value head on the policy's trunk"""
     gpu_gib: float = 80.0
     """memory of one GPU, GiB (H100/A100 80 GB: 80)"""
     headroom_gib: float = 3.0
@@ -96,15 +102,21 @@ def estimate(args: Args, shape: str, rollout_rows: int | None) -> dict[str, floa
     with torch.device("meta"):
         trunk = GPT2Model(config)
     largest = max(p.numel() for p in trunk.parameters()) * FLOAT
+    # a critic: a trunk and a head, every weight trained; the policy's value head (width + 1) is then frozen
+    critic = (count(trunk.parameters()) + width + 1) * FLOAT if args.value_model else 0
+    trained = critic - ((width + 1) * FLOAT if args.value_model else 0)  # more trained than without a critic
+    trunks_trained = 2 if args.value_model else 1  # the critic's training forward stores activations of its own
     kv_cache = 2 * layers * rows * tokens * width * FLOAT
     parts = {
         "policy": floats["policy"] * FLOAT,
         "reference": floats["reference"] * FLOAT,
         "reward model": (count(trunk.parameters()) + width + 3) * FLOAT,
-        "Adam moments": floats["adam"] * FLOAT,
+        "critic": critic,
+        "Adam moments": floats["adam"] * FLOAT + 2 * trained,
         "KV cache": kv_cache,
-        "gradients": floats["gradients"] * FLOAT,
-        "activations": micro
+        "gradients": floats["gradients"] * FLOAT + trained,
+        "activations": trunks_trained
+        * micro
         * (tokens - 1)
         * activation_floats_per_token(width, layers, args.bf16, args.gradient_checkpointing)
         * FLOAT,
@@ -112,7 +124,7 @@ def estimate(args: Args, shape: str, rollout_rows: int | None) -> dict[str, floa
         "step temporaries": max(optim.STEP_BUCKET_BYTES, largest)
         + (distributed.BUCKET_BYTES if args.processes > 1 else 0),
     }
-    held = parts["policy"] + parts["reference"] + parts["reward model"] + parts["Adam moments"]
+    held = parts["policy"] + parts["reference"] + parts["reward model"] + parts["critic"] + parts["Adam moments"]
     held += kv_cache if args.compile_sampler else 0
     sampling = (0 if args.compile_sampler else kv_cache) + 20 * rows * VOCAB
     reference = 2 * rows * length * VOCAB * FLOAT
@@ -139,15 +151,19 @@ def rollout_rows_that_fit(args: Args, shape: str, batch: int) -> int | None:
 
 def main(args: Args) -> None:
     cli.quiet_transformers()
+    if args.value_model and args.lora_rank:
+        raise ValueError("--value_model with --lora_rank: train_policy.py refuses a separate critic with LoRA.")
     flags = [f"--{name}" for name in ("bf16", "gradient_checkpointing", "compile_sampler") if getattr(args, name)]
     flags += [f"--lora.rank {args.lora_rank}"] if args.lora_rank else []
     flags += [f"--rollout_micro_batch_size {args.rollout_micro_batch_size}"] if args.rollout_micro_batch_size else []
+    flags += [f"--ppo.value_model {args.value_model}"] if args.value_model else []
     title = (
         f"GPU memory per process, GiB: {args.task}, {args.processes} processes, "
         f"{' '.join(flags) or 'float32, no flags'}; fits: within {args.gpu_gib:g} GiB less {args.headroom_gib:g}"
     )
     table = Table(title=title)
-    columns = ["model", "policy", "reference", "reward model", "Adam moments", "KV cache", "gradients"]
+    columns = ["model", "policy", "reference", "reward model", *(["critic"] if args.value_model else [])]
+    columns += ["Adam moments", "KV cache", "gradients"]
     columns += ["activations", "logits", "step temporaries", "rollout", "PPO", "step", "peak", "fits"]
     for column in columns:
         table.add_column(column, justify="left" if column == "model" else "right")

@@ -5,6 +5,7 @@ import contextlib
 import dataclasses
 import os
 import shlex
+import shutil
 import time
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
@@ -58,6 +59,7 @@ class PpoFlags(Protocol):
     nminibatches: int
     noptepochs: int
     gradient_accumulation_steps: int
+    value_model: str | None
 
 
 class LoraFlags(Protocol):
@@ -135,6 +137,7 @@ def print_setup(console, args: PolicyArgs, sizes: Sizes, tf32: str, task_changes
             "updates": sizes.nupdates,
             "optimizer steps": sizes.nupdates * ppo.noptepochs * ppo.nminibatches,
             "reward model": args.rewards.trained_model,
+            **({"critic (--ppo.value_model)": args.ppo.value_model} if args.ppo.value_model else {}),
             **({"LoRA": lora.describe(args.lora)} if args.lora.rank else {}),
             "TF32": tf32,
             "deterministic": devices.describe_deterministic(),
@@ -176,6 +179,8 @@ def start_tracker(
     )
     if resumed is None and args.overwrite_output_dir and accelerator.is_main_process:
         checkpoint.clear_previous_run(args.output_dir)  # every input has loaded: the old run's outputs can go
+        # and its critic, which a run without one would leave beside a policy it does not belong to
+        shutil.rmtree(os.path.join(args.output_dir, CRITIC_DIR), ignore_errors=True)
     if accelerator.is_main_process:  # a run that starts or continues makes the summary of its last end stale
         with contextlib.suppress(FileNotFoundError):
             os.remove(os.path.join(args.output_dir, SUMMARY_FILE))
@@ -431,11 +436,25 @@ def print_samples(console, tracker: tracking.Tracker, rows: list[list], update: 
     tracker.log_table("samples", columns, rows, step=update)
 
 
+class SavedCritic(Protocol):
+    """A separate critic (--ppo.value_model) as the plumbing saves it: a module that writes itself to a directory."""
+
+    def save(self, directory: str) -> None: ...
+
+
+CRITIC_DIR = "critic"
+"""OUTPUT_DIR/critic: a separate critic (--ppo.value_model), saved beside the policy"""
+
+
 def save_policy(
-    policy: PolicyWithValueHead, tokenizer: PreTrainedTokenizerBase, args: PolicyArgs, output_dir: str
+    policy: PolicyWithValueHead,
+    tokenizer: PreTrainedTokenizerBase,
+    args: PolicyArgs,
+    output_dir: str,
+    critic: SavedCritic | None = None,
 ) -> None:
-    """Write the policy (AutoModelForCausalLM-loadable + value_head.safetensors), tokenizer and args.json; a failed
-    save (e.g. disk full) leaves `output_dir` as it was."""
+    """Write the policy (AutoModelForCausalLM-loadable + value_head.safetensors), tokenizer and args.json, and a
+    separate critic in critic/; a failed save (e.g. disk full) leaves `output_dir` as it was."""
 
     def write(path: str) -> None:
         if lora.peft_model_of(policy) is None:
@@ -443,6 +462,8 @@ def save_policy(
         else:  # the merged model in the same layout, the adapters in adapter/
             lora.save_policy(policy, tokenizer, path)
             tracking.save_args(args, os.path.join(path, lora.ADAPTER_DIR))
+        if critic is not None:
+            critic.save(os.path.join(path, CRITIC_DIR))
         tracking.save_args(args, path)
 
     validation.save_atomically(output_dir, write)
@@ -475,10 +496,22 @@ class TrainingState:
     query_stream: QueryStream
     generator: torch.Generator
     order_rngs: list[np.random.RandomState]
+    critic: torch.nn.Module | None = None
+    """a separate critic (--ppo.value_model); its Adam moments are in `optimizer`'s state"""
 
     def restore(self, resumed: checkpoint.Resumed) -> None:
         """Weights, Adam moments and step, kl_coef, query position and every RNG as the checkpoint holds them."""
+        if (self.critic is None) != ("critic" not in resumed.shared):
+            raise ValueError(
+                f"checkpoint '{resumed.path}' was written "
+                + ("without" if self.critic is not None else "with")
+                + " a separate critic (--ppo.value_model), this run has "
+                + ("one" if self.critic is not None else "none")
+                + "; resume with the checkpoint's --ppo.value_model."
+            )
         self.policy.load_state_dict(resumed.shared["policy"])
+        if self.critic is not None:
+            self.critic.load_state_dict(resumed.shared["critic"])
         self.optimizer.load_state_dict(resumed.shared["optimizer"])
         self.kl_ctl.value = resumed.shared["kl_coef"]
         self.query_stream.load_state_dict(resumed.local["query_stream"])
@@ -510,8 +543,10 @@ def save_checkpoint(
     if accelerator.is_main_process:
         saves.wait()  # the twin below is still read by the previous write until it ends
         policy = saves.host_copy(state.policy)
+        critic = saves.host_copy(state.critic) if state.critic is not None else None
         shared = {
             "policy": policy.state_dict(),
+            **({"critic": critic.state_dict()} if critic is not None else {}),
             "optimizer": checkpoint.to_host(state.optimizer.state_dict()),
             "kl_coef": state.kl_ctl.value,
             "elapsed_time": time.time() - start_time,
@@ -519,9 +554,10 @@ def save_checkpoint(
         snapshot = args.save_checkpoints and updates < nupdates
 
         def write_policies() -> None:
-            save_policy(policy, tokenizer, args, args.output_dir)
+            save_policy(policy, tokenizer, args, args.output_dir, critic)
             if snapshot:
-                save_policy(policy, tokenizer, args, os.path.join(args.output_dir, "checkpoints", f"update{updates}"))
+                snapshot_dir = os.path.join(args.output_dir, "checkpoints", f"update{updates}")
+                save_policy(policy, tokenizer, args, snapshot_dir, critic)
 
     checkpoint.save_training_state(
         args.output_dir, updates, accelerator, meta, shared, local, args.keep_checkpoints, saves, write_policies
@@ -597,6 +633,7 @@ def print_summary(console, args: PolicyArgs, summary: dict, hub: str | None) -> 
             else {}
         ),
         "policy, value head, tokenizer": args.output_dir,
+        **({"critic": os.path.join(args.output_dir, CRITIC_DIR)} if args.ppo.value_model else {}),
         "TensorBoard": f"{args.output_dir}/tb",
         "summary": os.path.join(args.output_dir, SUMMARY_FILE),
         **({"hub": hub} if hub else {}),

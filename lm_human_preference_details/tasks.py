@@ -7,6 +7,7 @@ https://github.com/openai/lm-human-preferences/blob/cbfd210bb8b08f6bc5c26878c109
 
 import dataclasses
 import math
+import string
 from dataclasses import dataclass
 
 import torch
@@ -25,7 +26,19 @@ class TaskHParams:
     query_length: int
     """query tokens, right-padded with PAD (OAI launch.py#L9)"""
     query_dataset: str
-    """books | tldr | cnndm (OAI's files, else HF stand-ins) or a local .txt (line per text) / .jsonl (launch.py#L10)"""
+    """books | tldr | cnndm (OAI's files, else HF stand-ins) or a local .txt (line per text) / .jsonl (launch.py#L10);
+    or prompts (nplus N1, N2): hf:NAME_OR_DIR (a hub dataset or a `datasets` directory) or a .jsonl of objects with
+    `prompt` (text) or `messages` (a chat) or the columns of --task.query_template"""
+    query_split: str = "train"
+    """split of --task.query_dataset that queries come from (books, tldr, cnndm or an hf: dataset)"""
+    query_template: str | None = None
+    """prompt sources: a format string over each row's columns (nplus N2), e.g. N+'s TL;DR query
+    'SUBREDDIT: r/{subreddit}\\n\\nTITLE: {title}\\n\\nPOST: {post}\\n\\nTL;DR:'; None: the `prompt` column, or the
+    `messages` chat"""
+    query_truncate_field: str | None = None
+    """prompt sources: the column cut at its last newline (no newline: its last character), re-encoding each time,
+    while the prompt is longer than query_length (nplus N2); None: the prompt text itself, or a chat's last user
+    message"""
     query_prefix: str = ""
     """text put before the query for the policy only, never the reward model (launch.py#L22; lm_tasks.py#L68-L80)"""
     query_suffix: str = ""
@@ -87,6 +100,7 @@ and the log-probs of every other token (and the KL, which grows as 1/temperature
 def check_task(task: TaskHParams, response_filter: bool = True) -> None:
     """ValueError naming the --task.* flag whose value makes every query or response invalid or the run meaningless;
     `response_filter`: the run scores responses through the truncation filter (reward training does not)."""
+    check_prompt_fields(task)
     for name in ("query_length", "response_length"):
         value = getattr(task, name)
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -112,9 +126,67 @@ def check_task(task: TaskHParams, response_filter: bool = True) -> None:
             )
 
 
+HF_PREFIX = "hf:"
+"""--task.query_dataset hf:NAME_OR_DIR: prompts from a hub dataset or a `datasets` directory"""
+_PROMPT_FIELDS = ("query_template", "query_truncate_field")
+"""fields that only prompt sources (hf:, .jsonl of objects) read"""
+
+
+def template_fields(template: str) -> list[str]:
+    """The column names a --task.query_template formats, in order; ValueError naming the flag when it is not a format
+    string of plain names ('{post}', not '{0}', '{}' or '{row.post}')."""
+    try:
+        names = [name for _, name, _, _ in string.Formatter().parse(template) if name is not None]
+    except ValueError as e:
+        raise ValueError(f"--task.query_template {template!r} is not a format string ({e}); write {{column}}.") from e
+    bad = [name for name in names if not name.isidentifier()]
+    if bad:
+        raise ValueError(
+            f"--task.query_template {template!r} names {bad!r}; name columns plainly, e.g. {{post}} (write {{{{ and "
+            "}} for literal braces)."
+        )
+    return list(dict.fromkeys(names))
+
+
+def check_prompt_fields(task: TaskHParams) -> None:
+    """ValueError naming the flag when --task.query_split, --task.query_template or --task.query_truncate_field cannot
+    work: an empty split, a template with unnamed fields, a field to cut that the prompt does not hold, or either flag
+    with a source of plain texts (books, tldr, cnndm, a .txt file), which has no columns."""
+    if not isinstance(task.query_split, str) or not task.query_split:
+        raise ValueError(f"--task.query_split must name a split, got {task.query_split!r}; e.g. train.")
+    source = task.query_dataset
+    has_columns = source.startswith(HF_PREFIX) or source.lower().endswith(".jsonl")
+    for name in _PROMPT_FIELDS:
+        if getattr(task, name) is not None and not has_columns:
+            raise ValueError(
+                f"--task.{name} reads the columns of prompt rows, but --task.query_dataset '{source}' holds plain "
+                f"texts; pass hf:NAME_OR_DIR or a .jsonl of objects, or drop --task.{name}."
+            )
+    field = task.query_truncate_field
+    if task.query_template is not None:
+        fields = template_fields(task.query_template)
+        if field is not None and field not in fields:
+            raise ValueError(
+                f"--task.query_truncate_field '{field}' is not a field of --task.query_template (it has {fields}); "
+                "cutting it would never shorten the prompt. Name one of them, or None to cut the whole prompt."
+            )
+    elif field is not None and field != "prompt":
+        raise ValueError(
+            f"--task.query_truncate_field '{field}' needs a --task.query_template that formats it; without a template "
+            "the prompt is the `prompt` column (or a chat's last user message): pass None or prompt."
+        )
+
+
+_FIELDS_ADDED_LATER = {
+    name: TaskHParams.__dataclass_fields__[name].default for name in ("query_split", *_PROMPT_FIELDS)
+}
+"""fields that tasks saved before them lack: such a task compares equal while the field keeps this default"""
+
+
 def task_differences(saved: dict | None, task: TaskHParams) -> dict[str, tuple]:
     """Fields where a saved task (dataclasses.asdict of a TaskHParams, e.g. a reward model's) differs from `task`:
-    name -> (saved value, value of `task`); a field the saved task lacks counts as different.
+    name -> (saved value, value of `task`); a field the saved task lacks counts as different, unless it is one added
+    later (`_FIELDS_ADDED_LATER`) and `task` holds its default.
 
     The truncation token is compared by its id when both sides are resolved (`resolve_truncation`; tasks saved before
     truncate_text record the id alone), else by its text where the saved task records one.
@@ -125,6 +197,7 @@ def task_differences(saved: dict | None, task: TaskHParams) -> dict[str, tuple]:
     skipped = {"truncate_text"}
     if not (_truncation_resolved(saved) and _truncation_resolved(current)):
         skipped = {"truncate_token"} | ({"truncate_text"} if "truncate_text" not in saved else set())
+    skipped |= {name for name, default in _FIELDS_ADDED_LATER.items() if name not in saved and current[name] == default}
     return {
         name: (saved.get(name, "<not recorded>"), value)
         for name, value in current.items()

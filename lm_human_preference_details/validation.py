@@ -21,6 +21,7 @@ from lm_human_preference_details.files import OutputError
 from lm_human_preference_details.labelers import check_labeler_source
 from lm_human_preference_details.modeling import REWARD_CONFIG_FILE, check_model_dir
 from lm_human_preference_details.optim import check_weight_decay
+from lm_human_preference_details.prompts import query_dataset_path
 from lm_human_preference_details.rewards import check_reward_source, reward_input_path
 from lm_human_preference_details.sizes import divisors
 from lm_human_preference_details.tasks import TaskHParams, check_task
@@ -345,7 +346,7 @@ def check_policy_args(args: PolicyFlags) -> None:
         "--base_model": args.base_model,
         "--rewards.trained_model": reward_input_path(rewards.trained_model),
         "--rewards.gold_model": labeler_path(rewards.gold_model),
-        "--task.query_dataset": args.task.query_dataset,
+        "--task.query_dataset": query_dataset_path(args.task.query_dataset),
     }
     check_output_dir(args.output_dir, inputs)
 
@@ -373,7 +374,7 @@ def check_reward_args(args: RewardFlags) -> None:
     inputs = {
         "--base_model": args.base_model,
         "--label_dataset": args.label_dataset,
-        "--task.query_dataset": args.task.query_dataset,
+        "--task.query_dataset": query_dataset_path(args.task.query_dataset),
     }
     check_output_dir(args.output_dir, inputs)
 
@@ -396,7 +397,7 @@ def check_generate_args(args: GenerateFlags) -> None:
     inputs = {
         "--base_model": args.base_model,
         "--labeler": labeler_path(args.labeler),
-        "--task.query_dataset": args.task.query_dataset,
+        "--task.query_dataset": query_dataset_path(args.task.query_dataset),
     }
     check_output_file(args.output, inputs)
 

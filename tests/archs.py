@@ -152,3 +152,29 @@ def save_family(family: str, directory: str, seed: int = 0, chat: bool = False) 
     family_model(family, tokenizer, seed).save_pretrained(directory)
     tokenizer.save_pretrained(directory)
     return directory
+
+
+CHAT_TEMPLATES = {
+    # family: (control tokens added as special tokens, chat template), shaped like the family's instruct models'
+    "llama": (
+        ("<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"),
+        "{{ bos_token }}{% for m in messages %}<|start_header_id|>{{ m['role'] }}<|end_header_id|>\n\n"
+        "{{ m['content'] }}<|eot_id|>{% endfor %}"
+        "{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n{% endif %}",
+    ),
+    "qwen2": (
+        ("<|im_start|>", "<|im_end|>"),
+        "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n' }}{% endfor %}"
+        "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}",
+    ),
+}
+"""chat templates of Llama 3 (its BOS written by the template too) and Qwen2 (ChatML) instruct models, simplified"""
+
+
+def with_chat_template(tokenizer: PreTrainedTokenizerFast, family: str) -> PreTrainedTokenizerFast:
+    """`tokenizer` given its family's chat template and control tokens (added as special tokens, so the vocabulary
+    grows: build the model after this); returns it."""
+    control, template = CHAT_TEMPLATES[family]
+    tokenizer.add_special_tokens({"additional_special_tokens": list(control)})
+    tokenizer.chat_template = template
+    return tokenizer
