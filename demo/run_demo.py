@@ -59,7 +59,7 @@ QUICK_MIN_GOLD_MARGIN = 0.3
 """mean VADER gain (trained - base) on held-out queries that --quick guarantees (tests/test_demo.py checks it)"""
 FULL_MIN_GOLD_MARGIN = 0.5
 """mean VADER gain that the full demo guarantees"""
-NPLUS_QUICK_MIN_GOLD_MARGIN = 0.3
+NPLUS_QUICK_MIN_GOLD_MARGIN = 0.5
 """mean VADER gain (PPO policy - SFT policy) on held-out prompts that --recipe nplus --quick guarantees"""
 NPLUS_FULL_MIN_GOLD_MARGIN = 0.4
 """mean VADER gain that the full --recipe nplus demo guarantees"""
