@@ -39,7 +39,7 @@ from lm_human_preference_details.modeling import (
 )
 from lm_human_preference_details.nplus import critic as nplus_critic
 from lm_human_preference_details.optim import make_optimizer
-from lm_human_preference_details.rewards import load_reward, normalize_from_initial_policy
+from lm_human_preference_details.rewards import attach_conversations, load_reward, normalize_from_initial_policy
 from lm_human_preference_details.tasks import (
     TASKS,
     TaskHParams,
@@ -710,6 +710,7 @@ def main(args: Args) -> list[dict[str, float]]:
     kl_ctl = make_kl_controller(args.rewards)
     texts = load_texts(task.query_dataset, task.query_split)
     query_stream = QueryStream(texts, tokenizer, task, accelerator.process_index, sizes.world, args.data_seed)
+    attach_conversations(query_stream.conversation_of, reward, gold_labeler)  # chats for a reward model's own template
     affixes = encode_context_affixes(tokenizer, task)  # the task's prefix and suffix around each query
     # a programmatic reward's gain and bias (spec R4), in the run config, args.json and the training state
     args.rewards.normalization = normalize_from_initial_policy(

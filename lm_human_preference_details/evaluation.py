@@ -13,6 +13,7 @@ https://github.com/openai/lm-human-preferences/blob/cbfd210bb8b08f6bc5c26878c109
 
 import math
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -67,16 +68,17 @@ class Episodes:
 
 def heldout_queries(
     texts, tokenizer: PreTrainedTokenizerBase, task: TaskHParams, data_seed: int, skip: int, n: int
-) -> tuple[torch.Tensor, bool]:
-    """Queries skip .. skip+n-1 of the task's query stream (n, Lq), and whether the stream wrapped around before or
-    inside them (then they repeat earlier queries of the stream, e.g. those a training run consumed)."""
+) -> tuple[torch.Tensor, bool, Callable]:
+    """Queries skip .. skip+n-1 of the task's query stream (n, Lq), whether the stream wrapped around before or
+    inside them (then they repeat earlier queries of the stream, e.g. those a training run consumed), and the stream's
+    `conversation_of` (a query's chat messages, for a reward model with its own chat template)."""
     # one process reads the stream in OAI's global order: the training run's ranks together drew its first
     # nupdates * batch_size queries (spec D3)
     stream = QueryStream(texts, tokenizer, task, 0, 1, data_seed)
     for start in range(0, skip, 1024):
         stream.next_batch(min(1024, skip - start))
     queries = stream.next_batch(n)
-    return queries, stream.state_dict()["cursor"] > len(texts)
+    return queries, stream.state_dict()["cursor"] > len(texts), stream.conversation_of
 
 
 @torch.no_grad()
