@@ -400,7 +400,8 @@ def masked_whiten(
     """`whiten` with the moments over the `keep` elements of each group only (nplus N22, N23): population variance,
     eps 1e-8; every element is transformed, those outside `keep` too."""
     # https://github.com/vwxyzjn/summarize_from_feedback_details/blob/ee77a9abc31f5338365ee087945c5bcafac7f1ca/summarize_from_feedback_details/ppo.py#L235-L241
-    groups = values.reshape(-1, group_size or values.shape[0], *values.shape[1:])  # (G, group_size, ...)
+    rows = group_size or values.shape[0]
+    groups = values.reshape(-1, rows, *values.shape[1:])  # (G, rows, ...)
     weights = keep.reshape(groups.shape).to(values.dtype)
     dims = tuple(range(1, groups.dim()))
     count = weights.sum(dims, keepdim=True)

@@ -344,12 +344,14 @@ def eos_model_dir(tmp_path_factory, tokenizer):
 
 
 def eos_run(tmp_path, model_dir: str, query_file: str, monkeypatch, **task_and_rewards) -> tuple[list, Recorder]:
-    """One 16-episode update of main with --task.end_at_eos (and the given task and rewards fields), recorded."""
+    """Two 16-episode updates of main with --task.end_at_eos (and the given task and rewards fields), recorded; the
+    lr is high enough for the second update's KL and values (0 at first: a zero value head) to be far from 0."""
     task_fields = {k: v for k, v in task_and_rewards.items() if k in ("penalty_mode", "penalty_reward_value")}
     task = dataclasses.replace(tiny_task(query_file), truncate_token=None, end_at_eos=True, **task_fields)
     task = resolve_truncation(task, load_tokenizer(model_dir))
     rm_dir = save_reward_model(tmp_path / "reward", model_dir, task)
-    args = tiny_args(tmp_path / "policy", model_dir, rm_dir, query_file, total_episodes=16, batch_size=16)
+    ppo = dict(total_episodes=32, batch_size=16, lr=3e-3, noptepochs=2)
+    args = tiny_args(tmp_path / "policy", model_dir, rm_dir, query_file, **ppo)
     args.task = task
     args.rewards.kl_estimator = task_and_rewards.get("kl_estimator", "k1")
     events = Recorder()
@@ -373,30 +375,37 @@ def test_main_with_end_at_eos_masks_the_rollout_and_logs_the_masked_objectives(
     # reference's log-probs are INVALID after it, the values 0 after s + 1; a response without EOS scores the penalty
     # (replace) or its score + the penalty (subtract); the score lands at s + 1; objective/kl sums the estimator's kl
     # (0 after EOS); objective/entropy sums -logprob including the -1 of every slot after EOS (the recipe's quirk)
-    (stats,), events = eos_run(tmp_path, eos_model_dir, query_file, monkeypatch, **flags)
-    responses, raw_logprobs, raw_values = events.of("sample")[0].output
-    raw_ref = events.of("reference_logprobs")[0].output
+    history, events = eos_run(tmp_path, eos_model_dir, query_file, monkeypatch, **flags)
+    assert len(history) == 2
+    for update, stats in enumerate(history):
+        check_masked_update(events, update, stats, tokenizer.eos_token_id, flags)
+    assert history[1]["objective/kl"] != 0.0
+
+
+def check_masked_update(events: Recorder, update: int, stats: dict, eos: int, flags: dict) -> None:
+    """One recorded update of eos_run against plain per-row computations from its sampled responses."""
+    responses, raw_logprobs, raw_values = events.of("sample")[update].output
+    raw_ref = events.of("reference_logprobs")[update].output
     ends = ends_of(responses)
-    eos = tokenizer.eos_token_id
-    assert 0 < np.mean([eos in row for row in responses.tolist()]) < 1 and min(ends) < len(responses[0]) - 2
-    assert all(row[s] == eos or (s == len(row) - 1 and eos not in row) for row, s in zip(responses.tolist(), ends))
-    rewards_call = events.of("compute_rewards")[0].inputs
-    raw_scores = events.of("reward")[0].output
+    length = responses.shape[1]
+    assert 0 < np.mean([eos in row for row in responses.tolist()]) < 1 and min(ends) < length - 2
+    assert all(row[s] == eos or (s == length - 1 and eos not in row) for row, s in zip(responses.tolist(), ends))
+    rewards_call = events.of("compute_rewards")[update].inputs
+    raw_scores = events.of("reward")[update].output
     estimator = flags.get("kl_estimator", "k1")
     assert rewards_call["kl_estimator"] == estimator
-    rollout = events.of("ppo_update")[0].inputs["rollout"]
+    rollout = events.of("ppo_update")[update].inputs["rollout"]
     kl_sums, entropy_sums = [], []
     for i, s in enumerate(ends):
-        for t in range(len(responses[i])):
+        for t in range(length):
             after = t > s
             assert rewards_call["logprobs"][i, t] == (INVALID_LOGPROB if after else raw_logprobs[i, t])
             assert rewards_call["ref_logprobs"][i, t] == (INVALID_LOGPROB if after else raw_ref[i, t])
             assert rollout.logprobs[i, t] == (INVALID_LOGPROB if after else raw_logprobs[i, t])
             assert rollout.values[i, t] == (0.0 if t > s + 1 else raw_values[i, t])
-        assert int(rewards_call["score_index"][i]) == min(s + 1, len(responses[i]) - 1)
-        has_eos = eos in responses[i].tolist()
+        assert int(rewards_call["score_index"][i]) == min(s + 1, length - 1)
         penalty = flags.get("penalty_reward_value", -1.0)
-        if has_eos:
+        if eos in responses[i].tolist():
             expected_score = raw_scores[i].item()
         elif flags.get("penalty_mode") == "subtract":
             expected_score = raw_scores[i].item() + penalty
@@ -406,7 +415,10 @@ def test_main_with_end_at_eos_masks_the_rollout_and_logs_the_masked_objectives(
         lp, ref = raw_logprobs[i, : s + 1].double(), raw_ref[i, : s + 1].double()
         kl = lp - ref if estimator == "k1" else (ref - lp).exp() - 1 - (ref - lp)
         kl_sums.append(kl.sum().item())
-        entropy_sums.append(-lp.sum().item() - (len(responses[i]) - 1 - s) * INVALID_LOGPROB)
+        entropy_sums.append(-lp.sum().item() - (length - 1 - s) * INVALID_LOGPROB)
+    if update == 1:  # the trained value head: its values after s + 1 were not 0 before the mask
+        after_value_end = torch.tensor([[t > s + 1 for t in range(length)] for s in ends])
+        assert (raw_values[after_value_end] != 0).all()
     assert stats["objective/kl"] == pytest.approx(np.mean(kl_sums), rel=1e-5, abs=1e-6)
     assert stats["objective/entropy"] == pytest.approx(np.mean(entropy_sums), rel=1e-5)
     assert stats["debug/filter_pass_rate"] == pytest.approx(np.mean([eos in r for r in responses.tolist()]))
@@ -424,6 +436,6 @@ def test_main_without_end_at_eos_never_masks(tmp_path, eos_model_dir, query_file
     patch_everywhere(monkeypatch, "compute_rewards", lambda fn: events.wrap("compute_rewards", fn), [train_policy])
     task = tiny_task(query_file)
     rm_dir = save_reward_model(tmp_path / "reward", eos_model_dir, task)
-    train_policy.main(tiny_args(tmp_path / "policy", eos_model_dir, rm_dir, query_file, total_episodes=8))
+    train_policy.main(tiny_args(tmp_path / "policy", eos_model_dir, rm_dir, query_file, total_episodes=8, noptepochs=1))
     call = events.of("compute_rewards")[0].inputs
     assert call["score_index"] is None and call["kl_estimator"] == "k1"
