@@ -439,3 +439,41 @@ def test_main_without_end_at_eos_never_masks(tmp_path, eos_model_dir, query_file
     train_policy.main(tiny_args(tmp_path / "policy", eos_model_dir, rm_dir, query_file, total_episodes=8, noptepochs=1))
     call = events.of("compute_rewards")[0].inputs
     assert call["score_index"] is None and call["kl_estimator"] == "k1"
+
+
+# ---------------------------------------------------------------- evaluate.py's episodes
+
+
+def test_evaluation_sums_the_kl_up_to_the_eos_and_subtracts_the_penalty(tokenizer):
+    # evaluate.py scores episodes as training does: under end_at_eos the KL of an episode is the sum over t <= s, and
+    # with penalty_mode subtract a response without EOS scores its reward + the penalty
+    from lm_human_preference_details.evaluation import KL, SCORE, sample_and_score
+    from lm_human_preference_details.modeling import RewardModel
+    from lm_human_preference_details.rewards import RewardModelReward
+    from tests.test_evaluation import TEMPERATURE, context_rows, direct_logprobs, random_queries
+    from tests.test_evaluation import task as evaluation_task
+
+    eos = tokenizer.eos_token_id
+    words = [eos, *tokenizer.encode(" the cat sat on a mat and")]
+    lm, ref_lm = small_vocab_gpt2(words, seed=0, strength=3.0), small_vocab_gpt2(words, seed=1, strength=3.0)
+    settings = evaluation_task(truncate_after=4, end_at_eos=True, penalty_mode="subtract", penalty_reward_value=-2.0)
+    settings = resolve_truncation(settings, tokenizer)
+    queries = random_queries(3, 12, 6, pad_tail=True)
+    reward = RewardModelReward(RewardModel(tiny_gpt2(2).transformer), PAD)
+    policy, reference = PolicyWithValueHead(lm), PolicyWithValueHead(ref_lm)
+    generator = torch.Generator().manual_seed(0)
+    episodes = sample_and_score(policy, reference, queries, settings, tokenizer, reward, {}, generator, 4)
+    with torch.no_grad():
+        raw_scores = reward(queries, episodes.truncated)
+    expected_kl, expected_score = [], []
+    contexts = context_rows(tokenizer, queries, settings)
+    for i, (context, response) in enumerate(zip(contexts, episodes.responses.tolist())):
+        s = end_of(response)
+        policy_lp = direct_logprobs(lm, context, response, TEMPERATURE)
+        kl = policy_lp - direct_logprobs(ref_lm, context, response, TEMPERATURE)
+        expected_kl.append(kl[: s + 1].sum().item())
+        expected_score.append(raw_scores[i].item() + (0.0 if eos in response else -2.0))
+    assert min(ends_of(episodes.responses)) < L - 2 and any(eos not in r for r in episodes.responses.tolist())
+    expected_kl = torch.tensor(expected_kl, dtype=torch.float32)
+    torch.testing.assert_close(episodes.metrics[KL], expected_kl, atol=2e-4, rtol=1e-4)
+    torch.testing.assert_close(episodes.metrics[SCORE], torch.tensor(expected_score), atol=1e-5, rtol=1e-5)
