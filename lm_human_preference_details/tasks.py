@@ -319,6 +319,11 @@ def passes_filter(responses: torch.Tensor, truncate_token: int | None, truncate_
 
 def filter_flags(task: TaskHParams) -> str:
     """The task's filter in words, naming its flags: what a response needs to pass (for pass-rate messages)."""
+    if task.end_at_eos:
+        return (
+            f"a response passes only with an EOS (token {task.truncate_token}, --task.end_at_eos) among its "
+            f"--task.response_length {task.response_length} tokens"
+        )
     token = f"--task.truncate_token {task.truncate_token}"
     if task.truncate_text:
         token += f" (--task.truncate_text {task.truncate_text!r})"

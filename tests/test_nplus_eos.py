@@ -17,6 +17,7 @@ from lm_human_preference_details.sizes import derive_sizes
 from lm_human_preference_details.tasks import (
     TASKS,
     check_truncation_resolved,
+    filter_flags,
     resolve_truncation,
     task_differences,
     truncate_response,
@@ -90,6 +91,7 @@ def test_end_at_eos_resolves_the_truncation_to_the_tokenizers_eos(tokenizer):
     assert (resolved.truncate_token, resolved.truncate_after) == (tokenizer.eos_token_id, 0)
     assert resolve_truncation(resolved, tokenizer) == resolved  # a saved, resolved task resolves to itself
     check_truncation_resolved(resolved)
+    assert "with an EOS (token 50256, --task.end_at_eos)" in filter_flags(resolved)  # the pass-rate warnings' words
     with pytest.raises(ValueError, match="not resolved"):
         check_truncation_resolved(task)
 
