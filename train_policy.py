@@ -388,10 +388,15 @@ def whiten(values: torch.Tensor, shift_mean: bool = True, group_size: int | None
     groups = values.reshape(-1, group_size or values.shape[0], *values.shape[1:])  # (G, group_size, ...)
     dims = tuple(range(1, groups.dim()))
     var, mean = torch.var_mean(groups, dim=dims, correction=0, keepdim=True)
-    whitened = (groups - mean) * torch.rsqrt(var + 1e-8)
+    return standardize(groups, mean, var, shift_mean).reshape(values.shape)
+
+
+def standardize(x: torch.Tensor, mean: torch.Tensor, var: torch.Tensor, shift_mean: bool) -> torch.Tensor:
+    """(x - mean) / sqrt(var + 1e-8), with the mean added back when shift_mean is False."""
+    whitened = (x - mean) * torch.rsqrt(var + 1e-8)
     if not shift_mean:
         whitened = whitened + mean
-    return whitened.reshape(values.shape)
+    return whitened
 
 
 def masked_whiten(
@@ -407,10 +412,7 @@ def masked_whiten(
     count = weights.sum(dims, keepdim=True)
     mean = (groups * weights).sum(dims, keepdim=True) / count
     var = ((groups - mean) ** 2 * weights).sum(dims, keepdim=True) / count
-    whitened = (groups - mean) * torch.rsqrt(var + 1e-8)
-    if not shift_mean:
-        whitened = whitened + mean
-    return whitened.reshape(values.shape)
+    return standardize(groups, mean, var, shift_mean).reshape(values.shape)
 
 
 def compute_advantages(
