@@ -479,3 +479,18 @@ def test_evaluation_sums_the_kl_up_to_the_eos_and_subtracts_the_penalty(tokenize
     expected_kl = torch.tensor(expected_kl, dtype=torch.float32)
     torch.testing.assert_close(episodes.metrics[KL], expected_kl, atol=2e-4, rtol=1e-4)
     torch.testing.assert_close(episodes.metrics[SCORE], torch.tensor(expected_score), atol=1e-5, rtol=1e-5)
+
+
+def test_end_at_eos_with_a_presets_truncation_text_stops_the_command_line_with_one_line(
+    tmp_path, tiny_model_dir, query_file, capsys
+):
+    # `--task tldr --task.end_at_eos` as typed: the preset's '\n' truncation is refused in one line that names the fix,
+    # before anything is trained or written
+    from tests.test_user_errors import one_error_line, run_cli
+
+    output_dir = tmp_path / "policy"
+    flags = ["--task", "tldr", "--task.end_at_eos", "--base_model", tiny_model_dir, "--rewards.trained_model", "vader"]
+    flags += ["--task.query_dataset", query_file, "--output_dir", str(output_dir)]
+    line = one_error_line(*run_cli(train_policy, flags, capsys)[::2])
+    assert line.startswith("error: --task.end_at_eos") and "pass --task.truncate_text None" in line
+    assert not output_dir.exists() or not any(output_dir.rglob("*.safetensors"))
