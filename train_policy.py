@@ -985,8 +985,8 @@ def main(args: Args) -> list[dict[str, float]]:
             lr_now = ppo.lr * (1 - update / sizes.nupdates)
             for group in optimizer.param_groups:
                 group["lr"] = lr_now
-            rollout = Rollout(query_responses, context_length, ppo_logprobs, ppo_values, rewards)
-            rollout.masks = masks  # --task.end_at_eos: where each response ends (nplus N20)
+            # with --task.end_at_eos the rollout carries where each response ends (nplus N20)
+            rollout = Rollout(query_responses, context_length, ppo_logprobs, ppo_values, rewards, masks)
             ppo_stats = ppo_update(
                 learner, optimizer, accelerator, rollout, indices, sizes, ppo, task.temperature, pad_id
             )

@@ -501,8 +501,8 @@ BREAKAGES = [
         "P9",
         "the PPO ratio is taken against the reference policy's log-probs",
         TP,
-        "rollout = Rollout(query_responses, context_length, ppo_logprobs, ppo_values, rewards)",
-        "rollout = Rollout(query_responses, context_length, ref_logprobs, ppo_values, rewards)",
+        "rollout = Rollout(query_responses, context_length, ppo_logprobs, ppo_values, rewards, masks)",
+        "rollout = Rollout(query_responses, context_length, ref_logprobs, ppo_values, rewards, masks)",
         [RATIO],
     ),
     Breakage(
