@@ -55,6 +55,7 @@ from lm_human_preference_details.evaluation import (
 from lm_human_preference_details.labelers import load_labeler
 from lm_human_preference_details.modeling import PolicyWithValueHead, load_causal_lm, saved_kind
 from lm_human_preference_details.rewards import (
+    attach_conversations,
     describe_normalization,
     load_reward,
     python_file_and_function,
@@ -282,7 +283,10 @@ def main(args: Args) -> dict:
 
     # 2. the held-out queries, the same for every policy
     texts = load_texts(args.task.query_dataset, args.split)
-    queries, wrapped = heldout_queries(texts, tokenizer, args.task, args.data_seed, skip, args.num_queries)
+    queries, wrapped, conversation_of = heldout_queries(
+        texts, tokenizer, args.task, args.data_seed, skip, args.num_queries
+    )
+    attach_conversations(conversation_of, reward, *judges.values())  # chats for a reward model with its own template
     unseen = held_out(args, known_runs, skip, wrapped)
     if unseen is False:
         console.print(

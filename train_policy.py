@@ -18,6 +18,7 @@ docs/implementation-details.md#p5 (a numbered one, spec §4.1, is that document'
 import dataclasses
 import time
 from dataclasses import dataclass, field
+from typing import Literal
 
 import numpy as np
 import torch
@@ -39,7 +40,7 @@ from lm_human_preference_details.modeling import (
 )
 from lm_human_preference_details.nplus import critic as nplus_critic
 from lm_human_preference_details.optim import make_optimizer
-from lm_human_preference_details.rewards import load_reward, normalize_from_initial_policy
+from lm_human_preference_details.rewards import attach_conversations, load_reward, normalize_from_initial_policy
 from lm_human_preference_details.tasks import (
     TASKS,
     TaskHParams,
@@ -47,6 +48,7 @@ from lm_human_preference_details.tasks import (
     format_contexts,
     passes_filter,
     resolve_truncation,
+    response_ends,
     truncate_response,
 )
 from lm_human_preference_details.tokenizer import load_tokenizer
@@ -80,6 +82,9 @@ class RewardHParams:
     """gain, bias and the measured mean, std and samples of --rewards.normalize_samples (set by the run, not a flag)"""
     kl_coef: float = 0.15
     """initial coefficient beta of the per-token KL penalty -beta*(logp - logp_ref) (OAI launch.py#L129)"""
+    kl_estimator: Literal["k1", "k3"] = "k1"
+    """per-token KL estimate in the penalty and objective/kl: k1 = logp - logp_ref (OAI); k3 = (r - 1) - log r with
+    r = p_ref / p, never negative per token (TRL's kl_estimator, nplus N21)"""
     adaptive_kl: AdaptiveKLParams = field(default_factory=AdaptiveKLParams)
     """adaptive KL controller, Ziegler et al. 2019 eq. (2)"""
     gold_model: str | None = None
@@ -302,16 +307,83 @@ def reference_logprobs(
     )
 
 
+INVALID_LOGPROB = 1.0
+"""the log-prob of every token after its response's EOS (nplus N20), in the rollout, the reference and the loss: the
+same on both sides of each difference, so the KL and the PPO ratio's log are 0 there"""
+
+
+@dataclass
+class ResponseMasks:
+    """Where each response ends under --task.end_at_eos (nplus N20): s = the index of its first EOS, L - 1 without
+    one. Nothing after s trains the policy; the value is trained up to s + 1, the position that reads the EOS."""
+
+    ends: torch.Tensor
+    """(B,) s of each response"""
+    after_end: torch.Tensor
+    """(B, L) t > s: log-probs INVALID_LOGPROB (no KL), advantages 0, outside the policy loss"""
+    after_value_end: torch.Tensor
+    """(B, L) t > s + 1: values 0, outside the value loss"""
+
+    @classmethod
+    def of(cls, truncated: torch.Tensor, eos_id: int) -> "ResponseMasks":
+        """The masks of (B, L) responses truncated after their first EOS."""
+        # padding_mask = t > s, padding_mask_p1 = t > s + 1 (nplus N20)
+        # https://github.com/vwxyzjn/summarize_from_feedback_details/blob/ee77a9abc31f5338365ee087945c5bcafac7f1ca/summarize_from_feedback_details/ppo.py#L670-L674
+        ends = response_ends(truncated, eos_id)  # (B,)
+        positions = torch.arange(truncated.shape[1], device=truncated.device)
+        return cls(ends, positions > ends[:, None], positions > ends[:, None] + 1)
+
+    def rows(self, indices: torch.Tensor) -> "ResponseMasks":
+        """The masks of the episodes `indices` (a minibatch or micro-batch)."""
+        return ResponseMasks(self.ends[indices], self.after_end[indices], self.after_value_end[indices])
+
+    def score_index(self) -> torch.Tensor:
+        """(B,) where the score is added: s + 1 (the step after EOS), or s when that is the last token (nplus N21)."""
+        # https://github.com/vwxyzjn/summarize_from_feedback_details/blob/ee77a9abc31f5338365ee087945c5bcafac7f1ca/summarize_from_feedback_details/ppo.py#L683-L685
+        length = self.after_end.shape[1]
+        return torch.where(self.ends + 1 < length, self.ends + 1, self.ends)
+
+    def invalidate(self, logprobs: torch.Tensor) -> torch.Tensor:
+        """(B, L) log-probs with INVALID_LOGPROB after each response's end (nplus N20)."""
+        # https://github.com/vwxyzjn/summarize_from_feedback_details/blob/ee77a9abc31f5338365ee087945c5bcafac7f1ca/summarize_from_feedback_details/ppo.py#L675-L676
+        return logprobs.masked_fill(self.after_end, INVALID_LOGPROB)
+
+    def zero_values(self, values: torch.Tensor) -> torch.Tensor:
+        """(B, L) values with 0 after s + 1 (nplus N20)."""
+        # https://github.com/vwxyzjn/summarize_from_feedback_details/blob/ee77a9abc31f5338365ee087945c5bcafac7f1ca/summarize_from_feedback_details/ppo.py#L677
+        return values.masked_fill(self.after_value_end, 0.0)
+
+
+def kl_estimate(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: str = "k1") -> torch.Tensor:
+    """(B, L) per-token KL estimate of the sampled tokens: k1 = logprob - ref_logprob (OAI), or k3 = (r - 1) - log r
+    with log r = ref_logprob - logprob, never negative (--rewards.kl_estimator, nplus N21)."""
+    if estimator == "k3":
+        # https://github.com/huggingface/trl/blob/55f5433e15cc6203d3c731f9de5247b00878bebd/trl/trainer/ppo_trainer.py#L594-L598
+        log_ratio = ref_logprobs - logprobs
+        return (torch.exp(log_ratio) - 1) - log_ratio
+    return logprobs - ref_logprobs
+
+
 def compute_rewards(
-    scores: torch.Tensor, logprobs: torch.Tensor, ref_logprobs: torch.Tensor, kl_coef: float
+    scores: torch.Tensor,
+    logprobs: torch.Tensor,
+    ref_logprobs: torch.Tensor,
+    kl_coef: float,
+    kl_estimator: str = "k1",
+    score_index: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Rewards -kl_coef * (logprob - ref_logprob) per token, + score at the last; returns rewards, non_score, kl."""
+    """Rewards -kl_coef * kl per token, + score at the last token (or at `score_index`, nplus N21); returns rewards,
+    non_score, kl."""
     # the score always lands on the last position, even when the response was truncated earlier (spec P4)
     # https://github.com/openai/lm-human-preferences/blob/cbfd210bb8b08f6bc5c26878c10984b90f516c66/lm_human_preferences/train_policy.py#L149-L155
-    kl = logprobs - ref_logprobs  # (B, L)
+    kl = kl_estimate(logprobs, ref_logprobs, kl_estimator)  # (B, L)
     non_score_reward = -kl_coef * kl
     rewards = non_score_reward.clone()
-    rewards[:, -1] += scores
+    if score_index is None:
+        rewards[:, -1] += scores
+    else:  # --task.end_at_eos: one step after the EOS (nplus N21)
+        # https://github.com/vwxyzjn/summarize_from_feedback_details/blob/ee77a9abc31f5338365ee087945c5bcafac7f1ca/summarize_from_feedback_details/ppo.py#L680-L685
+        rewards[torch.arange(rewards.shape[0], device=rewards.device), score_index] += scores
     return rewards, non_score_reward, kl
 
 
@@ -326,10 +398,31 @@ def whiten(values: torch.Tensor, shift_mean: bool = True, group_size: int | None
     groups = values.reshape(-1, group_size or values.shape[0], *values.shape[1:])  # (G, group_size, ...)
     dims = tuple(range(1, groups.dim()))
     var, mean = torch.var_mean(groups, dim=dims, correction=0, keepdim=True)
-    whitened = (groups - mean) * torch.rsqrt(var + 1e-8)
+    return standardize(groups, mean, var, shift_mean).reshape(values.shape)
+
+
+def standardize(x: torch.Tensor, mean: torch.Tensor, var: torch.Tensor, shift_mean: bool) -> torch.Tensor:
+    """(x - mean) / sqrt(var + 1e-8), with the mean added back when shift_mean is False."""
+    whitened = (x - mean) * torch.rsqrt(var + 1e-8)
     if not shift_mean:
         whitened = whitened + mean
-    return whitened.reshape(values.shape)
+    return whitened
+
+
+def masked_whiten(
+    values: torch.Tensor, keep: torch.Tensor, shift_mean: bool = True, group_size: int | None = None
+) -> torch.Tensor:
+    """`whiten` with the moments over the `keep` elements of each group only (nplus N22, N23): population variance,
+    eps 1e-8; every element is transformed, those outside `keep` too."""
+    # https://github.com/vwxyzjn/summarize_from_feedback_details/blob/ee77a9abc31f5338365ee087945c5bcafac7f1ca/summarize_from_feedback_details/ppo.py#L235-L241
+    rows = group_size or values.shape[0]
+    groups = values.reshape(-1, rows, *values.shape[1:])  # (G, rows, ...)
+    weights = keep.reshape(groups.shape).to(values.dtype)
+    dims = tuple(range(1, groups.dim()))
+    count = weights.sum(dims, keepdim=True)
+    mean = (groups * weights).sum(dims, keepdim=True) / count
+    var = ((groups - mean) ** 2 * weights).sum(dims, keepdim=True) / count
+    return standardize(groups, mean, var, shift_mean).reshape(values.shape)
 
 
 def compute_advantages(
@@ -350,15 +443,61 @@ def compute_advantages(
 
 
 def minibatch_advantages(
-    rewards: torch.Tensor, values: torch.Tensor, ppo: PpoHParams, whiten_group: int
+    rewards: torch.Tensor,
+    values: torch.Tensor,
+    ppo: PpoHParams,
+    whiten_group: int,
+    masks: ResponseMasks | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(Whitened) rewards, whitened GAE advantages and returns of one minibatch, each virtual rank's rows apart."""
+    """(Whitened) rewards, whitened GAE advantages and returns of one minibatch, each virtual rank's rows apart;
+    with `masks` (--task.end_at_eos) the whitening's moments and the results end with each response."""
     # reward whitening and GAE run per minibatch, inside OAI's loss (spec P5, P6), on each rank's own rows (D4)
     # https://github.com/openai/lm-human-preferences/blob/cbfd210bb8b08f6bc5c26878c10984b90f516c66/lm_human_preferences/train_policy.py#L324-L339
+    if masks is not None:
+        return masked_minibatch_advantages(rewards, values, ppo, whiten_group, masks)
     if ppo.whiten_rewards:
         rewards = whiten(rewards, shift_mean=False, group_size=whiten_group)
     advantages, returns = compute_advantages(rewards, values, ppo.gamma, ppo.lam)
     return rewards, whiten(advantages, group_size=whiten_group), returns
+
+
+def masked_minibatch_advantages(
+    rewards: torch.Tensor, values: torch.Tensor, ppo: PpoHParams, whiten_group: int, masks: ResponseMasks
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`minibatch_advantages` of responses that end at EOS: rewards whitened over t <= s + 1 and 0 after (nplus N22);
+    GAE over all L positions (values are 0 after s + 1); advantages whitened over t <= s, mean shifted, and 0 after
+    (nplus N23); returns from the unwhitened advantages."""
+    # https://github.com/vwxyzjn/summarize_from_feedback_details/blob/ee77a9abc31f5338365ee087945c5bcafac7f1ca/summarize_from_feedback_details/ppo.py#L687-L704
+    if ppo.whiten_rewards:
+        rewards = masked_whiten(rewards, ~masks.after_value_end, shift_mean=False, group_size=whiten_group)
+        rewards = rewards.masked_fill(masks.after_value_end, 0.0)
+    advantages, returns = compute_advantages(rewards, values, ppo.gamma, ppo.lam)
+    advantages = masked_whiten(advantages, ~masks.after_end, group_size=whiten_group)
+    return rewards, advantages.masked_fill(masks.after_end, 0.0), returns
+
+
+@dataclass
+class LossMasks:
+    """The tokens a micro-batch's PPO losses and clip fractions average over (nplus N24): t <= s (policy) and t <= s + 1
+    (value), divided by the minibatch's count of them per micro-batch, so that the micro-batches' mean is the
+    minibatch's masked mean (the update does not depend on --ppo.gradient_accumulation_steps)."""
+
+    policy: torch.Tensor
+    """(b, L) bool, t <= s"""
+    value: torch.Tensor
+    """(b, L) bool, t <= s + 1"""
+    policy_tokens: torch.Tensor
+    """() the minibatch's t <= s tokens / its micro-batches"""
+    value_tokens: torch.Tensor
+    """() the minibatch's t <= s + 1 tokens / its micro-batches"""
+
+    def policy_mean(self, x: torch.Tensor) -> torch.Tensor:
+        """The micro-batch's share of the minibatch's mean of x over t <= s."""
+        return torch.where(self.policy, x, 0.0).sum() / self.policy_tokens
+
+    def value_mean(self, x: torch.Tensor) -> torch.Tensor:
+        """The micro-batch's share of the minibatch's mean of x over t <= s + 1."""
+        return torch.where(self.value, x, 0.0).sum() / self.value_tokens
 
 
 def ppo_losses(
@@ -371,23 +510,34 @@ def ppo_losses(
     cliprange: float,
     cliprange_value: float,
     vf_coef: float,
+    masks: LossMasks | None = None,
 ) -> dict[str, torch.Tensor]:
-    """Clipped PPO policy loss + vf_coef * clipped value loss (means over all tokens), and stats under OAI names."""
+    """Clipped PPO policy loss + vf_coef * clipped value loss (means over all tokens, or over the `masks` tokens under
+    --task.end_at_eos), and stats under OAI names."""
     # value loss: the prediction may move at most cliprange_value from the rollout value (spec P8)
     # https://github.com/openai/lm-human-preferences/blob/cbfd210bb8b08f6bc5c26878c10984b90f516c66/lm_human_preferences/train_policy.py#L343-L348
     vpredclipped = torch.clamp(vpred, values - cliprange_value, values + cliprange_value)
     vf_losses1 = (vpred - returns) ** 2
     vf_losses2 = (vpredclipped - returns) ** 2
-    vf_loss = 0.5 * torch.max(vf_losses1, vf_losses2).mean()
-    vf_clipfrac = (vf_losses2 > vf_losses1).float().mean()
+    if masks is None:
+        vf_loss = 0.5 * torch.max(vf_losses1, vf_losses2).mean()
+        vf_clipfrac = (vf_losses2 > vf_losses1).float().mean()
+    else:  # over t <= s + 1 (nplus N24)
+        # https://github.com/vwxyzjn/summarize_from_feedback_details/blob/ee77a9abc31f5338365ee087945c5bcafac7f1ca/summarize_from_feedback_details/ppo.py#L747-L755
+        vf_loss = 0.5 * masks.value_mean(torch.max(vf_losses1, vf_losses2))
+        vf_clipfrac = masks.value_mean((vf_losses2 > vf_losses1).float())
     # policy loss (spec P9); no entropy bonus, the KL only enters through the rewards (spec P10)
     # https://github.com/openai/lm-human-preferences/blob/cbfd210bb8b08f6bc5c26878c10984b90f516c66/lm_human_preferences/train_policy.py#L350-L357
     logprob_diff = new_logprobs - logprobs
     ratio = torch.exp(logprob_diff)
     pg_losses = -advantages * ratio
     pg_losses2 = -advantages * torch.clamp(ratio, 1.0 - cliprange, 1.0 + cliprange)
-    pg_loss = torch.max(pg_losses, pg_losses2).mean()
-    pg_clipfrac = (pg_losses2 > pg_losses).float().mean()
+    if masks is None:
+        pg_loss = torch.max(pg_losses, pg_losses2).mean()
+        pg_clipfrac = (pg_losses2 > pg_losses).float().mean()
+    else:  # over t <= s (nplus N24)
+        pg_loss = masks.policy_mean(torch.max(pg_losses, pg_losses2))
+        pg_clipfrac = masks.policy_mean((pg_losses2 > pg_losses).float())
     # approxkl = 0.5 * mean(dlogp^2), not the k1/k3 estimators (spec P11)
     # https://github.com/openai/lm-human-preferences/blob/cbfd210bb8b08f6bc5c26878c10984b90f516c66/lm_human_preferences/train_policy.py#L359-L371
     return {
@@ -443,7 +593,9 @@ class Rollout:
     values: torch.Tensor
     """(B, L) value predictions at the positions that predict each response token"""
     rewards: torch.Tensor
-    """(B, L) per-token rewards: -kl_coef * kl, + score at the last token"""
+    """(B, L) per-token rewards: -kl_coef * kl, + score at the last token (at s + 1 under --task.end_at_eos)"""
+    masks: ResponseMasks | None = None
+    """where each response ends (--task.end_at_eos, nplus N20); None: OAI's episodes, every token trains"""
 
 
 def ppo_update(
@@ -468,8 +620,9 @@ def ppo_update(
     for epoch, epoch_indices in enumerate(indices):
         for k, mb_inds in enumerate(epoch_indices):
             mb_values = rollout.values[mb_inds]
+            mb_masks = rollout.masks.rows(mb_inds) if rollout.masks is not None else None
             _, mb_advantages, mb_returns = minibatch_advantages(
-                rollout.rewards[mb_inds], mb_values, ppo, sizes.whiten_group
+                rollout.rewards[mb_inds], mb_values, ppo, sizes.whiten_group, mb_masks
             )
             stats.add_minibatch(mb_returns, mb_values, mb_advantages, sizes.virtual_ranks)
             for micro_start in range(0, sizes.minibatch, sizes.micro):
@@ -482,6 +635,17 @@ def ppo_update(
                 # the entropy statistic comes from the same pass over the (b, L, V) logits
                 new_logprobs, new_entropy = logprobs_and_entropy_from_logits(new_logits, responses[micro_inds])
                 del new_logits  # no reference left: the (b, L, V) logits go with the graph after backward
+                loss_masks = None
+                if mb_masks is not None:  # masked as the rollout's: log-probs after s, values after s + 1 (nplus N20)
+                    # https://github.com/vwxyzjn/summarize_from_feedback_details/blob/ee77a9abc31f5338365ee087945c5bcafac7f1ca/summarize_from_feedback_details/ppo.py#L736-L738
+                    micro_masks = mb_masks.rows(micro)
+                    new_logprobs, vpred = micro_masks.invalidate(new_logprobs), micro_masks.zero_values(vpred)
+                    loss_masks = LossMasks(
+                        ~micro_masks.after_end,
+                        ~micro_masks.after_value_end,
+                        (~mb_masks.after_end).sum() / accum,
+                        (~mb_masks.after_value_end).sum() / accum,
+                    )
                 losses = ppo_losses(
                     new_logprobs,
                     vpred,
@@ -492,6 +656,7 @@ def ppo_update(
                     ppo.cliprange,
                     ppo.cliprange_value,
                     ppo.vf_coef,
+                    loss_masks,
                 )
                 # each micro loss is a mean over its rows; dividing by `accum` makes the summed gradient that of the
                 # minibatch mean, so accumulation does not change the update
@@ -710,6 +875,7 @@ def main(args: Args) -> list[dict[str, float]]:
     kl_ctl = make_kl_controller(args.rewards)
     texts = load_texts(task.query_dataset, task.query_split)
     query_stream = QueryStream(texts, tokenizer, task, accelerator.process_index, sizes.world, args.data_seed)
+    attach_conversations(query_stream.conversation_of, reward, gold_labeler)  # chats for a reward model's own template
     affixes = encode_context_affixes(tokenizer, task)  # the task's prefix and suffix around each query
     # a programmatic reward's gain and bias (spec R4), in the run config, args.json and the training state
     args.rewards.normalization = normalize_from_initial_policy(
@@ -791,13 +957,26 @@ def main(args: Args) -> list[dict[str, float]]:
                 scores = reward(queries, postprocessed_responses)  # (B,)
                 # responses without truncate_token at index >= truncate_after get a fixed score (spec P3)
                 passed = passes_filter(postprocessed_responses, task.truncate_token, task.truncate_after)  # (B,)
-                scores = torch.where(passed, scores, task.penalty_reward_value)
+                if task.penalty_mode == "subtract":  # TRL's missing_eos_penalty: added to the score (nplus N19)
+                    # https://github.com/huggingface/trl/blob/14ef1aba152fddbc5a58f3a8a712b6e509e7e69d/trl/trainer/ppo_trainer.py#L414-L418
+                    scores = torch.where(passed, scores, scores + task.penalty_reward_value)
+                else:
+                    scores = torch.where(passed, scores, task.penalty_reward_value)
                 if gold_labeler is not None:  # the gold judge sees what the reward model sees; it never trains
                     gold_scores = gold_labeler.scores(queries, postprocessed_responses[:, None])[:, 0].to(device)
 
-                # 4. per-token rewards: -kl_coef * kl, + score at the last token
+                masks = score_index = None
+                if task.end_at_eos:  # nothing after a response's first EOS trains the policy (nplus N20)
+                    masks = ResponseMasks.of(postprocessed_responses, task.truncate_token)
+                    logprobs, ref_logprobs = masks.invalidate(logprobs), masks.invalidate(ref_logprobs)
+                    ppo_logprobs, ppo_values = masks.invalidate(ppo_logprobs), masks.zero_values(ppo_values)
+                    score_index = masks.score_index()  # (B,) s + 1, or s when that is the last token (nplus N21)
+
+                # 4. per-token rewards: -kl_coef * kl, + score at the last token (at s + 1 with end_at_eos)
                 kl_coef = kl_ctl.value
-                rewards, non_score_reward, kl = compute_rewards(scores, logprobs, ref_logprobs, kl_coef)  # (B, L)
+                rewards, non_score_reward, kl = compute_rewards(
+                    scores, logprobs, ref_logprobs, kl_coef, args.rewards.kl_estimator, score_index
+                )  # (B, L)
             timer.mark()
 
             # 5. PPO: noptepochs x nminibatches optimizer steps, each over `accum` micro-batches;
@@ -806,13 +985,15 @@ def main(args: Args) -> list[dict[str, float]]:
             lr_now = ppo.lr * (1 - update / sizes.nupdates)
             for group in optimizer.param_groups:
                 group["lr"] = lr_now
-            rollout = Rollout(query_responses, context_length, ppo_logprobs, ppo_values, rewards)
+            # with --task.end_at_eos the rollout carries where each response ends (nplus N20)
+            rollout = Rollout(query_responses, context_length, ppo_logprobs, ppo_values, rewards, masks)
             ppo_stats = ppo_update(
                 learner, optimizer, accelerator, rollout, indices, sizes, ppo, task.temperature, pad_id
             )
             timer.mark()
 
-            # 6. statistics under OAI's names (spec §4.1), all processes, one device-to-host copy
+            # 6. statistics under OAI's names (spec §4.1), all processes, one device-to-host copy; with end_at_eos
+            # from the masked log-probs, as the successor recipe logs them (nplus N26): kl 0 and -logprob -1 after EOS
             # https://github.com/openai/lm-human-preferences/blob/cbfd210bb8b08f6bc5c26878c10984b90f516c66/lm_human_preferences/train_policy.py#L199-L261
             local_stats = {
                 "objective/kl": kl.sum(1).mean(),

@@ -6,13 +6,15 @@ Each episode is processed exactly as one of train_policy.py's rollouts (OAI trai
 samples a response to prefix ⊕ query ⊕ suffix at the task temperature; the KL is the sum over the raw response's tokens
 of logprob(policy) - logprob(base), tempered, as `objective/kl` (spec P4, G6); the response is truncated; the reward
 scores raw query and truncated response (with the training run's normalization, spec RS1), and responses failing the
-filter get `task.penalty_reward_value` as `objective/score` (spec P2, P3); a gold judge sees the same truncated
-response, as `objective/gold_score`.
+filter get `task.penalty_reward_value` as `objective/score` (spec P2, P3; with `task.penalty_mode` subtract, their score
+plus it); a gold judge sees the same truncated response, as `objective/gold_score`. With `task.end_at_eos` a response
+ends at its first EOS (nplus N19-N21): the KL sums its tokens up to that EOS only, as the training run's.
 https://github.com/openai/lm-human-preferences/blob/cbfd210bb8b08f6bc5c26878c10984b90f516c66/lm_human_preferences/train_policy.py#L281-L316
 """
 
 import math
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -32,6 +34,7 @@ from lm_human_preference_details.tasks import (
     encode_context_affixes,
     format_contexts,
     passes_filter,
+    response_ends,
     truncate_response,
 )
 
@@ -67,16 +70,17 @@ class Episodes:
 
 def heldout_queries(
     texts, tokenizer: PreTrainedTokenizerBase, task: TaskHParams, data_seed: int, skip: int, n: int
-) -> tuple[torch.Tensor, bool]:
-    """Queries skip .. skip+n-1 of the task's query stream (n, Lq), and whether the stream wrapped around before or
-    inside them (then they repeat earlier queries of the stream, e.g. those a training run consumed)."""
+) -> tuple[torch.Tensor, bool, Callable]:
+    """Queries skip .. skip+n-1 of the task's query stream (n, Lq), whether the stream wrapped around before or
+    inside them (then they repeat earlier queries of the stream, e.g. those a training run consumed), and the stream's
+    `conversation_of` (a query's chat messages, for a reward model with its own chat template)."""
     # one process reads the stream in OAI's global order: the training run's ranks together drew its first
     # nupdates * batch_size queries (spec D3)
     stream = QueryStream(texts, tokenizer, task, 0, 1, data_seed)
     for start in range(0, skip, 1024):
         stream.next_batch(min(1024, skip - start))
     queries = stream.next_batch(n)
-    return queries, stream.state_dict()["cursor"] > len(texts)
+    return queries, stream.state_dict()["cursor"] > len(texts), stream.conversation_of
 
 
 @torch.no_grad()
@@ -103,13 +107,20 @@ def sample_and_score(
         responses, logprobs, _ = sample(policy, contexts, task.response_length, task.temperature, pad_id, generator)
         # the base model's tempered log-probs of the same tokens, from one forward (spec G6, P4)
         ref_logits = ref_policy(torch.cat([contexts, responses], 1), contexts.shape[1], pad_id, task.temperature)[0]
-        kl = (logprobs - logprobs_from_logits(ref_logits, responses)).sum(1)  # (b,)
+        token_kl = logprobs - logprobs_from_logits(ref_logits, responses)  # (b, L)
         # truncate -> the reward of raw query and truncated response -> filter penalty (spec P2, P3, RS1)
         # https://github.com/openai/lm-human-preferences/blob/cbfd210bb8b08f6bc5c26878c10984b90f516c66/lm_human_preferences/train_policy.py#L378-L390
         truncated = truncate_response(responses, task.truncate_token, task.truncate_after, pad_id)
+        if task.end_at_eos:  # no KL after a response's first EOS, as in training (nplus N20)
+            token_kl = token_kl.masked_fill(after_end(truncated, task.truncate_token), 0.0)
+        kl = token_kl.sum(1)  # (b,)
         scores = reward(batch, truncated)
         passed = passes_filter(truncated, task.truncate_token, task.truncate_after)
-        metrics = {SCORE: torch.where(passed, scores, task.penalty_reward_value)}
+        if task.penalty_mode == "subtract":  # TRL's missing_eos_penalty (nplus N19)
+            # https://github.com/huggingface/trl/blob/14ef1aba152fddbc5a58f3a8a712b6e509e7e69d/trl/trainer/ppo_trainer.py#L414-L418
+            metrics = {SCORE: torch.where(passed, scores, scores + task.penalty_reward_value)}
+        else:
+            metrics = {SCORE: torch.where(passed, scores, task.penalty_reward_value)}
         for name, judge in judges.items():
             metrics[name] = judge.scores(batch, truncated[:, None])[:, 0].to(device)
         metrics.update({KL: kl, PASS: passed.float()})
@@ -119,6 +130,12 @@ def sample_and_score(
         truncated=torch.cat([p[1] for p in parts]).cpu(),
         metrics={k: torch.cat([p[2][k] for p in parts]).float().cpu() for k in parts[0][2]},
     )
+
+
+def after_end(truncated: torch.Tensor, eos_id: int) -> torch.Tensor:
+    """(b, L) bool: the positions after each response's first EOS (nplus N20)."""
+    positions = torch.arange(truncated.shape[1], device=truncated.device)
+    return positions > response_ends(truncated, eos_id)[:, None]
 
 
 # ---------------------------------------------------------------- statistics

@@ -9,6 +9,7 @@ import dataclasses
 import math
 import string
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 from transformers import PreTrainedTokenizerBase
@@ -58,7 +59,16 @@ class TaskHParams:
     truncate_after: int = 0
     """responses must contain truncate_token at index >= this to pass the filter (launch.py#L15)"""
     penalty_reward_value: float = -1.0
-    """score given to responses that fail the filter, replacing the reward model's (lm_tasks.py#L32)"""
+    """score given to responses that fail the filter, replacing the reward model's (lm_tasks.py#L32); added to it
+    with --task.penalty_mode subtract"""
+    penalty_mode: Literal["replace", "subtract"] = "replace"
+    """what a response failing the filter scores: replace = penalty_reward_value (OAI and the successor recipe, nplus
+    N19); subtract = the reward model's score + penalty_reward_value (TRL's missing_eos_penalty=1 is
+    --task.penalty_reward_value -1 --task.penalty_mode subtract)"""
+    end_at_eos: bool = False
+    """responses end at their first EOS (the successor recipe, nplus N19-N21): truncation at the tokenizer's EOS with
+    truncate_after 0 (so a response passes the filter iff it holds an EOS), PPO's log-probs, values, advantages and
+    losses masked after it and the score added one step after it; off: OAI's fixed-length responses, no masks"""
     temperature: float = 1.0
     """sampling temperature of the policy and reference policy, also applied to log-probs (OAI task.policy.temperature,
     lm_tasks.py#L13; launch.py#L17)"""
@@ -189,9 +199,11 @@ def task_differences(saved: dict | None, task: TaskHParams) -> dict[str, tuple]:
     later (`_FIELDS_ADDED_LATER`) and `task` holds its default.
 
     The truncation token is compared by its id when both sides are resolved (`resolve_truncation`; tasks saved before
-    truncate_text record the id alone), else by its text where the saved task records one.
+    truncate_text record the id alone), else by its text where the saved task records one. A task saved before
+    penalty_mode and end_at_eos existed ran with their defaults: it lacks them and matches a task that has the defaults.
     """
     saved = saved if isinstance(saved, dict) else {}
+    saved = {**{name: value for name, value in LATER_FIELD_DEFAULTS.items() if name not in saved}, **saved}
     missing = object()
     current = dataclasses.asdict(task)
     skipped = {"truncate_text"}
@@ -205,15 +217,22 @@ def task_differences(saved: dict | None, task: TaskHParams) -> dict[str, tuple]:
     }
 
 
+LATER_FIELD_DEFAULTS = {"penalty_mode": "replace", "end_at_eos": False}
+"""TaskHParams fields added after tasks were first saved (reward_model.json, args.json, checkpoints), with the value a
+task saved without them ran with"""
+
+
 def _truncation_resolved(task: dict) -> bool:
     """Whether a task (as a dict) names its truncation token by id: set, or no text to resolve it from."""
     return task.get("truncate_token") is not None or not task.get("truncate_text")
 
 
 def resolve_truncation(task: TaskHParams, tokenizer: PreTrainedTokenizerBase) -> TaskHParams:
-    """The task with truncate_token set to this tokenizer's id of truncate_text (unchanged without a text); done once,
-    where the tokenizer is loaded. ValueError when the text is not one token or names another token than an explicit
-    truncate_token."""
+    """The task with truncate_token set to this tokenizer's id of truncate_text (unchanged without a text), or with
+    end_at_eos to its EOS id and truncate_after 0; done once, where the tokenizer is loaded. ValueError when the text
+    is not one token or names another token than an explicit truncate_token, or is given with end_at_eos."""
+    if task.end_at_eos:
+        return eos_truncation(task, tokenizer)
     token = text_to_token(tokenizer, task.truncate_text, "--task.truncate_text")
     if token is None:
         return task
@@ -225,9 +244,34 @@ def resolve_truncation(task: TaskHParams, tokenizer: PreTrainedTokenizerBase) ->
     return dataclasses.replace(task, truncate_token=token)
 
 
+def eos_truncation(task: TaskHParams, tokenizer: PreTrainedTokenizerBase) -> TaskHParams:
+    """The task truncating at the tokenizer's EOS from index 0 (nplus N19); a resolved task again is unchanged."""
+    # truncate after the first EOS, EOS kept; no EOS -> the penalty (nplus N19)
+    # https://github.com/vwxyzjn/summarize_from_feedback_details/blob/ee77a9abc31f5338365ee087945c5bcafac7f1ca/summarize_from_feedback_details/ppo.py#L350-L355
+    eos = tokenizer.eos_token_id
+    if eos is None:
+        raise ValueError(
+            "--task.end_at_eos ends responses at the tokenizer's EOS, but this tokenizer has none; pick a base model "
+            "whose tokenizer has an EOS token or drop --task.end_at_eos."
+        )
+    if task.truncate_text or task.truncate_token not in (None, eos):
+        given = f"--task.truncate_text {task.truncate_text!r}" if task.truncate_text else ""
+        given = given or f"--task.truncate_token {task.truncate_token}"
+        raise ValueError(
+            f"--task.end_at_eos truncates at the tokenizer's EOS (id {eos}), but {given} names another truncation "
+            "token (a preset's, e.g. tldr's '\\n'); pass --task.truncate_text None with --task.end_at_eos."
+        )
+    return dataclasses.replace(task, truncate_token=eos, truncate_after=0)
+
+
 def check_truncation_resolved(task: TaskHParams) -> None:
     """ValueError when the task names its truncation token by text but no id was resolved: its filter would silently
     do nothing (a preset used from Python without `resolve_truncation`)."""
+    if task.end_at_eos and task.truncate_token is None:
+        raise ValueError(
+            "the task ends responses at EOS (end_at_eos) but its EOS id is not resolved: call "
+            "tasks.resolve_truncation(task, tokenizer) first."
+        )
     if task.truncate_text and task.truncate_token is None:
         raise ValueError(
             f"the task's truncation text {task.truncate_text!r} has no token id: call "
@@ -328,6 +372,15 @@ def truncate_response(
     return responses.masked_fill(after_first_match, pad_id)
 
 
+def response_ends(truncated: torch.Tensor, eos_id: int) -> torch.Tensor:
+    """(B,) index s of each response's first EOS, L - 1 without one: where a response ends under --task.end_at_eos
+    (nplus N20; the successor recipe's first PAD of the truncated response - 1)."""
+    # https://github.com/vwxyzjn/summarize_from_feedback_details/blob/ee77a9abc31f5338365ee087945c5bcafac7f1ca/summarize_from_feedback_details/ppo.py#L636
+    length = truncated.shape[1]
+    positions = torch.arange(length, device=truncated.device)
+    return torch.where(truncated == eos_id, positions, length - 1).amin(1)
+
+
 def passes_filter(responses: torch.Tensor, truncate_token: int | None, truncate_after: int) -> torch.Tensor:
     """(B,) bool: the response holds `truncate_token` at some index >= truncate_after (always True when unset)."""
     # "ensure there is a period between the 16th and 24th token"; failing responses get a fixed score (spec P3)
@@ -339,6 +392,11 @@ def passes_filter(responses: torch.Tensor, truncate_token: int | None, truncate_
 
 def filter_flags(task: TaskHParams) -> str:
     """The task's filter in words, naming its flags: what a response needs to pass (for pass-rate messages)."""
+    if task.end_at_eos:
+        return (
+            f"a response passes only with an EOS (token {task.truncate_token}, --task.end_at_eos) among its "
+            f"--task.response_length {task.response_length} tokens"
+        )
     token = f"--task.truncate_token {task.truncate_token}"
     if task.truncate_text:
         token += f" (--task.truncate_text {task.truncate_text!r})"

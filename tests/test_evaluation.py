@@ -261,9 +261,9 @@ def test_heldout_queries_continue_the_training_stream(tmp_path, tokenizer):
     settings = TaskHParams(query_length=16, query_dataset="q.txt", response_length=4, start_text=None)
     stream = QueryStream(texts, tokenizer, settings, 0, 1, data_seed=3)
     expected = stream.next_batch(30)[25:]
-    queries, wrapped = heldout_queries(texts, tokenizer, settings, data_seed=3, skip=25, n=5)
+    queries, wrapped, _ = heldout_queries(texts, tokenizer, settings, data_seed=3, skip=25, n=5)
     assert torch.equal(queries, expected) and not wrapped
-    _, wrapped = heldout_queries(texts, tokenizer, settings, data_seed=3, skip=25, n=20)
+    _, wrapped, _ = heldout_queries(texts, tokenizer, settings, data_seed=3, skip=25, n=20)
     assert wrapped  # 45 queries of 40 texts
 
 
