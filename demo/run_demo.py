@@ -7,6 +7,7 @@
     python demo/run_demo.py --label_server     # labels through the browser labeling server, VADER as the human
     python demo/run_demo.py --quick --reward vader  # PPO straight against VADER: no labels, no reward model
     python demo/run_demo.py --reward python:demo/word_reward.py:word_count  # against a Python function
+    python demo/run_demo.py --recipe nplus --quick  # the successor recipe: SFT, EOS-ended responses, a critic
 
 Each stage runs one of the project's scripts in a subprocess with the flags a user would type (they are printed):
  1. demo/world.py        passages from a grammar whose adjectives, verbs, objects and endings carry VADER sentiment
@@ -27,6 +28,12 @@ maximizes that reward itself, normalized on the base model's samples, and VADER 
 judge; stage 6 scores the held-out samples with that reward (the run's normalization) and VADER. Results go to
 OUTPUT_DIR/seed{SEED}-{REWARD}/: results.json (first and last updates' scores, the evaluation's figures), evaluation/
 and the policy.
+
+With --recipe nplus the successor recipe (docs/nplus.md) runs on the same world and base model: demo/sft_data.py
+(supervised rows and prompts from the world), train_sft.py, label_generation.py (VADER's best-of-2 labels of the SFT
+model's EOS-ended samples), train_reward.py and train_policy.py from the SFT model (responses that end at EOS, a critic
+from the reward model, a fixed k1 KL), evaluate.py on held-out prompts. Results go to OUTPUT_DIR/nplus-seed{SEED}/
+(nplus-quick-seed{SEED}/): results.json with the gold score before PPO (the SFT policy) and after.
 """
 
 import dataclasses
