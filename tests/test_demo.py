@@ -1,5 +1,6 @@
-"""demo/run_demo.py: the quick pipeline end to end (world, pretraining, labels, reward model, PPO, evaluation); the
-stages of --reward SPEC."""
+"""demo/run_demo.py: the quick pipeline end to end (world, pretraining, labels, reward model, PPO, evaluation), and
+the successor recipe's (--recipe nplus: SFT, best-of-2 labels, reward model, PPO with EOS and a critic, evaluation) on
+the same world and base model; the stages of --reward SPEC and of --recipe nplus."""
 
 import importlib.util
 import json
@@ -13,13 +14,26 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 
 
-@pytest.mark.slow
-def test_run_demo_quick_raises_gold_score(tmp_path):
+@pytest.fixture(scope="module")
+def demo_root(tmp_path_factory) -> Path:
+    """One --output_dir for the quick runs of both recipes: the second finds the world and the pretrained model there
+    and skips them, as a user's second run does."""
+    return tmp_path_factory.mktemp("demo")
+
+
+def run_demo_quick(root: Path, *flags: str) -> subprocess.CompletedProcess:
+    """`python demo/run_demo.py --quick FLAGS --output_dir ROOT` as a user runs it; its output when it fails."""
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "WANDB_MODE": "offline", "TOKENIZERS_PARALLELISM": "false"}
-    command = [sys.executable, str(REPO / "demo" / "run_demo.py"), "--quick", "--output_dir", str(tmp_path)]
-    run = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    command = [sys.executable, str(REPO / "demo" / "run_demo.py"), "--quick", *flags, "--output_dir", str(root)]
+    run = subprocess.run(command, cwd=root, env=env, capture_output=True, text=True, timeout=900)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-5000:]
-    seed_dir = tmp_path / "quick-seed1"
+    return run
+
+
+@pytest.mark.slow
+def test_run_demo_quick_raises_gold_score(demo_root):
+    run = run_demo_quick(demo_root)
+    seed_dir = demo_root / "quick-seed1"
     assert (seed_dir / "curves.png").stat().st_size > 10_000
     results = json.loads((seed_dir / "results.json").read_text())
     assert results["mode"] == "quick"
@@ -131,14 +145,9 @@ def test_run_demo_reward_flag_trains_straight_against_that_reward(tmp_path, monk
 
 
 @pytest.mark.slow
-def test_run_demo_nplus_quick_raises_gold_score(tmp_path):
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "WANDB_MODE": "offline", "TOKENIZERS_PARALLELISM": "false"}
-    command = [sys.executable, str(REPO / "demo" / "run_demo.py"), "--recipe", "nplus", "--quick"]
-    run = subprocess.run(
-        [*command, "--output_dir", str(tmp_path)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900
-    )
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-5000:]
-    seed_dir = tmp_path / "nplus-quick-seed1"
+def test_run_demo_nplus_quick_raises_gold_score(demo_root):
+    run = run_demo_quick(demo_root, "--recipe", "nplus")
+    seed_dir = demo_root / "nplus-quick-seed1"
     results = json.loads((seed_dir / "results.json").read_text())
     assert (results["recipe"], results["mode"]) == ("nplus", "quick")
     assert results["gold"]["margin"] >= results["guaranteed_margin"] >= 0.2, results["gold"]
