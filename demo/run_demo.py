@@ -68,7 +68,7 @@ FULL_MIN_GOLD_MARGIN = 0.5
 """mean VADER gain that the full demo guarantees"""
 NPLUS_QUICK_MIN_GOLD_MARGIN = 0.5
 """mean VADER gain (PPO policy - SFT policy) on held-out prompts that --recipe nplus --quick guarantees"""
-NPLUS_FULL_MIN_GOLD_MARGIN = 0.4
+NPLUS_FULL_MIN_GOLD_MARGIN = 0.6
 """mean VADER gain that the full --recipe nplus demo guarantees"""
 
 
@@ -218,6 +218,7 @@ NPLUS_FULL = NplusSettings(
     checkpoint_interval=4,
     eval_queries=256,
 )
+# the same SFT as the full run: with half its rows (2000) seed 1 ends at a margin of +0.66 (KL 4.5), seed 2 at +0.90
 NPLUS_QUICK = dataclasses.replace(NPLUS_FULL, num_labels=768, heldout_labels=64, ppo_episodes=64 * 12, eval_queries=128)
 
 
