@@ -42,6 +42,7 @@ from lm_human_preference_details.nplus import critic as nplus_critic
 from lm_human_preference_details.optim import make_optimizer
 from lm_human_preference_details.rewards import attach_conversations, load_reward, normalize_from_initial_policy
 from lm_human_preference_details.tasks import (
+    NPLUS_TASKS,
     TASKS,
     TaskHParams,
     encode_context_affixes,
@@ -281,6 +282,25 @@ def oai_presets() -> dict[str, Args]:
             ppo=PpoHParams(batch_size=32, lr=2e-6, whiten_rewards=False),
         )
     return presets
+
+
+def nplus_presets() -> dict[str, Args]:
+    """The successor recipe's PPO run (docs/nplus.md#preset), one `Args` per `--task` name: the policy and the
+    reference from the SFT model, a critic from the reward model, responses that end at EOS, a fixed k1 KL penalty of
+    0.05, no reward whitening, torch AdamW (eps 1e-5, weight decay 0.01) at lr 3e-6, 512 episodes per update in one
+    minibatch, 4 epochs, 1e6 episodes (nplus N8, N16, N21, N22, N25)."""
+    # https://github.com/vwxyzjn/summarize_from_feedback_details/blob/ee77a9abc31f5338365ee087945c5bcafac7f1ca/sbatches/ppo.sbatch#L40-L57
+    return {
+        "nplus_tldr": Args(
+            task_id="nplus_tldr",
+            task=dataclasses.replace(NPLUS_TASKS["nplus_tldr"]),
+            base_model="models/sft",
+            rewards=RewardHParams(kl_coef=0.05, adaptive_kl=AdaptiveKLParams(enabled=False), kl_estimator="k1"),
+            ppo=PpoHParams(batch_size=512, lr=3e-6, whiten_rewards=False, value_model="reward"),
+            use_tensorflow_adam=False,
+            weight_decay=0.01,
+        )
+    }
 
 
 # ---------------------------------------------------------------------------------------------------- algorithm
@@ -1038,7 +1058,7 @@ def main(args: Args) -> list[dict[str, float]]:
 
 def parse(argv: list[str] | None = None) -> Args:
     """Args from the command line, starting from the `--task` preset (default sentiment)."""
-    return cli.parse_args(Args, oai_presets(), "sentiment", __doc__, argv)[1]
+    return cli.parse_args(Args, {**oai_presets(), **nplus_presets()}, "sentiment", __doc__, argv)[1]
 
 
 if __name__ == "__main__":

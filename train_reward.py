@@ -41,11 +41,13 @@ from lm_human_preference_details.modeling import (
 )
 from lm_human_preference_details.optim import make_optimizer
 from lm_human_preference_details.tasks import (
+    NPLUS_TASKS,
     TASKS,
     TaskHParams,
     encode_context_affixes,
     format_contexts,
     resolve_truncation,
+    truncate_response,
 )
 from lm_human_preference_details.tokenizer import added_bos_id, load_tokenizer
 
@@ -177,6 +179,31 @@ def summarization_preset(task: str) -> Args:
     )
 
 
+def nplus_presets() -> dict[str, Args]:
+    """The successor recipe's reward model (docs/nplus.md#preset), one `Args` per `--task` name: from the SFT model,
+    on TL;DR preference pairs (chosen vs rejected, each response ending with EOS), 1450 batches of 64, torch
+    AdamW (eps 1e-5, weight decay 0.01) at lr 3e-6 (nplus N8, N11, N12)."""
+    # https://github.com/vwxyzjn/summarize_from_feedback_details/blob/ee77a9abc31f5338365ee087945c5bcafac7f1ca/summarize_from_feedback_details/reward.py#L78-L82
+    return {
+        "nplus_tldr": Args(
+            task_id="nplus_tldr",
+            task=dataclasses.replace(NPLUS_TASKS["nplus_tldr"]),
+            base_model="models/sft",
+            label_dataset="trl-lib/tldr-preference",
+            # SFD cuts the pairs to 92,832 and trains floor(92,832 / 64) = 1450 whole batches: the first 92,800 pairs
+            labels=LabelHParams(type="best_of_2", num_train=92_800),
+            batch_size=64,
+            lr=3e-6,
+            # DEVIATION (nplus-reward-normalization): N+ trains without a normalization and afterwards subtracts the
+            # mean score of the SFT data's reference summaries (nplus N14); here the reward model is normalized after
+            # training as OAI's is, to mean 0 and std 1 on the SFT policy's samples (cut at EOS)
+            normalize_before=False,
+            use_tensorflow_adam=False,
+            weight_decay=0.01,
+        )
+    }
+
+
 def oai_presets() -> dict[str, Args]:
     """OAI's launch.py reward experiments, one `Args` per `--task` name."""
     return {
@@ -211,6 +238,8 @@ def reward_moments(
         responses, _, _ = sample(
             ref_policy, contexts, args.task.response_length, args.task.temperature, pad_id, generator
         )
+        if args.task.end_at_eos:  # the successor recipe's policy is scored on responses cut at EOS (nplus N19)
+            responses = truncate_response(responses, args.task.truncate_token, args.task.truncate_after, pad_id)
         scores.append(reward_model(torch.cat([queries, responses], dim=1), pad_id))
     scores = torch.cat(scores)
     moments = accelerator.reduce(torch.stack([scores.mean(), scores.square().mean()]), reduction="mean")
@@ -528,7 +557,7 @@ def main(args: Args) -> dict:
 
 def parse(argv: list[str] | None = None) -> Args:
     """Args from the command line, starting from the `--task` preset (default sentiment)."""
-    return cli.parse_args(Args, oai_presets(), "sentiment", __doc__, argv)[1]
+    return cli.parse_args(Args, {**oai_presets(), **nplus_presets()}, "sentiment", __doc__, argv)[1]
 
 
 if __name__ == "__main__":

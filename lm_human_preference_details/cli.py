@@ -257,7 +257,8 @@ def describe(doc: str, tasks: Sequence[str], default_task: str) -> str:
 def popped_flag_options(tasks: Sequence[str], default_task: str) -> dict[str, str]:
     """The flags this module takes off argv before tyro parses it, and their help: listed among tyro's options."""
     return {
-        f"--task {{{','.join(tasks)}}}": f"OAI's launch.py experiment whose settings are the defaults of every flag "
+        f"--task {{{','.join(tasks)}}}": f"OAI's launch.py experiment (nplus_*: the successor recipe's run, "
+        "docs/nplus.md) whose settings are the defaults of every flag "
         f"below (default: {default_task})",
         "--debug": f"show the full traceback of an error instead of one line (or set {DEBUG_ENV}=1)",
     }

@@ -263,7 +263,7 @@ class PromptQueries:
             raise ValueError(
                 f"{FLAG} '{self.source}' holds chats, but this transformers ({transformers.__version__}) cannot "
                 "encode a message's text as plain characters (apply_chat_template's sanitize_control_tokens); "
-                "upgrade transformers (5.24 can)."
+                "upgrade transformers to 5.21 or later (5.19 and earlier cannot)."
             )
 
     # ------------------------------------------------------------ rows to prompts

@@ -118,6 +118,7 @@ def read_labels(args: RewardArgs, tokenizer=None) -> Labels:
         args.labels.num_train,
         get_label_type(args.labels.type).name,
         tokenizer,
+        eos_id=tokenizer.eos_token_id if args.task.end_at_eos else None,  # responses that end at EOS (nplus N3)
     )
     check_label_tokens(labels, model_vocab_size(args.base_model), pad_id, args.label_dataset)
     return labels

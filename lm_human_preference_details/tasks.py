@@ -97,6 +97,24 @@ TASKS: dict[str, TaskHParams] = {
     ),
 }
 
+# the successor recipe's TL;DR task (docs/nplus-details.md): the filtered Reddit posts in N+'s query format, cut at the
+# post's last newline to 512 tokens (nplus N1, N2), 53 sampled tokens at T 0.7, responses that end at their first EOS
+# and score -1 without one (nplus N4, N17, N19)
+# https://github.com/vwxyzjn/summarize_from_feedback_details/blob/ee77a9abc31f5338365ee087945c5bcafac7f1ca/summarize_from_feedback_details/tldr_dataset.py#L68-L81
+NPLUS_TASKS: dict[str, TaskHParams] = {
+    "nplus_tldr": TaskHParams(
+        query_length=512,
+        query_dataset="hf:vwxyzjn/summarize_from_feedback_tldr_3_filtered",
+        query_template="SUBREDDIT: r/{subreddit}\n\nTITLE: {title}\n\nPOST: {post}\n\nTL;DR:",
+        query_truncate_field="post",
+        start_text=None,
+        response_length=53,
+        end_at_eos=True,
+        penalty_reward_value=-1.0,
+        temperature=0.7,
+    ),
+}
+
 
 FLOAT32_EXP_UNDERFLOW = -math.log(torch.finfo(torch.float32).tiny)
 """87.34: exp(-x) of a larger x is below float32's smallest normal number, so a softmax term that far below the top

@@ -69,6 +69,9 @@ def test_every_script_uses_the_same_task_presets():
     for presets in (train_policy.oai_presets(), train_reward.oai_presets()):
         assert list(presets) == ["sentiment", "descriptiveness", "tldr", "cnndm"]
         assert all(args.task_id == name for name, args in presets.items())
+    # the successor recipe's preset: the same task in both training scripts, so its reward model fits its policy
+    policy, reward = train_policy.parse(["--task", "nplus_tldr"]), train_reward.parse(["--task", "nplus_tldr"])
+    assert policy.task == reward.task and policy.task.end_at_eos and policy.task_id == reward.task_id == "nplus_tldr"
     assert list(label_generation.oai_presets()) == ["sentiment", "descriptiveness", "tldr", "cnndm"]
     assert train_policy.parse(["--task", "cnndm"]).task.temperature == 0.5
     assert train_reward.parse(["--task", "cnndm"]).task.temperature == 0.5
@@ -86,7 +89,10 @@ def test_help_shows_a_usage_example_the_task_flag_and_dry_run(script):
     result = run(script, "--help")
     assert result.returncode == 0
     text = " ".join(result.stdout.split())
-    assert "--task {sentiment,descriptiveness,tldr,cnndm}" in text
+    tasks = "sentiment,descriptiveness,tldr,cnndm" + (
+        ",nplus_tldr" if script in ("train_reward.py", "train_policy.py") else ""
+    )
+    assert f"--task {{{tasks}}}" in text
     assert f"{script} {'generate ' if script == 'label_generation.py' else ''}--task" in text  # a usage example
     if script == "label_generation.py":
         text = " ".join(run(script, "generate", "--help").stdout.split())
@@ -107,7 +113,8 @@ def test_help_keeps_the_usage_lines_and_lists_task_among_the_options(module, cap
     options = lines[next(i for i, line in enumerate(lines) if line.startswith("-h, --help")) :]
     flags = [line.split()[0] for line in options if line.startswith("--")]
     assert flags[:3] == ["--task", "--debug", "--exp_name"], flags[:3]
-    assert "--task {sentiment,descriptiveness,tldr,cnndm}" in options and "(default: sentiment)" in " ".join(options)
+    tasks = "--task {sentiment,descriptiveness,tldr,cnndm,nplus_tldr}"  # OAI's experiments, then the successor recipe's
+    assert tasks in options and "(default: sentiment)" in " ".join(options)
 
 
 def test_join_wrapped_lines_joins_sentences_and_keeps_paragraphs_code_and_lists():

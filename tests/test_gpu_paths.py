@@ -143,6 +143,28 @@ def test_ppo_update_stays_within_the_host_sync_budget(monkeypatch, tmp_path, tin
     assert len(per_update) == 1 and per_update[0] <= HOST_SYNC_BUDGET, per_update
 
 
+def test_successor_recipe_update_stays_within_the_host_sync_budget(monkeypatch, tmp_path, tiny_model_dir):
+    # the successor recipe's options add no host sync: responses that end at EOS (masks, score index, masked means),
+    # a separate critic from the reward model (its own forward in the rollout), the k3 estimator, a subtracted penalty
+    query_file = tmp_path / "queries.txt"
+    write_queries(query_file)
+    reward_model_dir = save_reward_model(tmp_path / "reward", tiny_model_dir, tiny_task(str(query_file)))
+    args = tiny_args(tmp_path / "policy", tiny_model_dir, reward_model_dir, str(query_file), total_episodes=16)
+    task = dataclasses.replace(
+        args.task, end_at_eos=True, truncate_text=None, truncate_token=None, penalty_mode="subtract"
+    )
+    args = dataclasses.replace(
+        args,
+        log_interval=1000,
+        task=task,
+        rewards=dataclasses.replace(args.rewards, kl_estimator="k3", allow_task_mismatch=True),
+        ppo=dataclasses.replace(args.ppo, value_model="reward"),
+    )
+    per_update = syncs_between_calls(monkeypatch, PassRateAlarm, "update", lambda: train_policy.main(args))
+    # measured: 1, the statistics copy, as without these options (HOST_SYNC_BUDGET leaves room for one more)
+    assert per_update == [1], per_update
+
+
 @pytest.mark.parametrize("flags", [{}, {"gradient_checkpointing": True, "bf16": True}], ids=["plain", "ckpt-bf16"])
 def test_reward_step_stays_within_the_host_sync_budget(monkeypatch, tmp_path, tiny_model_dir, flags):
     rng = np.random.default_rng(0)

@@ -202,7 +202,8 @@ def test_rollout_values_come_from_the_critic_not_the_sampler(tmp_path, tiny_mode
     query_responses, context_length, values = recorded[0]
     pad_id = load_tokenizer(tiny_model_dir).pad_token_id
     with torch.no_grad():  # the first update's critic is the reward model's
-        expected = Critic.from_reward_model(world["reward"])(query_responses, context_length, pad_id)
+        critic = Critic.from_reward_model(world["reward"]).to(query_responses.device)  # the run's device (a GPU)
+        expected = critic(query_responses, context_length, pad_id)
     # under --bf16, PPO gets the values of the training forward's arithmetic (bfloat16 trunk), of the critic too
     tolerance = 3e-2 if bf16 else 1e-5
     torch.testing.assert_close(values, expected, rtol=tolerance, atol=tolerance)

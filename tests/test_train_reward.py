@@ -519,3 +519,54 @@ def test_scalar_labels_normalize_after_training_to_mean_zero_std_one(tmp_path, t
     assert (result["gain"], result["bias"]) == pytest.approx(
         (1 / after["std"], -after["mean"] / after["std"]), rel=1e-5
     )
+
+
+def test_reward_run_under_end_at_eos_trains_and_normalizes_on_responses_that_end_at_eos(
+    tmp_path, tiny_model_dir, world, tokenizer, monkeypatch
+):
+    # nplus N3: each preference response ends with the EOS token; nplus N19: the normalization scores the policy's
+    # samples cut at their first EOS, as PPO's reward will see them
+    from lm_human_preference_details import modeling
+
+    eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
+    corpus = world["corpus"].read_text().splitlines()
+    pairs = [{"prompt": corpus[i].split(".")[0] + ".", "chosen": " happy", "rejected": " sad day"} for i in range(16)]
+    (tmp_path / "prefs.jsonl").write_text("".join(json.dumps(pair) + "\n" for pair in pairs))
+    trained, scored = [], []
+    score = train_reward.score_label_rows
+    monkeypatch.setattr(train_reward, "score_label_rows", lambda *a, **k: trained.append(a) or score(*a, **k))
+    forward = modeling.RewardModel.forward
+
+    def recording_forward(self, query_responses, *args, **kwargs):
+        if not torch.is_grad_enabled():
+            scored.append(query_responses[:, QUERY_LENGTH:].clone())
+        return forward(self, query_responses, *args, **kwargs)
+
+    monkeypatch.setattr(modeling.RewardModel, "forward", recording_forward)
+    monkeypatch.setattr(train_reward, "sample", eos_in_the_middle(train_reward.sample, eos))
+    args = reward_args(tmp_path, tiny_model_dir, world, tmp_path / "prefs.jsonl", batch_size=8)
+    args.labels.type, args.labels.num_train = "best_of_2", 16
+    args.task.end_at_eos, args.task.truncate_text, args.task.truncate_token = True, None, None
+    train_reward.main(args)
+    samples = torch.cat([a[2] for a in trained]) if trained else None  # (rows, 2, L) of score_label_rows
+    assert samples is not None
+    for row in samples.reshape(-1, samples.shape[-1]).tolist():
+        real = [t for t in row if t != pad]
+        assert real[-1] == eos and eos not in real[:-1]
+    assert scored, "the normalization scored no samples"
+    for responses in scored:
+        for row in responses.tolist():
+            if eos in row:
+                assert set(row[row.index(eos) + 1 :]) <= {pad}, row
+
+
+def eos_in_the_middle(sample, eos: int):
+    """The sampler, with EOS written into every response's third token (so there is something after it to cut)."""
+
+    def sampled(*args, **kwargs):
+        responses, logprobs, values = sample(*args, **kwargs)
+        responses = responses.clone()
+        responses[:, 2] = eos
+        return responses, logprobs, values
+
+    return sampled

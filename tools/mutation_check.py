@@ -2215,6 +2215,31 @@ BREAKAGES = [
         "return rewards, advantages, returns",
         [EOS_TESTS + "test_masked_advantages_match_per_row_loops"],
     ),
+    # ---------------------------------------------------------------- nplus: the reward model of responses that end at EOS
+    Breakage(
+        "N3-reward-pairs-without-eos",
+        "N3",
+        "under --task.end_at_eos the reward model trains on preference responses without their EOS",
+        "lm_human_preference_details/reward_plumbing.py",
+        "eos_id=tokenizer.eos_token_id if args.task.end_at_eos else None,",
+        "eos_id=None,",
+        [
+            "tests/test_train_reward.py::"
+            "test_reward_run_under_end_at_eos_trains_and_normalizes_on_responses_that_end_at_eos"
+        ],
+    ),
+    Breakage(
+        "N19-reward-normalization-not-cut-at-eos",
+        "N19",
+        "under --task.end_at_eos the reward model is normalized on samples not cut at EOS (PPO scores cut ones)",
+        "train_reward.py",
+        "        if args.task.end_at_eos:  # the successor recipe's policy is scored on responses cut at EOS (nplus N19)",
+        "        if False:",
+        [
+            "tests/test_train_reward.py::"
+            "test_reward_run_under_end_at_eos_trains_and_normalizes_on_responses_that_end_at_eos"
+        ],
+    ),
 ]
 
 
