@@ -163,8 +163,11 @@ def sft_finished(args: train_sft.Args) -> bool:
     args_path = os.path.join(args.output_dir, "args.json")
     if not os.path.isfile(args_path) or os.path.exists(os.path.join(args.output_dir, checkpoint.SAVING_MARKER)):
         return False
-    with open(args_path, encoding="utf-8") as f:
-        saved = json.load(f)
+    try:
+        with open(args_path, encoding="utf-8") as f:
+            saved = json.load(f)
+    except (OSError, ValueError):
+        return False  # cut short: the stage's --resume auto continues from its newest checkpoint
     settings = json.loads(json.dumps(dataclasses.asdict(args)))
     return not checkpoint.setting_differences(saved, settings, train_sft.RESUME_IGNORED)
 
@@ -190,7 +193,8 @@ def reward_model_finished(args: train_reward.Args) -> bool:
 
 
 def main(pipeline: Pipeline) -> dict:
-    """Train (or finish) the reward model, then the policy; -> the reward stage's figures and the policy's history."""
+    """Train (or finish) the SFT model (with --sft_dataset), the reward model, then the policy; -> the SFT and reward
+    stages' figures and the policy's history."""
     reward, policy, sft = pipeline.reward, pipeline.policy, pipeline.sft
     main_process = os.environ.get("RANK", "0") == "0"
     if main_process:

@@ -3,6 +3,7 @@ settings given once; killed during the policy stage, the same command keeps the 
 policy and ends with the outputs of an uninterrupted run. With --sft_dataset a supervised stage comes first, kept when
 finished."""
 
+import dataclasses
 import json
 
 import pytest
@@ -82,6 +83,22 @@ def test_sft_stage_takes_the_flags_all_stages_take_and_gives_its_model_to_the_ot
     assert plain.sft is None and plain.reward.base_model == "gpt2" and len(plain.commands) == 2
     with pytest.raises(ValueError, match="--sft_stage.lr is a flag of the SFT stage, which runs only with --sft_dat"):
         train_both.parse(["--sft_stage.lr", "1e-5"])
+
+
+def test_sft_stage_counts_as_finished_only_with_a_whole_args_json_of_these_settings(tmp_path):
+    sft = train_both.parse(["--sft_dataset", "sft.jsonl", "--output_dir", str(tmp_path)]).sft
+    args_json = tmp_path / "sft" / "args.json"
+    args_json.parent.mkdir()
+    assert not train_both.sft_finished(sft)  # nothing saved yet
+    args_json.write_text(json.dumps(dataclasses.asdict(sft)), encoding="utf-8")
+    assert train_both.sft_finished(sft)
+    assert train_both.sft_finished(dataclasses.replace(sft, save_interval=7))  # does not change what is trained
+    assert not train_both.sft_finished(dataclasses.replace(sft, lr=1e-5))
+    (tmp_path / "sft" / checkpoint.SAVING_MARKER).touch()  # its files being replaced
+    assert not train_both.sft_finished(sft)
+    (tmp_path / "sft" / checkpoint.SAVING_MARKER).unlink()
+    args_json.write_text(args_json.read_text()[:40], encoding="utf-8")  # cut short
+    assert not train_both.sft_finished(sft)
 
 
 @pytest.mark.slow
