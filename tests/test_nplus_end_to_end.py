@@ -95,8 +95,10 @@ def save_eos_sampler(family: str, directory: str) -> str:
     tokenizer = archs.family_tokenizer(family, chat=True)
     model = archs.family_model(family, tokenizer)
     ids = [tokenizer.encode(word, add_special_tokens=False)[0] for word in WORDS] + [tokenizer.eos_token_id]
-    with torch.no_grad():  # residual dim 0 is a large constant after the final norm: the head's dim 0 picks the tokens
-        model.get_input_embeddings().weight[:, 0] = 100.0
+    # residual dim 0 is a constant about 30 times the other dims' size: after the final norm the head's dim 0 picks the
+    # tokens, while the other dims still carry the text (a reward model from it scores texts apart)
+    with torch.no_grad():
+        model.get_input_embeddings().weight[:, 0] = 1.0
         head = model.get_output_embeddings().weight
         head[:, 0] = -2.0
         head[ids, 0] = 2.0
