@@ -327,53 +327,6 @@ def reference_logprobs(
     )
 
 
-INVALID_LOGPROB = 1.0
-"""the log-prob of every token after its response's EOS (nplus N20), in the rollout, the reference and the loss: the
-same on both sides of each difference, so the KL and the PPO ratio's log are 0 there"""
-
-
-@dataclass
-class ResponseMasks:
-    """Where each response ends under --task.end_at_eos (nplus N20): s = the index of its first EOS, L - 1 without
-    one. Nothing after s trains the policy; the value is trained up to s + 1, the position that reads the EOS."""
-
-    ends: torch.Tensor
-    """(B,) s of each response"""
-    after_end: torch.Tensor
-    """(B, L) t > s: log-probs INVALID_LOGPROB (no KL), advantages 0, outside the policy loss"""
-    after_value_end: torch.Tensor
-    """(B, L) t > s + 1: values 0, outside the value loss"""
-
-    @classmethod
-    def of(cls, truncated: torch.Tensor, eos_id: int) -> "ResponseMasks":
-        """The masks of (B, L) responses truncated after their first EOS."""
-        # padding_mask = t > s, padding_mask_p1 = t > s + 1 (nplus N20)
-        # https://github.com/vwxyzjn/summarize_from_feedback_details/blob/ee77a9abc31f5338365ee087945c5bcafac7f1ca/summarize_from_feedback_details/ppo.py#L670-L674
-        ends = response_ends(truncated, eos_id)  # (B,)
-        positions = torch.arange(truncated.shape[1], device=truncated.device)
-        return cls(ends, positions > ends[:, None], positions > ends[:, None] + 1)
-
-    def rows(self, indices: torch.Tensor) -> "ResponseMasks":
-        """The masks of the episodes `indices` (a minibatch or micro-batch)."""
-        return ResponseMasks(self.ends[indices], self.after_end[indices], self.after_value_end[indices])
-
-    def score_index(self) -> torch.Tensor:
-        """(B,) where the score is added: s + 1 (the step after EOS), or s when that is the last token (nplus N21)."""
-        # https://github.com/vwxyzjn/summarize_from_feedback_details/blob/ee77a9abc31f5338365ee087945c5bcafac7f1ca/summarize_from_feedback_details/ppo.py#L683-L685
-        length = self.after_end.shape[1]
-        return torch.where(self.ends + 1 < length, self.ends + 1, self.ends)
-
-    def invalidate(self, logprobs: torch.Tensor) -> torch.Tensor:
-        """(B, L) log-probs with INVALID_LOGPROB after each response's end (nplus N20)."""
-        # https://github.com/vwxyzjn/summarize_from_feedback_details/blob/ee77a9abc31f5338365ee087945c5bcafac7f1ca/summarize_from_feedback_details/ppo.py#L675-L676
-        return logprobs.masked_fill(self.after_end, INVALID_LOGPROB)
-
-    def zero_values(self, values: torch.Tensor) -> torch.Tensor:
-        """(B, L) values with 0 after s + 1 (nplus N20)."""
-        # https://github.com/vwxyzjn/summarize_from_feedback_details/blob/ee77a9abc31f5338365ee087945c5bcafac7f1ca/summarize_from_feedback_details/ppo.py#L677
-        return values.masked_fill(self.after_value_end, 0.0)
-
-
 def kl_estimate(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: str = "k1") -> torch.Tensor:
     """(B, L) per-token KL estimate of the sampled tokens: k1 = logprob - ref_logprob (OAI), or k3 = (r - 1) - log r
     with log r = ref_logprob - logprob, never negative (--rewards.kl_estimator, nplus N21)."""
@@ -429,22 +382,6 @@ def standardize(x: torch.Tensor, mean: torch.Tensor, var: torch.Tensor, shift_me
     return whitened
 
 
-def masked_whiten(
-    values: torch.Tensor, keep: torch.Tensor, shift_mean: bool = True, group_size: int | None = None
-) -> torch.Tensor:
-    """`whiten` with the moments over the `keep` elements of each group only (nplus N22, N23): population variance,
-    eps 1e-8; every element is transformed, those outside `keep` too."""
-    # https://github.com/vwxyzjn/summarize_from_feedback_details/blob/ee77a9abc31f5338365ee087945c5bcafac7f1ca/summarize_from_feedback_details/ppo.py#L235-L241
-    rows = group_size or values.shape[0]
-    groups = values.reshape(-1, rows, *values.shape[1:])  # (G, rows, ...)
-    weights = keep.reshape(groups.shape).to(values.dtype)
-    dims = tuple(range(1, groups.dim()))
-    count = weights.sum(dims, keepdim=True)
-    mean = (groups * weights).sum(dims, keepdim=True) / count
-    var = ((groups - mean) ** 2 * weights).sum(dims, keepdim=True) / count
-    return standardize(groups, mean, var, shift_mean).reshape(values.shape)
-
-
 def compute_advantages(
     rewards: torch.Tensor, values: torch.Tensor, gamma: float, lam: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -467,7 +404,7 @@ def minibatch_advantages(
     values: torch.Tensor,
     ppo: PpoHParams,
     whiten_group: int,
-    masks: ResponseMasks | None = None,
+    masks: "ResponseMasks | None" = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(Whitened) rewards, whitened GAE advantages and returns of one minibatch, each virtual rank's rows apart;
     with `masks` (--task.end_at_eos) the whitening's moments and the results end with each response."""
@@ -481,45 +418,6 @@ def minibatch_advantages(
     return rewards, whiten(advantages, group_size=whiten_group), returns
 
 
-def masked_minibatch_advantages(
-    rewards: torch.Tensor, values: torch.Tensor, ppo: PpoHParams, whiten_group: int, masks: ResponseMasks
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """`minibatch_advantages` of responses that end at EOS: rewards whitened over t <= s + 1 and 0 after (nplus N22);
-    GAE over all L positions (values are 0 after s + 1); advantages whitened over t <= s, mean shifted, and 0 after
-    (nplus N23); returns from the unwhitened advantages."""
-    # https://github.com/vwxyzjn/summarize_from_feedback_details/blob/ee77a9abc31f5338365ee087945c5bcafac7f1ca/summarize_from_feedback_details/ppo.py#L687-L704
-    if ppo.whiten_rewards:
-        rewards = masked_whiten(rewards, ~masks.after_value_end, shift_mean=False, group_size=whiten_group)
-        rewards = rewards.masked_fill(masks.after_value_end, 0.0)
-    advantages, returns = compute_advantages(rewards, values, ppo.gamma, ppo.lam)
-    advantages = masked_whiten(advantages, ~masks.after_end, group_size=whiten_group)
-    return rewards, advantages.masked_fill(masks.after_end, 0.0), returns
-
-
-@dataclass
-class LossMasks:
-    """The tokens a micro-batch's PPO losses and clip fractions average over (nplus N24): t <= s (policy) and t <= s + 1
-    (value), divided by the minibatch's count of them per micro-batch, so that the micro-batches' mean is the
-    minibatch's masked mean (the update does not depend on --ppo.gradient_accumulation_steps)."""
-
-    policy: torch.Tensor
-    """(b, L) bool, t <= s"""
-    value: torch.Tensor
-    """(b, L) bool, t <= s + 1"""
-    policy_tokens: torch.Tensor
-    """() the minibatch's t <= s tokens / its micro-batches"""
-    value_tokens: torch.Tensor
-    """() the minibatch's t <= s + 1 tokens / its micro-batches"""
-
-    def policy_mean(self, x: torch.Tensor) -> torch.Tensor:
-        """The micro-batch's share of the minibatch's mean of x over t <= s."""
-        return torch.where(self.policy, x, 0.0).sum() / self.policy_tokens
-
-    def value_mean(self, x: torch.Tensor) -> torch.Tensor:
-        """The micro-batch's share of the minibatch's mean of x over t <= s + 1."""
-        return torch.where(self.value, x, 0.0).sum() / self.value_tokens
-
-
 def ppo_losses(
     new_logprobs: torch.Tensor,
     vpred: torch.Tensor,
@@ -530,7 +428,7 @@ def ppo_losses(
     cliprange: float,
     cliprange_value: float,
     vf_coef: float,
-    masks: LossMasks | None = None,
+    masks: "LossMasks | None" = None,
 ) -> dict[str, torch.Tensor]:
     """Clipped PPO policy loss + vf_coef * clipped value loss (means over all tokens, or over the `masks` tokens under
     --task.end_at_eos), and stats under OAI names."""
@@ -614,7 +512,7 @@ class Rollout:
     """(B, L) value predictions at the positions that predict each response token"""
     rewards: torch.Tensor
     """(B, L) per-token rewards: -kl_coef * kl, + score at the last token (at s + 1 under --task.end_at_eos)"""
-    masks: ResponseMasks | None = None
+    masks: "ResponseMasks | None" = None
     """where each response ends (--task.end_at_eos, nplus N20); None: OAI's episodes, every token trains"""
 
 
@@ -816,6 +714,111 @@ def make_kl_controller(rewards: RewardHParams) -> FixedKLController | AdaptiveKL
     if kl_params.enabled:
         return AdaptiveKLController(rewards.kl_coef, kl_params.target, kl_params.horizon)
     return FixedKLController(rewards.kl_coef)
+
+
+# ---------------------------------------------------------------------------------------------------- end at EOS
+# responses that end at EOS (--task.end_at_eos, nplus N20-N24): where each response ends, the whitening and the loss
+# means over its tokens only. OAI's recipe never builds them: its update reads the functions above as they are.
+INVALID_LOGPROB = 1.0
+"""the log-prob of every token after its response's EOS (nplus N20), in the rollout, the reference and the loss: the
+same on both sides of each difference, so the KL and the PPO ratio's log are 0 there"""
+
+
+@dataclass
+class ResponseMasks:
+    """Where each response ends under --task.end_at_eos (nplus N20): s = the index of its first EOS, L - 1 without
+    one. Nothing after s trains the policy; the value is trained up to s + 1, the position that reads the EOS."""
+
+    ends: torch.Tensor
+    """(B,) s of each response"""
+    after_end: torch.Tensor
+    """(B, L) t > s: log-probs INVALID_LOGPROB (no KL), advantages 0, outside the policy loss"""
+    after_value_end: torch.Tensor
+    """(B, L) t > s + 1: values 0, outside the value loss"""
+
+    @classmethod
+    def of(cls, truncated: torch.Tensor, eos_id: int) -> "ResponseMasks":
+        """The masks of (B, L) responses truncated after their first EOS."""
+        # padding_mask = t > s, padding_mask_p1 = t > s + 1 (nplus N20)
+        # https://github.com/vwxyzjn/summarize_from_feedback_details/blob/ee77a9abc31f5338365ee087945c5bcafac7f1ca/summarize_from_feedback_details/ppo.py#L670-L674
+        ends = response_ends(truncated, eos_id)  # (B,)
+        positions = torch.arange(truncated.shape[1], device=truncated.device)
+        return cls(ends, positions > ends[:, None], positions > ends[:, None] + 1)
+
+    def rows(self, indices: torch.Tensor) -> "ResponseMasks":
+        """The masks of the episodes `indices` (a minibatch or micro-batch)."""
+        return ResponseMasks(self.ends[indices], self.after_end[indices], self.after_value_end[indices])
+
+    def score_index(self) -> torch.Tensor:
+        """(B,) where the score is added: s + 1 (the step after EOS), or s when that is the last token (nplus N21)."""
+        # https://github.com/vwxyzjn/summarize_from_feedback_details/blob/ee77a9abc31f5338365ee087945c5bcafac7f1ca/summarize_from_feedback_details/ppo.py#L683-L685
+        length = self.after_end.shape[1]
+        return torch.where(self.ends + 1 < length, self.ends + 1, self.ends)
+
+    def invalidate(self, logprobs: torch.Tensor) -> torch.Tensor:
+        """(B, L) log-probs with INVALID_LOGPROB after each response's end (nplus N20)."""
+        # https://github.com/vwxyzjn/summarize_from_feedback_details/blob/ee77a9abc31f5338365ee087945c5bcafac7f1ca/summarize_from_feedback_details/ppo.py#L675-L676
+        return logprobs.masked_fill(self.after_end, INVALID_LOGPROB)
+
+    def zero_values(self, values: torch.Tensor) -> torch.Tensor:
+        """(B, L) values with 0 after s + 1 (nplus N20)."""
+        # https://github.com/vwxyzjn/summarize_from_feedback_details/blob/ee77a9abc31f5338365ee087945c5bcafac7f1ca/summarize_from_feedback_details/ppo.py#L677
+        return values.masked_fill(self.after_value_end, 0.0)
+
+
+def masked_whiten(
+    values: torch.Tensor, keep: torch.Tensor, shift_mean: bool = True, group_size: int | None = None
+) -> torch.Tensor:
+    """`whiten` with the moments over the `keep` elements of each group only (nplus N22, N23): population variance,
+    eps 1e-8; every element is transformed, those outside `keep` too."""
+    # https://github.com/vwxyzjn/summarize_from_feedback_details/blob/ee77a9abc31f5338365ee087945c5bcafac7f1ca/summarize_from_feedback_details/ppo.py#L235-L241
+    rows = group_size or values.shape[0]
+    groups = values.reshape(-1, rows, *values.shape[1:])  # (G, rows, ...)
+    weights = keep.reshape(groups.shape).to(values.dtype)
+    dims = tuple(range(1, groups.dim()))
+    count = weights.sum(dims, keepdim=True)
+    mean = (groups * weights).sum(dims, keepdim=True) / count
+    var = ((groups - mean) ** 2 * weights).sum(dims, keepdim=True) / count
+    return standardize(groups, mean, var, shift_mean).reshape(values.shape)
+
+
+def masked_minibatch_advantages(
+    rewards: torch.Tensor, values: torch.Tensor, ppo: PpoHParams, whiten_group: int, masks: ResponseMasks
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`minibatch_advantages` of responses that end at EOS: rewards whitened over t <= s + 1 and 0 after (nplus N22);
+    GAE over all L positions (values are 0 after s + 1); advantages whitened over t <= s, mean shifted, and 0 after
+    (nplus N23); returns from the unwhitened advantages."""
+    # https://github.com/vwxyzjn/summarize_from_feedback_details/blob/ee77a9abc31f5338365ee087945c5bcafac7f1ca/summarize_from_feedback_details/ppo.py#L687-L704
+    if ppo.whiten_rewards:
+        rewards = masked_whiten(rewards, ~masks.after_value_end, shift_mean=False, group_size=whiten_group)
+        rewards = rewards.masked_fill(masks.after_value_end, 0.0)
+    advantages, returns = compute_advantages(rewards, values, ppo.gamma, ppo.lam)
+    advantages = masked_whiten(advantages, ~masks.after_end, group_size=whiten_group)
+    return rewards, advantages.masked_fill(masks.after_end, 0.0), returns
+
+
+@dataclass
+class LossMasks:
+    """The tokens a micro-batch's PPO losses and clip fractions average over (nplus N24): t <= s (policy) and t <= s + 1
+    (value), divided by the minibatch's count of them per micro-batch, so that the micro-batches' mean is the
+    minibatch's masked mean (the update does not depend on --ppo.gradient_accumulation_steps)."""
+
+    policy: torch.Tensor
+    """(b, L) bool, t <= s"""
+    value: torch.Tensor
+    """(b, L) bool, t <= s + 1"""
+    policy_tokens: torch.Tensor
+    """() the minibatch's t <= s tokens / its micro-batches"""
+    value_tokens: torch.Tensor
+    """() the minibatch's t <= s + 1 tokens / its micro-batches"""
+
+    def policy_mean(self, x: torch.Tensor) -> torch.Tensor:
+        """The micro-batch's share of the minibatch's mean of x over t <= s."""
+        return torch.where(self.policy, x, 0.0).sum() / self.policy_tokens
+
+    def value_mean(self, x: torch.Tensor) -> torch.Tensor:
+        """The micro-batch's share of the minibatch's mean of x over t <= s + 1."""
+        return torch.where(self.value, x, 0.0).sum() / self.value_tokens
 
 
 # ---------------------------------------------------------------------------------------------------- main

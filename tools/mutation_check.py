@@ -2215,7 +2215,7 @@ BREAKAGES = [
         "return rewards, advantages, returns",
         [EOS_TESTS + "test_masked_advantages_match_per_row_loops"],
     ),
-    # ---------------------------------------------------------------- nplus: the reward model of responses that end at EOS
+    # ---------------------------------------------------------------- nplus: a reward model of responses ending at EOS
     Breakage(
         "N3-reward-pairs-without-eos",
         "N3",
@@ -2233,8 +2233,8 @@ BREAKAGES = [
         "N19",
         "under --task.end_at_eos the reward model is normalized on samples not cut at EOS (PPO scores cut ones)",
         "train_reward.py",
-        "        if args.task.end_at_eos:  # the successor recipe's policy is scored on responses cut at EOS (nplus N19)",
-        "        if False:",
+        "        if args.task.end_at_eos:  # the successor recipe's policy is scored",
+        "        if False:  # the successor recipe's policy is scored",
         [
             "tests/test_train_reward.py::"
             "test_reward_run_under_end_at_eos_trains_and_normalizes_on_responses_that_end_at_eos"
