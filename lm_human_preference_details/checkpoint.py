@@ -41,6 +41,7 @@ from accelerate.utils import broadcast_object_list
 from torch.overrides import TorchFunctionMode
 
 from lm_human_preference_details import cli
+from lm_human_preference_details.tracking import Tracker, run_name
 
 try:
     import fcntl
@@ -1037,3 +1038,38 @@ def clear_previous_run(output_dir: str) -> None:
     """Delete an earlier run's checkpoints, policy snapshots and TensorBoard logs (for --overwrite_output_dir)."""
     for name in (STATE_DIR, "checkpoints", "tb"):
         shutil.rmtree(os.path.join(output_dir, name), ignore_errors=True)
+
+
+class TrackedRunArgs(Protocol):
+    """The flags `start_tracker` reads, which every training script has."""
+
+    output_dir: str
+    overwrite_output_dir: bool
+    track: bool
+    wandb_project_name: str
+    wandb_entity: str | None
+    exp_name: str
+    seed: int
+
+
+def start_tracker(
+    args: TrackedRunArgs, accelerator, resumed: "Resumed | None", kind: str, config: dict
+) -> tuple[Tracker, str]:
+    """TensorBoard (and wandb) for a run, continuing a resumed run's (its name, wandb id and step); a fresh run with
+    --overwrite_output_dir first clears the previous run's outputs. `kind` names the run (its task, or `sft`),
+    `config` is what the tracker records; -> the tracker and the run's name."""
+    name = resumed.meta["run_name"] if resumed else run_name(accelerator, kind, args.exp_name, args.seed)
+    if resumed is None and args.overwrite_output_dir and accelerator.is_main_process:
+        clear_previous_run(args.output_dir)  # every input has loaded: the old run's outputs can go
+    tracker = Tracker(
+        args.output_dir,
+        args.track,
+        args.wandb_project_name,
+        args.wandb_entity,
+        name,
+        config,
+        accelerator.is_main_process,
+        purge_step=resumed.step if resumed else 0,
+        wandb_id=resumed.meta["wandb_id"] if resumed else None,
+    )
+    return tracker, name

@@ -174,28 +174,14 @@ def start_tracker(
 ) -> tuple[tracking.Tracker, dict]:
     """TensorBoard (and wandb) for this run, continuing a resumed run's; clears a previous run's outputs with
     --overwrite_output_dir; -> the tracker and the metadata every checkpoint records."""
-    run_name = (
-        resumed.meta["run_name"] if resumed else tracking.run_name(accelerator, args.task_id, args.exp_name, args.seed)
-    )
     if resumed is None and args.overwrite_output_dir and accelerator.is_main_process:
-        checkpoint.clear_previous_run(args.output_dir)  # every input has loaded: the old run's outputs can go
-        # and its critic, which a run without one would leave beside a policy it does not belong to
+        # the previous run's critic, which a run without one would leave beside a policy it does not belong to
         shutil.rmtree(os.path.join(args.output_dir, CRITIC_DIR), ignore_errors=True)
     if accelerator.is_main_process:  # a run that starts or continues makes the summary of its last end stale
         with contextlib.suppress(FileNotFoundError):
             os.remove(os.path.join(args.output_dir, SUMMARY_FILE))
     config = {**dataclasses.asdict(args), "world_size": settings["world_size"], "nupdates": nupdates}
-    tracker = tracking.Tracker(
-        args.output_dir,
-        args.track,
-        args.wandb_project_name,
-        args.wandb_entity,
-        run_name,
-        config,
-        accelerator.is_main_process,
-        purge_step=resumed.step if resumed else 0,
-        wandb_id=resumed.meta["wandb_id"] if resumed else None,
-    )
+    tracker, run_name = checkpoint.start_tracker(args, accelerator, resumed, args.task_id, config)
     meta = {"settings": settings, "run_name": run_name, "wandb_id": tracker.wandb_id}
     meta["reward_normalization"] = args.rewards.normalization
     return tracker, meta

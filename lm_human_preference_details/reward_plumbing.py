@@ -23,7 +23,7 @@ from lm_human_preference_details.sizes import RewardSizes, ceil_div
 from lm_human_preference_details.tasks import TaskHParams, resolve_truncation
 from lm_human_preference_details.text_prefs import load_labels_or_pairs
 from lm_human_preference_details.tokenizer import load_tokenizer, tokenizer_fingerprint
-from lm_human_preference_details.tracking import Tracker, run_name, save_args
+from lm_human_preference_details.tracking import Tracker, save_args
 
 
 class LabelFlags(Protocol):
@@ -127,22 +127,10 @@ def read_labels(args: RewardArgs, tokenizer=None) -> Labels:
 def start_tracker(
     args: RewardArgs, accelerator: Accelerator, resumed: checkpoint.Resumed | None, settings: dict
 ) -> tuple[Tracker, dict]:
-    """TensorBoard (and wandb) for this run, continuing a resumed run's; clears a previous run's outputs with
-    --overwrite_output_dir; -> the tracker and the metadata every checkpoint records."""
-    name = resumed.meta["run_name"] if resumed else run_name(accelerator, args.task_id, args.exp_name, args.seed)
-    if resumed is None and args.overwrite_output_dir and accelerator.is_main_process:
-        checkpoint.clear_previous_run(args.output_dir)  # every input has loaded: the old run's outputs can go
-    tracker = Tracker(
-        args.output_dir,
-        args.track,
-        args.wandb_project_name,
-        args.wandb_entity,
-        name,
-        {**dataclasses.asdict(args), "world_size": settings["world_size"]},
-        accelerator.is_main_process,
-        purge_step=resumed.step if resumed else 0,
-        wandb_id=resumed.meta["wandb_id"] if resumed else None,
-    )
+    """TensorBoard (and wandb) for this run (`checkpoint.start_tracker`); -> the tracker and the metadata every
+    checkpoint records."""
+    config = {**dataclasses.asdict(args), "world_size": settings["world_size"]}
+    tracker, name = checkpoint.start_tracker(args, accelerator, resumed, args.task_id, config)
     return tracker, {"settings": settings, "run_name": name, "wandb_id": tracker.wandb_id}
 
 

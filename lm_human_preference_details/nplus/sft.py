@@ -25,7 +25,7 @@ from lm_human_preference_details.modeling import check_model_dir
 from lm_human_preference_details.sizes import divisors, per_process, split
 from lm_human_preference_details.sources import read_utf8_lines
 from lm_human_preference_details.tokenizer import generation_tokenizer
-from lm_human_preference_details.tracking import Tracker, run_name, save_args
+from lm_human_preference_details.tracking import Tracker, save_args
 
 HF_PREFIX = "hf:"
 """--dataset hf:NAME_OR_DIR: a hub dataset id or a directory written by `datasets`' save_to_disk"""
@@ -442,22 +442,9 @@ def progress_bar(console, accelerator: Accelerator) -> Progress:
 def start_tracker(
     args: SftArgs, accelerator: Accelerator, resumed: checkpoint.Resumed | None, settings: dict
 ) -> tuple[Tracker, dict]:
-    """TensorBoard (and wandb) for this run, continuing a resumed run's; clears a previous run's outputs with
-    --overwrite_output_dir; -> the tracker and the metadata every checkpoint records."""
-    name = resumed.meta["run_name"] if resumed else run_name(accelerator, "sft", args.exp_name, args.seed)
-    if resumed is None and args.overwrite_output_dir and accelerator.is_main_process:
-        checkpoint.clear_previous_run(args.output_dir)  # every input has loaded: the old run's outputs can go
-    tracker = Tracker(
-        args.output_dir,
-        args.track,
-        args.wandb_project_name,
-        args.wandb_entity,
-        name,
-        settings,
-        accelerator.is_main_process,
-        purge_step=resumed.step if resumed else 0,
-        wandb_id=resumed.meta["wandb_id"] if resumed else None,
-    )
+    """TensorBoard (and wandb) for this run (`checkpoint.start_tracker`); -> the tracker and the metadata every
+    checkpoint records."""
+    tracker, name = checkpoint.start_tracker(args, accelerator, resumed, "sft", settings)
     return tracker, {"settings": settings, "run_name": name, "wandb_id": tracker.wandb_id}
 
 
