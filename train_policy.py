@@ -226,6 +226,11 @@ class Args:
     sampling and scoring stay float32): less memory, faster on GPUs with bf16; the rollout's log-probs and values that
     PPO's ratio and value clipping use then come from one more forward with that arithmetic (the KL penalty keeps the
     sampler's float32 ones); off: float32 throughout, as OAI"""
+    fsdp: bool = False
+    """shard the trained policy (and a critic) over the processes with FSDP2, each transformer block a unit: every
+    process holds 1/N of the weights, gradients and Adam moments, the rollout gathers the weights once; the reference
+    and the reward model stay whole on every process (docs/multiprocess.md); off: every process holds everything
+    and DDP averages the gradients, as OAI's ranks"""
     tf32: bool = False
     """run float32 matmuls on TF32 tensor cores (NVIDIA Ampere or newer: A100, H100): GEMMs ~5-7x faster, with
     relative errors up to ~1e-3 (docs/gpu.md); off: full float32, as OAI trained"""
@@ -519,7 +524,6 @@ class Rollout:
 def ppo_update(
     policy: PolicyWithValueHead,
     optimizer: torch.optim.Optimizer,
-    accelerator: Accelerator,
     rollout: Rollout,
     indices: torch.Tensor,
     sizes: sizing.Sizes,
@@ -528,10 +532,10 @@ def ppo_update(
     pad_id: int,
 ) -> "PPOStats":
     """One optimizer step per minibatch of `indices` (noptepochs, nminibatches, minibatch), each over `accum`
-    micro-batches with gradients averaged over processes; -> the update's PPO statistics."""
+    micro-batches with gradients averaged over processes; -> the update's PPO statistics.
+
+    `policy`: the module the training forwards run through (`distributed.data_parallel`'s)."""
     params = list(policy.parameters())
-    # gradients averaged over processes (OAI's MPI all-reduce, spec O4), started during each step's last backward
-    gradients = distributed.GradientAverager(params, accelerator)
     responses = rollout.query_responses[:, rollout.context_length :]  # (B, L)
     stats = PPOStats(rollout.values.device, ppo.noptepochs * ppo.nminibatches)
     accum = ppo.gradient_accumulation_steps
@@ -546,49 +550,51 @@ def ppo_update(
             for micro_start in range(0, sizes.minibatch, sizes.micro):
                 micro = slice(micro_start, micro_start + sizes.micro)
                 micro_inds = mb_inds[micro]
-                # forward on context + raw response: tempered logits and values at response positions (P7)
-                new_logits, vpred = policy(
-                    rollout.query_responses[micro_inds], rollout.context_length, pad_id, temperature
-                )  # (b, L, V), (b, L)
-                # the entropy statistic comes from the same pass over the (b, L, V) logits
-                new_logprobs, new_entropy = logprobs_and_entropy_from_logits(new_logits, responses[micro_inds])
-                del new_logits  # no reference left: the (b, L, V) logits go with the graph after backward
-                loss_masks = None
-                if mb_masks is not None:  # masked as the rollout's: log-probs after s, values after s + 1 (nplus N20)
-                    # https://github.com/vwxyzjn/summarize_from_feedback_details/blob/ee77a9abc31f5338365ee087945c5bcafac7f1ca/summarize_from_feedback_details/ppo.py#L736-L738
-                    micro_masks = mb_masks.rows(micro)
-                    new_logprobs, vpred = micro_masks.invalidate(new_logprobs), micro_masks.zero_values(vpred)
-                    loss_masks = LossMasks(
-                        ~micro_masks.after_end,
-                        ~micro_masks.after_value_end,
-                        (~mb_masks.after_end).sum() / accum,
-                        (~mb_masks.after_value_end).sum() / accum,
+                # the gradients are averaged over processes in the minibatch's last backward (OAI's MPI all-reduce,
+                # spec O4), overlapped with it; the micro-batches before it accumulate theirs locally
+                last_micro = micro_start + sizes.micro == sizes.minibatch
+                with distributed.averaging_gradients(policy, last_micro):
+                    # forward on context + raw response: tempered logits and values at response positions (P7)
+                    new_logits, vpred = policy(
+                        rollout.query_responses[micro_inds], rollout.context_length, pad_id, temperature
+                    )  # (b, L, V), (b, L)
+                    # the entropy statistic comes from the same pass over the (b, L, V) logits
+                    new_logprobs, new_entropy = logprobs_and_entropy_from_logits(new_logits, responses[micro_inds])
+                    del new_logits  # no reference left: the (b, L, V) logits go with the graph after backward
+                    loss_masks = None
+                    if (
+                        mb_masks is not None
+                    ):  # masked as the rollout's: log-probs after s, values after s + 1 (nplus N20)
+                        # https://github.com/vwxyzjn/summarize_from_feedback_details/blob/ee77a9abc31f5338365ee087945c5bcafac7f1ca/summarize_from_feedback_details/ppo.py#L736-L738
+                        micro_masks = mb_masks.rows(micro)
+                        new_logprobs, vpred = micro_masks.invalidate(new_logprobs), micro_masks.zero_values(vpred)
+                        loss_masks = LossMasks(
+                            ~micro_masks.after_end,
+                            ~micro_masks.after_value_end,
+                            (~mb_masks.after_end).sum() / accum,
+                            (~mb_masks.after_value_end).sum() / accum,
+                        )
+                    losses = ppo_losses(
+                        new_logprobs,
+                        vpred,
+                        rollout.logprobs[micro_inds],
+                        mb_values[micro],
+                        mb_advantages[micro],
+                        mb_returns[micro],
+                        ppo.cliprange,
+                        ppo.cliprange_value,
+                        ppo.vf_coef,
+                        loss_masks,
                     )
-                losses = ppo_losses(
-                    new_logprobs,
-                    vpred,
-                    rollout.logprobs[micro_inds],
-                    mb_values[micro],
-                    mb_advantages[micro],
-                    mb_returns[micro],
-                    ppo.cliprange,
-                    ppo.cliprange_value,
-                    ppo.vf_coef,
-                    loss_masks,
-                )
-                # each micro loss is a mean over its rows; dividing by `accum` makes the summed gradient that of the
-                # minibatch mean, so accumulation does not change the update
-                if micro_start + sizes.micro == sizes.minibatch:
-                    gradients.launch_in_next_backward()  # the last micro-batch's backward overlaps the all-reduces
-                (losses["loss/total"] / accum).backward()
+                    # each micro loss is a mean over its rows; dividing by `accum` makes the summed gradient that of the
+                    # minibatch mean, so accumulation does not change the update
+                    (losses["loss/total"] / accum).backward()
                 stats.add_micro(losses, new_entropy, 1 / accum, first=epoch == 0 and k == 0)
             # the gradients averaged over processes, then one Adam step
             # https://github.com/openai/lm-human-preferences/blob/cbfd210bb8b08f6bc5c26878c10984b90f516c66/lm_human_preferences/utils/core.py#L485-L489
-            gradients.average()
             stats.nonfinite_gradients += validation.nonfinite_tensors(p.grad for p in params if p.grad is not None)
             optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-    gradients.close()
+            distributed.clear_gradients(optimizer, policy)
     return stats
 
 
@@ -892,6 +898,8 @@ def main(args: Args) -> list[dict[str, float]]:
     gold = args.rewards.gold_model  # a held-out judge of every rollout that never trains the policy
     gold_labeler = load_labeler(gold, tokenizer, pad_id, device, flag="--rewards.gold_model") if gold else None
     critic_params = list(critic.parameters()) if critic is not None else []  # one optimizer for both (nplus N16)
+    # the module PPO's forwards run through: DDP averages its gradients over processes, or --fsdp shards it (spec O4)
+    trained = distributed.data_parallel(learner, accelerator, args.fsdp)
     params = list(policy.parameters())
     optimizer = make_optimizer(params + critic_params, ppo.lr, args.use_tensorflow_adam, args.weight_decay)
     params += critic_params  # the non-finite weights guard covers the critic too
@@ -940,33 +948,36 @@ def main(args: Args) -> list[dict[str, float]]:
                 # together; in chunks every episode keeps its random numbers and tokens, but log-probs and values move
                 # by float rounding (a matmul's kernel depends on its row count)
                 rollout_rows = args.rollout_micro_batch_size or sizes.batch  # episodes decoded and scored together
-                # QueryStream's queries start with a real token, so the sampler and the reward model skip that check
-                # and its host sync: the update's only sync is the statistics copy in step 6
-                responses, logprobs, values = sample(
-                    policy,
-                    contexts,
-                    task.response_length,
-                    task.temperature,
-                    pad_id,
-                    generator,
-                    check_first_token=False,
-                    compile=args.compile_sampler,
-                    max_rows=rollout_rows,
-                )  # (B, L) each
-                query_responses = torch.cat([contexts, responses], 1)  # (B, C + L)
-                ppo_logprobs, ppo_values = logprobs, values
-                if critic is not None and not args.bf16:  # the sampler's values are the policy head's (nplus N16)
-                    ppo_values = nplus_critic.rollout_values(
-                        critic, query_responses, context_length, pad_id, rollout_rows
-                    )
-                if args.bf16:
-                    # DEVIATION (bf16-ratio): OAI's ratio and value clipping use the sampling pass's log-probs and
-                    # values (spec P13); under bf16 autocast of the PPO forward, float32 ones put the first minibatch's
-                    # ratio ~1.5e-3 off 1 and clipping fires on rounding noise, so PPO gets those of the loss forward's
-                    # arithmetic (one more forward); the KL penalty keeps the float32 ones, like the reference's
-                    ppo_logprobs, ppo_values = training_logprobs_and_values(
-                        learner, query_responses, context_length, pad_id, task.temperature, sizes.micro
-                    )
+                # --fsdp: the policy's (and critic's) weights gathered once for the whole rollout, not at every token
+                with distributed.gathered(trained):
+                    # QueryStream's queries start with a real token, so the sampler and the reward model skip that check
+                    # and its host sync: the update's only sync is the statistics copy in step 6
+                    responses, logprobs, values = sample(
+                        policy,
+                        contexts,
+                        task.response_length,
+                        task.temperature,
+                        pad_id,
+                        generator,
+                        check_first_token=False,
+                        compile=args.compile_sampler,
+                        max_rows=rollout_rows,
+                    )  # (B, L) each
+                    query_responses = torch.cat([contexts, responses], 1)  # (B, C + L)
+                    ppo_logprobs, ppo_values = logprobs, values
+                    if critic is not None and not args.bf16:  # the sampler's values are the policy head's (nplus N16)
+                        ppo_values = nplus_critic.rollout_values(
+                            critic, query_responses, context_length, pad_id, rollout_rows
+                        )
+                    if args.bf16:
+                        # DEVIATION (bf16-ratio): OAI's ratio and value clipping use the sampling pass's log-probs
+                        # and values (spec P13); under bf16 autocast of the PPO forward, float32 ones put the first
+                        # minibatch's ratio ~1.5e-3 off 1 and clipping fires on rounding noise, so PPO gets those of
+                        # the loss forward's arithmetic (one more forward); the KL penalty keeps the float32 ones,
+                        # like the reference's
+                        ppo_logprobs, ppo_values = training_logprobs_and_values(
+                            learner, query_responses, context_length, pad_id, task.temperature, sizes.micro
+                        )
                 # the frozen reference policy's log-probs, --rollout_micro_batch_size rows per forward
                 with reference() as ref_policy:
                     ref_logprobs = reference_logprobs(
@@ -1010,9 +1021,7 @@ def main(args: Args) -> list[dict[str, float]]:
                 group["lr"] = lr_now
             # with --task.end_at_eos the rollout carries where each response ends (nplus N20)
             rollout = Rollout(query_responses, context_length, ppo_logprobs, ppo_values, rewards, masks)
-            ppo_stats = ppo_update(
-                learner, optimizer, accelerator, rollout, indices, sizes, ppo, task.temperature, pad_id
-            )
+            ppo_stats = ppo_update(trained, optimizer, rollout, indices, sizes, ppo, task.temperature, pad_id)
             timer.mark()
 
             # 6. statistics under OAI's names (spec §4.1), all processes, one device-to-host copy; with end_at_eos

@@ -113,6 +113,10 @@ class Args:
     bf16: bool = False
     """run the transformer of the training forward passes under bfloat16 autocast (weights, optimizer, heads, logits,
     sampling and scoring stay float32): less memory, faster on GPUs with bf16; off: float32 throughout, as OAI"""
+    fsdp: bool = False
+    """shard the reward model over the processes with FSDP2, each transformer block a unit: every process holds 1/N of
+    its weights, gradients and Adam moments; the sampling policy of the normalizations stays whole on every process
+    (docs/multiprocess.md); off: every process holds everything and DDP averages the gradients, as OAI's ranks"""
     tf32: bool = False
     """run float32 matmuls on TF32 tensor cores (NVIDIA Ampere or newer: A100, H100): GEMMs ~5-7x faster, with
     relative errors up to ~1e-3 (docs/gpu.md); off: full float32, as OAI trained"""
@@ -418,10 +422,11 @@ def main(args: Args) -> dict:
     ref_policy = PolicyWithValueHead(load_causal_lm(args.base_model)).to(accelerator.device).requires_grad_(False)
     # gain and bias are trained too (their effect is reset by normalize_after)
     # https://github.com/openai/lm-human-preferences/blob/cbfd210bb8b08f6bc5c26878c10984b90f516c66/lm_human_preferences/rewards.py#L69-L71
+    # the module the label loss's forwards run through: DDP averages its gradients over processes (spec O4), or
+    # --fsdp shards it
+    trained = distributed.data_parallel(reward_model, accelerator, args.fsdp)
     params = list(reward_model.parameters())
     optimizer = make_optimizer(params, args.lr, args.use_tensorflow_adam, args.weight_decay)
-    # gradients averaged over processes (spec O4), started during each step's last backward
-    gradients = distributed.GradientAverager(params, accelerator)
     texts = load_texts(args.task.query_dataset, args.task.query_split)
     query_stream = QueryStream(texts, tokenizer, args.task, rank, world, args.data_seed)
     affixes = encode_context_affixes(tokenizer, args.task)
@@ -475,7 +480,7 @@ def main(args: Args) -> dict:
     seen = []
     progress = reward_plumbing.progress_bar(console, accelerator)
     # Ctrl-C or SIGTERM during training: the step in progress finishes, a checkpoint is saved, the run stops
-    with progress, loop.saving(save, gradients.close, tracker.close):
+    with progress, loop.saving(save, tracker.close):
         bar = progress.add_task("train", total=sizes.steps, stats="", completed=loop.first_step)
         for step, start in enumerate(range(0, args.labels.num_train, args.batch_size)):
             if step < loop.first_step:  # trained before the checkpoint this run resumed from
@@ -496,18 +501,17 @@ def main(args: Args) -> dict:
             for query, samples, micro_label in zip(
                 queries.split(sizes.micro), all_samples.split(sizes.micro), label.split(sizes.micro)
             ):
-                # queries of label files start with a real token (checked on loading): no check, no host sync
-                rewards = score_label_rows(reward_model, query, samples, pad_id, check_first_token=False)  # (b, S)
-                loss = label_loss(label_type, rewards, micro_label)["loss"]
-                if len(step_rewards) == accum - 1:
-                    gradients.launch_in_next_backward()  # the last micro-batch's backward overlaps the all-reduces
-                (loss / accum).backward()
+                # the last micro-batch's backward averages the gradients over processes (spec O4), overlapped with it
+                with distributed.averaging_gradients(trained, len(step_rewards) == accum - 1):
+                    # queries of label files start with a real token (checked on loading): no check, no host sync
+                    rewards = score_label_rows(trained, query, samples, pad_id, check_first_token=False)  # (b, S)
+                    loss = label_loss(label_type, rewards, micro_label)["loss"]
+                    (loss / accum).backward()
                 step_rewards.append(rewards.detach())
-            # gradients averaged over processes, then one Adam step (spec O4)
-            gradients.average()
+            # the gradients averaged over processes, then one Adam step (spec O4)
             nonfinite_gradients = validation.nonfinite_tensors(p.grad for p in params if p.grad is not None)
             optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
+            distributed.clear_gradients(optimizer, trained)
             # OAI's statistics of the label type on this process's labels (best-of-N: loss = error, the cross-entropy),
             # averaged over processes, under train_reward/minibatch/
             # https://github.com/openai/lm-human-preferences/blob/cbfd210bb8b08f6bc5c26878c10984b90f516c66/lm_human_preferences/train_reward.py#L124-L146

@@ -132,6 +132,17 @@ def next_token_loss_sum(
     return F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=IGNORE_INDEX, reduction="sum")
 
 
+class NextTokenLoss(torch.nn.Module):
+    """`next_token_loss_sum` of `model` as a module's forward: DDP averages the gradients of the forwards it runs."""
+
+    def __init__(self, model: PreTrainedModel):
+        super().__init__()
+        self.model = model
+
+    def forward(self, tokens: torch.Tensor, loss_mask: torch.Tensor, pad_id: int, bf16: bool) -> torch.Tensor:
+        return next_token_loss_sum(self.model, tokens, loss_mask, pad_id, bf16)
+
+
 def make_optimizer(model: PreTrainedModel, args: Args) -> torch.optim.Optimizer:
     """torch's AdamW, betas (0.9, 0.999), with --eps and --weight_decay (nplus N8)."""
     # https://github.com/vwxyzjn/summarize_from_feedback_details/blob/ee77a9abc31f5338365ee087945c5bcafac7f1ca/summarize_from_feedback_details/sft.py#L347-L356
@@ -194,9 +205,9 @@ def main(args: Args) -> dict:
     model = load_causal_lm(args.base_model).to(accelerator.device)
     sft.check_token_ids(data, model.config.vocab_size, pad_id, args.base_model)
     distributed.broadcast_parameters(model, accelerator)
+    trained = distributed.data_parallel(NextTokenLoss(model), accelerator)  # DDP: gradients averaged over processes
     optimizer = make_optimizer(model, args)
     params = [p for p in model.parameters() if p.requires_grad]
-    gradients = distributed.GradientAverager(params, accelerator)
     # the one shuffle, the same on every process; a step trains on the next batch_size rows, process r on every
     # world-th of them (SFD's DataLoader with 1 pair per process and micro-batch gives the same split, nplus N9)
     order = sft.data_order(len(data.tokens), args.seed)
@@ -227,7 +238,7 @@ def main(args: Args) -> dict:
     loss_value = None
     progress = sft.progress_bar(console, accelerator)
     # Ctrl-C or SIGTERM during training: the step in progress finishes, a checkpoint is saved, the run stops
-    with progress, loop.saving(save, gradients.close, tracker.close):
+    with progress, loop.saving(save, tracker.close):
         bar = progress.add_task("train", total=sizes.steps, stats="", completed=loop.first_step)
         for step in range(loop.first_step, sizes.steps):
             # cosine from lr to 0 over the run's steps, no warm-up, one value per optimizer step (nplus N8)
@@ -249,16 +260,15 @@ def main(args: Args) -> dict:
             for micro, (micro_tokens, micro_mask) in enumerate(
                 zip(tokens.split(sizes.micro), loss_mask.split(sizes.micro))
             ):
-                micro_sum = next_token_loss_sum(model, micro_tokens, micro_mask, pad_id, args.bf16)
-                if micro == accum - 1:
-                    gradients.launch_in_next_backward()  # the last micro-batch's backward overlaps the all-reduces
-                # the processes' gradients are averaged: world x this process's share of the global token mean
-                (micro_sum * (world / counted)).backward()
+                # the last micro-batch's backward averages the gradients over processes, overlapped with it
+                with distributed.averaging_gradients(trained, micro == accum - 1):
+                    micro_sum = trained(micro_tokens, micro_mask, pad_id, args.bf16)
+                    # the processes' gradients are averaged: world x this process's share of the global token mean
+                    (micro_sum * (world / counted)).backward()
                 loss_sum += micro_sum.detach()
-            gradients.average()
             nonfinite_gradients = validation.nonfinite_tensors(p.grad for p in params if p.grad is not None)
             optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
+            distributed.clear_gradients(optimizer, trained)
             local_stats = {
                 "train/loss": loss_sum * (world / counted),  # averaged over processes: the global token mean
                 "nonfinite/loss": validation.nonfinite_count([loss_sum]),

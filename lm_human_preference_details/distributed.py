@@ -1,10 +1,12 @@
-"""Several processes as one run: the accelerator and its launch check, gradients averaged over processes
-(all-reduces overlapped with the backward), rank 0's weights broadcast at the start."""
+"""Several processes as one run: the accelerator and its launch check, rank 0's weights broadcast at the start, and
+PyTorch's engines for the rest: DistributedDataParallel averages the gradients over processes, or FSDP2 shards the
+trained model over them (`--fsdp`)."""
 
+import contextlib
 import math
 import os
 import sys
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping
 from datetime import timedelta
 from typing import Any
 
@@ -12,6 +14,8 @@ import torch
 import torch.distributed as dist
 from accelerate import Accelerator
 from accelerate.utils import InitProcessGroupKwargs
+from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.nn.parallel import DistributedDataParallel
 
 DIST_TIMEOUT = 1800.0
 """Seconds a process waits in a collective for the others before it stops with an error (torch's gloo default)."""
@@ -88,93 +92,76 @@ def _coalesced(tensors: list[torch.Tensor], collective: Callable[[torch.Tensor],
         torch._foreach_copy_(group, [chunk.view_as(t) for chunk, t in zip(chunks, group)])
 
 
-BUCKET_BYTES = 25 * 2**20
-"""Gradient bytes per all-reduce bucket (DDP's default): large enough for full bandwidth, small enough to overlap."""
+def transformer_blocks(module: torch.nn.Module) -> list[torch.nn.Module]:
+    """The transformer blocks inside `module` (of every Hugging Face model in it): the classes its models name in
+    `_no_split_modules` (GPT2Block, LlamaDecoderLayer, GPTNeoXLayer, ...), the unit FSDP2 shards and gathers."""
+    names = {name for m in module.modules() for name in (getattr(m, "_no_split_modules", None) or [])}
+    return [m for m in module.modules() if type(m).__name__ in names]
 
 
-class GradientAverager:
-    """Averages `.grad` over all processes (spec O4), the all-reduces overlapped with the backward that completes them.
+def data_parallel(module: torch.nn.Module, accelerator: Any, fsdp: bool = False) -> torch.nn.Module:
+    """The module that training forwards run through, so that each optimizer step sees the mean of every process's
+    gradients (spec O4): `module` itself in one process; else torch's DistributedDataParallel around it, or with
+    `fsdp` the module itself sharded in place by FSDP2, each transformer block its own unit (`fully_shard`: its
+    parameters become DTensors, each process holding 1/N of every weight, gradient and optimizer moment).
 
-    Gradients are grouped into buckets of about BUCKET_BYTES (one dtype each, in reverse parameter order, the order in
-    which the backward produces them). During a backward armed by `launch_in_next_backward` (the last micro-batch's),
-    post-accumulate-grad hooks start each bucket's asynchronous all-reduce as soon as all its gradients are complete;
-    buckets start in bucket order on every process, so the collectives line up. `average` starts the buckets the
-    backward did not complete (gradients that never arrived count as zeros and stay None), waits for all of them and
-    divides the sums in place: each `.grad` is then a view of its bucket's buffer, which holds the mean. A single
-    process registers no hook and does nothing.
-    """
+    Every process must hold rank 0's weights already (`broadcast_parameters`): DDP skips its own initial broadcast.
+    Its gradients are views of its all-reduce buckets (clear them with `clear_gradients`, not `set_to_none`)."""
+    if accelerator.num_processes == 1:
+        return module
+    if fsdp:
+        for block in transformer_blocks(module):
+            fully_shard(block)
+        fully_shard(module)
+        # FSDP2 takes the first unit to run as its root; the rollout runs blocks without the root's forward
+        fully_shard.state(module)._lazy_init()
+        return module
+    device = accelerator.device
+    return DistributedDataParallel(
+        module,
+        device_ids=[device.index] if device.type == "cuda" else None,
+        init_sync=False,
+        forward_sync_buffers=False,  # no trained buffers: nothing to broadcast at each forward
+        gradient_as_bucket_view=True,  # the gradients are the buckets: no second gradient-sized copy
+    )
 
-    def __init__(self, params: Sequence[torch.nn.Parameter], accelerator: Any, bucket_bytes: int | None = None):
-        """`bucket_bytes`: the size of a bucket (None: BUCKET_BYTES)."""
-        bucket_bytes = bucket_bytes or BUCKET_BYTES
-        self.world_size = accelerator.num_processes
-        self.buckets: list[list[torch.nn.Parameter]] = []
-        self.hooks: list[Any] = []
-        if self.world_size == 1:
-            return
-        trainable = [p for p in reversed(list(params)) if p.requires_grad]
-        for dtype in dict.fromkeys(p.dtype for p in trainable):
-            bucket, size = [], 0
-            for p in (p for p in trainable if p.dtype == dtype):
-                if bucket and size + p.numel() * p.element_size() > bucket_bytes:
-                    self.buckets.append(bucket)
-                    bucket, size = [], 0
-                bucket.append(p)
-                size += p.numel() * p.element_size()
-            self.buckets.append(bucket)
-        self.bucket_of = {id(p): i for i, bucket in enumerate(self.buckets) for p in bucket}
-        self.hooks = [p.register_post_accumulate_grad_hook(self._gradient_ready) for b in self.buckets for p in b]
-        self._reset()
 
-    def _reset(self) -> None:
-        """Disarmed, nothing in flight."""
-        self.armed = False
-        self.missing = [len(bucket) for bucket in self.buckets]  # gradients each bucket still waits for
-        self.in_flight: list[tuple[torch.Tensor, Any]] = []  # (flat bucket, all-reduce work), in bucket order
+@contextlib.contextmanager
+def averaging_gradients(trained: torch.nn.Module, average: bool) -> Iterator[None]:
+    """Around a micro-batch's forward and backward through `trained` (from `data_parallel`): with `average` its
+    backward averages the accumulated gradients over processes (overlapped with the backward: DDP's buckets, FSDP2's
+    reduce-scatters); without, the gradients only accumulate in this process (the micro-batches before the last)."""
+    if isinstance(trained, DistributedDataParallel) and not average:
+        with trained.no_sync():
+            yield
+        return
+    if isinstance(trained, FSDPModule):
+        trained.set_requires_gradient_sync(average)
+    yield
 
-    def launch_in_next_backward(self) -> None:
-        """Start the all-reduces during the next backward (the last one before `average`)."""
-        self.armed = self.world_size > 1
 
-    def _gradient_ready(self, param: torch.nn.Parameter) -> None:
-        """Post-accumulate-grad hook: count `param` in; start every complete bucket whose predecessors have started."""
-        if not self.armed:
-            return
-        self.missing[self.bucket_of[id(param)]] -= 1
-        while len(self.in_flight) < len(self.buckets) and self.missing[len(self.in_flight)] == 0:
-            self._launch(len(self.in_flight))
+def clear_gradients(optimizer: torch.optim.Optimizer, trained: torch.nn.Module) -> None:
+    """`optimizer.zero_grad()` after its step: the gradients freed (None), except DDP's, views of its all-reduce
+    buckets, which are zeroed in place so that they stay the buckets (0 + g is g: the next step is the same)."""
+    optimizer.zero_grad(set_to_none=not isinstance(trained, DistributedDataParallel))
 
-    def _launch(self, index: int) -> None:
-        """Start the asynchronous sum of bucket `index` over processes, in place in one flat buffer: the bucket's
-        gradients are copied into it and then are views of it, so the old ones are freed and no second copy of the
-        gradients builds up while the all-reduces run."""
-        bucket = self.buckets[index]
-        flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in bucket])
-        for p, chunk in zip(bucket, flat.split([p.numel() for p in bucket])):
-            if p.grad is not None:
-                p.grad = chunk.view_as(p)
-        self.in_flight.append((flat, dist.all_reduce(flat, op=dist.ReduceOp.SUM, async_op=True)))
 
-    @torch.no_grad()
-    def average(self) -> None:
-        """Start the buckets not started yet, wait for every all-reduce, write the means into `.grad`."""
-        # OAI averages gradients over MPI ranks (allreduce-sum, then times 1 / size) before the Adam update
-        # https://github.com/openai/lm-human-preferences/blob/cbfd210bb8b08f6bc5c26878c10984b90f516c66/lm_human_preferences/utils/core.py#L485-L489
-        # https://github.com/openai/lm-human-preferences/blob/cbfd210bb8b08f6bc5c26878c10984b90f516c66/lm_human_preferences/utils/core.py#L626
-        if self.world_size == 1:
-            return
-        for index in range(len(self.in_flight), len(self.buckets)):
-            self._launch(index)
-        for flat, work in self.in_flight:
-            work.wait()  # on GPUs: the current stream waits for the all-reduce, the host does not
-            flat.div_(self.world_size)  # the bucket's gradients are views of `flat`
-        self._reset()
-
-    def close(self) -> None:
-        """Remove the hooks."""
-        for hook in self.hooks:
-            hook.remove()
-        self.hooks = []
+@contextlib.contextmanager
+def gathered(module: torch.nn.Module) -> Iterator[None]:
+    """Inside, an FSDP2-sharded `module` holds every weight whole: each unit all-gathered once, not again at every
+    forward (a rollout's decoding steps call the trunk once per token), then sharded again; otherwise nothing."""
+    units = [m for m in module.modules() if isinstance(m, FSDPModule)]
+    for unit in units:
+        unit.unshard()
+        if unit is not module:
+            unit.set_reshard_after_forward(False, recurse=False)
+    try:
+        yield
+    finally:
+        for unit in units:
+            if unit is not module:
+                unit.set_reshard_after_forward(True, recurse=False)
+            unit.reshard()
 
 
 def broadcast_parameters(module: torch.nn.Module, accelerator: Any) -> None:

@@ -365,13 +365,13 @@ def _tempered_logits(lm: PreTrainedModel, hidden: torch.Tensor, pad_id: int, tem
     # https://github.com/openai/lm-human-preferences/blob/cbfd210bb8b08f6bc5c26878c10984b90f516c66/lm_human_preferences/policy.py#L119-L121
     # logits sliced to the model vocab so special tokens outside it cannot be produced
     # https://github.com/openai/lm-human-preferences/blob/cbfd210bb8b08f6bc5c26878c10984b90f516c66/lm_human_preferences/policy.py#L58-L59
-    logits = lm.get_output_embeddings()(hidden / temperature)[..., :vocab_size].float()
+    logits = lm.get_output_embeddings()(hidden / temperature).float()
     if 0 <= pad_id < vocab_size:
         # DEVIATION (pad-logit): OAI's PAD lies outside the vocab; a PAD inside it gets the most negative finite logit
         # (probability exactly 0, while entropies stay finite, unlike -inf); in place, the head's backward needs
-        # only its inputs
+        # only its inputs, and before the slice: FSDP2 cannot hook a module output that is a view written in place
         logits[..., pad_id] = torch.finfo(logits.dtype).min
-    return logits
+    return logits[..., :vocab_size]
 
 
 class PolicyWithValueHead(nn.Module):

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import train_policy
-from lm_human_preference_details import distributed, rewards
+from lm_human_preference_details import rewards
 from lm_human_preference_details.modeling import PolicyWithValueHead
 from lm_human_preference_details.sizes import derive_sizes
 from lm_human_preference_details.tasks import (
@@ -287,9 +287,7 @@ def test_ppo_update_masks_new_logprobs_values_and_the_loss_means(monkeypatch):
 
     monkeypatch.setattr(train_policy, "ppo_losses", recording_losses)
     optimizer = train_policy.make_optimizer(list(policy.parameters()), 1e-2, True)
-    train_policy.ppo_update(
-        policy, optimizer, distributed.make_accelerator(), rollout, indices, sizes, args.ppo, temperature, PAD
-    )
+    train_policy.ppo_update(policy, optimizer, rollout, indices, sizes, args.ppo, temperature, PAD)
     assert len(calls) == 2 * 2
     ends = masks.ends.tolist()
     clipped = {"pg": [], "vf": []}

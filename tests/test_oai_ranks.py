@@ -104,7 +104,8 @@ for epoch in range(2):
         whitened[epoch, k, local[rows], 0], whitened[epoch, k, local[rows], 1] = w_rewards, w_advantages
 policy = PolicyWithValueHead(tiny_gpt2(seed=0))
 optimizer = make_optimizer(list(policy.parameters()), 1e-3, True)
-stats = tp.ppo_update(policy, optimizer, accelerator, rollout, torch.from_numpy(indices), sizes, args.ppo, 0.7, 50257)
+trained = distributed.data_parallel(policy, accelerator)
+stats = tp.ppo_update(trained, optimizer, rollout, torch.from_numpy(indices), sizes, args.ppo, 0.7, 50257)
 stats = tp.reduce_stats(stats.local(), accelerator)
 np.save(f"{{out}}/whitened{{rank}}.npy", whitened)
 json.dump(stats, open(f"{{out}}/stats{{rank}}.json", "w"))

@@ -410,7 +410,8 @@ for epoch in range(3):
         whitened[epoch, k, local[rows], 0], whitened[epoch, k, local[rows], 1] = w_rewards, w_advantages
 policy = PolicyWithValueHead(tiny_gpt2(seed=0))
 optimizer = make_optimizer(list(policy.parameters()), 1e-3, True)
-stats = tp.ppo_update(policy, optimizer, accelerator, rollout, torch.from_numpy(indices), sizes, args.ppo, 0.7, 50257)
+trained = distributed.data_parallel(policy, accelerator)
+stats = tp.ppo_update(trained, optimizer, rollout, torch.from_numpy(indices), sizes, args.ppo, 0.7, 50257)
 stats = tp.reduce_stats(stats.local(), accelerator)
 np.save(f"{{out}}/whitened{{rank}}.npy", whitened)
 json.dump(stats, open(f"{{out}}/stats{{rank}}.json", "w"))
@@ -837,7 +838,7 @@ def recorded_ppo_update(monkeypatch, **ppo) -> tuple[dict, list[dict], list[torc
     monkeypatch.setattr(PolicyWithValueHead, "forward", recording_forward)
     optimizer = train_policy.make_optimizer(list(policy.parameters()), 1e-2, True)
     accelerator = distributed.make_accelerator()
-    stats = train_policy.ppo_update(policy, optimizer, accelerator, rollout, indices, sizes, args.ppo, temperature, PAD)
+    stats = train_policy.ppo_update(policy, optimizer, rollout, indices, sizes, args.ppo, temperature, PAD)
     return train_policy.reduce_stats(stats.local(), accelerator), calls, entropies
 
 
