@@ -398,9 +398,15 @@ def _sha256(path: str) -> str:
 
 
 def file_digests(directory: str) -> dict[str, dict[str, Any]]:
-    """{name: {"bytes", "sha256"}} of every file in a checkpoint directory but checkpoint.json, which records them."""
-    paths = {name: os.path.join(directory, name) for name in sorted(os.listdir(directory)) if name != META_FILE}
-    return {name: {"bytes": os.path.getsize(path), "sha256": _sha256(path)} for name, path in paths.items()}
+    """{name: {"bytes", "sha256"}} of every file in a checkpoint directory but checkpoint.json, which records them;
+    a file in a subdirectory (the sharded weights of an --fsdp run) is named by its relative path."""
+    paths = {
+        os.path.relpath(os.path.join(root, name), directory): os.path.join(root, name)
+        for root, _, names in os.walk(directory)
+        for name in names
+    }
+    paths.pop(META_FILE, None)
+    return {name: {"bytes": os.path.getsize(paths[name]), "sha256": _sha256(paths[name])} for name in sorted(paths)}
 
 
 @dataclass
