@@ -114,9 +114,10 @@ class Args:
     """run the transformer of the training forward passes under bfloat16 autocast (weights, optimizer, heads, logits,
     sampling and scoring stay float32): less memory, faster on GPUs with bf16; off: float32 throughout, as OAI"""
     fsdp: bool = False
-    """shard the reward model over the processes with FSDP2, each transformer block a unit: every process holds 1/N of
-    its weights, gradients and Adam moments; the sampling policy of the normalizations stays whole on every process
-    (docs/multiprocess.md); off: every process holds everything and DDP averages the gradients, as OAI's ranks"""
+    """shard the trained model (train_policy.py: the policy and a critic; train_reward.py: the reward model) over the
+    processes with FSDP2, each transformer block a unit: every process holds 1/N of its weights, gradients and Adam
+    moments, gathered once per rollout; the frozen models stay whole on every process (docs/multiprocess.md); off:
+    every process holds everything and DDP averages the gradients, as OAI's ranks"""
     tf32: bool = False
     """run float32 matmuls on TF32 tensor cores (NVIDIA Ampere or newer: A100, H100): GEMMs ~5-7x faster, with
     relative errors up to ~1e-3 (docs/gpu.md); off: full float32, as OAI trained"""
