@@ -4,6 +4,7 @@ the tensors each step produces, and re-derive expected values independently (Num
 The recorders wrap the project's public functions and classes; they never change what those return.
 """
 
+import contextlib
 import copy
 import functools
 import inspect
@@ -134,32 +135,30 @@ def patch_everywhere(monkeypatch, name: str, make, modules) -> None:
     assert patched, f"none of {[m.__name__ for m in modules]} has {name}"
 
 
-def recorded_averager(recorder: Recorder) -> type:
-    """A GradientAverager whose `average` is a recorded no-op, logged as `allreduce_gradients` with its parameters."""
+def recorded_averaging(recorder: Recorder):
+    """`distributed.averaging_gradients` of the pretended ranks: the micro-batch runs as it does; one that averages
+    (the optimizer step's last) is logged as `allreduce_gradients` with the trained module's parameters once its
+    backward is done, where DDP's all-reduces of the last buckets finish, before the step."""
 
-    class RecordedAverager:
-        def __init__(self, params, accelerator):
-            self.params = list(params)
+    @contextlib.contextmanager
+    def averaging_gradients(trained: torch.nn.Module, average: bool):
+        yield
+        if average:
+            recorder.events.append(Event("allreduce_gradients", {"params": list(trained.parameters())}))
 
-        def launch_in_next_backward(self) -> None:
-            pass
-
-        def average(self) -> None:
-            recorder.events.append(Event("allreduce_gradients", {"params": self.params}))
-
-        def close(self) -> None:
-            pass
-
-    return RecordedAverager
+    return averaging_gradients
 
 
 def patch_collectives(monkeypatch, recorder: Recorder, modules) -> None:
     """Weight broadcasts and gradient all-reduces become recorded no-ops (the pretended ranks hold equal weights and
-    equal gradients, so the real collectives would not change them); the run name skips its broadcast."""
+    equal gradients, so the real collectives would not change them): `data_parallel` returns the module itself (no
+    process group to build DDP on), `averaging_gradients` records where the average happens; the run name skips its
+    broadcast."""
     patch_everywhere(
         monkeypatch, "broadcast_parameters", lambda fn: recorder.wrap("broadcast_parameters", fn, call=False), modules
     )
-    patch_everywhere(monkeypatch, "GradientAverager", lambda cls: recorded_averager(recorder), modules)
+    patch_everywhere(monkeypatch, "data_parallel", lambda fn: lambda module, accelerator, fsdp=False: module, modules)
+    patch_everywhere(monkeypatch, "averaging_gradients", lambda fn: recorded_averaging(recorder), modules)
     patch_everywhere(monkeypatch, "run_name", lambda fn: lambda accelerator, *parts: "fidelity-run", modules)
 
 
