@@ -135,30 +135,37 @@ def patch_everywhere(monkeypatch, name: str, make, modules) -> None:
     assert patched, f"none of {[m.__name__ for m in modules]} has {name}"
 
 
-def recorded_averaging(recorder: Recorder):
-    """`distributed.averaging_gradients` of the pretended ranks: the micro-batch runs as it does; one that averages
-    (the optimizer step's last) is logged as `allreduce_gradients` with the trained module's parameters once its
-    backward is done, where DDP's all-reduces of the last buckets finish, before the step."""
+def recorded_data_parallel(recorder: Recorder) -> tuple:
+    """`distributed.data_parallel` and `distributed.averaging_gradients` of the pretended ranks: the module itself is
+    the data-parallel module (no process group to build DDP on); a micro-batch through it that averages (an optimizer
+    step's last) is logged as `allreduce_gradients` with the module's parameters once its backward is done, where
+    DDP's all-reduces of the last buckets finish, before the step. A module that did not come from `data_parallel`
+    averages nothing, as a module outside DDP."""
+    wrapped = set()
+
+    def data_parallel(module: torch.nn.Module, accelerator, fsdp: bool = False) -> torch.nn.Module:
+        wrapped.add(id(module))
+        return module
 
     @contextlib.contextmanager
     def averaging_gradients(trained: torch.nn.Module, average: bool):
         yield
-        if average:
+        if average and id(trained) in wrapped:
             recorder.events.append(Event("allreduce_gradients", {"params": list(trained.parameters())}))
 
-    return averaging_gradients
+    return data_parallel, averaging_gradients
 
 
 def patch_collectives(monkeypatch, recorder: Recorder, modules) -> None:
     """Weight broadcasts and gradient all-reduces become recorded no-ops (the pretended ranks hold equal weights and
-    equal gradients, so the real collectives would not change them): `data_parallel` returns the module itself (no
-    process group to build DDP on), `averaging_gradients` records where the average happens; the run name skips its
+    equal gradients, so the real collectives would not change them; `recorded_data_parallel`); the run name skips its
     broadcast."""
     patch_everywhere(
         monkeypatch, "broadcast_parameters", lambda fn: recorder.wrap("broadcast_parameters", fn, call=False), modules
     )
-    patch_everywhere(monkeypatch, "data_parallel", lambda fn: lambda module, accelerator, fsdp=False: module, modules)
-    patch_everywhere(monkeypatch, "averaging_gradients", lambda fn: recorded_averaging(recorder), modules)
+    data_parallel, averaging_gradients = recorded_data_parallel(recorder)
+    patch_everywhere(monkeypatch, "data_parallel", lambda fn: data_parallel, modules)
+    patch_everywhere(monkeypatch, "averaging_gradients", lambda fn: averaging_gradients, modules)
     patch_everywhere(monkeypatch, "run_name", lambda fn: lambda accelerator, *parts: "fidelity-run", modules)
 
 
