@@ -1,14 +1,18 @@
-"""Time per optimizer step of a random GPT-2 under several processes: the gradient all-reduce overlapped with the
-backward (distributed.GradientAverager, what the training scripts run) against one flattened all-reduce after it.
+"""Time per optimizer step of a random GPT-2 under several processes: PyTorch's DistributedDataParallel (what the
+training scripts run: `distributed.data_parallel`) against one flattened all-reduce after the backward, and against a
+hand-written bucketed all-reduce overlapped with the backward (the project's averager before DDP, kept here only to be
+compared).
 
     torchrun --nproc_per_node 2 benchmark/allreduce_overlap.py --model gpt2-124m --steps 5
     torchrun --nproc_per_node 8 benchmark/allreduce_overlap.py --model gpt2-124m   # one process per GPU
 
 One step = forward of `--rows` rows of `--tokens` tokens, the LM loss, backward, the gradients averaged over processes,
-a TF-style Adam step: the shape of a PPO or reward optimizer step. `after` all-reduces every gradient in one flat
-buffer once the backward has finished (the code before the overlap); `overlap` starts bucketed asynchronous all-reduces
-from post-accumulate-grad hooks while the backward runs and waits for them before the Adam step. Both give identical
-gradients (tests/test_allreduce.py). On CPU the processes use gloo, on GPUs NCCL.
+a TF-style Adam step: the shape of a PPO or reward optimizer step. `ddp`: the forward through DDP, whose buckets of
+25 MiB (the first 1 MiB) start their asynchronous all-reduces while the backward runs, the gradients views of the
+buckets, zeroed in place after the step (`distributed.clear_gradients`); `after`: every gradient in one flat buffer,
+all-reduced once the backward has finished; `hand`: buckets of 25 MiB started from post-accumulate-grad hooks and waited
+for before the step. All give the mean of the processes' gradients (tests/test_allreduce.py, tests/test_core.py). On
+CPU the processes use gloo, on GPUs NCCL.
 """
 
 import os
@@ -27,6 +31,9 @@ from benchmark.shapes import gpt2_config  # noqa: E402
 from lm_human_preference_details import cli, distributed  # noqa: E402
 from lm_human_preference_details.optim import AdamTensorFlowStyle  # noqa: E402
 
+HAND_BUCKET_BYTES = 25 * 2**20
+"""the hand-written averager's bucket size (DDP's default bucket_cap_mb)"""
+
 
 @dataclass
 class Args:
@@ -37,16 +44,16 @@ class Args:
     tokens: int = 88
     """tokens per row (OAI books tasks: 64 query + 24 response)"""
     steps: int = 5
-    """timed steps per mode (after 1 untimed one)"""
-    modes: tuple[Literal["after", "overlap"], ...] = ("after", "overlap", "after", "overlap")
-    """modes to time, in this order (alternated, so that load changes on a shared machine hit both); then one
-    all-reduce of the gradients' size alone, the time the overlap can hide at most"""
+    """timed steps per mode (after 2 untimed ones)"""
+    modes: tuple[Literal["ddp", "after", "hand"], ...] = ("ddp", "after", "hand", "ddp", "after", "hand")
+    """modes to time, in this order (alternated, so that load changes on a shared machine hit all); then one
+    all-reduce of the gradients' size alone, the time an overlap can hide at most"""
     threads: int = 1
     """torch intra-op CPU threads per process"""
 
 
 def flat_allreduce(params: list[torch.nn.Parameter], world_size: int) -> None:
-    """The averaging before the overlap: every gradient in one flat buffer, one all-reduce after the backward."""
+    """Every gradient in one flat buffer, one all-reduce after the backward."""
     grads = [p.grad for p in params if p.grad is not None]
     flat = torch.cat([g.reshape(-1) for g in grads])
     dist.all_reduce(flat)
@@ -54,36 +61,84 @@ def flat_allreduce(params: list[torch.nn.Parameter], world_size: int) -> None:
     torch._foreach_copy_(grads, [c.view_as(g) for c, g in zip(flat.split([g.numel() for g in grads]), grads)])
 
 
-def time_steps(args: Args, mode: str, model, optimizer, accelerator, tokens: torch.Tensor) -> np.ndarray:
-    """Seconds of each timed optimizer step in `mode`."""
+class HandAverager:
+    """Bucketed all-reduces overlapped with the backward, by hand: the gradients in buckets of HAND_BUCKET_BYTES in
+    reverse parameter order; post-accumulate-grad hooks start a bucket's asynchronous all-reduce once all its
+    gradients are complete (buckets in order on every process); `average` waits for them and divides in place."""
+
+    def __init__(self, params: list[torch.nn.Parameter], world_size: int):
+        self.world_size = world_size
+        self.buckets: list[list[torch.nn.Parameter]] = [[]]
+        size = 0
+        for p in reversed(params):
+            if self.buckets[-1] and size + p.numel() * p.element_size() > HAND_BUCKET_BYTES:
+                self.buckets.append([])
+                size = 0
+            self.buckets[-1].append(p)
+            size += p.numel() * p.element_size()
+        self.bucket_of = {id(p): i for i, bucket in enumerate(self.buckets) for p in bucket}
+        self.hooks = [p.register_post_accumulate_grad_hook(self._ready) for p in params]
+        self.missing = [len(bucket) for bucket in self.buckets]
+        self.in_flight: list[tuple[torch.Tensor, dist.Work]] = []
+
+    def _ready(self, param: torch.nn.Parameter) -> None:
+        self.missing[self.bucket_of[id(param)]] -= 1
+        while len(self.in_flight) < len(self.buckets) and self.missing[len(self.in_flight)] == 0:
+            bucket = self.buckets[len(self.in_flight)]
+            flat = torch.cat([p.grad.reshape(-1) for p in bucket])
+            for p, chunk in zip(bucket, flat.split([p.numel() for p in bucket])):
+                p.grad = chunk.view_as(p)  # the gradients become views of the bucket: no second copy
+            self.in_flight.append((flat, dist.all_reduce(flat, async_op=True)))
+
+    @torch.no_grad()
+    def average(self) -> None:
+        for flat, work in self.in_flight:
+            work.wait()
+            flat.div_(self.world_size)
+        self.missing = [len(bucket) for bucket in self.buckets]
+        self.in_flight = []
+
+    def close(self) -> None:
+        for hook in self.hooks:
+            hook.remove()
+
+
+def lm_loss(model: torch.nn.Module, tokens: torch.Tensor) -> torch.Tensor:
+    """The next-token prediction loss."""
+    logits = model(tokens).logits[:, :-1]
+    return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1))
+
+
+def time_steps(args: Args, mode: str, model, trained, optimizer, world_size: int, tokens: torch.Tensor) -> np.ndarray:
+    """Seconds of each timed optimizer step in `mode` (`trained`: DDP around `model`)."""
     params = list(model.parameters())
-    gradients = distributed.GradientAverager(params, accelerator) if mode == "overlap" else None
+    hand = HandAverager(params, world_size) if mode == "hand" else None
     seconds = []
-    for step in range(args.steps + 1):
+    for step in range(args.steps + 2):
         dist.barrier()
         start = time.perf_counter()
-        logits = model(tokens).logits[:, :-1]  # next-token prediction loss
-        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1))
-        if gradients is not None:
-            gradients.launch_in_next_backward()
-        loss.backward()
-        if gradients is not None:
-            gradients.average()
+        if mode == "ddp":
+            with distributed.averaging_gradients(trained, True):
+                lm_loss(trained, tokens).backward()
         else:
-            flat_allreduce(params, accelerator.num_processes)
+            lm_loss(model, tokens).backward()
+            hand.average() if hand is not None else flat_allreduce(params, world_size)
         optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        if mode == "ddp":
+            distributed.clear_gradients(optimizer, trained)
+        else:
+            optimizer.zero_grad(set_to_none=True)
         if tokens.is_cuda:
             torch.cuda.synchronize()
-        if step:
+        if step >= 2:  # DDP rebuilds its buckets at its second forward
             seconds.append(time.perf_counter() - start)
-    if gradients is not None:
-        gradients.close()
+    if hand is not None:
+        hand.close()
     return np.array(seconds)
 
 
 def time_allreduce(args: Args, model, cuda: bool) -> list[float]:
-    """Seconds of one all-reduce of a flat buffer as large as all gradients: what the overlap can hide."""
+    """Seconds of one all-reduce of a flat buffer as large as all gradients: what an overlap can hide."""
     flat = torch.zeros(sum(p.numel() for p in model.parameters()), device=next(model.parameters()).device)
     seconds = []
     for _ in range(args.steps):
@@ -103,22 +158,25 @@ def main(args: Args) -> None:
         raise ValueError("run it under torchrun (or accelerate launch) with --nproc_per_node 2 or more")
     torch.manual_seed(0)
     model = GPT2LMHeadModel(gpt2_config(args.model)).to(accelerator.device)
+    trained = distributed.data_parallel(model, accelerator)
     optimizer = AdamTensorFlowStyle(model.parameters(), lr=1e-5, eps=1e-5)
     generator = torch.Generator().manual_seed(accelerator.process_index)
     tokens = torch.randint(0, 50257, (args.rows, args.tokens), generator=generator).to(accelerator.device)
     results: dict[str, list[float]] = {}
     for mode in args.modes:
-        results.setdefault(mode, []).extend(time_steps(args, mode, model, optimizer, accelerator, tokens))
+        seconds = time_steps(args, mode, model, trained, optimizer, accelerator.num_processes, tokens)
+        results.setdefault(mode, []).extend(seconds)
     alone = time_allreduce(args, model, tokens.is_cuda)
     if accelerator.is_main_process:
         params = sum(p.numel() for p in model.parameters())
-        averager = distributed.GradientAverager(list(model.parameters()), accelerator)
-        buckets = len(averager.buckets)
-        averager.close()
+        ddp_buckets = trained._get_ddp_logging_data().get("rebuilt_bucket_sizes", "")
+        ddp_mib = ", ".join(f"{int(size) / 2**20:.1f}" for size in ddp_buckets.split(", ") if size)
+        hand_buckets = HandAverager(list(model.parameters()), accelerator.num_processes)
+        hand_buckets.close()
         print(
-            f"model {args.model} ({params / 1e6:.1f}M params, {params * 4 / 2**20:.0f} MiB of float32 gradients, "
-            f"{buckets} buckets of <= {distributed.BUCKET_BYTES / 2**20:.0f} MiB), "
-            f"{accelerator.num_processes} processes "
+            f"model {args.model} ({params / 1e6:.1f}M params, {params * 4 / 2**20:.0f} MiB of float32 gradients; "
+            f"DDP buckets of {ddp_mib} MiB, {len(hand_buckets.buckets)} hand buckets of <= "
+            f"{HAND_BUCKET_BYTES / 2**20:.0f} MiB), {accelerator.num_processes} processes "
             f"({dist.get_backend()}), {args.rows} x {args.tokens} tokens per process, {args.threads} thread(s); "
             f"load average {os.getloadavg()[0]:.2f}"
         )
@@ -128,6 +186,7 @@ def main(args: Args) -> None:
                 f"({len(seconds)} steps)"
             )
         print(f"one all-reduce of all gradients alone: min {min(alone):.3f} s, median {np.median(alone):.3f} s")
+    cli.end_process_group()  # a process that exits with its group up can abort in its teardown
 
 
 if __name__ == "__main__":

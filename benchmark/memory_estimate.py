@@ -18,7 +18,7 @@ downloaded or allocated, see benchmark/lora_memory.py); the rest is arithmetic o
   them in bfloat16; with --gradient_checkpointing the blocks' inputs plus one block recomputed; a critic's trunk stores
   as many again), its (b, L, V) logits,
   softmax and logit gradient; then the optimizer step's temporaries (one STEP_BUCKET_BYTES bucket or the largest
-  parameter) and the all-reduce's bucket.
+  parameter); DDP's all-reduce buckets are the gradients themselves.
 Activations are a rule-of-thumb estimate (no attention matrix: SDPA); allocator fragmentation and the CUDA context
 are covered by --headroom_gib. Measure a real run with benchmark/policy_throughput.py (peak memory line).
 """
@@ -37,7 +37,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import train_policy  # noqa: E402
 from benchmark.lora_memory import count, footprint  # noqa: E402
 from benchmark.shapes import SHAPES, gpt2_config  # noqa: E402
-from lm_human_preference_details import cli, distributed, optim, sizes  # noqa: E402
+from lm_human_preference_details import cli, optim, sizes  # noqa: E402
 from lm_human_preference_details.tasks import TASKS  # noqa: E402
 
 GIB = 2**30
@@ -121,8 +121,8 @@ def estimate(args: Args, shape: str, rollout_rows: int | None) -> dict[str, floa
         * activation_floats_per_token(width, layers, args.bf16, args.gradient_checkpointing)
         * FLOAT,
         "logits": 3 * micro * length * VOCAB * FLOAT,
-        "step temporaries": max(optim.STEP_BUCKET_BYTES, largest)
-        + (distributed.BUCKET_BYTES if args.processes > 1 else 0),
+        # several processes: DDP's all-reduce buckets are the gradients (gradient_as_bucket_view), nothing more
+        "step temporaries": max(optim.STEP_BUCKET_BYTES, largest),
     }
     held = parts["policy"] + parts["reference"] + parts["reward model"] + parts["critic"] + parts["Adam moments"]
     held += kv_cache if args.compile_sampler else 0

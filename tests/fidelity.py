@@ -4,6 +4,7 @@ the tensors each step produces, and re-derive expected values independently (Num
 The recorders wrap the project's public functions and classes; they never change what those return.
 """
 
+import contextlib
 import copy
 import functools
 import inspect
@@ -134,32 +135,37 @@ def patch_everywhere(monkeypatch, name: str, make, modules) -> None:
     assert patched, f"none of {[m.__name__ for m in modules]} has {name}"
 
 
-def recorded_averager(recorder: Recorder) -> type:
-    """A GradientAverager whose `average` is a recorded no-op, logged as `allreduce_gradients` with its parameters."""
+def recorded_data_parallel(recorder: Recorder) -> tuple:
+    """`distributed.data_parallel` and `distributed.averaging_gradients` of the pretended ranks: the module itself is
+    the data-parallel module (no process group to build DDP on); a micro-batch through it that averages (an optimizer
+    step's last) is logged as `allreduce_gradients` with the module's parameters once its backward is done, where
+    DDP's all-reduces of the last buckets finish, before the step. A module that did not come from `data_parallel`
+    averages nothing, as a module outside DDP."""
+    wrapped = set()
 
-    class RecordedAverager:
-        def __init__(self, params, accelerator):
-            self.params = list(params)
+    def data_parallel(module: torch.nn.Module, accelerator, fsdp: bool = False) -> torch.nn.Module:
+        wrapped.add(id(module))
+        return module
 
-        def launch_in_next_backward(self) -> None:
-            pass
+    @contextlib.contextmanager
+    def averaging_gradients(trained: torch.nn.Module, average: bool):
+        yield
+        if average and id(trained) in wrapped:
+            recorder.events.append(Event("allreduce_gradients", {"params": list(trained.parameters())}))
 
-        def average(self) -> None:
-            recorder.events.append(Event("allreduce_gradients", {"params": self.params}))
-
-        def close(self) -> None:
-            pass
-
-    return RecordedAverager
+    return data_parallel, averaging_gradients
 
 
 def patch_collectives(monkeypatch, recorder: Recorder, modules) -> None:
     """Weight broadcasts and gradient all-reduces become recorded no-ops (the pretended ranks hold equal weights and
-    equal gradients, so the real collectives would not change them); the run name skips its broadcast."""
+    equal gradients, so the real collectives would not change them; `recorded_data_parallel`); the run name skips its
+    broadcast."""
     patch_everywhere(
         monkeypatch, "broadcast_parameters", lambda fn: recorder.wrap("broadcast_parameters", fn, call=False), modules
     )
-    patch_everywhere(monkeypatch, "GradientAverager", lambda cls: recorded_averager(recorder), modules)
+    data_parallel, averaging_gradients = recorded_data_parallel(recorder)
+    patch_everywhere(monkeypatch, "data_parallel", lambda fn: data_parallel, modules)
+    patch_everywhere(monkeypatch, "averaging_gradients", lambda fn: averaging_gradients, modules)
     patch_everywhere(monkeypatch, "run_name", lambda fn: lambda accelerator, *parts: "fidelity-run", modules)
 
 

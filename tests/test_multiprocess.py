@@ -91,7 +91,7 @@ def run_all(commands: list[list[str]], timeout: float, log_dir: Path) -> tuple[l
 # ---------------------------------------------------------------- a failing rank ends the run
 
 FAILING_LAUNCHER = """
-import os, signal, sys, time
+import contextlib, os, signal, sys, time
 import torch
 sys.path.insert(0, {repo!r})
 from lm_human_preference_details import cli, distributed
@@ -99,24 +99,26 @@ import {script} as script
 
 mode, marker = sys.argv[1], sys.argv[2]
 calls = 0
-average = distributed.GradientAverager.average
+averaging_gradients = distributed.averaging_gradients
 
 
-def failing_average(self):
+@contextlib.contextmanager
+def failing_averaging(trained, average):
     global calls
-    calls += 1
-    if calls == 2 and torch.distributed.get_rank() == 1:  # rank 0 goes on into the step's next collective
+    calls += average
+    if average and calls == 2 and torch.distributed.get_rank() == 1:  # rank 0 goes on into the all-reduces
         with open(marker, "w") as f:
             f.write(str(time.time()))
         if mode == "raise":
             raise RuntimeError("injected failure of rank 1")
         if mode == "sigkill":
             os.kill(os.getpid(), signal.SIGKILL)
-        time.sleep(3600)  # stall: alive, but never waits for the all-reduce
-    average(self)
+        time.sleep(3600)  # stall: alive, but never joins the all-reduce
+    with averaging_gradients(trained, average):
+        yield
 
 
-distributed.GradientAverager.average = failing_average
+distributed.averaging_gradients = failing_averaging
 cli.run(script.main, script.parse, sys.argv[3:])
 """
 

@@ -92,6 +92,8 @@ KL_CONTROL = POLICY_RUN + "test_run_kl_controller_gets_the_global_kl_and_the_glo
 METRICS = POLICY_RUN + "test_run_logs_oai_metric_semantics"
 SCHEDULE = POLICY_RUN + "test_run_nupdates_round_up_and_lr_anneals_per_update"
 SYNC = POLICY_RUN + "test_run_syncs_weights_first_then_averages_gradients_before_every_step"
+ALLREDUCE_TESTS = "tests/test_allreduce.py::"
+ALLREDUCE = ALLREDUCE_TESTS + "test_overlapped_allreduce_gives_each_step_the_mean_of_the_processes_gradients"
 NORMALIZATION = REWARD_RUN + "test_reward_run_normalizes_on_raw_samples_of_the_pretrained_policy"
 LABEL_LOOP = REWARD_RUN + "test_reward_run_trains_one_epoch_in_rank_zero_order_with_rank_strided_slices"
 REWARD_LOGS = REWARD_RUN + "test_reward_run_logs_the_best_of_n_cross_entropy"
@@ -680,20 +682,78 @@ BREAKAGES = [
     Breakage(
         "O4-gradients-summed",
         "O4",
-        "gradients are summed over processes instead of averaged",
+        "gradients are summed over processes instead of averaged (a DDP comm hook that all-reduces without dividing)",
         "lm_human_preference_details/distributed.py",
-        "flat.div_(self.world_size)",
-        "flat.div_(1)",
+        "    return DistributedDataParallel(\n        module,\n",
+        "    def summed(*args, **kwargs):\n        ddp = DistributedDataParallel(*args, **kwargs)\n"
+        "        ddp.register_comm_hook(None, lambda _, bucket: dist.all_reduce(bucket.buffer(), async_op=True)"
+        ".get_future().then(lambda f: f.value()[0]))\n        return ddp\n\n    return summed(\n        module,\n",
         ["tests/test_core.py::test_allreduce_and_broadcast_two_processes"],
     ),
     Breakage(
         "O4-no-allreduce",
         "O4",
-        "the policy's gradients are not all-reduced before the optimizer step",
+        "the policy's gradients are not all-reduced before the optimizer step (PPO's forwards skip DDP)",
         TP,
-        "gradients = distributed.GradientAverager(params, accelerator)",
-        "gradients = distributed.GradientAverager([], accelerator)",
+        "trained = distributed.data_parallel(learner, accelerator, args.fsdp)",
+        "trained = learner",
         [SYNC],
+    ),
+    Breakage(
+        "O4-last-micro-batch-not-averaged",
+        "O4",
+        "the policy's micro-batches all run without DDP's gradient sync: no all-reduce before the step",
+        TP,
+        "with distributed.averaging_gradients(policy, last_micro):",
+        "with distributed.averaging_gradients(policy, False):",
+        [SYNC, ALLREDUCE],
+    ),
+    Breakage(
+        "O4-reward-no-allreduce",
+        "O4",
+        "the reward model's gradients are not all-reduced before the optimizer step (every micro-batch under no_sync)",
+        TR,
+        "with distributed.averaging_gradients(trained, len(step_rewards) == accum - 1):",
+        "with distributed.averaging_gradients(trained, False):",
+        [ALLREDUCE],
+    ),
+    Breakage(
+        "O4-allreduce-every-micro-batch",
+        "O4",
+        "every micro-batch's backward all-reduces the gradients (no no_sync): gradient accumulation communicates "
+        "accum times per step",
+        "lm_human_preference_details/distributed.py",
+        "if isinstance(trained, DistributedDataParallel) and not average:",
+        "if isinstance(trained, DistributedDataParallel) and False:",
+        ["tests/test_core.py::test_allreduce_and_broadcast_two_processes", ALLREDUCE],
+    ),
+    Breakage(
+        "O4-gradients-beside-buckets",
+        "O4",
+        "DDP copies the gradients into its buckets instead of making them views of them: a second gradient-sized copy",
+        "lm_human_preference_details/distributed.py",
+        "gradient_as_bucket_view=True,",
+        "gradient_as_bucket_view=False,",
+        [ALLREDUCE_TESTS + "test_ddp_gradients_are_its_buckets_and_a_step_allocates_no_second_copy"],
+    ),
+    Breakage(
+        "O4-ddp-gradients-set-to-none",
+        "O4",
+        "DDP's gradients are freed after each step: the next backward allocates fresh ones and copies them into the "
+        "buckets",
+        "lm_human_preference_details/distributed.py",
+        "optimizer.zero_grad(set_to_none=not isinstance(trained, DistributedDataParallel))",
+        "optimizer.zero_grad(set_to_none=True)",
+        [ALLREDUCE_TESTS + "test_ddp_gradients_are_its_buckets_and_a_step_allocates_no_second_copy"],
+    ),
+    Breakage(
+        "O4-ddp-gradients-not-cleared",
+        "O4",
+        "DDP's gradients are not cleared after a step: each step adds the previous steps' gradients",
+        "lm_human_preference_details/distributed.py",
+        "    optimizer.zero_grad(set_to_none=not isinstance(trained, DistributedDataParallel))",
+        "    if not isinstance(trained, DistributedDataParallel):\n        optimizer.zero_grad(set_to_none=True)",
+        [ALLREDUCE_TESTS + "test_ddp_steps_with_gradients_zeroed_in_place_equal_steps_with_gradients_set_to_none"],
     ),
     Breakage(
         "O5-reward-lr-schedule",
