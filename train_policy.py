@@ -898,12 +898,13 @@ def main(args: Args) -> list[dict[str, float]]:
         learner = nplus_critic.PolicyWithCritic(policy, critic)
     gold = args.rewards.gold_model  # a held-out judge of every rollout that never trains the policy
     gold_labeler = load_labeler(gold, tokenizer, pad_id, device, flag="--rewards.gold_model") if gold else None
-    critic_params = list(critic.parameters()) if critic is not None else []  # one optimizer for both (nplus N16)
     if args.fsdp:  # rank 0's host twins of the whole models for the saved directories, made before sharding
         ppo_plumbing.prepare_host_twins(loop.saves, accelerator, policy, *([critic] if critic is not None else []))
     # the module PPO's forwards run through: DDP averages its gradients over processes, or --fsdp shards it (spec O4)
     trained = distributed.data_parallel(learner, accelerator, args.fsdp)
+    # read after sharding: --fsdp replaces the parameters with their shards (DTensors)
     params = list(policy.parameters())
+    critic_params = list(critic.parameters()) if critic is not None else []  # one optimizer for both (nplus N16)
     optimizer = make_optimizer(params + critic_params, ppo.lr, args.use_tensorflow_adam, args.weight_decay)
     params += critic_params  # the non-finite weights guard covers the critic too
     kl_ctl = make_kl_controller(args.rewards)
