@@ -903,8 +903,8 @@ def main(args: Args) -> list[dict[str, float]]:
     # the module PPO's forwards run through: DDP averages its gradients over processes, or --fsdp shards it (spec O4)
     trained = distributed.data_parallel(learner, accelerator, args.fsdp)
     # read after sharding: --fsdp replaces the parameters with their shards (DTensors)
-    params = list(policy.parameters())
     critic_params = list(critic.parameters()) if critic is not None else []  # one optimizer for both (nplus N16)
+    params = list(policy.parameters())
     optimizer = make_optimizer(params + critic_params, ppo.lr, args.use_tensorflow_adam, args.weight_decay)
     params += critic_params  # the non-finite weights guard covers the critic too
     kl_ctl = make_kl_controller(args.rewards)

@@ -210,3 +210,87 @@ def test_fsdp_with_lora_stops_in_one_line(world, tmp_path):
     with pytest.raises(ValueError, match=r"^--fsdp with --lora.rank 4: .*drop one of the two flags\.$"):
         train_policy.main(train_policy.parse(flags))
     assert not (tmp_path / "out").exists()
+
+
+GATHER_LAUNCHER = """
+import copy, sys
+import torch
+import torch.distributed as dist
+sys.path.insert(0, {repo!r})
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
+from lm_human_preference_details import distributed
+from lm_human_preference_details.modeling import PolicyWithValueHead, sample
+from tests.conftest import tiny_gpt2
+
+torch.set_num_threads(1)
+accelerator = distributed.make_accelerator()
+policy = PolicyWithValueHead(tiny_gpt2())
+whole = copy.deepcopy(policy)
+trained = distributed.data_parallel(policy, accelerator, fsdp=True)
+gathers = [0]
+all_gather_single = dist.all_gather_single
+
+
+def counted(*args, **kwargs):
+    gathers[0] += 1
+    return all_gather_single(*args, **kwargs)
+
+
+dist.all_gather_single = counted
+contexts = torch.randint(0, 50000, (3, 5), generator=torch.Generator().manual_seed(0))
+
+
+def rollout(module):
+    return sample(module, contexts, 6, 0.7, 50257, torch.Generator().manual_seed(1), compile=True)
+
+
+with distributed.gathered(trained):
+    entry = gathers[0]
+    inside = [type(p) for p in policy.parameters()]
+    sharded_rollout = rollout(policy)
+    during = gathers[0] - entry
+after = [type(p) for p in policy.parameters()]
+record = dict(units=sum(isinstance(m, FSDPModule) for m in policy.modules()), entry=entry, during=during,
+              inside_whole=all(t is not DTensor for t in inside), after_sharded=all(t is DTensor for t in after),
+              same=all(torch.equal(a, b) for a, b in zip(sharded_rollout, rollout(whole))))
+torch.save(record, sys.argv[1] + f"/rank{{accelerator.process_index}}.pt")
+"""
+
+
+@pytest.mark.slow
+def test_gathered_unshards_every_unit_once_for_a_whole_rollout_and_shards_them_again(tmp_path):
+    launcher = tmp_path / "gather.py"
+    launcher.write_text(GATHER_LAUNCHER.format(repo=str(REPO)))
+    codes, outputs, _ = run_all([torchrun(2, str(launcher), str(tmp_path))], 300, tmp_path)
+    assert codes == [0], outputs[0][-5000:]
+    for rank in range(2):
+        record = torch.load(tmp_path / f"rank{rank}.pt")
+        assert record["units"] == 3  # the 2 blocks and the policy
+        assert record["entry"] == record["units"] and record["during"] == 0  # one all-gather per unit, at entry
+        assert record["inside_whole"] and record["after_sharded"]
+        assert record["same"]  # the captured decoding step samples as the unsharded policy does
+
+
+@pytest.mark.slow
+def test_one_process_fsdp_run_writes_sharded_checkpoints_and_resumes_from_them(world, tmp_path, capsys):
+    flags = run_flags(world, "gpt2", ["--fsdp", "--save_interval", "1"])
+    whole = tmp_path / "whole"
+    train_policy.main(train_policy.parse([*flags, "--output_dir", str(whole)]))
+    assert "one process: nothing to shard" in capsys.readouterr().out
+    resumed = tmp_path / "resumed"
+    shutil.copytree(whole, resumed)
+    for step in range(2, UPDATES + 1):
+        shutil.rmtree(checkpoint.step_dir(str(resumed), step))
+    train_policy.main(train_policy.parse([*flags, "--output_dir", str(resumed), "--resume", "auto"]))
+    assert "resuming from" in capsys.readouterr().out
+    assert max_metric_difference(scalars(resumed), scalars(whole), 1) == 0.0
+    states = [
+        dcp_state(d / checkpoint.STATE_DIR / f"step{UPDATES}", tmp_path / f"{d.name}.pt") for d in (resumed, whole)
+    ]
+    assert states[0].keys() == states[1].keys() and any(k.endswith("exp_avg") for k in states[1])
+    assert all(torch.equal(states[0][k], states[1][k]) for k in states[1])
+    # a run without --fsdp cannot read those checkpoints: one line naming the flag
+    with pytest.raises(ValueError, match=r"written with --fsdp .*resume with the checkpoint's --fsdp"):
+        train_policy.main(train_policy.parse([*flags[:-3], "--output_dir", str(resumed), "--resume", "auto",
+                                              "--allow_resume_changes"]))  # fmt: skip
