@@ -505,14 +505,11 @@ class TrainingState:
                 + "; resume with the checkpoint's --ppo.value_model."
             )
         if self.fsdp != checkpoint.is_sharded_checkpoint(resumed.meta):
+            flags = ("without", "whole in state.pt", "with"), ("with", "sharded", "without")
+            written, weights, run = flags[0] if self.fsdp else flags[1]
             raise ValueError(
-                f"checkpoint '{resumed.path}' was written "
-                + ("with" if not self.fsdp else "without")
-                + " --fsdp (its weights "
-                + ("sharded" if not self.fsdp else "whole in state.pt")
-                + "), this run is "
-                + ("without" if not self.fsdp else "with")
-                + " it; resume with the checkpoint's --fsdp."
+                f"checkpoint '{resumed.path}' was written {written} --fsdp (its weights {weights}), this run is {run} "
+                "it; resume with the checkpoint's --fsdp."
             )
         if self.fsdp:
             sharded.load(resumed.path, self.trained, self.optimizer)
