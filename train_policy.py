@@ -837,6 +837,7 @@ def main(args: Args) -> list[dict[str, float]]:
     args, task_changes = ppo_plumbing.task_from_reward_model(args)
     validation.check_policy_args(args)
     lora.check_lora_args(args.lora)
+    ppo_plumbing.check_fsdp_flags(args)
     nplus_critic.check_value_model_flag(args.ppo.value_model, args.rewards.trained_model, args.lora.rank)
     cli.quiet_transformers()
     accelerator = distributed.make_accelerator(args.dist_timeout)
@@ -856,9 +857,9 @@ def main(args: Args) -> list[dict[str, float]]:
     task = args.task
     # a killed run continues from its checkpoint (--resume); a fresh one never writes into another run's output_dir
     settings = {**dataclasses.asdict(args), "world_size": sizes.world}
-    loop = checkpoint.CheckpointedLoop(
-        args, settings, ppo_plumbing.RESUME_IGNORED, accelerator, "update", sizes.nupdates
-    )
+    # --fsdp: a checkpoint resumes on another number of processes (sharded weights; see TrainingState.restore)
+    ignored = (*ppo_plumbing.RESUME_IGNORED, *(("world_size",) if args.fsdp else ()))
+    loop = checkpoint.CheckpointedLoop(args, settings, ignored, accelerator, "update", sizes.nupdates)
 
     # per-process seed (spec D2); the query order uses data_seed instead (spec D3)
     # https://github.com/openai/lm-human-preferences/blob/cbfd210bb8b08f6bc5c26878c10984b90f516c66/lm_human_preferences/utils/core.py#L108-L113
@@ -878,7 +879,7 @@ def main(args: Args) -> list[dict[str, float]]:
     policy = PolicyWithValueHead(load_causal_lm(args.base_model)).to(device).eval()
     if args.lora.rank:  # DEVIATION (lora): OAI fine-tunes every weight; LoRA trains adapters and the value head only
         lora.apply_lora(policy, args.lora, args.base_model)
-    # every process starts from rank 0's weights (spec D6); no DDP: gradients are all-reduced by hand (spec O4)
+    # every process starts from rank 0's weights (spec D6); DDP and FSDP2 then skip a broadcast of their own
     # https://github.com/openai/lm-human-preferences/blob/cbfd210bb8b08f6bc5c26878c10984b90f516c66/lm_human_preferences/train_policy.py#L482-L485
     distributed.broadcast_parameters(policy, accelerator)
     # --ppo.value_model: a separate critic instead of the value head on the policy's trunk (nplus N16); None: none
@@ -897,9 +898,12 @@ def main(args: Args) -> list[dict[str, float]]:
         learner = nplus_critic.PolicyWithCritic(policy, critic)
     gold = args.rewards.gold_model  # a held-out judge of every rollout that never trains the policy
     gold_labeler = load_labeler(gold, tokenizer, pad_id, device, flag="--rewards.gold_model") if gold else None
-    critic_params = list(critic.parameters()) if critic is not None else []  # one optimizer for both (nplus N16)
+    if args.fsdp:  # rank 0's host twins of the whole models for the saved directories, made before sharding
+        ppo_plumbing.prepare_host_twins(loop.saves, accelerator, policy, *([critic] if critic is not None else []))
     # the module PPO's forwards run through: DDP averages its gradients over processes, or --fsdp shards it (spec O4)
     trained = distributed.data_parallel(learner, accelerator, args.fsdp)
+    # read after sharding: --fsdp replaces the parameters with their shards (DTensors)
+    critic_params = list(critic.parameters()) if critic is not None else []  # one optimizer for both (nplus N16)
     params = list(policy.parameters())
     optimizer = make_optimizer(params + critic_params, ppo.lr, args.use_tensorflow_adam, args.weight_decay)
     params += critic_params  # the non-finite weights guard covers the critic too
@@ -914,10 +918,12 @@ def main(args: Args) -> list[dict[str, float]]:
     )
 
     # plumbing: what a checkpoint saves and --resume restores, the tracker, the logs and progress, the clock
-    state = ppo_plumbing.TrainingState(policy, optimizer, kl_ctl, query_stream, generator, order_rngs, critic)
+    state = ppo_plumbing.TrainingState(
+        policy, optimizer, kl_ctl, query_stream, generator, order_rngs, critic, trained, args.fsdp
+    )
     tracker, meta = ppo_plumbing.start_tracker(args, accelerator, loop.resumed, settings, sizes.nupdates)
     if loop.resumed is not None:
-        state.restore(loop.resumed)
+        state.restore(loop.resumed, accelerator, args.seed)
     report = ppo_plumbing.RunReport(args, accelerator, console, tracker, tokenizer, sizes.nupdates, loop.first_step)
     last_time = time.time()
     start_time = last_time - (loop.resumed.shared["elapsed_time"] if loop.resumed else 0.0)

@@ -5,6 +5,8 @@ a temporary sibling directory, fsync'ed, then renamed into place, so a kill at a
 checkpoints whole and never a mixed one. It holds:
 - checkpoint.json: the step, the run settings (args and world size), the run name and wandb id (rank 0);
 - state.pt: weights, optimizer state and the script's other counters (rank 0; identical on every process);
+- sharded/ (--fsdp runs, instead of the weights and optimizer state in state.pt): torch.distributed.checkpoint's files,
+  every process's shards, written synchronously (not DCP's async_save), readable by any number of processes;
 - rng_rank{r}.pt: process r's query-stream position and RNG states (Python, NumPy, torch, the CUDA generator of
   process r's own GPU, the sampler's generator, extra NumPy RandomStates).
 checkpoint.json also lists the size and SHA-256 of every other file, so that --resume finds a truncated or altered file
@@ -41,6 +43,7 @@ from accelerate.utils import broadcast_object_list
 from torch.overrides import TorchFunctionMode
 
 from lm_human_preference_details import cli
+from lm_human_preference_details.sharded import SHARDED_DIR
 from lm_human_preference_details.tracking import Tracker, run_name
 
 try:
@@ -295,9 +298,11 @@ class BackgroundSaves:
         self._error: BaseException | None = None
         self._host_modules: dict[int, torch.nn.Module] = {}
 
-    def host_copy(self, module: torch.nn.Module) -> torch.nn.Module:
+    def host_copy(self, module: torch.nn.Module, state: dict[str, torch.Tensor] | None = None) -> torch.nn.Module:
         """A twin of `module` in host memory holding its current parameters and buffers (made at the first call, then
-        refilled); call it after `wait`, as the previous write may still read the twin.
+        refilled); call it after `wait`, as the previous write may still read the twin. `state`: the tensors to copy
+        instead of the module's own, under its state_dict's names (the whole weights of a module sharded by FSDP2,
+        whose twin was made before it was sharded).
 
         The twin holds the parameters and buffers only: a tensor the module keeps beside them (the sampler's KV cache
         in its `__dict__`, say) becomes an empty meta tensor in the twin, never a second copy on its device. With
@@ -305,7 +310,8 @@ class BackgroundSaves:
         twin = self._host_modules.get(id(module))
         if twin is None:
             twin = self._host_modules[id(module)] = _host_twin(module)
-        copied = list(zip(twin.state_dict(keep_vars=True).values(), module.state_dict().values()))
+        sources = module.state_dict() if state is None else state
+        copied = [(target, sources[name]) for name, target in twin.state_dict(keep_vars=True).items()]
         with torch.no_grad():
             for target, source in copied:
                 target.copy_(source, non_blocking=True)
@@ -349,9 +355,12 @@ def save_training_state(
     keep: int,
     saves: BackgroundSaves | None = None,
     then: Callable[[], None] | None = None,
+    write_shards: Callable[[str], None] | None = None,
 ) -> str:
     """Write checkpoint `step` atomically: `meta` and `shared` from the main process, `local` from every process;
     then keep the newest `keep` and run `then` (the main process's other saves). Every process must call it.
+    `write_shards(directory)`: what every process writes into the checkpoint besides (an --fsdp run's shards of
+    the weights and optimizer state), synchronously, before the files' digests are taken.
 
     With `saves`, the main process writes `shared` (which must then be host copies, see `to_host`), publishes and
     runs `then` on the background thread, and the call returns once every process's `local` is written; without,
@@ -366,6 +375,8 @@ def save_training_state(
     accelerator.wait_for_everyone()
     os.makedirs(tmp, exist_ok=True)
     torch.save(local, os.path.join(tmp, RANK_FILE.format(rank=accelerator.process_index)))
+    if write_shards is not None:
+        write_shards(tmp)
     accelerator.wait_for_everyone()  # every process's file is in tmp
     if accelerator.is_main_process:
         meta = {**meta, "step": step, "world_size": accelerator.num_processes}
@@ -421,8 +432,9 @@ class Resumed:
     """checkpoint.json: settings, run name, wandb id, the other files' sizes and digests"""
     shared: dict[str, Any]
     """state.pt: weights, optimizer, counters"""
-    local: dict[str, Any]
-    """this process's rng_rank{r}.pt: query stream and RNG states"""
+    local: dict[str, Any] | None
+    """this process's rng_rank{r}.pt: query stream and RNG states (None: a sharded checkpoint that fewer processes
+    wrote, resumed on more)"""
 
 
 class CheckpointDamaged(ValueError):
@@ -520,15 +532,27 @@ def load_training_state(path: str, rank: int, hashed: bool = True) -> Resumed:
         )
     meta = read_meta(path)
     rank_name = RANK_FILE.format(rank=rank)
-    if not os.path.isfile(os.path.join(path, rank_name)) and rank_name not in meta.get("files", {}):
+    own_file = os.path.isfile(os.path.join(path, rank_name)) or rank_name in meta.get("files", {})
+    if not own_file and not is_sharded_checkpoint(meta):
         raise FileNotFoundError(
             f"checkpoint '{path}' has no state for process {rank} ('{rank_name}'): it was written by "
             f"{meta.get('world_size')} processes; resume with as many."
         )
     shared = _load_torch_file(path, SHARED_FILE, meta, hashed)
     _check_finite_state(path, shared)
-    local = _load_torch_file(path, rank_name, meta, hashed)
+    local = _load_torch_file(path, rank_name, meta, hashed) if own_file else None
     return Resumed(path, int(meta["step"]), meta, shared, local)
+
+
+def is_sharded_checkpoint(meta: dict[str, Any]) -> bool:
+    """Whether a checkpoint (its checkpoint.json) holds its weights as an --fsdp run's shards, which a run with any
+    number of processes reads back."""
+    return any(name.startswith(SHARDED_DIR + "/") for name in meta.get("files") or {})
+
+
+def load_process_state(resumed: Resumed, rank: int) -> dict[str, Any]:
+    """rng_rank{rank}.pt of a loaded checkpoint: another process's query-stream position and RNG states."""
+    return _load_torch_file(resumed.path, RANK_FILE.format(rank=rank), resumed.meta, hashed=False)
 
 
 def find_damage(path: str) -> CheckpointDamaged | None:

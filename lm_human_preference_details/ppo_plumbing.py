@@ -17,7 +17,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 from transformers import PreTrainedTokenizerBase
 
-from lm_human_preference_details import checkpoint, cli, devices, files, lora, tracking, validation
+from lm_human_preference_details import checkpoint, cli, devices, files, lora, sharded, tracking, validation
 from lm_human_preference_details.data import QueryStream, load_texts
 from lm_human_preference_details.hub import HubUnavailableError, hub_reachable
 from lm_human_preference_details.modeling import PolicyWithValueHead, read_reward_metadata
@@ -95,6 +95,7 @@ class PolicyArgs(Protocol):
     hf_repo_id: str | None
     dry_run: bool
     task_id: str
+    fsdp: bool
 
     @property
     def task(self) -> TaskHParams: ...
@@ -139,6 +140,7 @@ def print_setup(console, args: PolicyArgs, sizes: Sizes, tf32: str, task_changes
             "reward model": args.rewards.trained_model,
             **({"critic (--ppo.value_model)": args.ppo.value_model} if args.ppo.value_model else {}),
             **({"LoRA": lora.describe(args.lora)} if args.lora.rank else {}),
+            **({"FSDP (--fsdp)": describe_fsdp(sizes.world)} if args.fsdp else {}),
             "TF32": tf32,
             "deterministic": devices.describe_deterministic(),
             **({"task from the reward model": "; ".join(task_changes)} if task_changes else {}),
@@ -484,10 +486,17 @@ class TrainingState:
     order_rngs: list[np.random.RandomState]
     critic: torch.nn.Module | None = None
     """a separate critic (--ppo.value_model); its Adam moments are in `optimizer`'s state"""
+    trained: torch.nn.Module | None = None
+    """the module `optimizer` trains (`distributed.data_parallel`'s): the policy, or the policy with the critic"""
+    fsdp: bool = False
+    """--fsdp: checkpoints hold `trained`'s weights and Adam state as every process's shards (`sharded`), not in
+    state.pt, and resume on any number of processes"""
 
-    def restore(self, resumed: checkpoint.Resumed) -> None:
-        """Weights, Adam moments and step, kl_coef, query position and every RNG as the checkpoint holds them."""
-        if (self.critic is None) != ("critic" not in resumed.shared):
+    def restore(self, resumed: checkpoint.Resumed, accelerator: Accelerator, seed: int) -> None:
+        """Weights, Adam moments and step, kl_coef, query position and every RNG as the checkpoint holds them (an
+        --fsdp checkpoint of another number of processes: see `restore_other_layout`)."""
+        has_critic = "critic" in resumed.shared or resumed.shared.get("sharded_critic", False)
+        if (self.critic is None) == has_critic:
             raise ValueError(
                 f"checkpoint '{resumed.path}' was written "
                 + ("without" if self.critic is not None else "with")
@@ -495,13 +504,93 @@ class TrainingState:
                 + ("one" if self.critic is not None else "none")
                 + "; resume with the checkpoint's --ppo.value_model."
             )
-        self.policy.load_state_dict(resumed.shared["policy"])
-        if self.critic is not None:
-            self.critic.load_state_dict(resumed.shared["critic"])
-        self.optimizer.load_state_dict(resumed.shared["optimizer"])
+        if self.fsdp != checkpoint.is_sharded_checkpoint(resumed.meta):
+            flags = ("without", "whole in state.pt", "with"), ("with", "sharded", "without")
+            written, weights, run = flags[0] if self.fsdp else flags[1]
+            raise ValueError(
+                f"checkpoint '{resumed.path}' was written {written} --fsdp (its weights {weights}), this run is {run} "
+                "it; resume with the checkpoint's --fsdp."
+            )
+        if self.fsdp:
+            sharded.load(resumed.path, self.trained, self.optimizer)
+        else:
+            self.policy.load_state_dict(resumed.shared["policy"])
+            if self.critic is not None:
+                self.critic.load_state_dict(resumed.shared["critic"])
+            self.optimizer.load_state_dict(resumed.shared["optimizer"])
         self.kl_ctl.value = resumed.shared["kl_coef"]
+        if self.fsdp and resumed.meta["world_size"] != accelerator.num_processes:
+            self.restore_other_layout(resumed, accelerator, seed)
+            return
         self.query_stream.load_state_dict(resumed.local["query_stream"])
         checkpoint.restore_rng_states(resumed.local["rng"], self.generator, self.order_rngs)
+
+    def restore_other_layout(self, resumed: checkpoint.Resumed, accelerator: Accelerator, seed: int) -> None:
+        """The per-process state of an --fsdp checkpoint that another number of processes wrote: the query stream
+        continues at the global position where the writing run stopped (every process had handed out its share of the
+        same first N queries; its last process holds the last), and every RNG is reseeded from the seed, this
+        process's rank and the step, so sampling and the PPO epochs' orders differ from an uninterrupted run."""
+        written = resumed.meta["world_size"]
+        last = checkpoint.load_process_state(resumed, written - 1)["query_stream"]
+        stream = self.query_stream
+        self.query_stream.load_state_dict({**last, "rank": stream.rank, "world_size": stream.world_size})
+        rank = accelerator.process_index
+        seeds = np.random.SeedSequence([seed, rank, resumed.step]).generate_state(3 + len(self.order_rngs))
+        devices.set_seed(int(seeds[0]))
+        self.generator.manual_seed(int(seeds[1]) << 32 | int(seeds[2]))
+        for rng, rng_seed in zip(self.order_rngs, seeds[3:]):
+            rng.seed(int(rng_seed))
+        accelerator.print(
+            f"warning: checkpoint '{resumed.path}' was written by {written} processes, this run has "
+            f"{accelerator.num_processes}: the weights, Adam moments, kl_coef and query position carry over, but every "
+            "process's random numbers are reseeded from --seed, its rank and the step, so the samples and minibatch "
+            f"orders differ from those of an uninterrupted {written}-process run"
+        )
+
+
+def check_fsdp_flags(args: PolicyArgs) -> None:
+    """ValueError in one line for a flag that --fsdp cannot run with."""
+    if args.fsdp and args.lora.rank:
+        raise ValueError(
+            f"--fsdp with --lora.rank {args.lora.rank}: the LoRA adapters on a frozen trunk are not sharded (their "
+            "gradients and Adam moments are small anyway); drop one of the two flags."
+        )
+
+
+def describe_fsdp(processes: int) -> str:
+    """--fsdp in the start-up table: what is sharded over how many processes."""
+    if processes == 1:
+        return (
+            "one process: nothing to shard, the model stays whole; checkpoints are sharded ones, which a run on "
+            "several processes continues"
+        )
+    return f"the policy (and a critic) sharded over {processes} processes, gathered once per rollout"
+
+
+def prepare_host_twins(saves: checkpoint.BackgroundSaves, accelerator: Accelerator, *modules: torch.nn.Module) -> None:
+    """Before --fsdp shards them: the main process's host twins of `modules` (the policy, a critic), into which each
+    save gathers the whole weights for the Hugging Face directories (`save_checkpoint`)."""
+    if accelerator.is_main_process:
+        for module in modules:
+            saves.host_copy(module)
+
+
+def host_models(
+    saves: checkpoint.BackgroundSaves, state: TrainingState, whole: dict[str, torch.Tensor] | None
+) -> tuple[PolicyWithValueHead, torch.nn.Module | None]:
+    """Host twins of the policy and the critic holding their current weights (main process, after `saves.wait()`):
+    copied from the modules, or from `whole`, the gathered weights of a sharded `trained` module."""
+    if whole is None:
+        critic = saves.host_copy(state.critic) if state.critic is not None else None
+        return saves.host_copy(state.policy), critic
+    if state.critic is None:
+        return saves.host_copy(state.policy, whole), None
+    # PolicyWithCritic: its state_dict's names are the policy's and the critic's behind their attribute names
+    parts = {"policy.": {}, "critic.": {}}
+    for name, tensor in whole.items():
+        prefix = name[: name.index(".") + 1]
+        parts[prefix][name.removeprefix(prefix)] = tensor
+    return saves.host_copy(state.policy, parts["policy."]), saves.host_copy(state.critic, parts["critic."])
 
 
 def save_checkpoint(
@@ -519,24 +608,30 @@ def save_checkpoint(
     """After `updates` of `nupdates` updates: the training state (every process) in
     OUTPUT_DIR/training_state/step{updates}, then the policy at the top of OUTPUT_DIR and, with --save_checkpoints (not
     after the last update), in checkpoints/update{updates}; all atomic.
-    The main process writes them in the background (`saves`) from a copy in host memory taken now."""
+    The main process writes them in the background (`saves`) from a copy in host memory taken now. Under --fsdp every
+    process first writes its shards of the weights and Adam state into the checkpoint, synchronously (DCP's
+    async_save is not used), and the whole weights are gathered onto the main process for the policy's directory."""
     local = {
         "query_stream": state.query_stream.state_dict(),
         "rng": checkpoint.rng_states(state.generator, state.order_rngs),
     }
     tracker.flush()
+    # every process takes part in the gathering of a sharded module's whole weights (None elsewhere)
+    whole = sharded.full_state_dict(state.trained) if sharded.is_sharded(state.trained) else None
     shared, write_policies = None, None
     if accelerator.is_main_process:
         saves.wait()  # the twin below is still read by the previous write until it ends
-        policy = saves.host_copy(state.policy)
-        critic = saves.host_copy(state.critic) if state.critic is not None else None
-        shared = {
-            "policy": policy.state_dict(),
-            **({"critic": critic.state_dict()} if critic is not None else {}),
-            "optimizer": checkpoint.to_host(state.optimizer.state_dict()),
-            "kl_coef": state.kl_ctl.value,
-            "elapsed_time": time.time() - start_time,
-        }
+        policy, critic = host_models(saves, state, whole)
+        del whole
+        if state.fsdp:  # the weights and Adam state are in the shards
+            weights = {"sharded_critic": critic is not None}
+        else:
+            weights = {
+                "policy": policy.state_dict(),
+                **({"critic": critic.state_dict()} if critic is not None else {}),
+                "optimizer": checkpoint.to_host(state.optimizer.state_dict()),
+            }
+        shared = {**weights, "kl_coef": state.kl_ctl.value, "elapsed_time": time.time() - start_time}
         snapshot = args.save_checkpoints and updates < nupdates
 
         def write_policies() -> None:
@@ -545,8 +640,23 @@ def save_checkpoint(
                 snapshot_dir = os.path.join(args.output_dir, "checkpoints", f"update{updates}")
                 save_policy(policy, tokenizer, args, snapshot_dir, critic)
 
+    write_shards = None
+    if state.fsdp:
+
+        def write_shards(directory: str) -> None:
+            sharded.save(directory, state.trained, state.optimizer)
+
     checkpoint.save_training_state(
-        args.output_dir, updates, accelerator, meta, shared, local, args.keep_checkpoints, saves, write_policies
+        args.output_dir,
+        updates,
+        accelerator,
+        meta,
+        shared,
+        local,
+        args.keep_checkpoints,
+        saves,
+        write_policies,
+        write_shards,
     )
 
 

@@ -1178,7 +1178,7 @@ BREAKAGES = [
         "the adapters are added after rank 0's weights are broadcast: each process starts from its own random A",
         TP,
         "        lora.apply_lora(policy, args.lora, args.base_model)\n    # every process starts from rank 0's weights "
-        "(spec D6); no DDP: gradients are all-reduced by hand (spec O4)\n    # https://github.com/openai/"
+        "(spec D6); DDP and FSDP2 then skip a broadcast of their own\n    # https://github.com/openai/"
         "lm-human-preferences/blob/cbfd210bb8b08f6bc5c26878c10984b90f516c66/lm_human_preferences/train_policy.py"
         "#L482-L485\n    distributed.broadcast_parameters(policy, accelerator)",
         "        pass\n    distributed.broadcast_parameters(policy, accelerator)\n"
@@ -2299,6 +2299,61 @@ BREAKAGES = [
             "tests/test_train_reward.py::"
             "test_reward_run_under_end_at_eos_trains_and_normalizes_on_responses_that_end_at_eos"
         ],
+    ),
+    # ---------------------------------------------------------------- --fsdp: the rollout's gather, sharded checkpoints
+    Breakage(
+        "O4-fsdp-rollout-not-gathered",
+        "O4",
+        "--fsdp: the rollout does not gather the policy's weights once (every decoding step all-gathers them)",
+        "lm_human_preference_details/distributed.py",
+        "        unit.unshard()\n",
+        "        pass\n",
+        ["tests/test_fsdp_policy.py::test_gathered_unshards_every_unit_once_for_a_whole_rollout_and_shards_them_again"],
+    ),
+    Breakage(
+        "O4-fsdp-rollout-not-resharded",
+        "O4",
+        "--fsdp: after the rollout the gathered weights stay whole on every process",
+        "lm_human_preference_details/distributed.py",
+        "            unit.reshard()",
+        "            pass",
+        ["tests/test_fsdp_policy.py::test_gathered_unshards_every_unit_once_for_a_whole_rollout_and_shards_them_again"],
+    ),
+    Breakage(
+        "P20-fsdp-checkpoint-without-adam",
+        "P20",
+        "--fsdp: the sharded checkpoint holds the weights but not the Adam moments",
+        "lm_human_preference_details/sharded.py",
+        "dcp.save(_state(module, optimizer), checkpoint_id=os.path.join(directory, SHARDED_DIR))",
+        'dcp.save({"model": get_model_state_dict(module)}, checkpoint_id=os.path.join(directory, SHARDED_DIR))',
+        ["tests/test_fsdp_policy.py::test_one_process_fsdp_run_writes_sharded_checkpoints_and_resumes_from_them"],
+    ),
+    Breakage(
+        "P20-fsdp-resume-ignores-shards",
+        "P20",
+        "--fsdp: --resume does not load the sharded weights and Adam state (the run goes on from the initial ones)",
+        "lm_human_preference_details/ppo_plumbing.py",
+        "            sharded.load(resumed.path, self.trained, self.optimizer)",
+        "            pass",
+        ["tests/test_fsdp_policy.py::test_one_process_fsdp_run_writes_sharded_checkpoints_and_resumes_from_them"],
+    ),
+    Breakage(
+        "P20-fsdp-policy-dir-not-gathered",
+        "P20",
+        "--fsdp: the saved policy directory holds the initial weights (the gathered ones never reach its host twin)",
+        "lm_human_preference_details/ppo_plumbing.py",
+        "        return saves.host_copy(state.policy, whole), None",
+        "        return saves._host_modules[id(state.policy)], None",
+        ["tests/test_fsdp_policy.py::test_fsdp_runs_on_two_processes_equal_the_unsharded_runs"],
+    ),
+    Breakage(
+        "P20-fsdp-other-layout-query-position",
+        "P20",
+        "--fsdp on another number of processes: the query stream continues from process 0's position, not the last's",
+        "lm_human_preference_details/ppo_plumbing.py",
+        "checkpoint.load_process_state(resumed, written - 1)",
+        "checkpoint.load_process_state(resumed, 0)",
+        ["tests/test_fsdp_policy.py::test_fsdp_on_four_processes_equals_unsharded_and_resumes_on_two"],
     ),
 ]
 
