@@ -192,9 +192,9 @@ def test_rollout_values_come_from_the_critic_not_the_sampler(tmp_path, tiny_mode
     recorded = []
     original = train_policy.ppo_update
 
-    def recording_update(policy, optimizer, accelerator, rollout, *args, **kwargs):
+    def recording_update(policy, optimizer, rollout, *args, **kwargs):
         recorded.append((rollout.query_responses.clone(), rollout.context_length, rollout.values.clone()))
-        return original(policy, optimizer, accelerator, rollout, *args, **kwargs)
+        return original(policy, optimizer, rollout, *args, **kwargs)
 
     monkeypatch.setattr(train_policy, "ppo_update", recording_update)
     flags = run_flags(tiny_model_dir, world, tmp_path / "run", "--ppo.total_episodes", "8", "--save_interval", "0")
