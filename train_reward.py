@@ -116,8 +116,8 @@ class Args:
     fsdp: bool = False
     """shard the trained model (train_policy.py: the policy and a critic; train_reward.py: the reward model) over the
     processes with FSDP2, each transformer block a unit: every process holds 1/N of its weights, gradients and Adam
-    moments, gathered once per rollout; the frozen models stay whole on every process (docs/multiprocess.md); off:
-    every process holds everything and DDP averages the gradients, as OAI's ranks"""
+    moments, gathered once per rollout; train_policy.py shards its reference policy and reward model too
+    (docs/multiprocess.md); off: every process holds everything and DDP averages the gradients, as OAI's ranks"""
     tf32: bool = False
     """run float32 matmuls on TF32 tensor cores (NVIDIA Ampere or newer: A100, H100): GEMMs ~5-7x faster, with
     relative errors up to ~1e-3 (docs/gpu.md); off: full float32, as OAI trained"""

@@ -110,11 +110,7 @@ def data_parallel(module: torch.nn.Module, accelerator: Any, fsdp: bool = False)
     if accelerator.num_processes == 1:
         return module
     if fsdp:
-        for block in transformer_blocks(module):
-            fully_shard(block)
-        fully_shard(module)
-        # FSDP2 takes the first unit to run as its root; the rollout runs blocks without the root's forward
-        fully_shard.state(module)._lazy_init()
+        _shard_in_place(module)
         return module
     device = accelerator.device
     return DistributedDataParallel(
@@ -124,6 +120,27 @@ def data_parallel(module: torch.nn.Module, accelerator: Any, fsdp: bool = False)
         forward_sync_buffers=False,  # no trained buffers: nothing to broadcast at each forward
         gradient_as_bucket_view=True,  # the gradients are the buckets: no second gradient-sized copy
     )
+
+
+def _shard_in_place(module: torch.nn.Module) -> None:
+    """FSDP2 on each transformer block of `module`, then on `module` (the root: its other weights)."""
+    for block in transformer_blocks(module):
+        fully_shard(block)
+    # FSDP2 shards along dim 0: a 0-dim parameter (a reward model's gain and bias) stays whole on every process,
+    # its gradient averaged by `averaging_gradients`
+    fully_shard(module, ignored_params=set(replicated_parameters(module)) or None)
+    # FSDP2 takes the first unit to run as its root; the rollout runs blocks without the root's forward
+    fully_shard.state(module)._lazy_init()
+
+
+def shard_frozen(module: torch.nn.Module, accelerator: Any) -> None:
+    """`--fsdp` for a model that only scores (the reference policy, a reward model): sharded in place like the trained
+    one, each process holding 1/N of its weights; each forward gathers one block at a time (`gathered` for many
+    forwards, as sampling runs). One process: nothing."""
+    if accelerator.num_processes > 1:
+        _shard_in_place(module)
+        # FSDP2 keeps a root's weights gathered after its forward, for the backward; a frozen model has none
+        module.set_reshard_after_forward(True, recurse=False)
 
 
 @contextlib.contextmanager
@@ -138,6 +155,12 @@ def averaging_gradients(trained: torch.nn.Module, average: bool) -> Iterator[Non
     if isinstance(trained, FSDPModule):
         trained.set_requires_gradient_sync(average)
     yield
+
+
+def replicated_parameters(module: torch.nn.Module) -> list[torch.nn.Parameter]:
+    """The 0-dim parameters of `module` (a reward model's gain and bias): FSDP2 cannot shard them, so `data_parallel`
+    leaves them whole on every process, and `averaging_gradients` averages their gradients by an all-reduce."""
+    return [p for p in module.parameters() if p.dim() == 0]
 
 
 def clear_gradients(optimizer: torch.optim.Optimizer, trained: torch.nn.Module) -> None:

@@ -17,11 +17,21 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 from transformers import PreTrainedTokenizerBase
 
-from lm_human_preference_details import checkpoint, cli, devices, files, lora, sharded, tracking, validation
+from lm_human_preference_details import (
+    checkpoint,
+    cli,
+    devices,
+    distributed,
+    files,
+    lora,
+    sharded,
+    tracking,
+    validation,
+)
 from lm_human_preference_details.data import QueryStream, load_texts
 from lm_human_preference_details.hub import HubUnavailableError, hub_reachable
 from lm_human_preference_details.modeling import PolicyWithValueHead, read_reward_metadata
-from lm_human_preference_details.rewards import reward_model_dir
+from lm_human_preference_details.rewards import Reward, RewardModelReward, reward_model_dir
 from lm_human_preference_details.sizes import Sizes
 from lm_human_preference_details.tasks import PassRateAlarm, TaskHParams, resolve_truncation, task_differences
 from lm_human_preference_details.tokenizer import check_same_tokenizer, load_tokenizer
@@ -573,6 +583,14 @@ def prepare_host_twins(saves: checkpoint.BackgroundSaves, accelerator: Accelerat
     if accelerator.is_main_process:
         for module in modules:
             saves.host_copy(module)
+
+
+def shard_frozen_models(accelerator: Accelerator, reference: lora.ReferencePolicy, reward: Reward) -> None:
+    """--fsdp: the reference policy and a reward model of train_reward.py sharded like the policy, each process holding
+    1/N of their weights (a programmatic reward or a classifier stays whole)."""
+    distributed.shard_frozen(reference.copy, accelerator)
+    if isinstance(reward, RewardModelReward):
+        distributed.shard_frozen(reward.model, accelerator)
 
 
 def host_models(

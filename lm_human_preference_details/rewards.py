@@ -22,6 +22,7 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from lm_human_preference_details.checkpoint import Resumed
+from lm_human_preference_details.distributed import gathered
 from lm_human_preference_details.labelers import (
     SEQUENCE_CLASSIFIER,
     ConversationOf,
@@ -337,7 +338,8 @@ def normalize_from_initial_policy(
         return None
     normalization = resumed.meta.get("reward_normalization") if resumed else None
     if not normalization:
-        with reference() as ref_policy:
+        # an --fsdp run's sharded reference gathered once for all the sampling steps
+        with reference() as ref_policy, gathered(ref_policy):
             stream = copy.deepcopy(query_stream)
             normalization = normalize_reward(
                 reward, ref_policy, stream, affixes, task, flags.normalize_samples, seed, accelerator

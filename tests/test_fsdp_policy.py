@@ -294,3 +294,34 @@ def test_one_process_fsdp_run_writes_sharded_checkpoints_and_resumes_from_them(w
     with pytest.raises(ValueError, match=r"written with --fsdp .*resume with the checkpoint's --fsdp"):
         train_policy.main(train_policy.parse([*flags[:-3], "--output_dir", str(resumed), "--resume", "auto",
                                               "--allow_resume_changes"]))  # fmt: skip
+
+
+def test_fsdp_shards_the_reference_and_a_reward_model_and_they_score_as_before(tiny_model_dir):
+    # one gloo process stands in for several: FSDP2 shards into one shard, the parameters become DTensors
+    from torch.distributed.tensor import DTensor
+
+    from lm_human_preference_details import lora, ppo_plumbing
+    from lm_human_preference_details.modeling import PolicyWithValueHead, RewardModel, load_causal_lm
+    from lm_human_preference_details.rewards import RewardModelReward
+
+    class Several:
+        num_processes = 2
+
+    torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    try:
+        reference = lora.ReferencePolicy(PolicyWithValueHead(load_causal_lm(tiny_model_dir)).eval())
+        reward = RewardModelReward(RewardModel.from_base(tiny_model_dir).eval(), 50257)
+        tokens = torch.randint(0, 50000, (3, 12), generator=torch.Generator().manual_seed(0))
+        with torch.no_grad():
+            before = reference.copy(tokens, 8, 50257, 0.7)[0], reward(tokens[:, :8], tokens[:, 8:])
+            ppo_plumbing.shard_frozen_models(Several(), reference, reward)
+            after = reference.copy(tokens, 8, 50257, 0.7)[0], reward(tokens[:, :8], tokens[:, 8:])
+        for model in (reference.copy, reward.model):
+            # every weight sharded but a reward model's 0-dim gain and bias, which FSDP2 leaves whole
+            assert sharded.is_sharded(model) and all(
+                isinstance(p, DTensor) != (p.dim() == 0) for p in model.parameters()
+            )
+        for was, now in zip(before, after):
+            torch.testing.assert_close(now, was, rtol=1e-6, atol=1e-6)
+    finally:
+        torch.distributed.destroy_process_group()
