@@ -112,7 +112,9 @@ def data_parallel(module: torch.nn.Module, accelerator: Any, fsdp: bool = False)
     if fsdp:
         for block in transformer_blocks(module):
             fully_shard(block)
-        fully_shard(module)
+        # FSDP2 shards along dim 0: a 0-dim parameter (a reward model's gain and bias) stays whole on every process,
+        # its gradient averaged by `averaging_gradients`
+        fully_shard(module, ignored_params=set(replicated_parameters(module)) or None)
         # FSDP2 takes the first unit to run as its root; the rollout runs blocks without the root's forward
         fully_shard.state(module)._lazy_init()
         return module
@@ -138,6 +140,16 @@ def averaging_gradients(trained: torch.nn.Module, average: bool) -> Iterator[Non
     if isinstance(trained, FSDPModule):
         trained.set_requires_gradient_sync(average)
     yield
+    if isinstance(trained, FSDPModule) and average:
+        grads = [p.grad for p in replicated_parameters(trained) if p.grad is not None]
+        if grads:
+            _coalesced(grads, lambda flat: dist.all_reduce(flat.div_(dist.get_world_size())))
+
+
+def replicated_parameters(module: torch.nn.Module) -> list[torch.nn.Parameter]:
+    """The 0-dim parameters of `module` (a reward model's gain and bias): FSDP2 cannot shard them, so `data_parallel`
+    leaves them whole on every process, and `averaging_gradients` averages their gradients by an all-reduce."""
+    return [p for p in module.parameters() if p.dim() == 0]
 
 
 def clear_gradients(optimizer: torch.optim.Optimizer, trained: torch.nn.Module) -> None:
