@@ -8,8 +8,8 @@ from typing import Protocol
 
 import torch
 from accelerate import Accelerator
-from transformers import AutoModel
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+from transformers import AutoModel
 
 from lm_human_preference_details import checkpoint, cli, sharded, validation
 from lm_human_preference_details.data import QueryStream, load_texts
@@ -216,10 +216,14 @@ def save_checkpoint(
     shared = None
     if accelerator.is_main_process:
         saves.wait()  # the twin below is still read by the previous write until it ends
-        weights = {} if args.fsdp else {
-            "model": saves.host_copy(reward_model).state_dict(),
-            "optimizer": checkpoint.to_host(optimizer.state_dict()),
-        }
+        weights = (
+            {}
+            if args.fsdp
+            else {
+                "model": saves.host_copy(reward_model).state_dict(),
+                "optimizer": checkpoint.to_host(optimizer.state_dict()),
+            }
+        )
         shared = {
             **weights,
             "permutation": checkpoint.to_host(run_state["permutation"]),
