@@ -480,7 +480,7 @@ def main(args: Args) -> dict:
         permutation = broadcast(permutation, from_process=0).cpu()
     else:
         permutation, norms = loop.resumed.shared["permutation"], loop.resumed.shared["normalization"]
-        reward_plumbing.restore(loop.resumed, reward_model, optimizer, query_stream, generator, args.fsdp)
+        reward_plumbing.restore(loop.resumed, accelerator, args, reward_model, optimizer, query_stream, generator)
         if args.eval_interval and loop.first_step % args.eval_interval == 0:
             log_eval(loop.first_step)  # logged before the checkpoint, hidden by the TensorBoard purge at first_step
     seen = []

@@ -349,12 +349,12 @@ def save_training_state(
     keep: int,
     saves: BackgroundSaves | None = None,
     then: Callable[[], None] | None = None,
-    each_process: Callable[[str], None] | None = None,
+    write_shards: Callable[[str], None] | None = None,
 ) -> str:
     """Write checkpoint `step` atomically: `meta` and `shared` from the main process, `local` from every process;
-    then keep the newest `keep` and run `then` (the main process's other saves). Every process must call it;
-    `each_process(directory)` runs on every process with the checkpoint's directory before its files are digested
-    (an --fsdp run's shards).
+    then keep the newest `keep` and run `then` (the main process's other saves). Every process must call it.
+    `write_shards(directory)`: what every process writes into the checkpoint besides (an --fsdp run's shards of
+    the weights and optimizer state), synchronously, before the files' digests are taken.
 
     With `saves`, the main process writes `shared` (which must then be host copies, see `to_host`), publishes and
     runs `then` on the background thread, and the call returns once every process's `local` is written; without,
@@ -369,8 +369,8 @@ def save_training_state(
     accelerator.wait_for_everyone()
     os.makedirs(tmp, exist_ok=True)
     torch.save(local, os.path.join(tmp, RANK_FILE.format(rank=accelerator.process_index)))
-    if each_process is not None:
-        each_process(tmp)
+    if write_shards is not None:
+        write_shards(tmp)
     accelerator.wait_for_everyone()  # every process's file is in tmp
     if accelerator.is_main_process:
         meta = {**meta, "step": step, "world_size": accelerator.num_processes}

@@ -6,14 +6,14 @@ import functools
 import os
 from typing import Protocol
 
+import numpy as np
 import torch
 from accelerate import Accelerator
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 from transformers import AutoModel
 
-from lm_human_preference_details import checkpoint, cli, sharded, validation
+from lm_human_preference_details import checkpoint, cli, devices, sharded, validation
 from lm_human_preference_details.data import QueryStream, load_texts
-from lm_human_preference_details.devices import describe_deterministic
 from lm_human_preference_details.labels import (
     Labels,
     LabelType,
@@ -90,7 +90,7 @@ def print_setup(console, args: RewardArgs, sizes: RewardSizes, tf32: str, label_
             else "0 (normalization skipped)",
             "label file": args.label_dataset,
             "TF32": tf32,
-            "deterministic": describe_deterministic(),
+            "deterministic": devices.describe_deterministic(),
             "output dir": args.output_dir,
         },
     )
@@ -156,20 +156,40 @@ def resume_ignored(ignored: tuple[str, ...], fsdp: bool) -> tuple[str, ...]:
 
 
 def restore(
-    resumed: checkpoint.Resumed, reward_model, optimizer, query_stream: QueryStream, generator, fsdp: bool
+    resumed: checkpoint.Resumed,
+    accelerator: Accelerator,
+    args: RewardArgs,
+    reward_model,
+    optimizer,
+    query_stream: QueryStream,
+    generator: torch.Generator,
 ) -> None:
     """Weights, Adam moments and step, query position and RNGs as the checkpoint holds them; under --fsdp the weights
-    and moments from its shards (`sharded.load`), on whatever number of processes (`query_stream_state`)."""
-    if os.path.isdir(os.path.join(resumed.path, sharded.SHARDED_DIR)) != fsdp:
-        written = "with" if not fsdp else "without"
+    and moments from its shards (`sharded.load`), also on another number of processes (`query_stream_state`; each
+    process's RNGs are then reseeded, with a warning)."""
+    if os.path.isdir(os.path.join(resumed.path, sharded.SHARDED_DIR)) != args.fsdp:
+        written = "with" if not args.fsdp else "without"
         raise ValueError(f"checkpoint '{resumed.path}' was written {written} --fsdp: resume it {written} --fsdp.")
-    if fsdp:
+    if args.fsdp:
         sharded.load(resumed.path, reward_model, optimizer)
     else:
         reward_model.load_state_dict(resumed.shared["model"])
         optimizer.load_state_dict(resumed.shared["optimizer"])
     query_stream.load_state_dict(query_stream_state(resumed, query_stream))
-    checkpoint.restore_rng_states(resumed.local["rng"], generator)
+    written = int(resumed.meta["world_size"])
+    if written == accelerator.num_processes:
+        checkpoint.restore_rng_states(resumed.local["rng"], generator)
+        return
+    # the RNGs of the processes that wrote it cannot be divided among another number of processes
+    seeds = np.random.SeedSequence([args.seed, accelerator.process_index, resumed.step]).generate_state(3)
+    devices.set_seed(int(seeds[0]))
+    generator.manual_seed(int(seeds[1]) << 32 | int(seeds[2]))
+    accelerator.print(
+        f"warning: checkpoint '{resumed.path}' was written by {written} processes, this run has "
+        f"{accelerator.num_processes}: the weights, Adam moments, label order and query position carry over, but every "
+        "process's random numbers are reseeded from --seed, its rank and the step, so the samples that normalize the "
+        f"reward after training differ from those of an uninterrupted {written}-process run"
+    )
 
 
 def query_stream_state(resumed: checkpoint.Resumed, query_stream: QueryStream) -> dict[str, int]:
@@ -235,7 +255,7 @@ def save_checkpoint(
     # under --fsdp every process writes its shards of the weights and Adam moments, state.pt holds the rest
     shards = functools.partial(sharded.save, module=reward_model, optimizer=optimizer) if args.fsdp else None
     checkpoint.save_training_state(
-        args.output_dir, steps, accelerator, meta, shared, local, args.keep_checkpoints, saves, each_process=shards
+        args.output_dir, steps, accelerator, meta, shared, local, args.keep_checkpoints, saves, write_shards=shards
     )
 
 

@@ -10,7 +10,9 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -89,13 +91,20 @@ def torchrun(processes: int, *args: str) -> list[str]:
     return [*command, "--master_addr", "127.0.0.1", "--master_port", str(free_port()), *args]
 
 
-def run(command: list[str], timeout: float = 400) -> str:
-    """Run a command in a user's offline shell with the GPUs hidden; its output, or the test fails with it."""
-    done = subprocess.run(
-        command, cwd=REPO, env=without_gpus(script_env()), capture_output=True, text=True, timeout=timeout
-    )
-    assert done.returncode == 0, (done.stdout[-3000:], done.stderr[-5000:])
-    return done.stdout
+def run(command: list[str], timeout: float = 300) -> str:
+    """Run torchrun `command` in a user's offline shell with the GPUs hidden; its output. The test fails with the
+    output when it fails, and when it runs past `timeout` (a hang: it and its workers are killed)."""
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        proc = subprocess.Popen(command, cwd=REPO, env=without_gpus(script_env()), stdout=out, stderr=err, text=True)
+        try:
+            proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            kill_tree(proc.pid)
+            proc.wait()
+        out.seek(0), err.seek(0)
+        output, errors = out.read(), err.read()
+    assert proc.returncode == 0, (f"exit {proc.returncode}", output[-3000:], errors[-5000:])
+    return output
 
 
 def run_name(model: str, accumulation: int, fsdp: bool) -> str:
@@ -103,23 +112,28 @@ def run_name(model: str, accumulation: int, fsdp: bool) -> str:
 
 
 @pytest.fixture(scope="module")
-def runs(world, tmp_path_factory) -> dict[int, Path]:
-    """For 2 and 4 processes: one launch that trains each case of CASES unsharded and with --fsdp; -> directories."""
+def runs(world, tmp_path_factory) -> Callable[[int], Path]:
+    """-> launch(processes): the directory where one launch of that many processes trained each case of CASES
+    unsharded and with --fsdp (launched once per module)."""
     launcher = world["root"] / "launch.py"
     launcher.write_text(LAUNCHER.format(repo=str(REPO)))
     directories = {}
-    for processes, cases in CASES.items():
-        out = tmp_path_factory.mktemp(f"runs{processes}")
-        argvs = [
-            reward_flags(world, model, out / run_name(model, accumulation, fsdp), *accumulate, *fsdp_flag)
-            for model, accumulation in cases
-            for fsdp in (False, True)
-            for accumulate in [("--gradient_accumulation_steps", str(accumulation))]
-            for fsdp_flag in [("--fsdp",) if fsdp else ()]
-        ]
-        run(torchrun(processes, str(launcher), json.dumps(argvs)))
-        directories[processes] = out
-    return directories
+
+    def launch(processes: int) -> Path:
+        if processes not in directories:
+            out = tmp_path_factory.mktemp(f"runs{processes}")
+            argvs = [
+                reward_flags(world, model, out / run_name(model, accumulation, fsdp), *accumulate, *fsdp_flag)
+                for model, accumulation in CASES[processes]
+                for fsdp in (False, True)
+                for accumulate in [("--gradient_accumulation_steps", str(accumulation))]
+                for fsdp_flag in [("--fsdp",) if fsdp else ()]
+            ]
+            run(torchrun(processes, str(launcher), json.dumps(argvs)))
+            directories[processes] = out
+        return directories[processes]
+
+    return launch
 
 
 def saved_tensors(directory) -> dict[str, torch.Tensor]:
@@ -159,7 +173,7 @@ def assert_close_json(sharded, whole, path: str = "") -> None:
 @pytest.mark.parametrize("processes", sorted(CASES))
 def test_fsdp_reward_runs_equal_unsharded_runs(runs, processes):
     for model, accumulation in CASES[processes]:
-        whole, sharded = (runs[processes] / run_name(model, accumulation, fsdp) for fsdp in (False, True))
+        whole, sharded = (runs(processes) / run_name(model, accumulation, fsdp) for fsdp in (False, True))
         metrics = scalars(sharded)
         assert len(metrics["train_reward/minibatch/loss"]) == 4 and len(metrics["eval/accuracy"]) == 4
         assert {"normalize_before/gain", "normalize_after/gain"} <= set(metrics)
@@ -202,7 +216,7 @@ def start_and_kill_all(command: list[str], output_dir: Path, kill_after: int, ti
 
 @pytest.mark.slow
 def test_fsdp_reward_killed_and_resumed_equals_uninterrupted(runs, world, tmp_path):
-    uninterrupted = runs[2] / run_name("gpt2", 1, True)
+    uninterrupted = runs(2) / run_name("gpt2", 1, True)
     killed = tmp_path / "killed"
     flags = reward_flags(world, "gpt2", killed, "--fsdp", "--save_interval", "1")
     command = torchrun(2, str(REPO / "train_reward.py"), *flags)
@@ -217,7 +231,7 @@ def test_fsdp_reward_killed_and_resumed_equals_uninterrupted(runs, world, tmp_pa
 
 @pytest.mark.slow
 def test_fsdp_checkpoint_of_4_processes_resumes_on_2(runs, world, tmp_path):
-    written = runs[4] / run_name("llama", 1, True)
+    written = runs(4) / run_name("llama", 1, True)
     resumed = tmp_path / "resumed"
     shutil.copytree(written, resumed)
     # as if the 4 processes were stopped after step 2: the later checkpoint and the saved model gone
@@ -229,8 +243,9 @@ def test_fsdp_checkpoint_of_4_processes_resumes_on_2(runs, world, tmp_path):
     output = run(torchrun(2, str(REPO / "train_reward.py"), *flags))
     assert f"resuming from {checkpoint.step_dir(str(resumed), 2)} after 2 of 4" in output
     assert re.search(r"processes\s+│ 2 ", output)
+    assert "was written by 4 processes, this run has 2" in output and "reseeded" in output
     # the steps after the checkpoint are the 4 processes' (the same global batches); the samples that normalize the
-    # model after training differ (each process continues its RNG streams), so gain and bias do
+    # model after training differ (each process's RNGs are reseeded), so gain and bias do
     assert_close_metrics(scalars(resumed), scalars(written), 2, skip=("normalize_after/",))
     weights = saved_tensors(resumed), saved_tensors(written)
     trained = [k for k in weights[1] if not k.endswith((":gain", ":bias"))]
