@@ -81,7 +81,8 @@ def reward_flags(world: dict, model: str, output_dir, *extra: str) -> list[str]:
         *("--task.query_dataset", world["corpus"], "--task.query_length", "16", "--task.response_length", "8"),
         *("--task.truncate_after", "4", "--labels.num_train", str(NUM_TRAIN), "--batch_size", "8", "--lr", "1e-3"),
         *("--rollout_batch_size", "16", "--normalize_samples", "16", "--eval_interval", "2", "--save_interval", "2"),
-        *("--keep_checkpoints", "0", *extra, "--output_dir", str(output_dir)),
+        # a process that waits for the others more than 90 s stops the launch (a hang fails the test in bounded time)
+        *("--keep_checkpoints", "0", "--dist_timeout", "90", *extra, "--output_dir", str(output_dir)),
     ]
 
 
