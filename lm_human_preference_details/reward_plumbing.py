@@ -232,27 +232,21 @@ def save_checkpoint(
 ) -> None:
     """The training state after `steps` steps (every process) in OUTPUT_DIR/training_state/step{steps}, atomic;
     `run_state`: the label order, the normalizations and the first evaluation. The main process writes it in the
-    background (`saves`) from a copy in host memory taken now."""
+    background (`saves`) from a copy in host memory taken now; under --fsdp every process first writes its shards of
+    the weights and Adam moments (`sharded.save`), which state.pt then lacks."""
     shared = None
     if accelerator.is_main_process:
         saves.wait()  # the twin below is still read by the previous write until it ends
-        weights = (
-            {}
-            if args.fsdp
-            else {
-                "model": saves.host_copy(reward_model).state_dict(),
-                "optimizer": checkpoint.to_host(optimizer.state_dict()),
-            }
-        )
-        shared = {
-            **weights,
-            "permutation": checkpoint.to_host(run_state["permutation"]),
-            "normalization": checkpoint.to_host(run_state["normalization"]),
-            "eval_before": run_state["eval_before"],
-        }
+        shared = {}  # under --fsdp the weights and Adam moments are in the shards
+        if not args.fsdp:
+            shared["model"] = saves.host_copy(reward_model).state_dict()
+            shared["optimizer"] = checkpoint.to_host(optimizer.state_dict())
+        shared["permutation"] = checkpoint.to_host(run_state["permutation"])
+        shared["normalization"] = checkpoint.to_host(run_state["normalization"])
+        shared["eval_before"] = run_state["eval_before"]
     local = {"query_stream": query_stream.state_dict(), "rng": checkpoint.rng_states(generator)}
     tracker.flush()
-    # under --fsdp every process writes its shards of the weights and Adam moments, state.pt holds the rest
+    # under --fsdp every process writes its shards of the weights and Adam moments
     shards = functools.partial(sharded.save, module=reward_model, optimizer=optimizer) if args.fsdp else None
     checkpoint.save_training_state(
         args.output_dir, steps, accelerator, meta, shared, local, args.keep_checkpoints, saves, write_shards=shards
