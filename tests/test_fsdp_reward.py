@@ -109,6 +109,7 @@ def run(command: list[str], timeout: float = 300) -> str:
 
 
 def run_name(model: str, accumulation: int, fsdp: bool) -> str:
+    """The output directory's name of one run of a launch."""
     return f"{model}-accum{accumulation}-{'fsdp' if fsdp else 'unsharded'}"
 
 
@@ -123,13 +124,11 @@ def runs(world, tmp_path_factory) -> Callable[[int], Path]:
     def launch(processes: int) -> Path:
         if processes not in directories:
             out = tmp_path_factory.mktemp(f"runs{processes}")
-            argvs = [
-                reward_flags(world, model, out / run_name(model, accumulation, fsdp), *accumulate, *fsdp_flag)
-                for model, accumulation in CASES[processes]
-                for fsdp in (False, True)
-                for accumulate in [("--gradient_accumulation_steps", str(accumulation))]
-                for fsdp_flag in [("--fsdp",) if fsdp else ()]
-            ]
+            argvs = []
+            for model, accumulation in CASES[processes]:
+                for fsdp in (False, True):
+                    flags = ["--gradient_accumulation_steps", str(accumulation), *(["--fsdp"] if fsdp else [])]
+                    argvs.append(reward_flags(world, model, out / run_name(model, accumulation, fsdp), *flags))
             run(torchrun(processes, str(launcher), json.dumps(argvs)))
             directories[processes] = out
         return directories[processes]
