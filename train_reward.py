@@ -273,7 +273,8 @@ def normalize_rewards(
     reward_model.gain.fill_(1.0)
     reward_model.bias.fill_(0.0)
     sampling = (args, accelerator, reward_model, ref_policy, query_stream, affixes, pad_id, generator, rollout_batch)
-    mean, std, count = reward_moments(*sampling, args.normalize_samples)
+    with distributed.gathered(reward_model):  # --fsdp: the weights gathered once for all the scoring
+        mean, std, count = reward_moments(*sampling, args.normalize_samples)
     target_mean, target_std = target
     if not torch.isfinite(std) or std <= 0:
         raise ValueError(
@@ -295,7 +296,8 @@ def normalize_rewards(
     if args.debug_normalize:
         # OAI's check: fresh samples under the new gain/bias should have the target mean and std
         # https://github.com/openai/lm-human-preferences/blob/cbfd210bb8b08f6bc5c26878c10984b90f516c66/lm_human_preferences/train_reward.py#L216-L219
-        check_mean, check_std, _ = reward_moments(*sampling, args.debug_normalize)
+        with distributed.gathered(reward_model):
+            check_mean, check_std, _ = reward_moments(*sampling, args.debug_normalize)
         result.update(debug_mean=check_mean.item(), debug_std=check_std.item())
     return result
 
@@ -343,22 +345,24 @@ def evaluate_labels(
     """Mean loss (and best-of-N accuracy) of the reward model on label rows; each process scores a rank-strided part."""
     rows = torch.arange(accelerator.process_index, len(labels), accelerator.num_processes)
     totals = torch.zeros(3, device=accelerator.device)  # loss sum, correct, rows
-    for chunk in rows.split(micro_batch_size):
-        rewards = score_label_rows(
-            reward_model,
-            labels.query[chunk].to(accelerator.device),
-            labels.samples[chunk].to(accelerator.device),
-            pad_id,
-        )
-        label = labels.label[chunk].to(accelerator.device)
-        correct = (rewards.argmax(1) == label).sum().float() if label_type.label_field == "best" else 0.0
-        totals += torch.stack(
-            [
-                label_row_errors(label_type, rewards, label).sum(),
-                torch.as_tensor(correct, device=totals.device),
-                torch.tensor(float(len(chunk)), device=totals.device),
-            ]
-        )
+    # --fsdp: the weights gathered once, so that a process with fewer rows (fewer forwards) waits for no other
+    with distributed.gathered(reward_model):
+        for chunk in rows.split(micro_batch_size):
+            rewards = score_label_rows(
+                reward_model,
+                labels.query[chunk].to(accelerator.device),
+                labels.samples[chunk].to(accelerator.device),
+                pad_id,
+            )
+            label = labels.label[chunk].to(accelerator.device)
+            correct = (rewards.argmax(1) == label).sum().float() if label_type.label_field == "best" else 0.0
+            totals += torch.stack(
+                [
+                    label_row_errors(label_type, rewards, label).sum(),
+                    torch.as_tensor(correct, device=totals.device),
+                    torch.tensor(float(len(chunk)), device=totals.device),
+                ]
+            )
     totals = accelerator.reduce(totals, reduction="sum")
     result = {"loss": (totals[0] / totals[2]).item(), "rows": int(totals[2].item())}
     if label_type.label_field == "best":
@@ -408,7 +412,8 @@ def main(args: Args) -> dict:
     args = dataclasses.replace(args, task=resolve_truncation(args.task, tokenizer))
     # a killed run continues from its checkpoint (--resume); a fresh one never writes into another run's output_dir
     settings = {**dataclasses.asdict(args), "world_size": world}
-    loop = checkpoint.CheckpointedLoop(args, settings, RESUME_IGNORED, accelerator, "step", sizes.steps)
+    ignored = reward_plumbing.resume_ignored(RESUME_IGNORED, args.fsdp)
+    loop = checkpoint.CheckpointedLoop(args, settings, ignored, accelerator, "step", sizes.steps)
 
     # 1. labels (validated before any model is loaded), models, optimizer, query stream
     label_type = get_label_type(args.labels.type)
@@ -475,7 +480,7 @@ def main(args: Args) -> dict:
         permutation = broadcast(permutation, from_process=0).cpu()
     else:
         permutation, norms = loop.resumed.shared["permutation"], loop.resumed.shared["normalization"]
-        reward_plumbing.restore(loop.resumed, reward_model, optimizer, query_stream, generator)
+        reward_plumbing.restore(loop.resumed, accelerator, args, reward_model, optimizer, query_stream, generator)
         if args.eval_interval and loop.first_step % args.eval_interval == 0:
             log_eval(loop.first_step)  # logged before the checkpoint, hidden by the TensorBoard purge at first_step
     seen = []
@@ -542,12 +547,14 @@ def main(args: Args) -> dict:
     if args.normalize_after:
         norms["after"] = normalize("after", sizes.steps, (0.0, 1.0))
 
-    # 5. save
-    check_finite_weights(reward_model, "the trained reward model", "not saved; try a smaller --lr.")
+    # 5. save (--fsdp: the whole weights gathered onto the main process)
+    with distributed.gathered(reward_model):
+        check_finite_weights(reward_model, "the trained reward model", "not saved; try a smaller --lr.")
+    whole = reward_plumbing.whole_reward_model(reward_model)
     if accelerator.is_main_process:
-        reward_plumbing.save_reward_model(reward_model, tokenizer, args, label_type, (eval_before, eval_after))
+        reward_plumbing.save_reward_model(whole, tokenizer, args, label_type, (eval_before, eval_after))
         evals = (eval_before, eval_after)
-        reward_plumbing.print_summary(console, args, reward_model, label_type, len(heldout_labels), evals)
+        reward_plumbing.print_summary(console, args, whole, label_type, len(heldout_labels), evals)
     loop.finish()  # every process past the save; the gradient hooks and the tracker closed
     return {
         "eval_before": eval_before,

@@ -155,6 +155,10 @@ def averaging_gradients(trained: torch.nn.Module, average: bool) -> Iterator[Non
     if isinstance(trained, FSDPModule):
         trained.set_requires_gradient_sync(average)
     yield
+    if isinstance(trained, FSDPModule) and average:
+        grads = [p.grad for p in replicated_parameters(trained) if p.grad is not None]
+        if grads:
+            _coalesced(grads, lambda flat: dist.all_reduce(flat.div_(dist.get_world_size())))
 
 
 def replicated_parameters(module: torch.nn.Module) -> list[torch.nn.Parameter]:

@@ -2,15 +2,18 @@
 checkpoints and the reward model's save. Nothing here changes what a training step computes."""
 
 import dataclasses
+import functools
+import os
 from typing import Protocol
 
+import numpy as np
 import torch
 from accelerate import Accelerator
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+from transformers import AutoModel
 
-from lm_human_preference_details import checkpoint, cli, validation
+from lm_human_preference_details import checkpoint, cli, devices, sharded, validation
 from lm_human_preference_details.data import QueryStream, load_texts
-from lm_human_preference_details.devices import describe_deterministic
 from lm_human_preference_details.labels import (
     Labels,
     LabelType,
@@ -46,6 +49,7 @@ class RewardArgs(Protocol):
     lr: float
     rollout_batch_size: int
     normalize_samples: int
+    fsdp: bool
     output_dir: str
     keep_checkpoints: int
     overwrite_output_dir: bool
@@ -86,7 +90,7 @@ def print_setup(console, args: RewardArgs, sizes: RewardSizes, tf32: str, label_
             else "0 (normalization skipped)",
             "label file": args.label_dataset,
             "TF32": tf32,
-            "deterministic": describe_deterministic(),
+            "deterministic": devices.describe_deterministic(),
             "output dir": args.output_dir,
         },
     )
@@ -145,12 +149,60 @@ def print_normalization(print_fn, when: str, result: dict, target: tuple[float, 
         print_fn(f"normalize {when}: after normalize {check}")
 
 
-def restore(resumed: checkpoint.Resumed, reward_model, optimizer, query_stream: QueryStream, generator) -> None:
-    """Weights, Adam moments and step, query position and RNGs as the checkpoint holds them."""
-    reward_model.load_state_dict(resumed.shared["model"])
-    optimizer.load_state_dict(resumed.shared["optimizer"])
-    query_stream.load_state_dict(resumed.local["query_stream"])
-    checkpoint.restore_rng_states(resumed.local["rng"], generator)
+def resume_ignored(ignored: tuple[str, ...], fsdp: bool) -> tuple[str, ...]:
+    """The settings that may change on --resume: `ignored`, and under --fsdp the number of processes (its sharded
+    checkpoints load on any number; see `restore`)."""
+    return (*ignored, "world_size") if fsdp else ignored
+
+
+def restore(
+    resumed: checkpoint.Resumed,
+    accelerator: Accelerator,
+    args: RewardArgs,
+    reward_model,
+    optimizer,
+    query_stream: QueryStream,
+    generator: torch.Generator,
+) -> None:
+    """Weights, Adam moments and step, query position and RNGs as the checkpoint holds them; under --fsdp the weights
+    and moments from its shards (`sharded.load`), also on another number of processes (`query_stream_state`; each
+    process's RNGs are then reseeded, with a warning)."""
+    if os.path.isdir(os.path.join(resumed.path, sharded.SHARDED_DIR)) != args.fsdp:
+        written = "with" if not args.fsdp else "without"
+        raise ValueError(f"checkpoint '{resumed.path}' was written {written} --fsdp: resume it {written} --fsdp.")
+    if args.fsdp:
+        sharded.load(resumed.path, reward_model, optimizer)
+    else:
+        reward_model.load_state_dict(resumed.shared["model"])
+        optimizer.load_state_dict(resumed.shared["optimizer"])
+    query_stream.load_state_dict(query_stream_state(resumed, query_stream))
+    written = int(resumed.meta["world_size"])
+    if written == accelerator.num_processes:
+        checkpoint.restore_rng_states(resumed.local["rng"], generator)
+        return
+    # the RNGs of the processes that wrote it cannot be divided among another number of processes
+    seeds = np.random.SeedSequence([args.seed, accelerator.process_index, resumed.step]).generate_state(3)
+    devices.set_seed(int(seeds[0]))
+    generator.manual_seed(int(seeds[1]) << 32 | int(seeds[2]))
+    accelerator.print(
+        f"warning: checkpoint '{resumed.path}' was written by {written} processes, this run has "
+        f"{accelerator.num_processes}: the weights, Adam moments, label order and query position carry over, but every "
+        "process's random numbers are reseeded from --seed, its rank and the step, so the samples that normalize the "
+        f"reward after training differ from those of an uninterrupted {written}-process run"
+    )
+
+
+def query_stream_state(resumed: checkpoint.Resumed, query_stream: QueryStream) -> dict[str, int]:
+    """This process's query-stream state in checkpoint `resumed`. On another number of processes (--fsdp only), each
+    continues from the global position that the checkpoint's processes had reached together, rank-strided over the
+    new number: where a run with that many processes would be, as the normalizations draw the same global batches."""
+    saved_world = int(resumed.meta["world_size"])
+    if saved_world == query_stream.world_size:
+        return resumed.local["query_stream"]
+    # the last process of the strided stream took the last query handed out: its position is the global one
+    last = os.path.join(resumed.path, checkpoint.RANK_FILE.format(rank=saved_world - 1))
+    state = torch.load(last, map_location="cpu", weights_only=True)["query_stream"]
+    return {**state, "rank": query_stream.rank, "world_size": query_stream.world_size}
 
 
 def progress_bar(console, accelerator: Accelerator) -> Progress:
@@ -180,22 +232,40 @@ def save_checkpoint(
 ) -> None:
     """The training state after `steps` steps (every process) in OUTPUT_DIR/training_state/step{steps}, atomic;
     `run_state`: the label order, the normalizations and the first evaluation. The main process writes it in the
-    background (`saves`) from a copy in host memory taken now."""
+    background (`saves`) from a copy in host memory taken now; under --fsdp every process first writes its shards of
+    the weights and Adam moments (`sharded.save`), which state.pt then lacks."""
     shared = None
     if accelerator.is_main_process:
         saves.wait()  # the twin below is still read by the previous write until it ends
-        shared = {
-            "model": saves.host_copy(reward_model).state_dict(),
-            "optimizer": checkpoint.to_host(optimizer.state_dict()),
-            "permutation": checkpoint.to_host(run_state["permutation"]),
-            "normalization": checkpoint.to_host(run_state["normalization"]),
-            "eval_before": run_state["eval_before"],
-        }
+        shared = {}  # under --fsdp the weights and Adam moments are in the shards
+        if not args.fsdp:
+            shared["model"] = saves.host_copy(reward_model).state_dict()
+            shared["optimizer"] = checkpoint.to_host(optimizer.state_dict())
+        shared["permutation"] = checkpoint.to_host(run_state["permutation"])
+        shared["normalization"] = checkpoint.to_host(run_state["normalization"])
+        shared["eval_before"] = run_state["eval_before"]
     local = {"query_stream": query_stream.state_dict(), "rng": checkpoint.rng_states(generator)}
     tracker.flush()
+    # under --fsdp every process writes its shards of the weights and Adam moments
+    shards = functools.partial(sharded.save, module=reward_model, optimizer=optimizer) if args.fsdp else None
     checkpoint.save_training_state(
-        args.output_dir, steps, accelerator, meta, shared, local, args.keep_checkpoints, saves
+        args.output_dir, steps, accelerator, meta, shared, local, args.keep_checkpoints, saves, write_shards=shards
     )
+
+
+def whole_reward_model(reward_model: RewardModel) -> RewardModel | None:
+    """`reward_model` itself, or when FSDP2 shards it, a copy with its whole weights on process 0 (None elsewhere,
+    where nothing is saved); every process must call it."""
+    if not sharded.is_sharded(reward_model):
+        return reward_model
+    state = sharded.full_state_dict(reward_model)
+    if not state:
+        return None
+    with torch.device("meta"):  # the weights come from `state`: nothing allocated or initialized twice
+        trunk = AutoModel.from_config(reward_model.trunk.config, dtype=torch.float32)
+        whole = RewardModel(trunk, reward_model.bos_token_id)
+    whole.load_state_dict(state, strict=True, assign=True)
+    return whole.eval()
 
 
 def save_reward_model(

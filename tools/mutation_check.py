@@ -2355,6 +2355,54 @@ BREAKAGES = [
         "checkpoint.load_process_state(resumed, 0)",
         ["tests/test_fsdp_policy.py::test_fsdp_on_four_processes_equals_unsharded_and_resumes_on_two"],
     ),
+    # ---------------------------------------------------------------- train_reward.py --fsdp (FSDP2)
+    Breakage(
+        "R3-fsdp-gain-bias-gradients-not-averaged",
+        "R3",
+        "under --fsdp the gradients of gain and bias (0-dim, left whole by FSDP2) are not averaged over processes",
+        "lm_human_preference_details/distributed.py",
+        "        if grads:\n            _coalesced(grads, lambda flat: dist.all_reduce(",
+        "        if False:\n            _coalesced(grads, lambda flat: dist.all_reduce(",
+        ["tests/test_fsdp_reward.py::test_fsdp_reward_runs_equal_unsharded_runs[2]"],
+    ),
+    Breakage(
+        "R8-fsdp-resume-skips-shards",
+        "R8",
+        "a resumed --fsdp reward run does not load its checkpoint's shards of the weights and Adam moments",
+        "lm_human_preference_details/reward_plumbing.py",
+        "    if args.fsdp:\n        sharded.load(resumed.path, reward_model, optimizer)",
+        "    if args.fsdp:\n        pass",
+        ["tests/test_fsdp_reward.py::test_fsdp_reward_killed_and_resumed_equals_uninterrupted"],
+    ),
+    Breakage(
+        "D3-fsdp-query-position-of-own-process",
+        "D3",
+        "a --fsdp checkpoint resumed on fewer processes continues each query stream from its own rank's position, not "
+        "the global one",
+        "lm_human_preference_details/reward_plumbing.py",
+        "checkpoint.RANK_FILE.format(rank=saved_world - 1)",
+        "checkpoint.RANK_FILE.format(rank=query_stream.rank)",
+        ["tests/test_fsdp_reward.py::test_query_stream_on_fewer_processes_continues_where_a_run_with_as_many_would"],
+    ),
+    Breakage(
+        "D1-world-size-changes-without-fsdp",
+        "D1",
+        "a reward checkpoint resumes on another number of processes without --fsdp too (its per-process sizes change)",
+        "lm_human_preference_details/reward_plumbing.py",
+        'return (*ignored, "world_size") if fsdp else ignored',
+        'return (*ignored, "world_size")',
+        ["tests/test_fsdp_reward.py::test_another_process_count_resumes_only_under_fsdp"],
+    ),
+    Breakage(
+        "R6-fsdp-eval-not-gathered",
+        "R6",
+        "under --fsdp the held-out evaluation runs FSDP2's per-forward all-gathers, though processes score unequal "
+        "numbers of rank-strided rows",
+        "train_reward.py",
+        "    with distributed.gathered(reward_model):\n        for chunk in rows.split(micro_batch_size):",
+        "    with torch.no_grad():\n        for chunk in rows.split(micro_batch_size):",
+        ["tests/test_fsdp_reward.py::test_fsdp_reward_runs_equal_unsharded_runs[4]"],
+    ),
 ]
 
 
