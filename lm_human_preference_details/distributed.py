@@ -3,6 +3,7 @@ PyTorch's engines for the rest: DistributedDataParallel averages the gradients o
 trained model over them (`--fsdp`)."""
 
 import contextlib
+import inspect
 import math
 import os
 import sys
@@ -92,6 +93,9 @@ def _coalesced(tensors: list[torch.Tensor], collective: Callable[[torch.Tensor],
         torch._foreach_copy_(group, [chunk.view_as(t) for chunk, t in zip(chunks, group)])
 
 
+_DDP_ARGUMENTS = inspect.signature(DistributedDataParallel).parameters
+
+
 def transformer_blocks(module: torch.nn.Module) -> list[torch.nn.Module]:
     """The transformer blocks inside `module` (of every Hugging Face model in it): the classes its models name in
     `_no_split_modules` (GPT2Block, LlamaDecoderLayer, GPTNeoXLayer, ...), the unit FSDP2 shards and gathers."""
@@ -113,12 +117,14 @@ def data_parallel(module: torch.nn.Module, accelerator: Any, fsdp: bool = False)
         _shard_in_place(module)
         return module
     device = accelerator.device
+    # no trained buffers, nothing to broadcast at each forward (torch 2.13 renamed the argument)
+    sync_buffers = "forward_sync_buffers" if "forward_sync_buffers" in _DDP_ARGUMENTS else "broadcast_buffers"
     return DistributedDataParallel(
         module,
         device_ids=[device.index] if device.type == "cuda" else None,
         init_sync=False,
-        forward_sync_buffers=False,  # no trained buffers: nothing to broadcast at each forward
         gradient_as_bucket_view=True,  # the gradients are the buckets: no second gradient-sized copy
+        **{sync_buffers: False},
     )
 
 

@@ -4,11 +4,13 @@ would, read back what two runs logged and saved, and measure how far apart they 
 Used by the resume tests and by `benchmark/gpu_check.py`.
 """
 
+import contextlib
 import os
 import signal
 import subprocess
 import time
 
+import psutil
 import torch
 from safetensors.torch import load_file
 
@@ -64,6 +66,19 @@ def final_training_state(output_dir) -> dict[str, torch.Tensor]:
     return tensors
 
 
+def _kill_tree(pid: int) -> None:
+    """SIGKILL process `pid`, its process group and every descendant: torchrun starts its workers in sessions of
+    their own, which a signal to its group misses."""
+    family = []
+    with contextlib.suppress(psutil.NoSuchProcess):
+        family = psutil.Process(pid).children(recursive=True)
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(pid, signal.SIGKILL)
+    for proc in family:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            proc.kill()
+
+
 def start_and_kill(
     command: list[str], output_dir, kill_after: int, delay: float, env: dict[str, str], cwd, timeout: float = 300
 ) -> int:
@@ -79,9 +94,9 @@ def start_and_kill(
             while not os.path.isdir(target) and proc.poll() is None and time.time() < deadline:
                 time.sleep(0.005)
             time.sleep(delay)
-        finally:  # also when the caller is interrupted: the process group never outlives this call
+        finally:  # also when the caller is interrupted: no process of the run outlives this call
             if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)
+                _kill_tree(proc.pid)
             proc.wait()
     if proc.returncode != -signal.SIGKILL:
         with open(log_path) as log:
