@@ -18,11 +18,11 @@ from dataclasses import dataclass
 import torch
 from rich.console import Console
 from rich.table import Table
-from transformers import GPT2LMHeadModel
+from transformers import AutoModelForCausalLM
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import train_policy  # noqa: E402
-from benchmark.shapes import gpt2_config  # noqa: E402
+from benchmark.shapes import model_config  # noqa: E402
 from lm_human_preference_details import cli, lora  # noqa: E402
 from lm_human_preference_details.modeling import PolicyWithValueHead  # noqa: E402
 from lm_human_preference_details.optim import make_optimizer  # noqa: E402
@@ -48,11 +48,12 @@ def count(params) -> int:
 
 
 def footprint(shape: str, lora_params: train_policy.LoraHParams | None) -> dict[str, int]:
-    """Floats held by the policy, its reference, its gradients and Adam's state, built as train_policy.py does."""
+    """Floats held by the policy, its reference, its gradients and Adam's state, built as train_policy.py does, for a
+    GPT-2 or Pythia shape (benchmark/shapes.py)."""
     with torch.device("meta"):
-        policy = PolicyWithValueHead(GPT2LMHeadModel(gpt2_config(shape))).eval()
+        policy = PolicyWithValueHead(AutoModelForCausalLM.from_config(model_config(shape))).eval()
         if lora_params is not None:
-            lora.apply_lora(policy, lora_params, "gpt2")
+            lora.apply_lora(policy, lora_params, shape)
         reference = lora.ReferencePolicy(policy)
     optimizer = make_optimizer(list(policy.parameters()), 1e-5, True)
     trained = [p for group in optimizer.param_groups for p in group["params"]]
