@@ -1,7 +1,7 @@
 """GPU memory per process of a train_policy.py run, estimated for a GPT-2 or Pythia shape, process count and flag set,
 and whether it fits a GPU; with the largest --rollout_micro_batch_size that fits when the whole batch does not.
 
-    python benchmark/memory_estimate.py                                   # 124M .. 1.5B, OAI's sentiment run, 8 GPUs
+    python benchmark/memory_estimate.py                   # GPT-2 124M .. 1.5B, Pythia 6.9B, OAI's sentiment run, 8 GPUs
     python benchmark/memory_estimate.py --shapes gpt2-1.5b --compile_sampler --gpu_gib 80
     python benchmark/memory_estimate.py --shapes gpt2-1.5b --bf16 --gradient_checkpointing --lora_rank 8
     python benchmark/memory_estimate.py --value_model reward                # a separate critic (docs/nplus.md)
@@ -31,7 +31,7 @@ The rollout gathers the policy's weights whole once ("gathered policy", freed af
 gather at most two blocks at a time, weights and gradients, plus the root shard (embeddings, LM head, heads: FSDP2
 keeps the root unsharded from the forward to the end of the backward) ("gathered blocks"). With
 --gradient_accumulation_steps > 1 the micro-batches before the last accumulate unsharded gradients (FSDP2 without
-gradient sync): a whole copy ("unsharded gradients").
+gradient sync): a whole copy ("unsharded gradients"). On one process --fsdp changes nothing (no sharding).
 Activations are a rule of thumb (no attention matrix: SDPA; NeoX's MLP is 4x as GPT-2's); allocator fragmentation
 and the CUDA context are covered by --headroom_gib. docs/multiprocess.md#memory compares the figures with measured
 ones; measure a real run with benchmark/policy_throughput.py (peak memory line).
