@@ -51,7 +51,7 @@ from transformers.modeling_layers import GradientCheckpointingLayer
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import train_policy  # noqa: E402
 from benchmark.lora_memory import count, footprint  # noqa: E402
-from benchmark.shapes import model_config  # noqa: E402
+from benchmark.shapes import PYTHIA_SHAPES, SHAPES, model_config  # noqa: E402
 from lm_human_preference_details import cli, optim, sizes  # noqa: E402
 
 GIB = 2**30
@@ -256,8 +256,10 @@ def summary_table(args: Args) -> str:
 def main(args: Args) -> None:
     cli.quiet_transformers()
     check_args(args)
+    known = [*SHAPES, *PYTHIA_SHAPES]
     for shape in args.shapes:
-        model_config(shape)  # an unknown shape stops here, naming the shapes
+        if shape not in known:
+            raise ValueError(f"unknown shape '{shape}' (--shapes); the shapes are {', '.join(known)}.")
     if args.summary:
         print(summary_table(args))
         return

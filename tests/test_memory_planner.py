@@ -113,6 +113,8 @@ def test_pythia_shapes_count_the_published_parameters_on_the_meta_device():
     # the logits over each model's own vocabulary
     gpt2, pythia = (memory_estimate.estimate(planner(), s, None)["logits"] for s in ("gpt2-124m", "pythia-6.9b"))
     assert pythia / gpt2 == 50432 / 50257
+    with pytest.raises(ValueError, match=r"unknown shape 'pythia-12b' \(--shapes\); the shapes are .*pythia-6.9b"):
+        memory_estimate.main(planner(shapes=("pythia-12b",)))
 
 
 def test_nplus_tldr_task_takes_the_presets_lengths_batch_critic_and_torch_adamw():
