@@ -37,6 +37,7 @@ and the CUDA context are covered by --headroom_gib. docs/multiprocess.md#memory 
 ones; measure a real run with benchmark/policy_throughput.py (peak memory line).
 """
 
+import functools
 import os
 import sys
 from dataclasses import dataclass, replace
@@ -112,6 +113,7 @@ class Args:
     (README.md, docs/multiprocess.md)"""
 
 
+@functools.cache
 def presets() -> dict[str, train_policy.Args]:
     """train_policy.py's --task presets: OAI's and the successor recipe's."""
     return {**train_policy.oai_presets(), **train_policy.nplus_presets()}
@@ -130,6 +132,27 @@ def block_and_root_floats(model: torch.nn.Module) -> tuple[int, int, int]:
     block and then the model are wrapped (the rest, the root: embeddings, final norm, LM head)."""
     blocks = [count(m.parameters()) for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
     return max(blocks), sum(blocks), count(model.parameters()) - sum(blocks)
+
+
+@functools.cache
+def module_floats(shape: str, lora_rank: int) -> dict[str, int]:
+    """Parameter counts of the modules train_policy.py builds for `shape`, on the meta device: `footprint`'s (policy,
+    reference, trainable), the trunk alone (a reward model's or critic's), the largest parameter and, for FSDP2's
+    shards, the largest block, all blocks and the rest of the language model."""
+    config = model_config(shape)
+    floats = footprint(shape, train_policy.LoraHParams(rank=lora_rank) if lora_rank else None)
+    with torch.device("meta"):
+        lm, trunk = AutoModelForCausalLM.from_config(config), AutoModel.from_config(config)
+    block, blocks, root = block_and_root_floats(lm)
+    largest = max(p.numel() for p in lm.parameters())
+    return {
+        **floats,
+        "trunk": count(trunk.parameters()),
+        "largest": largest,
+        "block": block,
+        "blocks": blocks,
+        "root": root,
+    }
 
 
 def check_args(args: Args) -> None:
@@ -155,18 +178,15 @@ def estimate(args: Args, shape: str, rollout_rows: int | None) -> dict[str, floa
     rows = min(rollout_rows or batch, batch)
     length, tokens = task.response_length, task.query_length + task.response_length
     value_model = args.value_model or preset.ppo.value_model
-    lora_params = train_policy.LoraHParams(rank=args.lora_rank) if args.lora_rank else None
-    floats = footprint(shape, lora_params)
-    with torch.device("meta"):
-        lm, trunk = AutoModelForCausalLM.from_config(config), AutoModel.from_config(config)
-    largest = max(p.numel() for p in lm.parameters()) * FLOAT
+    floats = module_floats(shape, args.lora_rank)
+    largest = floats["largest"] * FLOAT
     head = width + 1  # a value head, a critic's head
     # a critic: a trunk and a head, every weight trained; the policy's value head is then frozen
-    critic = count(trunk.parameters()) + head if value_model else 0
+    critic = floats["trunk"] + head if value_model else 0
     trained = floats["trainable"] + (critic - head if value_model else 0)
     trunks_trained = 2 if value_model else 1  # the critic's training forward stores activations of its own
-    block, blocks, root = block_and_root_floats(lm)
-    root += head + (count(trunk.parameters()) - blocks + head if value_model else 0)  # the learner's root shard
+    block, blocks = floats["block"], floats["blocks"]
+    root = floats["root"] + head + (floats["trunk"] - blocks + head if value_model else 0)  # the learner's root shard
     fsdp = args.fsdp and args.processes > 1  # one process trains the module itself, as without --fsdp
     shards = args.processes if fsdp else 1
     ddp = args.processes > 1 and not fsdp
@@ -175,7 +195,7 @@ def estimate(args: Args, shape: str, rollout_rows: int | None) -> dict[str, floa
     parts = {
         "policy": floats["policy"] * FLOAT / shards,
         "reference": floats["reference"] * FLOAT,
-        "reward model": (count(trunk.parameters()) + width + 3) * FLOAT,
+        "reward model": (floats["trunk"] + width + 3) * FLOAT,
         "critic": critic * FLOAT / shards,
         "Adam moments": 2 * trained * FLOAT / shards,
         "KV cache": kv_cache,
