@@ -5,9 +5,10 @@ reference as the policy with its adapters disabled.
     python benchmark/lora_memory.py --rank 16 --target_modules c_attn c_proj
 
 The policies are built as train_policy.py builds them (PolicyWithValueHead, lora.apply_lora, lora.ReferencePolicy,
-make_optimizer) from GPT2Config shapes on the meta device: nothing is downloaded or allocated, the counts are those of
-the real modules. Counted per process, float32 (4 bytes): the parameters held (policy, value head, reference copy),
-the gradients of the trainable ones, and Adam's state (2 floats per parameter in the optimizer: exp_avg, exp_avg_sq).
+make_optimizer) from the shapes of benchmark/shapes.py on the meta device: nothing is downloaded or allocated, the
+counts are those of the real modules. Counted per process, float32 (4 bytes): the parameters held (policy, value
+head, reference copy), the gradients of the trainable ones, and Adam's state (2 floats per parameter in the
+optimizer: exp_avg, exp_avg_sq).
 Activations, the reward model and the KV cache are not counted; they do not depend on LoRA.
 """
 
