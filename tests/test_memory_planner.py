@@ -161,8 +161,9 @@ def measured_ppo_update(shape: str, micro: int, bf16: bool = False, checkpointin
     """A real train_policy.ppo_update (one process, float32 unless bf16) of a random policy of `shape` on
     `micro`-episode micro-batches at the sentiment task's lengths (2 minibatches, so the second's backward runs with
     Adam's moments allocated), measured on CPU: the peak bytes held (PeakAllocation, the policy's weights counted from
-    the start), the bytes of weights and Adam state after it, and the bytes that one PPO forward saves for the backward
-    beyond the weights (torch's saved-tensor hooks); the planner's figures for the same parts beside them."""
+    the start), the bytes of weights and Adam state after it, then one more PPO forward and backward: its peak (weights
+    and Adam state counted) and the bytes its forward saves for the backward beyond the weights (torch's saved-tensor
+    hooks); the planner's figures for the same parts beside them."""
     task = TASKS["sentiment"]
     context, length = task.query_length, task.response_length
     config = model_config(shape)
@@ -194,10 +195,12 @@ def measured_ppo_update(shape: str, micro: int, bf16: bool = False, checkpointin
             saved[storage.data_ptr()] = storage.nbytes()
         return tensor
 
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
-        logits, values = policy(tokens[:micro], context, 50257, 0.7)
-        logprobs, _ = logprobs_and_entropy_from_logits(logits, tokens[:micro, context:])
+    with PeakAllocation(held=params + state) as forward_backward:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+            logits, values = policy(tokens[:micro], context, 50257, 0.7)
+            logprobs, _ = logprobs_and_entropy_from_logits(logits, tokens[:micro, context:])
         (logprobs.sum() + values.sum()).backward()
+        del logits, values, logprobs
     optimizer.zero_grad(set_to_none=True)
     flags = dict(processes=1, batch_size=2 * micro, nminibatches=2, bf16=bf16, gradient_checkpointing=checkpointing)
     estimate = memory_estimate.estimate(planner(**flags), shape, None)
@@ -205,6 +208,8 @@ def measured_ppo_update(shape: str, micro: int, bf16: bool = False, checkpointin
     return {
         "measured peak": memory.peak,
         "estimated peak": max(estimate["PPO"], estimate["step"]) - frozen,
+        "measured PPO forward and backward": forward_backward.peak,
+        "estimated PPO forward and backward": estimate["PPO"] - frozen,
         "measured weights and Adam": sum(p.nbytes for p in params) + sum(t.nbytes for t in state),
         "estimated weights and Adam": estimate["policy"] + estimate["Adam moments"],
         "measured saved": sum(saved.values()),
@@ -218,7 +223,7 @@ def test_planner_is_within_a_quarter_of_a_measured_ppo_update(monkeypatch):
     monkeypatch.setitem(SHAPES, "gpt2-2x768", MEASURED_SHAPE)
     figures = measured_ppo_update("gpt2-2x768", micro=8)
     assert figures["measured weights and Adam"] == figures["estimated weights and Adam"]  # the real modules' counts
-    for part in ("peak", "saved"):
+    for part in ("peak", "PPO forward and backward", "saved"):
         ratio = figures[f"estimated {part}"] / figures[f"measured {part}"]
         assert 0.75 < ratio < 1.25, (part, figures)
 
