@@ -5,9 +5,10 @@ reference as the policy with its adapters disabled.
     python benchmark/lora_memory.py --rank 16 --target_modules c_attn c_proj
 
 The policies are built as train_policy.py builds them (PolicyWithValueHead, lora.apply_lora, lora.ReferencePolicy,
-make_optimizer) from GPT2Config shapes on the meta device: nothing is downloaded or allocated, the counts are those of
-the real modules. Counted per process, float32 (4 bytes): the parameters held (policy, value head, reference copy),
-the gradients of the trainable ones, and Adam's state (2 floats per parameter in the optimizer: exp_avg, exp_avg_sq).
+make_optimizer) from the shapes of benchmark/shapes.py on the meta device: nothing is downloaded or allocated, the
+counts are those of the real modules. Counted per process, float32 (4 bytes): the parameters held (policy, value
+head, reference copy), the gradients of the trainable ones, and Adam's state (2 floats per parameter in the
+optimizer: exp_avg, exp_avg_sq).
 Activations, the reward model and the KV cache are not counted; they do not depend on LoRA.
 """
 
@@ -18,11 +19,11 @@ from dataclasses import dataclass
 import torch
 from rich.console import Console
 from rich.table import Table
-from transformers import GPT2LMHeadModel
+from transformers import AutoModelForCausalLM
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import train_policy  # noqa: E402
-from benchmark.shapes import gpt2_config  # noqa: E402
+from benchmark.shapes import model_config  # noqa: E402
 from lm_human_preference_details import cli, lora  # noqa: E402
 from lm_human_preference_details.modeling import PolicyWithValueHead  # noqa: E402
 from lm_human_preference_details.optim import make_optimizer  # noqa: E402
@@ -48,11 +49,12 @@ def count(params) -> int:
 
 
 def footprint(shape: str, lora_params: train_policy.LoraHParams | None) -> dict[str, int]:
-    """Floats held by the policy, its reference, its gradients and Adam's state, built as train_policy.py does."""
+    """Floats held by the policy, its reference, its gradients and Adam's state, built as train_policy.py does, for a
+    GPT-2 or Pythia shape (benchmark/shapes.py)."""
     with torch.device("meta"):
-        policy = PolicyWithValueHead(GPT2LMHeadModel(gpt2_config(shape))).eval()
+        policy = PolicyWithValueHead(AutoModelForCausalLM.from_config(model_config(shape))).eval()
         if lora_params is not None:
-            lora.apply_lora(policy, lora_params, "gpt2")
+            lora.apply_lora(policy, lora_params, shape)
         reference = lora.ReferencePolicy(policy)
     optimizer = make_optimizer(list(policy.parameters()), 1e-5, True)
     trained = [p for group in optimizer.param_groups for p in group["params"]]

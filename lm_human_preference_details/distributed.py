@@ -151,15 +151,15 @@ def shard_frozen(module: torch.nn.Module, accelerator: Any) -> None:
 
 @contextlib.contextmanager
 def averaging_gradients(trained: torch.nn.Module, average: bool) -> Iterator[None]:
-    """Around a micro-batch's forward and backward through `trained` (from `data_parallel`): with `average` its
-    backward averages the accumulated gradients over processes (overlapped with the backward: DDP's buckets, FSDP2's
-    reduce-scatters); without, the gradients only accumulate in this process (the micro-batches before the last)."""
+    """Around a micro-batch's forward and backward through `trained` (from `data_parallel`): with `average` (the
+    step's last micro-batch) its backward averages the accumulated gradients over processes, overlapped with it in
+    DDP's buckets; without, DDP's gradients only accumulate in this process. FSDP2 reduce-scatters every micro-batch's
+    gradients into the shards (their sum is the average of the accumulated ones): skipping it would accumulate whole,
+    unsharded gradients, the memory that --fsdp is there to save."""
     if isinstance(trained, DistributedDataParallel) and not average:
         with trained.no_sync():
             yield
         return
-    if isinstance(trained, FSDPModule):
-        trained.set_requires_gradient_sync(average)
     yield
     if isinstance(trained, FSDPModule) and average:
         grads = [p.grad for p in replicated_parameters(trained) if p.grad is not None]
