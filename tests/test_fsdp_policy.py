@@ -325,3 +325,36 @@ def test_fsdp_shards_the_reference_and_a_reward_model_and_they_score_as_before(t
             torch.testing.assert_close(now, was, rtol=1e-6, atol=1e-6)
     finally:
         torch.distributed.destroy_process_group()
+
+
+def test_fsdp_reduce_scatters_every_micro_batch_so_no_whole_gradient_accumulates(tiny_model_dir):
+    # FSDP2 without gradient sync would keep a micro-batch's gradients whole (unsharded) until the last one; with it,
+    # each backward leaves only the shards (DTensors) in .grad, and the sum equals the accumulated average
+    from torch.distributed.tensor import DTensor
+
+    from lm_human_preference_details import distributed
+    from lm_human_preference_details.modeling import PolicyWithValueHead, load_causal_lm
+
+    class Several:
+        num_processes = 2
+
+    torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    try:
+        policy = PolicyWithValueHead(load_causal_lm(tiny_model_dir)).eval()
+        whole = PolicyWithValueHead(load_causal_lm(tiny_model_dir)).eval()
+        trained = distributed.data_parallel(policy, Several(), fsdp=True)
+        tokens = torch.randint(0, 50000, (4, 12), generator=torch.Generator().manual_seed(0))
+        for micro, rows in enumerate(tokens.split(2)):
+            with distributed.averaging_gradients(trained, average=micro == 1):
+                logits, values = trained(rows, 8, 50257, 0.7)
+                ((logits.logsumexp(-1).mean() + values.mean()) / 2).backward()
+            assert all(isinstance(p.grad, DTensor) for p in policy.parameters() if p.requires_grad), micro
+            logits, values = whole(rows, 8, 50257, 0.7)
+            ((logits.logsumexp(-1).mean() + values.mean()) / 2).backward()
+        gradients = {n: p.grad.full_tensor() for n, p in policy.named_parameters() if p.grad is not None}
+        assert gradients
+        for name, p in whole.named_parameters():
+            if name in gradients:
+                torch.testing.assert_close(gradients[name], p.grad, rtol=1e-5, atol=1e-7)
+    finally:
+        torch.distributed.destroy_process_group()

@@ -2403,6 +2403,26 @@ BREAKAGES = [
         "    with torch.no_grad():\n        for chunk in rows.split(micro_batch_size):",
         ["tests/test_fsdp_reward.py::test_fsdp_reward_runs_equal_unsharded_runs[4]"],
     ),
+    # ---------------------------------------------------------------- --fsdp: the frozen models, accumulation
+    Breakage(
+        "O4-fsdp-accumulates-unsharded",
+        "O4",
+        "--fsdp: the micro-batches before the last keep whole, unsharded gradients (FSDP2 without gradient sync)",
+        "lm_human_preference_details/distributed.py",
+        "        return\n    yield\n    if isinstance(trained, FSDPModule) and average:",
+        "        return\n    if isinstance(trained, FSDPModule):\n        trained.set_requires_gradient_sync(average)\n"
+        "    yield\n    if isinstance(trained, FSDPModule) and average:",
+        ["tests/test_fsdp_policy.py::test_fsdp_reduce_scatters_every_micro_batch_so_no_whole_gradient_accumulates"],
+    ),
+    Breakage(
+        "O4-fsdp-reference-whole",
+        "O4",
+        "--fsdp: the reference policy stays whole on every process",
+        "lm_human_preference_details/ppo_plumbing.py",
+        "    distributed.shard_frozen(reference.copy, accelerator)\n",
+        "    pass\n",
+        ["tests/test_fsdp_policy.py::test_fsdp_shards_the_reference_and_a_reward_model_and_they_score_as_before"],
+    ),
 ]
 
 
