@@ -562,9 +562,8 @@ def ppo_update(
                     new_logprobs, new_entropy = logprobs_and_entropy_from_logits(new_logits, responses[micro_inds])
                     del new_logits  # no reference left: the (b, L, V) logits go with the graph after backward
                     loss_masks = None
-                    if (
-                        mb_masks is not None
-                    ):  # masked as the rollout's: log-probs after s, values after s + 1 (nplus N20)
+                    # masked as the rollout's: log-probs after s, values after s + 1 (nplus N20)
+                    if mb_masks is not None:
                         # https://github.com/vwxyzjn/summarize_from_feedback_details/blob/ee77a9abc31f5338365ee087945c5bcafac7f1ca/summarize_from_feedback_details/ppo.py#L736-L738
                         micro_masks = mb_masks.rows(micro)
                         new_logprobs, vpred = micro_masks.invalidate(new_logprobs), micro_masks.zero_values(vpred)

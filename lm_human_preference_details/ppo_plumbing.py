@@ -574,7 +574,10 @@ def describe_fsdp(processes: int) -> str:
             "one process: nothing to shard, the model stays whole; checkpoints are sharded ones, which a run on "
             "several processes continues"
         )
-    return f"the policy (and a critic) sharded over {processes} processes, gathered once per rollout"
+    return (
+        f"the policy (and a critic), the reference policy and a reward model sharded over {processes} processes; the "
+        "policy gathered once per rollout"
+    )
 
 
 def prepare_host_twins(saves: checkpoint.BackgroundSaves, accelerator: Accelerator, *modules: torch.nn.Module) -> None:
