@@ -9,9 +9,9 @@ lint: install
 	$(PYTHON) -m ruff check .
 	$(PYTHON) -m ruff format --check .
 
-# two worker processes, one per core, each test file on one worker (pytest-xdist); the 30 slowest tests listed
+# two worker processes, one per core, each test file on one worker (pytest-xdist)
 test: install
-	$(PYTHON) -m pytest -n 2 --dist loadfile --durations=30
+	$(PYTHON) -m pytest -n 2 --dist loadfile
 
 # every OAI detail broken on purpose, one at a time, in a copy of the project: its tests must fail (tools/mutation_check.py)
 mutation: install

@@ -24,7 +24,7 @@ from lm_human_preference_details.modeling import PolicyWithValueHead, reduce_tra
 from lm_human_preference_details.sizes import derive_sizes
 from lm_human_preference_details.tasks import TASKS
 from tests.memory import PeakAllocation
-from tests.planted import REPO, free_port
+from tests.planted import REPO, free_port, without_gpus
 
 GIB = 2**30
 PER_PROCESS = ("policy", "critic", "Adam moments", "gradients", "reference", "reward model")
@@ -230,20 +230,17 @@ FSDP_LAUNCHER = """
 import json, sys
 sys.path.insert(0, {repo!r})
 import torch.distributed as dist
-from torch.distributed.fsdp import fully_shard
 from transformers import AutoModelForCausalLM
-from transformers.modeling_layers import GradientCheckpointingLayer
 from benchmark.shapes import model_config
+from lm_human_preference_details import distributed
 from lm_human_preference_details.modeling import PolicyWithValueHead
 
-dist.init_process_group("gloo")
+accelerator = distributed.make_accelerator()
 policy = PolicyWithValueHead(AutoModelForCausalLM.from_config(model_config(sys.argv[1]))).eval()
-for block in [m for m in policy.modules() if isinstance(m, GradientCheckpointingLayer)]:
-    fully_shard(block)  # each transformer block, then the rest: FSDP2 as --fsdp shards the policy
-fully_shard(policy)
+trained = distributed.data_parallel(policy, accelerator, fsdp=True)  # as train_policy.py --fsdp shards it
 shard = sum(p.to_local().untyped_storage().nbytes() for p in policy.parameters())
-policy.unshard()  # what the rollout gathers
-gathered = sum(p.nbytes for p in policy.parameters())
+with distributed.gathered(trained):  # what the rollout gathers
+    gathered = sum(p.nbytes for p in policy.parameters())
 with open(f"{{sys.argv[2]}}/rank{{dist.get_rank()}}.json", "w") as f:
     json.dump(dict(shard=shard, gathered=gathered), f)
 dist.destroy_process_group()
@@ -255,7 +252,7 @@ def test_fsdp2_shards_of_two_processes_hold_the_planners_share_of_the_policy(tmp
     # --fsdp policy (half, up to FSDP2's padding to a multiple of the processes), unshard() the gathered policy
     launcher = tmp_path / "shards.py"
     launcher.write_text(FSDP_LAUNCHER.format(repo=str(REPO)))
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
+    env = without_gpus({**os.environ, "OMP_NUM_THREADS": "1"})
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1"]
     command += ["--master_port", str(free_port()), str(launcher), "tiny", str(tmp_path)]
     run = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
