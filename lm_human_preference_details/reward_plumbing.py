@@ -3,7 +3,6 @@ checkpoints and the reward model's save. Nothing here changes what a training st
 
 import dataclasses
 import functools
-import os
 from typing import Protocol
 
 import numpy as np
@@ -167,7 +166,7 @@ def restore(
     """Weights, Adam moments and step, query position and RNGs as the checkpoint holds them; under --fsdp the weights
     and moments from its shards (`sharded.load`), also on another number of processes (`query_stream_state`; each
     process's RNGs are then reseeded, with a warning)."""
-    if os.path.isdir(os.path.join(resumed.path, sharded.SHARDED_DIR)) != args.fsdp:
+    if checkpoint.is_sharded_checkpoint(resumed.meta) != args.fsdp:
         written = "with" if not args.fsdp else "without"
         raise ValueError(f"checkpoint '{resumed.path}' was written {written} --fsdp: resume it {written} --fsdp.")
     if args.fsdp:
@@ -200,8 +199,7 @@ def query_stream_state(resumed: checkpoint.Resumed, query_stream: QueryStream) -
     if saved_world == query_stream.world_size:
         return resumed.local["query_stream"]
     # the last process of the strided stream took the last query handed out: its position is the global one
-    last = os.path.join(resumed.path, checkpoint.RANK_FILE.format(rank=saved_world - 1))
-    state = torch.load(last, map_location="cpu", weights_only=True)["query_stream"]
+    state = checkpoint.load_process_state(resumed, saved_world - 1)["query_stream"]
     return {**state, "rank": query_stream.rank, "world_size": query_stream.world_size}
 
 

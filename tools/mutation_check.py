@@ -2380,8 +2380,8 @@ BREAKAGES = [
         "a --fsdp checkpoint resumed on fewer processes continues each query stream from its own rank's position, not "
         "the global one",
         "lm_human_preference_details/reward_plumbing.py",
-        "checkpoint.RANK_FILE.format(rank=saved_world - 1)",
-        "checkpoint.RANK_FILE.format(rank=query_stream.rank)",
+        "checkpoint.load_process_state(resumed, saved_world - 1)",
+        "checkpoint.load_process_state(resumed, query_stream.rank)",
         ["tests/test_fsdp_reward.py::test_query_stream_on_fewer_processes_continues_where_a_run_with_as_many_would"],
     ),
     Breakage(
