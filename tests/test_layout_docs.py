@@ -1,6 +1,6 @@
 """The reader's guides stay true to the code: the spec named at the top of each training script, one list of the
 `# DEVIATION (key):` markers (docs/deviations.md), a docs/layout.md row for every module of the package, the same help
-for a flag both training scripts take, and the reading-path counts of tools/reading_path.py."""
+for a flag both training scripts take."""
 
 import ast
 import dataclasses
@@ -14,7 +14,6 @@ import pytest
 
 import train_policy
 import train_reward
-from tools import reading_path
 
 REPO = Path(__file__).resolve().parents[1]
 PACKAGE = REPO / "lm_human_preference_details"
@@ -181,74 +180,3 @@ def test_flags_of_both_training_scripts_have_the_same_help():
     )
     stale = [name for name in SCRIPT_SPECIFIC_HELP if name not in shared or policy[name] == reward[name]]
     assert not stale, f"SCRIPT_SPECIFIC_HELP names flags that are not shared or whose help agrees: {stale}"
-
-
-# ---------------------------------------------------------------------------------------------------- reading path
-_TOY_SCRIPT = '''
-from dataclasses import dataclass, field
-import time
-from lm_human_preference_details import core
-from lm_human_preference_details.modeling import sample
-from lm_human_preference_details.ppo_plumbing import start_tracker
-
-
-@dataclass
-class Inner:
-    lr: float = 1.0
-
-
-@dataclass
-class Args:
-    seed: int = 1
-    inner: Inner = field(default_factory=Inner)
-
-
-LIMIT = 3
-
-
-def losses(x):
-    ratio = x.exp()
-    return ratio
-
-
-def main(args):
-    """Docstring."""
-    accelerator = core.make_accelerator(1.0)
-    tracker = start_tracker(args, accelerator)
-    # a comment
-    x = sample(args.seed, accelerator.device)
-    if accelerator.is_main_process:
-        print(x)
-    start = time.time()
-    y = losses(
-        x,
-    )
-    tracker.log({"y": y})
-    return y
-'''
-
-
-def test_reading_path_counts_a_script_by_its_documented_rules():
-    count = reading_path.count(_TOY_SCRIPT, "toy.py")
-    lines = _TOY_SCRIPT.splitlines()
-    assert count.total_lines == len(lines)
-    assert lines[count.anchor_line - 1].strip() == "ratio = x.exp()"
-    # imported from the package, then defined above the anchor line: dataclasses, a constant, the function holding it
-    assert count.concepts == ["core", "sample", "start_tracker", "Inner", "Args", "LIMIT", "losses"]
-    assert count.fields == ["Args.seed", "Args.inner", "Inner.lr"]
-    assert count.main_lines == lines.index("    return y") - lines.index("def main(args):") + 1
-    # algorithm: the sample call (it also reads the accelerator), the three lines of the losses call, the return;
-    # plumbing: the accelerator, the tracker and its log, the print and its `if`, the time
-    algorithm = [lines[line - 1].strip() for line in count.algorithm_lines]
-    assert algorithm == ["x = sample(args.seed, accelerator.device)", "y = losses(", "x,", ")", "return y"]
-    assert count.algorithm_statements == 3
-
-
-def test_reading_path_finds_the_first_ratio_and_the_reward_loss_of_the_scripts():
-    for script, anchor in (("train_policy.py", r"^\s*ratio\s*="), ("train_reward.py", r"^\s*loss\s*=")):
-        source = (REPO / script).read_text(encoding="utf-8")
-        count = reading_path.count(source, script)
-        first = next((i for i, line in enumerate(source.splitlines(), start=1) if re.search(anchor, line)), None)
-        assert first is not None, f"{script} has no line matching {anchor!r}: update tools/reading_path.py's ANCHORS"
-        assert count.anchor_line == first
-        assert "Args" in count.concepts and count.fields and 0 < len(count.algorithm_lines) < count.main_lines
