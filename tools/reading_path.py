@@ -11,7 +11,11 @@ One table row per script, every count taken from the script's syntax tree (`ast`
   and any other script, `loss =` (the reward model's label loss) for train_reward.py; `--anchor REGEX` picks another.
 - concepts before it: the module-level names defined above that line (functions, classes, constants) plus every name
   imported from the project's package (`from lm_human_preference_details.x import a, b` is a and b,
-  `from lm_human_preference_details import core` is core). In brackets, the configuration fields met above it: the
+  `from lm_human_preference_details import core` is core). An imported name is a module when the package has a
+  module or sub-package of that path (`from lm_human_preference_details.nplus import critic` binds the module
+  nplus.critic, as nplus/critic.py exists), else a name of the module it is imported from
+  (`from lm_human_preference_details.modeling import sample` binds a name of modeling); the package's layout is read
+  from the working tree, or at the commit of `--rev`. In brackets, the configuration fields met above it: the
   dataclass fields of `Args` and of the script's own dataclasses that `Args` nests (directly or through another).
 - main: the lines of `def main` from its `def` to its last line, then how many of them are algorithm lines: the
   non-blank, non-comment lines of main's statements, its docstring excluded, that are not plumbing; in brackets the
@@ -36,10 +40,12 @@ import argparse
 import ast
 import builtins
 import dataclasses
+import functools
 import re
 import subprocess
 import sys
 from pathlib import Path
+from typing import NamedTuple
 
 REPO = Path(__file__).resolve().parents[1]
 PACKAGE = "lm_human_preference_details"
@@ -97,20 +103,60 @@ def is_plumbing_module(module: str) -> bool:
     return parts[-1] in PLUMBING_MODULES or "plumbing" in parts
 
 
-def package_imports(tree: ast.Module) -> list[tuple[int, str, str]]:
-    """(line, bound name, module path inside the package) of every module-level import from the package."""
+class PackageImport(NamedTuple):
+    """One name a module-level import from the package binds."""
+
+    line: int
+    name: str  # the name bound in the script (`nplus_critic` of `... import critic as nplus_critic`)
+    module: str  # the module's path inside the package ("nplus.critic"; "" is the package's own __init__)
+    binds_module: bool  # the name is the module itself, not one of the module's names
+
+
+@functools.cache
+def package_modules(rev: str | None = None) -> frozenset[str]:
+    """The paths inside the package ("devices", "nplus", "nplus.critic") of its modules and sub-packages, in the
+    working tree or at commit `rev`."""
+    if rev is None:
+        files = [path.relative_to(REPO).as_posix() for path in (REPO / PACKAGE).rglob("*.py")]
+    else:
+        listed = subprocess.run(
+            ["git", "ls-tree", "-r", "--name-only", rev, "--", PACKAGE], cwd=REPO, capture_output=True, text=True
+        )
+        if listed.returncode != 0:
+            sys.exit(f"error: git ls-tree {rev} {PACKAGE} failed: {listed.stderr.strip()}")
+        files = [name for name in listed.stdout.splitlines() if name.endswith(".py")]
+    modules = set()
+    for file in files:
+        parts = file.removesuffix(".py").split("/")[1:]
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        # a module's folders are sub-packages too (with or without an __init__.py)
+        modules |= {".".join(parts[:end]) for end in range(1, len(parts) + 1)}
+    return frozenset(modules)
+
+
+def package_imports(tree: ast.Module, modules: frozenset[str] | set[str]) -> list[PackageImport]:
+    """Every name that a module-level import from the package binds; `modules` is the package's layout
+    (`package_modules`), which tells a module (`from package.nplus import critic`) from a name of a module
+    (`from package.modeling import sample`)."""
     found = []
     for node in tree.body:
         if isinstance(node, ast.ImportFrom) and node.level == 0 and (node.module or "").split(".")[0] == PACKAGE:
             inner = node.module[len(PACKAGE) + 1 :]
             for alias in node.names:
-                # `from package import core` binds a module; `from package.core import x` a name of that module
-                module = alias.name if not inner else inner
-                found.append((node.lineno, alias.asname or alias.name, module))
+                path = f"{inner}.{alias.name}" if inner else alias.name
+                binds_module = path in modules
+                found.append(
+                    PackageImport(
+                        node.lineno, alias.asname or alias.name, path if binds_module else inner, binds_module
+                    )
+                )
         elif isinstance(node, ast.Import):
             for alias in node.names:
                 if alias.name.split(".")[0] == PACKAGE and alias.name != PACKAGE:
-                    found.append((node.lineno, alias.asname or alias.name, alias.name[len(PACKAGE) + 1 :]))
+                    found.append(
+                        PackageImport(node.lineno, alias.asname or alias.name, alias.name[len(PACKAGE) + 1 :], True)
+                    )
     return found
 
 
@@ -266,15 +312,17 @@ def line_owners(main: ast.FunctionDef) -> dict[int, ast.stmt]:
     return owners
 
 
-def count(source: str, script: str, anchor: str | None = None) -> PathCount:
-    """The reading-path row of one script's source."""
+def count(
+    source: str, script: str, anchor: str | None = None, modules: frozenset[str] | set[str] | None = None
+) -> PathCount:
+    """The reading-path row of one script's source; `modules`: the package's layout (default: the working tree's)."""
     tree = ast.parse(source)
     lines = source.splitlines()
     pattern = re.compile(anchor or ANCHORS.get(Path(script).name, DEFAULT_ANCHOR))
     anchor_line = next((i for i, line in enumerate(lines, start=1) if pattern.search(line)), None)
     before = anchor_line if anchor_line is not None else len(lines) + 1
-    imports = package_imports(tree)
-    concepts = [name for line, name, _ in imports if line < before]
+    imports = package_imports(tree, package_modules() if modules is None else modules)
+    concepts = [imported.name for imported in imports if imported.line < before]
     for node in tree.body:
         if node.lineno < before and not isinstance(node, (ast.Import, ast.ImportFrom)):
             concepts += [name for name in defined_names(node) if name not in concepts]
@@ -288,7 +336,7 @@ def count(source: str, script: str, anchor: str | None = None) -> PathCount:
     main = next((n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "main"), None)
     if main is None:
         return PathCount(script, len(lines), anchor_line, concepts, fields, 0, [], 0)
-    plumbing = {name for _, name, module in imports if is_plumbing_module(module)} | BOOKKEEPING_NAMES
+    plumbing = {imported.name for imported in imports if is_plumbing_module(imported.module)} | BOOKKEEPING_NAMES
     counter = MainCounter(plumbing, {arg.arg for arg in main.args.args})
     counter.run(main)
     owners = line_owners(main)
@@ -323,7 +371,7 @@ def main(argv: list[str] | None = None) -> list[PathCount]:
     counts = []
     for script in options.scripts:
         source = read_source(script, options.rev)
-        counts.append(count(source, script, options.anchor))
+        counts.append(count(source, script, options.anchor, package_modules(options.rev)))
         print(counts[-1].row())
     if options.verbose:
         for result in counts:
