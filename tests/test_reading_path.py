@@ -4,6 +4,8 @@ import ast
 import re
 from pathlib import Path
 
+import pytest
+
 from tools import reading_path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -112,3 +114,50 @@ def test_the_package_layout_holds_its_modules_and_sub_packages():
     layout = reading_path.package_modules()
     assert {"devices", "sizes", "modeling", "nplus", "nplus.critic", "instruments.host_syncs"} <= layout
     assert "" not in layout and not any(module.endswith("__init__") for module in layout)
+
+
+_DECLARED_PLUMBING_RE = re.compile(r"name their module \(([^)]*)\)")
+
+
+def declared_plumbing(source: str) -> set[str]:
+    """The names of the comment just above a script's `main` (and its decorators): "The plumbing calls name their
+    module (checkpoint., cli., ...)"."""
+    lines = source.splitlines()
+    main = next(node for node in ast.parse(source).body if isinstance(node, ast.FunctionDef) and node.name == "main")
+    line = min([main.lineno] + [decorator.lineno for decorator in main.decorator_list]) - 1
+    comment = []
+    while line >= 1 and lines[line - 1].lstrip().startswith("#"):
+        comment.insert(0, lines[line - 1].lstrip().removeprefix("#").strip())
+        line -= 1
+    match = _DECLARED_PLUMBING_RE.search(" ".join(comment))
+    assert match, f"no 'The plumbing calls name their module (a., b., ...)' comment just above main: {comment}"
+    return {name.strip().removesuffix(".") for name in match.group(1).split(",")}
+
+
+@pytest.mark.parametrize("script", reading_path.SCRIPTS)
+def test_the_plumbing_modules_of_a_script_are_those_its_comment_above_main_declares(script):
+    source = (REPO / script).read_text(encoding="utf-8")
+    imports = reading_path.package_imports(ast.parse(source), reading_path.package_modules())
+    plumbing = {i.name for i in imports if i.binds_module and reading_path.is_plumbing_module(i.module)}
+    assert plumbing == declared_plumbing(source), (
+        f"{script}: the modules tools/reading_path.py reads as plumbing differ from those the comment above main "
+        "declares: update the comment or PLUMBING_MODULES"
+    )
+
+
+def test_a_declared_plumbing_comment_reads_the_bound_names():
+    source = """
+import x
+# The plumbing calls name their module (checkpoint., sizing.,
+# ppo_plumbing.): skip them to read the algorithm.
+@decorator
+def main(args):
+    pass
+"""
+    assert declared_plumbing(source) == {"checkpoint", "sizing", "ppo_plumbing"}
+
+
+def test_a_module_is_plumbing_by_its_path_its_last_name_or_a_part_naming_plumbing():
+    plumbing = ["devices", "sizes", "labels", "nplus.sft", "instruments.host_syncs", "sft_plumbing", "plumbing.loop"]
+    algorithm = ["modeling", "nplus.critic", "tasks", "sft", "rewards", ""]
+    assert [m for m in plumbing + algorithm if reading_path.is_plumbing_module(m)] == plumbing

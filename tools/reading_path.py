@@ -27,7 +27,9 @@ One table row per script, every count taken from the script's syntax tree (`ast`
     plumbing;
   * or it has no call and reads no plumbing name (`x = y.z`, `return`, `pass`) and every other statement of its
     block is plumbing.
-  Plumbing names: the plumbing modules of the package (PLUMBING_MODULES) and every name imported from one; the
+  Plumbing names: the plumbing modules of the package and every name imported from one (a module is plumbing when
+  PLUMBING_MODULES lists its path or its last name, or when a part of its path contains "plumbing": ppo_plumbing,
+  reward_plumbing; these are the modules that each script's comment above `main` declares plumbing); the
   standard library's bookkeeping (BOOKKEEPING_NAMES: print, time, os, dataclasses, ...); and every name that main
   binds from a plumbing call or a plumbing `def` (the accelerator, console, tracker, progress bar, saves, stop
   signal, ...), found by repeating the pass until nothing changes. A name bound by merely reading plumbing
@@ -52,19 +54,22 @@ PACKAGE = "lm_human_preference_details"
 SCRIPTS = ("train_policy.py", "train_reward.py")
 ANCHORS = {"train_reward.py": r"^\s*loss\s*="}
 DEFAULT_ANCHOR = r"^\s*ratio\s*="
-# the package's modules (by their last name) that hold no RL math: processes, command line, checks, checkpoints,
-# tracking, files, the hub; those of a plumbing subpackage (any module path with a part named "plumbing") too
+# the package's modules that hold no RL math, by path or last name: processes, devices, sizes, command line, checks,
+# checkpoints, tracking, files, the hub, label files, train_sft.py's data and plumbing; any module with "plumbing" in
+# a part of its path too (see is_plumbing_module)
 PLUMBING_MODULES = {
     "checkpoint",
     "cli",
     "core",
+    "devices",
     "distributed",
     "files",
     "host_syncs",
     "hub",
-    "ppo_plumbing",
+    "labels",
+    "nplus.sft",
     "resume_check",
-    "reward_plumbing",
+    "sizes",
     "tracking",
     "validation",
 }
@@ -98,9 +103,10 @@ class PathCount:
 
 
 def is_plumbing_module(module: str) -> bool:
-    """Whether `lm_human_preference_details.a.b` (given as "a.b") is a plumbing module."""
+    """Whether `lm_human_preference_details.a.b` (given as "a.b") is a plumbing module: PLUMBING_MODULES lists its
+    path or its last name, or a part of its path contains "plumbing" (ppo_plumbing, a plumbing sub-package)."""
     parts = module.split(".")
-    return parts[-1] in PLUMBING_MODULES or "plumbing" in parts
+    return module in PLUMBING_MODULES or parts[-1] in PLUMBING_MODULES or any("plumbing" in part for part in parts)
 
 
 class PackageImport(NamedTuple):
