@@ -73,14 +73,77 @@ def test_reading_path_counts_a_script_by_its_documented_rules():
     assert count.algorithm_statements == 3
 
 
-def test_reading_path_finds_the_first_ratio_and_the_reward_loss_of_the_scripts():
-    for script, anchor in (("train_policy.py", r"^\s*ratio\s*="), ("train_reward.py", r"^\s*loss\s*=")):
-        source = (REPO / script).read_text(encoding="utf-8")
-        count = reading_path.count(source, script)
-        first = next((i for i, line in enumerate(source.splitlines(), start=1) if re.search(anchor, line)), None)
-        assert first is not None, f"{script} has no line matching {anchor!r}: update tools/reading_path.py's ANCHORS"
-        assert count.anchor_line == first
-        assert "Args" in count.concepts and count.fields and 0 < len(count.algorithm_lines) < count.main_lines
+def test_the_scripts_are_every_training_script():
+    training = [
+        path.name
+        for path in sorted(REPO.glob("train_*.py"))
+        if re.search(r"^class Args\b", path.read_text(encoding="utf-8"), re.MULTILINE)
+    ]
+    assert sorted(reading_path.SCRIPTS) == training
+
+
+@pytest.mark.parametrize("script", reading_path.SCRIPTS)
+def test_reading_path_finds_the_first_math_line_of_each_script(script):
+    source = (REPO / script).read_text(encoding="utf-8")
+    count = reading_path.count(source, script)
+    assert count.anchor_line is not None, f"{script} has no line matching its anchor: update reading_path's ANCHORS"
+    # the math is code of one of the script's functions, met after its configuration
+    tree = ast.parse(source)
+    holders = [
+        n.name for n in tree.body if isinstance(n, ast.FunctionDef) and n.lineno < count.anchor_line <= n.end_lineno
+    ]
+    assert holders, f"{script}: the anchor line {count.anchor_line} is in no function"
+    assert "Args" in count.concepts and count.fields and 0 < len(count.algorithm_lines) < count.main_lines
+
+
+_SFT_SOURCE = '''"""Trains with F.cross_entropy(logits, labels); a docstring that quotes the loss is no math:
+loss = F.cross_entropy(logits, labels)
+"""
+
+import torch.nn.functional as F
+
+IGNORE_INDEX = -100
+"""F.cross_entropy(...)'s default ignore_index"""
+
+
+def loss_sum(logits, targets):
+    # F.cross_entropy(...) sums here
+    return F.cross_entropy(
+        logits, targets, reduction="sum"
+    )
+
+
+def mean_loss(logits, targets):
+    loss = F.cross_entropy(logits, targets)
+    return loss
+'''
+
+
+def test_the_anchors_find_the_first_math_line_past_comments_and_docstrings():
+    lines = _SFT_SOURCE.splitlines()
+    count = reading_path.count(_SFT_SOURCE, "train_sft.py", modules=set())
+    assert lines[count.anchor_line - 1] == "    return F.cross_entropy("
+    for call in ("torch.nn.functional.cross_entropy(", "cross_entropy(", "nn.functional.cross_entropy("):
+        variant = _SFT_SOURCE.replace("return F.cross_entropy(", f"return {call}")
+        assert reading_path.count(variant, "train_sft.py", modules=set()).anchor_line == count.anchor_line
+    assert (
+        reading_path.count(_SFT_SOURCE, "train_sft.py", r"^\s*loss\s*=", set()).anchor_line
+        == lines.index("    loss = F.cross_entropy(logits, targets)") + 1
+    )
+    ratio = '''"""The policy loss:
+ratio = exp(new - old)
+"""
+# ratio = later
+def losses(new, old):
+    ratios = new - old
+    ratio = (new - old).exp()
+    return ratio
+'''
+    for script in ("train_policy.py", "any_script.py"):
+        assert reading_path.count(ratio, script, modules=set()).anchor_line == 7
+    reward = "def f(x):\n    losses = x\n    # loss = x\n    loss = x.mean()\n"
+    assert reading_path.count(reward, "train_reward.py", modules=set()).anchor_line == 4
+    assert reading_path.count("x = 1\n", "train_sft.py", modules=set()).anchor_line is None
 
 
 def test_an_import_from_a_sub_package_binds_its_module_and_an_import_from_a_module_binds_a_name():

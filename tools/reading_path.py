@@ -1,14 +1,16 @@
 """How much a reader meets before a training script's RL math, and how much of its `main` is the algorithm.
 
-    python tools/reading_path.py                         # train_policy.py and train_reward.py as checked out
+    python tools/reading_path.py                         # train_policy.py, train_reward.py, train_sft.py as checked out
     python tools/reading_path.py --rev 37272d1           # the same scripts at a commit
     python tools/reading_path.py train_policy.py -v      # also list the concepts and main's algorithm lines
 
 One table row per script, every count taken from the script's syntax tree (`ast`), the same way for every script:
 
 - total lines: the file's lines.
-- first math line: the first line that matches the anchor: `ratio =` (PPO's probability ratio) for train_policy.py
-  and any other script, `loss =` (the reward model's label loss) for train_reward.py; `--anchor REGEX` picks another.
+- first math line: the first line that matches the anchor (ANCHORS): `ratio =` (PPO's probability ratio) for
+  train_policy.py and any other script, `loss =` (the reward model's label loss) for train_reward.py, a call of
+  `cross_entropy(` outside a comment (the next-token loss, `F.cross_entropy(...)`) for train_sft.py; `--anchor REGEX`
+  picks another. The lines of a docstring (or any bare string) are skipped: a string that quotes the math is none.
 - concepts before it: the module-level names defined above that line (functions, classes, constants) plus every name
   imported from the project's package (`from lm_human_preference_details.x import a, b` is a and b,
   `from lm_human_preference_details import core` is core). An imported name is a module when the package has a
@@ -51,8 +53,11 @@ from typing import NamedTuple
 
 REPO = Path(__file__).resolve().parents[1]
 PACKAGE = "lm_human_preference_details"
-SCRIPTS = ("train_policy.py", "train_reward.py")
-ANCHORS = {"train_reward.py": r"^\s*loss\s*="}
+SCRIPTS = ("train_policy.py", "train_reward.py", "train_sft.py")
+# the first math line per script: reward, the label loss; SFT, the next-token cross-entropy (`F.cross_entropy(`,
+# `torch.nn.functional.cross_entropy(` or an imported `cross_entropy(`, wherever its line starts: `return`, `loss =`)
+# with no `#` before it on its line
+ANCHORS = {"train_reward.py": r"^\s*loss\s*=", "train_sft.py": r"^[^#]*\bcross_entropy\("}
 DEFAULT_ANCHOR = r"^\s*ratio\s*="
 # the package's modules that hold no RL math, by path or last name: processes, devices, sizes, command line, checks,
 # checkpoints, tracking, files, the hub, label files, train_sft.py's data and plumbing; any module with "plumbing" in
@@ -325,7 +330,10 @@ def count(
     tree = ast.parse(source)
     lines = source.splitlines()
     pattern = re.compile(anchor or ANCHORS.get(Path(script).name, DEFAULT_ANCHOR))
-    anchor_line = next((i for i, line in enumerate(lines, start=1) if pattern.search(line)), None)
+    strings = {
+        line for node in ast.walk(tree) if is_docstring(node) for line in range(node.lineno, node.end_lineno + 1)
+    }
+    anchor_line = next((i for i, line in enumerate(lines, start=1) if i not in strings and pattern.search(line)), None)
     before = anchor_line if anchor_line is not None else len(lines) + 1
     imports = package_imports(tree, package_modules() if modules is None else modules)
     concepts = [imported.name for imported in imports if imported.line < before]
