@@ -224,3 +224,82 @@ def test_a_module_is_plumbing_by_its_path_its_last_name_or_a_part_naming_plumbin
     plumbing = ["devices", "sizes", "labels", "nplus.sft", "instruments.host_syncs", "sft_plumbing", "plumbing.loop"]
     algorithm = ["modeling", "nplus.critic", "tasks", "sft", "rewards", ""]
     assert [m for m in plumbing + algorithm if reading_path.is_plumbing_module(m)] == plumbing
+
+
+_CONFIG_SCRIPT = '''from dataclasses import dataclass, field
+
+
+@dataclass
+class Unnested:
+    a: int = 1
+
+
+@dataclass
+class Optimizer:
+    lr: float = 1e-5
+    """the learning rate"""
+
+
+@dataclass
+class Args:
+    seed: int = 1
+    optimizer: Optimizer = field(default_factory=Optimizer)
+
+
+def oai_presets() -> dict[str, Args]:
+    return {"a": Args()}
+
+
+def books_preset(label_file):
+    return label_file
+
+
+def tuned(seed):
+    return Args(seed=seed)
+
+
+def helper() -> int:
+    return 1
+
+
+def losses(x):
+    ratio = x.exp()
+    return ratio
+
+
+def parse() -> Args:
+    return Args()
+'''
+
+
+def block(source: str, header: str) -> tuple[str, int, int]:
+    """(name, first line, last line) of the top-level class or function whose `class`/`def` line starts with
+    `header`: from its decorator to its last indented line."""
+    lines = source.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith(header))
+    first = start - 1 if lines[start - 1].startswith("@") else start
+    end = start + 1
+    while end < len(lines) and (lines[end].startswith(" ") or not lines[end]):
+        end += 1
+    while not lines[end - 1]:
+        end -= 1
+    return header.split()[1], first + 1, end
+
+
+def test_configuration_lines_are_args_its_nested_dataclasses_and_the_presets_above_the_math():
+    count = reading_path.count(_CONFIG_SCRIPT, "toy.py", modules=set())
+    # Unnested, helper and the anchor's function are no configuration; parse returns Args but lies below the anchor
+    names = ("class Optimizer", "class Args", "def oai_presets", "def books_preset", "def tuned")
+    assert count.configuration == [block(_CONFIG_SCRIPT, name) for name in names]
+    assert count.config_lines == 4 + 4 + 2 + 2 + 2
+    assert f"| {count.config_lines} |" in count.row()
+    below = reading_path.count(_CONFIG_SCRIPT.replace("ratio = x.exp()", "y = x.exp()"), "toy.py", modules=set())
+    assert below.configuration[-1] == block(_CONFIG_SCRIPT, "def parse")
+    assert below.config_lines == count.config_lines + 2
+
+
+def test_the_table_has_a_cell_per_column():
+    header, rule = reading_path.HEADER.splitlines()
+    row = reading_path.count(_CONFIG_SCRIPT, "toy.py", modules=set()).row()
+    assert header.count("|") == rule.count("|") == row.count("|")
+    assert "configuration lines" in header

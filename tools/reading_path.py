@@ -1,8 +1,8 @@
 """How much a reader meets before a training script's RL math, and how much of its `main` is the algorithm.
 
-    python tools/reading_path.py                         # train_policy.py, train_reward.py, train_sft.py as checked out
+    python tools/reading_path.py                         # the three training scripts as checked out
     python tools/reading_path.py --rev 37272d1           # the same scripts at a commit
-    python tools/reading_path.py train_policy.py -v      # also list the concepts and main's algorithm lines
+    python tools/reading_path.py train_policy.py -v      # also list concepts, configuration, algorithm lines
 
 One table row per script, every count taken from the script's syntax tree (`ast`), the same way for every script:
 
@@ -19,6 +19,10 @@ One table row per script, every count taken from the script's syntax tree (`ast`
   (`from lm_human_preference_details.modeling import sample` binds a name of modeling); the package's layout is read
   from the working tree, or at the commit of `--rev`. In brackets, the configuration fields met above it: the
   dataclass fields of `Args` and of the script's own dataclasses that `Args` nests (directly or through another).
+- configuration lines: the lines a reader crosses in the script's configuration above the first math line: those of
+  `Args` and of the script's dataclasses that it nests, and those of its preset functions (module-level functions
+  named `...presets` or `...preset`, or that return `Args`: `-> Args`, `-> dict[str, Args]`, `return Args(...)`),
+  each from its first decorator to its last line.
 - main: the lines of `def main` from its `def` to its last line, then how many of them are algorithm lines: the
   non-blank, non-comment lines of main's statements, its docstring excluded, that are not plumbing; in brackets the
   algorithm statements (a block's header is one), which line wrapping does not change. A statement is plumbing when
@@ -80,8 +84,9 @@ PLUMBING_MODULES = {
 }
 BUILTINS = set(dir(builtins)) - {"print"}  # len(...), list(...), range(...): they decide nothing
 HEADER = (
-    "| script | total lines | first math line | concepts before it (+fields) | lines of main, of them algorithm |\n"
-    "|---|---|---|---|---|"
+    "| script | total lines | first math line | concepts before it (+fields) | configuration lines "
+    "| lines of main, of them algorithm |\n"
+    "|---|---|---|---|---|---|"
 )
 BOOKKEEPING_NAMES = {"contextlib", "dataclasses", "json", "os", "print", "shutil", "sys", "time", "wandb"}
 
@@ -95,6 +100,8 @@ class PathCount:
     anchor_line: int | None
     concepts: list[str]
     fields: list[str]
+    configuration: list[tuple[str, int, int]]  # (class or function, first line, last line) above the anchor line
+    config_lines: int
     main_lines: int
     algorithm_lines: list[int]
     algorithm_statements: int
@@ -104,7 +111,7 @@ class PathCount:
         main = f"{self.main_lines}, {len(self.algorithm_lines)} ({self.algorithm_statements} statements)"
         anchor = self.anchor_line if self.anchor_line is not None else "-"
         concepts = f"{len(self.concepts)} (+{len(self.fields)} fields)"
-        return f"| {self.script} | {self.total_lines} | {anchor} | {concepts} | {main} |"
+        return f"| {self.script} | {self.total_lines} | {anchor} | {concepts} | {self.config_lines} | {main} |"
 
 
 def is_plumbing_module(module: str) -> bool:
@@ -192,6 +199,39 @@ def config_classes(tree: ast.Module) -> list[ast.ClassDef]:
             if isinstance(field, ast.AnnAssign):
                 todo += [n.id for n in ast.walk(field.annotation) if isinstance(n, ast.Name)]
     return found
+
+
+def returns_args(function: ast.FunctionDef) -> bool:
+    """Whether a function returns `Args`: its return annotation names it (`Args`, `dict[str, Args]`, "Args"), or it
+    returns `Args(...)`."""
+    annotation = [] if function.returns is None else list(ast.walk(function.returns))
+    annotated = any(
+        (isinstance(n, ast.Name) and n.id == "Args")
+        or (isinstance(n, ast.Constant) and isinstance(n.value, str) and re.search(r"\bArgs\b", n.value))
+        for n in annotation
+    )
+    built = any(
+        isinstance(n, ast.Return)
+        and isinstance(n.value, ast.Call)
+        and isinstance(n.value.func, ast.Name)
+        and n.value.func.id == "Args"
+        for n in ast.walk(function)
+    )
+    return annotated or built
+
+
+def preset_functions(tree: ast.Module) -> list[ast.FunctionDef]:
+    """The script's module-level preset functions: named `...presets` or `...preset`, or returning `Args`."""
+    return [
+        node
+        for node in tree.body
+        if isinstance(node, ast.FunctionDef) and (node.name.endswith(("presets", "preset")) or returns_args(node))
+    ]
+
+
+def first_line(node: ast.ClassDef | ast.FunctionDef) -> int:
+    """A class's or function's first line: its first decorator's, else its `class`/`def` line."""
+    return min([node.lineno] + [decorator.lineno for decorator in node.decorator_list])
 
 
 def root_name(node: ast.expr) -> str | None:
@@ -347,9 +387,16 @@ def count(
         for node in cls.body
         if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)
     ]
+    configuration = [
+        (node.name, first_line(node), node.end_lineno)
+        for node in sorted(config_classes(tree) + preset_functions(tree), key=first_line)
+        if node.lineno < before
+    ]
+    config_lines = sum(last - first + 1 for _, first, last in configuration)
+    head = (script, len(lines), anchor_line, concepts, fields, configuration, config_lines)
     main = next((n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "main"), None)
     if main is None:
-        return PathCount(script, len(lines), anchor_line, concepts, fields, 0, [], 0)
+        return PathCount(*head, 0, [], 0)
     plumbing = {imported.name for imported in imports if is_plumbing_module(imported.module)} | BOOKKEEPING_NAMES
     counter = MainCounter(plumbing, {arg.arg for arg in main.args.args})
     counter.run(main)
@@ -361,7 +408,7 @@ def count(
     ]
     statements = len({id(owners[line]) for line in algorithm})
     main_lines = main.end_lineno - main.lineno + 1
-    return PathCount(script, len(lines), anchor_line, concepts, fields, main_lines, algorithm, statements)
+    return PathCount(*head, main_lines, algorithm, statements)
 
 
 def read_source(script: str, rev: str | None) -> str:
@@ -379,7 +426,9 @@ def main(argv: list[str] | None = None) -> list[PathCount]:
     parser.add_argument("scripts", nargs="*", default=list(SCRIPTS), help="scripts, relative to the repository root")
     parser.add_argument("--rev", help="read the scripts at this git commit instead of the working tree")
     parser.add_argument("--anchor", help="regex of the first math line (default: per script, see above)")
-    parser.add_argument("-v", "--verbose", action="store_true", help="list the concepts and the algorithm lines")
+    parser.add_argument(
+        "-v", "--verbose", action="store_true", help="list the concepts, the configuration and the algorithm lines"
+    )
     options = parser.parse_args(argv)
     print(HEADER)
     counts = []
@@ -392,6 +441,8 @@ def main(argv: list[str] | None = None) -> list[PathCount]:
             lines = read_source(result.script, options.rev).splitlines()
             print(f"\n{result.script}: concepts {', '.join(result.concepts)}")
             print(f"{result.script}: fields {', '.join(result.fields)}")
+            blocks = ", ".join(f"{name} {first}-{last}" for name, first, last in result.configuration)
+            print(f"{result.script}: configuration {blocks}")
             print(f"{result.script}: algorithm lines of main")
             for line in result.algorithm_lines:
                 print(f"{line:5d} {lines[line - 1]}")
