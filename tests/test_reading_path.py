@@ -303,3 +303,10 @@ def test_the_table_has_a_cell_per_column():
     row = reading_path.count(_CONFIG_SCRIPT, "toy.py", modules=set()).row()
     assert header.count("|") == rule.count("|") == row.count("|")
     assert "configuration lines" in header
+
+
+def test_the_tool_prints_a_markdown_table_of_every_script(capsys):
+    counts = reading_path.main([])
+    printed = capsys.readouterr().out.splitlines()
+    assert [result.script for result in counts] == list(reading_path.SCRIPTS)
+    assert printed == reading_path.HEADER.splitlines() + [result.row() for result in counts]

@@ -1,7 +1,7 @@
 """How much a reader meets before a training script's RL math, and how much of its `main` is the algorithm.
 
     python tools/reading_path.py                         # the three training scripts as checked out
-    python tools/reading_path.py --rev 37272d1           # the same scripts at a commit
+    python tools/reading_path.py --rev 37272d1           # the same scripts at a commit (those it has)
     python tools/reading_path.py train_policy.py -v      # also list concepts, configuration, algorithm lines
 
 One table row per script, every count taken from the script's syntax tree (`ast`), the same way for every script:
@@ -421,18 +421,26 @@ def read_source(script: str, rev: str | None) -> str:
     return shown.stdout
 
 
+def exists_at(script: str, rev: str) -> bool:
+    """Whether commit `rev` has the file `script` (train_sft.py is younger than the other scripts)."""
+    return subprocess.run(["git", "cat-file", "-e", f"{rev}:{script}"], cwd=REPO, capture_output=True).returncode == 0
+
+
 def main(argv: list[str] | None = None) -> list[PathCount]:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("scripts", nargs="*", default=list(SCRIPTS), help="scripts, relative to the repository root")
+    parser.add_argument(
+        "scripts", nargs="*", help="scripts, relative to the repository root (default: SCRIPTS, those the commit has)"
+    )
     parser.add_argument("--rev", help="read the scripts at this git commit instead of the working tree")
     parser.add_argument("--anchor", help="regex of the first math line (default: per script, see above)")
     parser.add_argument(
         "-v", "--verbose", action="store_true", help="list the concepts, the configuration and the algorithm lines"
     )
     options = parser.parse_args(argv)
+    scripts = options.scripts or [script for script in SCRIPTS if options.rev is None or exists_at(script, options.rev)]
     print(HEADER)
     counts = []
-    for script in options.scripts:
+    for script in scripts:
         source = read_source(script, options.rev)
         counts.append(count(source, script, options.anchor, package_modules(options.rev)))
         print(counts[-1].row())
