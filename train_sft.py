@@ -12,14 +12,15 @@ train_policy.py takes. Batch sizes are global (summed over processes).
 `nplus NX` in the comments is docs/nplus-details.md#nx, the section on N+'s detail X.
 """
 
-from dataclasses import dataclass
-from typing import Literal
+from dataclasses import dataclass, field
+from typing import Annotated, Literal
 
 import torch
 import torch.nn.functional as F
+import tyro
 from transformers import PreTrainedModel
 
-from lm_human_preference_details import checkpoint, cli, devices, distributed, validation
+from lm_human_preference_details import checkpoint, cli, devices, distributed, settings, validation
 from lm_human_preference_details.devices import to_device
 from lm_human_preference_details.modeling import (
     check_finite_weights,
@@ -36,10 +37,8 @@ IGNORE_INDEX = -100
 
 # ---------------------------------------------------------------- hyperparameters
 # defaults are N+'s SFT stage (nplus §1, §4): batch 128, one epoch, AdamW lr 3e-6 eps 1e-5, cosine, loss on all tokens
-@dataclass
+@dataclass(slots=True)  # a misspelt field is an AttributeError, not a new attribute
 class Args:
-    exp_name: str = "train_sft"
-    """experiment name, part of the run name"""
     seed: int = 1
     """run seed: process r seeds Python, NumPy and torch with seed + 100003 * r, and the one shuffle of the pairs (the
     same on every process) is drawn from it (nplus N9)"""
@@ -74,43 +73,12 @@ class Args:
     """AdamW epsilon (nplus N8)"""
     weight_decay: float = 0.01
     """AdamW's decoupled weight decay (torch's default, which N+ kept, nplus N8)"""
-    bf16: bool = False
-    """run the transformer under bfloat16 autocast (weights, optimizer and logits stay float32); off: float32"""
-    tf32: bool = False
-    """run float32 matmuls on TF32 tensor cores (NVIDIA Ampere or newer), relative errors up to ~1e-3 (docs/gpu.md)"""
-    deterministic: bool = False
-    """use torch's deterministic algorithms: on the same GPU model and software a killed and resumed run equals the
-    uninterrupted one bit for bit (docs/reliability.md); CPU runs are deterministic anyway"""
     eval_interval: int = 0
     """evaluate the --eval_split loss every this many steps (0: only before and after training)"""
-    output_dir: str = "models/sft"
-    """where the run writes the fine-tuned model with its tokenizer and args.json, its training states
-    (training_state/) and TensorBoard logs (tb/)"""
-    save_interval: int = 100
-    """write a training-state checkpoint every this many steps, and always after the last one; 0 = only then"""
-    keep_checkpoints: int = 2
-    """training-state checkpoints kept in OUTPUT_DIR/training_state/step{N}, the newest; 0 keeps all"""
-    resume: str | None = None
-    """continue a killed run from a training-state checkpoint: its directory, or `auto` for the newest in
-    --output_dir (none there: start afresh); the run then logs and saves what the uninterrupted run would"""
-    allow_resume_changes: bool = False
-    """resume even though settings that change the run differ from the checkpoint's; the differences are printed"""
-    overwrite_output_dir: bool = False
-    """start afresh in an --output_dir that holds another run: its training states and TensorBoard logs are deleted,
-    its model is replaced when this run saves its own"""
-    track: bool = False
-    """log to Weights & Biases (set WANDB_MODE=offline to log without network)"""
-    wandb_project_name: str = "lm_human_preference_details"
-    """Weights & Biases project"""
-    wandb_entity: str | None = None
-    """Weights & Biases entity (team or user); None = your default entity"""
-    dist_timeout: float = 1800.0
-    """seconds a process waits in an all-reduce or broadcast for the others before it stops with an error"""
-    dry_run: bool = False
-    """check every input (model, tokenizer, dataset and its columns), print the settings, the data and the derived
-    per-process sizes, and exit without training"""
-    dry_run_processes: int | None = None
-    """with --dry_run: derive the sizes for this many processes (e.g. 8 GPUs) instead of this launch's"""
+    run: Annotated[settings.RunSettings, tyro.conf.arg(name="")] = field(
+        default_factory=lambda: settings.RunSettings("train_sft", "models/sft")
+    )
+    """where the run writes, how it logs, saves, resumes and speeds up (flags without a prefix: --output_dir, ...)"""
 
 
 RESUME_IGNORED = (*checkpoint.RESUME_IGNORED, "eval_interval")
@@ -171,9 +139,9 @@ def main(args: Args) -> dict:
     # 0. processes, the pairs tokenized, derived sizes, printed, then --dry_run stops; seeds; --resume
     sft.check_args(args)
     cli.quiet_transformers()
-    accelerator = distributed.make_accelerator(args.dist_timeout)
-    tf32 = devices.use_tf32(args.tf32)
-    devices.use_deterministic(args.deterministic)
+    accelerator = distributed.make_accelerator(args.run.dist_timeout)
+    tf32 = devices.use_tf32(args.run.tf32)
+    devices.use_deterministic(args.run.deterministic)
     console = cli.make_console()
     tokenizer = load_tokenizer(args.base_model)  # a PAD distinct from EOS, right padding (nplus N3, N5)
     pad_id = tokenizer.pad_token_id
@@ -185,11 +153,11 @@ def main(args: Args) -> dict:
     if args.eval_split is not None:
         eval_data = sft.tokenize_pairs(sft.read_pairs(args, tokenizer, True), tokenizer, args.max_length, args.loss_on)
         sft.check_usable(eval_data, f"--eval_split {args.eval_split}", args.max_length)
-    sizes = sft.derive_sizes(args, validation.dry_run_world(args, accelerator.num_processes), len(data.tokens))
+    sizes = sft.derive_sizes(args, validation.dry_run_world(args.run, accelerator.num_processes), len(data.tokens))
     rank, world, accum = accelerator.process_index, sizes.world, args.gradient_accumulation_steps
     if accelerator.is_main_process:
         sft.print_setup(console, args, sizes, data, tf32)
-    if args.dry_run:
+    if args.run.dry_run:
         sft.check_token_ids(data, model_vocab_size(args.base_model), pad_id, args.base_model)
         accelerator.print("dry run: every input checked; nothing written")
         return {}
@@ -197,8 +165,7 @@ def main(args: Args) -> dict:
     # https://github.com/vwxyzjn/summarize_from_feedback_details/blob/ee77a9abc31f5338365ee087945c5bcafac7f1ca/summarize_from_feedback_details/ppo.py#L421
     devices.set_seed(args.seed + rank * 100003)
     generator = torch.Generator().manual_seed(args.seed + rank * 100003)
-    settings = sft.settings_of(args, world)
-    loop = checkpoint.CheckpointedLoop(args, settings, RESUME_IGNORED, accelerator, "step", sizes.steps)
+    loop = checkpoint.CheckpointedLoop(args, world, RESUME_IGNORED, accelerator, "step", sizes.steps)
 
     # 2. the model (dropout off: load_causal_lm zeroes every dropout probability, nplus N6), rank 0's weights
     # everywhere, AdamW, the gradients averaged over processes
@@ -211,13 +178,13 @@ def main(args: Args) -> dict:
     # the one shuffle, the same on every process; a step trains on the next batch_size rows, process r on every
     # world-th of them (SFD's DataLoader with 1 pair per process and micro-batch gives the same split, nplus N9)
     order = sft.data_order(len(data.tokens), args.seed)
-    tracker, meta = sft.start_tracker(args, accelerator, loop.resumed, settings)
+    tracker, meta = sft.start_tracker(args, accelerator, loop)
 
     def log_eval(step: int) -> float | None:
         """The --eval_split loss, logged under eval/ (None without --eval_split)."""
         if eval_data is None:
             return None
-        loss = evaluate_loss(accelerator, model, eval_data, pad_id, sizes.micro, args.bf16)
+        loss = evaluate_loss(accelerator, model, eval_data, pad_id, sizes.micro, args.run.bf16)
         tracker.log({"eval/loss": loss}, step)
         return loss
 
@@ -262,7 +229,7 @@ def main(args: Args) -> dict:
             ):
                 # the last micro-batch's backward averages the gradients over processes, overlapped with it
                 with distributed.averaging_gradients(trained, micro == accum - 1):
-                    micro_sum = trained(micro_tokens, micro_mask, pad_id, args.bf16)
+                    micro_sum = trained(micro_tokens, micro_mask, pad_id, args.run.bf16)
                     # the processes' gradients are averaged: world x this process's share of the global token mean
                     (micro_sum * (world / counted)).backward()
                 loss_sum += micro_sum.detach()

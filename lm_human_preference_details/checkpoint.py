@@ -18,7 +18,6 @@ by a rename, under a marker file that the project's loaders refuse, so a half-re
 
 import contextlib
 import copy
-import dataclasses
 import datetime
 import errno
 import functools
@@ -34,7 +33,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol, TypeVar
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
@@ -42,7 +41,8 @@ import torch.distributed as dist
 from accelerate.utils import broadcast_object_list
 from torch.overrides import TorchFunctionMode
 
-from lm_human_preference_details import cli
+from lm_human_preference_details import cli, devices
+from lm_human_preference_details.settings import RunSettings, recorded
 from lm_human_preference_details.sharded import SHARDED_DIR
 from lm_human_preference_details.tracking import Tracker, run_name
 
@@ -215,6 +215,18 @@ def restore_rng_states(
     generator.set_state(states["generator"])
     for rng, state in zip(numpy_rngs, states["numpy_rngs"]):
         rng.set_state(_numpy_state_back(state))
+
+
+def reseed_rngs(
+    seed: int, rank: int, step: int, generator: torch.Generator, numpy_rngs: Sequence[np.random.RandomState] = ()
+) -> None:
+    """Seed Python's, NumPy's and torch's global RNGs, `generator` and `numpy_rngs` from (seed, rank, step): for a
+    process that continues a checkpoint of another number of processes, whose RNG states cannot be divided among it."""
+    seeds = np.random.SeedSequence([seed, rank, step]).generate_state(3 + len(numpy_rngs))
+    devices.set_seed(int(seeds[0]))
+    generator.manual_seed(int(seeds[1]) << 32 | int(seeds[2]))
+    for rng, rng_seed in zip(numpy_rngs, seeds[3:]):
+        rng.seed(int(rng_seed))
 
 
 # ---------------------------------------------------------------- training-state checkpoints
@@ -944,32 +956,29 @@ def _load_on_every_process(path: str, accelerator: Any) -> Resumed:
     return resumed
 
 
-class ResumeFlags(Protocol):
-    """What `start_or_resume` reads of a training script's Args."""
-
-    output_dir: str
-    resume: str | None
-    overwrite_output_dir: bool
-    allow_resume_changes: bool
-
-
 def start_or_resume(
-    args: ResumeFlags, settings: dict[str, Any], ignored: Sequence[str], accelerator: Any, total: str
+    run: RunSettings,
+    settings: dict[str, Any],
+    defaults: dict[str, Any],
+    ignored: Sequence[str],
+    accelerator: Any,
+    total: str,
 ) -> Resumed | None:
     """Take --output_dir for this run (its lock, held until `main` ends: see `one_run_per_output_dir`), then the
     checkpoint that --resume names, its settings checked against `settings` (printed when --allow_resume_changes
-    lets differences pass), or None for a fresh start; `total`: how far the run goes.
+    lets differences pass; a setting the checkpoint predates passes at its value in `defaults`), or None for a fresh
+    start; `total`: how far the run goes.
 
     Process 0 chooses (every process then resumes the same step, or none does); each process then reads it. A
     checkpoint that turns out damaged while it loads stops the run (--resume PATH), or is moved aside for the newest
     intact one (--resume auto)."""
     path = _decided_by_main_process(
-        accelerator, lambda: claim_output_dir(args.output_dir, args.resume, args.overwrite_output_dir)
+        accelerator, lambda: claim_output_dir(run.output_dir, run.resume, run.overwrite_output_dir)
     )
     if path is None:
-        if args.resume == "auto":
+        if run.resume == "auto":
             accelerator.print(
-                f"warning: --resume auto found no checkpoint in '{state_dir(args.output_dir)}': the run starts fresh "
+                f"warning: --resume auto found no checkpoint in '{state_dir(run.output_dir)}': the run starts fresh "
                 "(check --output_dir if you meant to continue a run)"
             )
         return None
@@ -978,22 +987,20 @@ def start_or_resume(
             resumed = _load_on_every_process(path, accelerator)
             break
         except CheckpointDamaged as damage:
-            if args.resume != "auto":
+            if run.resume != "auto":
                 raise ValueError(_decided_by_main_process(accelerator, lambda d=damage: damaged_message(d))) from None
-            path = _decided_by_main_process(accelerator, lambda d=damage: newest_intact_checkpoint(args.output_dir, d))
-    defaults = dataclasses.asdict(type(args)()) if dataclasses.is_dataclass(args) else None
-    changes = check_resume_settings(resumed, settings, ignored, args.allow_resume_changes, defaults)
+            path = _decided_by_main_process(accelerator, lambda d=damage: newest_intact_checkpoint(run.output_dir, d))
+    changes = check_resume_settings(resumed, settings, ignored, run.allow_resume_changes, defaults)
     if changes:
         accelerator.print(f"warning: --allow_resume_changes: the checkpoint's settings differ: {changes}")
     accelerator.print(f"resuming from {resumed.path} after {resumed.step} of {total}")
     return resumed
 
 
-class LoopFlags(ResumeFlags, Protocol):
-    """What `CheckpointedLoop` reads of a training script's Args."""
-
-    save_interval: int
-    dist_timeout: float
+def resume_ignored(run: RunSettings, ignored: Sequence[str]) -> tuple[str, ...]:
+    """The settings that may change on --resume: `ignored`, and under --fsdp the number of processes (sharded
+    checkpoints load on any number)."""
+    return (*ignored, "world_size") if getattr(run, "fsdp", False) else tuple(ignored)
 
 
 class CheckpointedLoop:
@@ -1002,7 +1009,7 @@ class CheckpointedLoop:
     every --save_interval steps and after the last one, and on Ctrl-C or SIGTERM stop after the checkpoint of the
     step in progress.
 
-        loop = CheckpointedLoop(args, settings, ignored, accelerator, "update", total)  # loop.resumed: None or ...
+        loop = CheckpointedLoop(args, world, ignored, accelerator, "update", total)  # loop.resumed: None or ...
         with loop.saving(save, tracker.close):  # save(steps): the checkpoint after `steps` steps, into loop.saves
             for step in range(loop.first_step, total):
                 ...  # the step reduces loop.stop.flag(device) with its statistics: `stopping`, the same everywhere
@@ -1010,22 +1017,21 @@ class CheckpointedLoop:
         loop.finish()
     """
 
-    def __init__(
-        self,
-        args: LoopFlags,
-        settings: dict[str, Any],
-        ignored: Sequence[str],
-        accelerator: Any,
-        unit: str,
-        total: int,
-    ):
-        self.output_dir, self.save_interval = args.output_dir, args.save_interval
+    def __init__(self, args: Any, world: int, ignored: Sequence[str], accelerator: Any, unit: str, total: int):
+        """`args`: a training script's settings (its run settings in `args.run`), run by `world` processes; `ignored`:
+        the settings that may change on --resume (dotted names)."""
+        run: RunSettings = args.run
+        self.output_dir, self.save_interval = run.output_dir, run.save_interval
         self.accelerator, self.unit, self.total = accelerator, unit, total
+        # what the checkpoints record of the run's settings, and check on --resume
+        self.settings = {**recorded(args), "world_size": world}
+        ignored = resume_ignored(run, ignored)
         # the checkpoint this run continues from (None: a fresh start) and the first step it takes
-        self.resumed = start_or_resume(args, settings, ignored, accelerator, f"{total} {unit}s")
+        defaults = recorded(type(args)())
+        self.resumed = start_or_resume(run, self.settings, defaults, ignored, accelerator, f"{total} {unit}s")
         self.first_step = self.resumed.step if self.resumed is not None else 0
         self.saves = BackgroundSaves()
-        self.stop = cli.StopSignal(unit, args.output_dir, accelerator.is_main_process, args.dist_timeout)
+        self.stop = cli.StopSignal(unit, run.output_dir, accelerator.is_main_process, run.dist_timeout)
         self._save: Callable[[int], None] = lambda steps: None
         self._close: tuple[Callable[[], None], ...] = ()
 
@@ -1070,32 +1076,20 @@ def clear_previous_run(output_dir: str) -> None:
         shutil.rmtree(os.path.join(output_dir, name), ignore_errors=True)
 
 
-class TrackedRunArgs(Protocol):
-    """The flags `start_tracker` reads, which every training script has."""
-
-    output_dir: str
-    overwrite_output_dir: bool
-    track: bool
-    wandb_project_name: str
-    wandb_entity: str | None
-    exp_name: str
-    seed: int
-
-
 def start_tracker(
-    args: TrackedRunArgs, accelerator, resumed: "Resumed | None", kind: str, config: dict
+    run: RunSettings, seed: int, accelerator, resumed: "Resumed | None", kind: str, config: dict
 ) -> tuple[Tracker, str]:
     """TensorBoard (and wandb) for a run, continuing a resumed run's (its name, wandb id and step); a fresh run with
     --overwrite_output_dir first clears the previous run's outputs. `kind` names the run (its task, or `sft`),
     `config` is what the tracker records; -> the tracker and the run's name."""
-    name = resumed.meta["run_name"] if resumed else run_name(accelerator, kind, args.exp_name, args.seed)
-    if resumed is None and args.overwrite_output_dir and accelerator.is_main_process:
-        clear_previous_run(args.output_dir)  # every input has loaded: the old run's outputs can go
+    name = resumed.meta["run_name"] if resumed else run_name(accelerator, kind, run.exp_name, seed)
+    if resumed is None and run.overwrite_output_dir and accelerator.is_main_process:
+        clear_previous_run(run.output_dir)  # every input has loaded: the old run's outputs can go
     tracker = Tracker(
-        args.output_dir,
-        args.track,
-        args.wandb_project_name,
-        args.wandb_entity,
+        run.output_dir,
+        run.track,
+        run.wandb_project_name,
+        run.wandb_entity,
         name,
         config,
         accelerator.is_main_process,

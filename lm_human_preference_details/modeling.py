@@ -46,6 +46,8 @@ REWARD_HEAD_FILE = "reward_head.safetensors"
 REWARD_CONFIG_FILE = "reward_model.json"
 REWARD_TRUNK_DIR = "trunk"
 REWARD_MODEL_FLAG = "--rewards.trained_model"
+CRITIC_DIR = "critic"
+"""OUTPUT_DIR/critic of train_policy.py: a separate critic (--ppo.value_model), saved beside the policy"""
 # trunks whose reward model is saved as a standard `*ForSequenceClassification` checkpoint (a bias-free `score`
 # layer): model type -> the final LayerNorm, whose bias absorbs the reward's constant term. Llama and Qwen2 end in an
 # RMSNorm without bias, so no weight of their classifiers can hold the constant: they keep the trunk format.

@@ -3,9 +3,7 @@ checkpoints and the reward model's save. Nothing here changes what a training st
 
 import dataclasses
 import functools
-from typing import Protocol
 
-import numpy as np
 import torch
 from accelerate import Accelerator
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
@@ -21,48 +19,12 @@ from lm_human_preference_details.labels import (
     get_label_type,
 )
 from lm_human_preference_details.modeling import RewardModel, model_vocab_size
+from lm_human_preference_details.settings import RewardArgs, recorded
 from lm_human_preference_details.sizes import RewardSizes, ceil_div
-from lm_human_preference_details.tasks import TaskHParams, resolve_truncation
+from lm_human_preference_details.tasks import resolve_truncation
 from lm_human_preference_details.text_prefs import load_labels_or_pairs
 from lm_human_preference_details.tokenizer import load_tokenizer, tokenizer_fingerprint
 from lm_human_preference_details.tracking import Tracker, save_args
-
-
-class LabelFlags(Protocol):
-    """The --labels.* flags the plumbing reads (train_reward.LabelHParams)."""
-
-    type: str
-    num_train: int
-
-
-class RewardArgs(Protocol):
-    """What the plumbing reads of train_reward.Args: a typed view, so a reader sees which flags each helper uses."""
-
-    exp_name: str
-    seed: int
-    data_seed: int
-    base_model: str
-    label_dataset: str
-    batch_size: int
-    gradient_accumulation_steps: int
-    lr: float
-    rollout_batch_size: int
-    normalize_samples: int
-    fsdp: bool
-    output_dir: str
-    keep_checkpoints: int
-    overwrite_output_dir: bool
-    track: bool
-    wandb_project_name: str
-    wandb_entity: str | None
-    dry_run: bool
-    task_id: str
-
-    @property
-    def task(self) -> TaskHParams: ...
-
-    @property
-    def labels(self) -> LabelFlags: ...
 
 
 def print_setup(console, args: RewardArgs, sizes: RewardSizes, tf32: str, label_task_warning: str | None) -> None:
@@ -71,7 +33,7 @@ def print_setup(console, args: RewardArgs, sizes: RewardSizes, tf32: str, label_
     normalize_batches = ceil_div(args.normalize_samples, args.rollout_batch_size)
     cli.print_table(
         console,
-        "reward training (train_reward.py)" + (" - dry run" if args.dry_run else ""),
+        "reward training (train_reward.py)" + (" - dry run" if args.run.dry_run else ""),
         {
             "task": args.task_id,
             "base model": args.base_model,
@@ -90,7 +52,7 @@ def print_setup(console, args: RewardArgs, sizes: RewardSizes, tf32: str, label_
             "label file": args.label_dataset,
             "TF32": tf32,
             "deterministic": devices.describe_deterministic(),
-            "output dir": args.output_dir,
+            "output dir": args.run.output_dir,
         },
     )
     if label_task_warning:
@@ -128,13 +90,13 @@ def read_labels(args: RewardArgs, tokenizer=None) -> Labels:
 
 
 def start_tracker(
-    args: RewardArgs, accelerator: Accelerator, resumed: checkpoint.Resumed | None, settings: dict
+    args: RewardArgs, accelerator: Accelerator, loop: checkpoint.CheckpointedLoop
 ) -> tuple[Tracker, dict]:
-    """TensorBoard (and wandb) for this run (`checkpoint.start_tracker`); -> the tracker and the metadata every
-    checkpoint records."""
-    config = {**dataclasses.asdict(args), "world_size": settings["world_size"]}
-    tracker, name = checkpoint.start_tracker(args, accelerator, resumed, args.task_id, config)
-    return tracker, {"settings": settings, "run_name": name, "wandb_id": tracker.wandb_id}
+    """TensorBoard (and wandb) for this run, continuing a resumed run's (`loop.resumed`); -> the tracker and the
+    metadata every checkpoint records."""
+    config = {**recorded(args), "world_size": loop.settings["world_size"]}
+    tracker, name = checkpoint.start_tracker(args.run, args.seed, accelerator, loop.resumed, args.task_id, config)
+    return tracker, {"settings": loop.settings, "run_name": name, "wandb_id": tracker.wandb_id}
 
 
 def print_normalization(print_fn, when: str, result: dict, target: tuple[float, float], debug: bool) -> None:
@@ -146,12 +108,6 @@ def print_normalization(print_fn, when: str, result: dict, target: tuple[float, 
     if debug:
         check = f"{cli.number(result['debug_mean'], 4)} +- {cli.number(result['debug_std'], 4)}"
         print_fn(f"normalize {when}: after normalize {check}")
-
-
-def resume_ignored(ignored: tuple[str, ...], fsdp: bool) -> tuple[str, ...]:
-    """The settings that may change on --resume: `ignored`, and under --fsdp the number of processes (its sharded
-    checkpoints load on any number; see `restore`)."""
-    return (*ignored, "world_size") if fsdp else ignored
 
 
 def restore(
@@ -166,10 +122,10 @@ def restore(
     """Weights, Adam moments and step, query position and RNGs as the checkpoint holds them; under --fsdp the weights
     and moments from its shards (`sharded.load`), also on another number of processes (`query_stream_state`; each
     process's RNGs are then reseeded, with a warning)."""
-    if checkpoint.is_sharded_checkpoint(resumed.meta) != args.fsdp:
-        written = "with" if not args.fsdp else "without"
+    if checkpoint.is_sharded_checkpoint(resumed.meta) != args.run.fsdp:
+        written = "with" if not args.run.fsdp else "without"
         raise ValueError(f"checkpoint '{resumed.path}' was written {written} --fsdp: resume it {written} --fsdp.")
-    if args.fsdp:
+    if args.run.fsdp:
         sharded.load(resumed.path, reward_model, optimizer)
     else:
         reward_model.load_state_dict(resumed.shared["model"])
@@ -180,9 +136,7 @@ def restore(
         checkpoint.restore_rng_states(resumed.local["rng"], generator)
         return
     # the RNGs of the processes that wrote it cannot be divided among another number of processes
-    seeds = np.random.SeedSequence([args.seed, accelerator.process_index, resumed.step]).generate_state(3)
-    devices.set_seed(int(seeds[0]))
-    generator.manual_seed(int(seeds[1]) << 32 | int(seeds[2]))
+    checkpoint.reseed_rngs(args.seed, accelerator.process_index, resumed.step, generator)
     accelerator.print(
         f"warning: checkpoint '{resumed.path}' was written by {written} processes, this run has "
         f"{accelerator.num_processes}: the weights, Adam moments, label order and query position carry over, but every "
@@ -236,7 +190,7 @@ def save_checkpoint(
     if accelerator.is_main_process:
         saves.wait()  # the twin below is still read by the previous write until it ends
         shared = {}  # under --fsdp the weights and Adam moments are in the shards
-        if not args.fsdp:
+        if not args.run.fsdp:
             shared["model"] = saves.host_copy(reward_model).state_dict()
             shared["optimizer"] = checkpoint.to_host(optimizer.state_dict())
         shared["permutation"] = checkpoint.to_host(run_state["permutation"])
@@ -245,9 +199,10 @@ def save_checkpoint(
     local = {"query_stream": query_stream.state_dict(), "rng": checkpoint.rng_states(generator)}
     tracker.flush()
     # under --fsdp every process writes its shards of the weights and Adam moments
-    shards = functools.partial(sharded.save, module=reward_model, optimizer=optimizer) if args.fsdp else None
+    shards = functools.partial(sharded.save, module=reward_model, optimizer=optimizer) if args.run.fsdp else None
+    run = args.run
     checkpoint.save_training_state(
-        args.output_dir, steps, accelerator, meta, shared, local, args.keep_checkpoints, saves, write_shards=shards
+        run.output_dir, steps, accelerator, meta, shared, local, run.keep_checkpoints, saves, write_shards=shards
     )
 
 
@@ -295,7 +250,7 @@ def save_reward_model(
         tokenizer.save_pretrained(output_dir)
         save_args(args, output_dir)
 
-    validation.save_atomically(args.output_dir, write)
+    validation.save_atomically(args.run.output_dir, write)
 
 
 def print_summary(
@@ -313,7 +268,7 @@ def print_summary(
             if eval_after
             else "-",
             "gain, bias": f"{cli.number(reward_model.gain.item(), 4)}, {cli.number(reward_model.bias.item(), 4)}",
-            "reward model, tokenizer": args.output_dir,
-            "TensorBoard": f"{args.output_dir}/tb",
+            "reward model, tokenizer": args.run.output_dir,
+            "TensorBoard": f"{args.run.output_dir}/tb",
         },
     )

@@ -16,7 +16,6 @@ import os
 import sys
 from collections.abc import Callable
 from contextlib import AbstractContextManager
-from typing import Protocol
 
 import torch
 from transformers import PreTrainedTokenizerBase
@@ -313,15 +312,9 @@ def normalize_reward(
     return {"gain": 1.0 / std, "bias": -mean / std, "mean": mean, "std": std, "samples": count}
 
 
-class NormalizationFlags(Protocol):
-    """What `normalize_from_initial_policy` reads of train_policy.py's --rewards.* flags."""
-
-    normalize_samples: int
-
-
 def normalize_from_initial_policy(
     reward: Reward,
-    flags: NormalizationFlags,
+    samples: int,
     resumed: Resumed | None,
     reference: Callable[[], AbstractContextManager],
     query_stream,
@@ -334,16 +327,14 @@ def normalize_from_initial_policy(
     the initial policy (`reference()` lends it) on the queries the first updates draw (a copy of `query_stream`: the
     stream itself does not move), or take a resumed run's own; print them; -> them, for the run config, args.json
     and the training state (None: 0 samples, raw scores)."""
-    if not flags.normalize_samples:
+    if not samples:
         return None
     normalization = resumed.meta.get("reward_normalization") if resumed else None
     if not normalization:
         # an --fsdp run's sharded reference gathered once for all the sampling steps
         with reference() as ref_policy, gathered(ref_policy):
             stream = copy.deepcopy(query_stream)
-            normalization = normalize_reward(
-                reward, ref_policy, stream, affixes, task, flags.normalize_samples, seed, accelerator
-            )
+            normalization = normalize_reward(reward, ref_policy, stream, affixes, task, samples, seed, accelerator)
     reward.gain, reward.bias = normalization["gain"], normalization["bias"]
     accelerator.print(describe_normalization(normalization))
     return normalization

@@ -24,6 +24,7 @@ from lm_human_preference_details.modeling import REWARD_CONFIG_FILE, check_model
 from lm_human_preference_details.optim import check_weight_decay
 from lm_human_preference_details.prompts import query_dataset_path
 from lm_human_preference_details.rewards import check_reward_source, reward_input_path
+from lm_human_preference_details.settings import PolicyArgs, RewardArgs, RunSettings
 from lm_human_preference_details.sizes import divisors
 from lm_human_preference_details.tasks import TaskHParams, check_task
 
@@ -182,104 +183,7 @@ def check_not_reward_model(base_model: str) -> None:
         )
 
 
-# ---------------------------------------------------------------- what the checks read of the scripts' Args
-
-
-class PpoFlags(Protocol):
-    """The --ppo.* flags `check_policy_args` reads (train_policy.PpoHParams)."""
-
-    total_episodes: int
-    batch_size: int
-    nminibatches: int
-    noptepochs: int
-    gradient_accumulation_steps: int
-    whiten_group_size: int | None
-    lr: float
-    cliprange: float
-    cliprange_value: float
-    vf_coef: float
-    gamma: float
-    lam: float
-
-
-class AdaptiveKLFlags(Protocol):
-    """--rewards.adaptive_kl.*"""
-
-    enabled: bool
-    target: float
-    horizon: int
-
-
-class PolicyRewardFlags(Protocol):
-    """The --rewards.* flags `check_policy_args` reads (train_policy.RewardHParams)."""
-
-    trained_model: str
-    normalize_samples: int
-    kl_coef: float
-    gold_model: str | None
-
-    @property
-    def adaptive_kl(self) -> AdaptiveKLFlags: ...
-
-
-class PolicyFlags(Protocol):
-    """What `check_policy_args` reads of train_policy.Args."""
-
-    base_model: str
-    output_dir: str
-    log_interval: int
-    divergence_updates: int
-    divergence_kl: float | None
-    save_interval: int
-    print_samples: int
-    rollout_micro_batch_size: int | None
-    use_tensorflow_adam: bool
-    weight_decay: float
-
-    @property
-    def task(self) -> TaskHParams: ...
-
-    @property
-    def ppo(self) -> PpoFlags: ...
-
-    @property
-    def rewards(self) -> PolicyRewardFlags: ...
-
-
-class LabelFlags(Protocol):
-    """--labels.num_train"""
-
-    num_train: int
-
-
-class RewardFlags(Protocol):
-    """What `check_reward_args` reads of train_reward.Args."""
-
-    base_model: str
-    label_dataset: str
-    output_dir: str
-    batch_size: int
-    gradient_accumulation_steps: int
-    lr: float
-    rollout_batch_size: int
-    normalize_samples: int
-    debug_normalize: int
-    eval_interval: int
-    use_tensorflow_adam: bool
-    weight_decay: float
-
-    @property
-    def task(self) -> TaskHParams: ...
-
-    @property
-    def labels(self) -> LabelFlags: ...
-
-
-class DryRunFlags(Protocol):
-    """--dry_run and --dry_run_processes, of either training script."""
-
-    dry_run: bool
-    dry_run_processes: int | None
+# ---------------------------------------------------------------- what the checks read of label_generation.py
 
 
 class GenerateFlags(Protocol):
@@ -302,7 +206,7 @@ class ConvertFlags(Protocol):
     output: str
 
 
-def check_policy_args(args: PolicyFlags) -> None:
+def check_policy_args(args: PolicyArgs) -> None:
     """Every train_policy.py flag whose value makes the run fail late or mean nothing, and its output directory."""
     ppo, rewards = args.ppo, args.rewards
     check_task(args.task)
@@ -334,25 +238,25 @@ def check_policy_args(args: PolicyFlags) -> None:
         check_at_least(rewards.adaptive_kl.horizon, 1, "--rewards.adaptive_kl.horizon", "OAI uses 10000")
     check_reward_source(rewards.trained_model, rewards.normalize_samples)
     check_labeler_source(rewards.gold_model, "--rewards.gold_model")
-    check_at_least(args.log_interval, 1, "--log_interval", "e.g. 10")
-    check_at_least(args.divergence_updates, 0, "--divergence_updates", "0 never reports divergence")
-    if args.divergence_kl is not None:
-        check_positive(args.divergence_kl, "--divergence_kl", "e.g. 60 (nats), or None for 10 x the KL target")
-    check_at_least(args.save_interval, 0, "--save_interval", "0 saves only at the end")
-    check_at_least(args.print_samples, 0, "--print_samples")
-    if args.rollout_micro_batch_size is not None:
+    check_at_least(args.run.log_interval, 1, "--log_interval", "e.g. 10")
+    check_at_least(args.run.divergence_updates, 0, "--divergence_updates", "0 never reports divergence")
+    if args.run.divergence_kl is not None:
+        check_positive(args.run.divergence_kl, "--divergence_kl", "e.g. 60 (nats), or None for 10 x the KL target")
+    check_at_least(args.run.save_interval, 0, "--save_interval", "0 saves only at the end")
+    check_at_least(args.run.print_samples, 0, "--print_samples")
+    if args.run.rollout_micro_batch_size is not None:
         fix = "omit it to decode the whole batch at once"
-        check_at_least(args.rollout_micro_batch_size, 1, "--rollout_micro_batch_size", fix)
+        check_at_least(args.run.rollout_micro_batch_size, 1, "--rollout_micro_batch_size", fix)
     inputs = {
         "--base_model": args.base_model,
         "--rewards.trained_model": reward_input_path(rewards.trained_model),
         "--rewards.gold_model": labeler_path(rewards.gold_model),
         "--task.query_dataset": query_dataset_path(args.task.query_dataset),
     }
-    check_output_dir(args.output_dir, inputs)
+    check_output_dir(args.run.output_dir, inputs)
 
 
-def check_reward_args(args: RewardFlags) -> None:
+def check_reward_args(args: RewardArgs) -> None:
     """Every train_reward.py flag whose value makes the run fail late or mean nothing, and its output directory."""
     check_task(args.task, response_filter=False)
     check_model_dir(args.base_model, "--base_model", tokenizer=True)
@@ -377,17 +281,17 @@ def check_reward_args(args: RewardFlags) -> None:
         "--label_dataset": args.label_dataset,
         "--task.query_dataset": query_dataset_path(args.task.query_dataset),
     }
-    check_output_dir(args.output_dir, inputs)
+    check_output_dir(args.run.output_dir, inputs)
 
 
-def dry_run_world(args: DryRunFlags, world: int) -> int:
+def dry_run_world(run: RunSettings, world: int) -> int:
     """The process count to derive sizes for: --dry_run_processes (which needs --dry_run), else this launch's."""
-    if args.dry_run_processes is None:
+    if run.dry_run_processes is None:
         return world
-    check_at_least(args.dry_run_processes, 1, "--dry_run_processes", "e.g. 8 for 8 GPUs")
-    if not args.dry_run:
+    check_at_least(run.dry_run_processes, 1, "--dry_run_processes", "e.g. 8 for 8 GPUs")
+    if not run.dry_run:
         raise ValueError("--dry_run_processes only sizes a dry run; add --dry_run (or drop --dry_run_processes).")
-    return args.dry_run_processes
+    return run.dry_run_processes
 
 
 def check_generate_args(args: GenerateFlags) -> None:

@@ -26,6 +26,7 @@ import torch
 
 from lm_human_preference_details import checkpoint
 from lm_human_preference_details.modeling import PolicyWithValueHead
+from lm_human_preference_details.settings import RunSettings
 from tests.conftest import tiny_gpt2
 from tests.planted import fake_checkpoint, lock_record
 
@@ -173,23 +174,21 @@ class OneProcess:
         self.printed.append(text)
 
 
-def resume_args(output_dir, resume: str | None) -> SimpleNamespace:
-    return SimpleNamespace(
-        output_dir=str(output_dir), resume=resume, overwrite_output_dir=False, allow_resume_changes=0
-    )
+def resume_args(output_dir, resume: str | None) -> RunSettings:
+    return RunSettings(output_dir=str(output_dir), resume=resume)
 
 
 def test_resume_auto_without_a_checkpoint_says_the_run_starts_fresh(tmp_path):
     accelerator = OneProcess()
-    assert checkpoint.start_or_resume(resume_args(tmp_path / "mistyped", "auto"), {}, (), accelerator, "4") is None
+    assert checkpoint.start_or_resume(resume_args(tmp_path / "mistyped", "auto"), {}, {}, (), accelerator, "4") is None
     assert len(accelerator.printed) == 1
     assert re.search(r"--resume auto found no checkpoint in '.*mistyped/training_state': the run starts fresh \(check "
                      r"--output_dir", accelerator.printed[0])  # fmt: skip
     fake_checkpoint(tmp_path / "run", 2, 1)
-    resumed = checkpoint.start_or_resume(resume_args(tmp_path / "run", "auto"), {}, (), accelerator, "4 updates")
+    resumed = checkpoint.start_or_resume(resume_args(tmp_path / "run", "auto"), {}, {}, (), accelerator, "4 updates")
     assert resumed.step == 2 and accelerator.printed[-1].startswith("resuming from")
     quiet = OneProcess()
-    assert checkpoint.start_or_resume(resume_args(tmp_path / "new", None), {}, (), quiet, "4") is None
+    assert checkpoint.start_or_resume(resume_args(tmp_path / "new", None), {}, {}, (), quiet, "4") is None
     assert quiet.printed == []  # a fresh run that asked for none: nothing to say
 
 

@@ -66,8 +66,8 @@ def test_piped_console_is_wide():
 
 
 def test_every_script_uses_the_same_task_presets():
-    for presets in (train_policy.oai_presets(), train_reward.oai_presets()):
-        assert list(presets) == ["sentiment", "descriptiveness", "tldr", "cnndm"]
+    for presets in (train_policy.task_presets(), train_reward.task_presets()):
+        assert list(presets) == ["sentiment", "descriptiveness", "tldr", "cnndm", "nplus_tldr"]
         assert all(args.task_id == name for name, args in presets.items())
     # the successor recipe's preset: the same task in both training scripts, so its reward model fits its policy
     policy, reward = train_policy.parse(["--task", "nplus_tldr"]), train_reward.parse(["--task", "nplus_tldr"])
@@ -112,7 +112,7 @@ def test_help_keeps_the_usage_lines_and_lists_task_among_the_options(module, cap
         assert any(line.startswith("python train_policy.py --task sentiment --ppo.gradient") for line in lines)
     options = lines[next(i for i, line in enumerate(lines) if line.startswith("-h, --help")) :]
     flags = [line.split()[0] for line in options if line.startswith("--")]
-    assert flags[:3] == ["--task", "--debug", "--exp_name"], flags[:3]
+    assert flags[:3] == ["--task", "--debug", "--seed"], flags[:3]
     tasks = "--task {sentiment,descriptiveness,tldr,cnndm,nplus_tldr}"  # OAI's experiments, then the successor recipe's
     assert tasks in options and "(default: sentiment)" in " ".join(options)
 

@@ -30,6 +30,7 @@ from lm_human_preference_details.evaluation import (
 from lm_human_preference_details.labelers import Labeler
 from lm_human_preference_details.modeling import PolicyWithValueHead, RewardModel, load_causal_lm
 from lm_human_preference_details.rewards import RewardModelReward
+from lm_human_preference_details.settings import with_run
 from lm_human_preference_details.tasks import TaskHParams
 from lm_human_preference_details.tokenizer import load_tokenizer, tokenizer_fingerprint
 from tests.conftest import small_vocab_gpt2, tiny_gpt2
@@ -301,7 +302,7 @@ def save_tiny_run(
         model.transformer.ln_f.bias.mul_(SHARPNESS)
     PolicyWithValueHead(model).save(str(path))
     tokenizer.save_pretrained(str(path))
-    args = PolicyArgs(base_model=model_dir, output_dir=str(run_dir or path), data_seed=0)
+    args = with_run(PolicyArgs(base_model=model_dir, data_seed=0), output_dir=str(run_dir or path))
     args.task = dataclasses.replace(
         args.task, query_dataset=query_file, query_length=16, response_length=8, truncate_after=2
     )
@@ -427,8 +428,8 @@ def test_gold_vs_kl_plot_labels_every_point_apart_and_explains_the_error_bars(tm
 
 def test_train_policy_save_checkpoints_keeps_every_periodic_save(tmp_path, tiny_run, tiny_model_dir):
     _, _, query_file, reward_dir = tiny_run
-    args = PolicyArgs(base_model=tiny_model_dir, output_dir=str(tmp_path / "run"), save_interval=1, print_samples=1)
-    args.save_checkpoints, args.log_interval = True, 10
+    args = PolicyArgs(base_model=tiny_model_dir)
+    args = with_run(args, output_dir=str(tmp_path / "run"), save_interval=1, print_samples=1, save_checkpoints=True)
     args.task = dataclasses.replace(
         args.task,
         query_dataset=query_file,
@@ -481,7 +482,7 @@ def save_small_vocab_run(path, model_dir: str, query_file: str, spec: str, norma
     """A policy directory as train_policy.py writes it after training against `spec` (with `normalization`): the
     small-vocabulary model, whose responses are words, and a task that truncates after ' the'."""
     PolicyWithValueHead(load_causal_lm(model_dir)).save(str(path), load_tokenizer(model_dir))
-    args = PolicyArgs(base_model=model_dir, output_dir=str(path), data_seed=0)
+    args = with_run(PolicyArgs(base_model=model_dir, data_seed=0), output_dir=str(path))
     args.task = dataclasses.replace(tiny_task(query_file), truncate_token=the)
     args.rewards.trained_model, args.rewards.normalization = spec, normalization
     args.ppo.total_episodes, args.ppo.batch_size = 8, 8

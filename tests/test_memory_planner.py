@@ -119,7 +119,7 @@ def test_pythia_shapes_count_the_published_parameters_on_the_meta_device():
 def test_nplus_tldr_task_takes_the_presets_lengths_batch_critic_and_torch_adamw():
     args = planner(task="nplus_tldr", gradient_accumulation_steps=4)
     result = memory_estimate.estimate(args, "pythia-1b", None)
-    preset = train_policy.nplus_presets()["nplus_tldr"]
+    preset = train_policy.task_presets()["nplus_tldr"]
     assert result["batch"] == preset.ppo.batch_size // 8 and result["critic"] > 0
     books = planner(gradient_accumulation_steps=4, value_model="reward")
     sentiment = memory_estimate.estimate(books, "pythia-1b", None)
@@ -180,7 +180,7 @@ def measured_ppo_update(shape: str, micro: int, bf16: bool = False, checkpointin
     rngs = train_policy.virtual_rank_rngs(args.seed, 0, 1, sizes.virtual_ranks)
     indices = torch.from_numpy(train_policy.minibatch_indices(rngs, sizes.group, 2, 1))
     params = list(policy.parameters())
-    optimizer = train_policy.make_optimizer(params, 1e-5, True)
+    optimizer = train_policy.optim.make_optimizer(params, 1e-5, True)
     with PeakAllocation(held=params) as memory:
         train_policy.ppo_update(policy, optimizer, rollout, indices, sizes, args.ppo, 0.7, 50257)
     state = [t for s in optimizer.state.values() for k, t in s.items() if k != "step"]  # the moments

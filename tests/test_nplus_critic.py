@@ -32,7 +32,7 @@ def world(tmp_path_factory, tiny_model_dir):
     root = tmp_path_factory.mktemp("critic-world")
     queries = write_queries(root / "queries.txt")
     task = dataclasses.replace(
-        train_policy.oai_presets()["sentiment"].task,
+        train_policy.task_presets()["sentiment"].task,
         query_dataset=queries,
         query_length=16,
         response_length=8,

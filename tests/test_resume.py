@@ -59,7 +59,7 @@ def policy_world(tmp_path_factory, tiny_model_dir):
     queries = root / "queries.txt"
     write_queries(queries)
     task = dataclasses.replace(
-        train_policy.oai_presets()["sentiment"].task,
+        train_policy.task_presets()["sentiment"].task,
         query_dataset=str(queries),
         query_length=16,
         response_length=8,

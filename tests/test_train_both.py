@@ -12,6 +12,7 @@ import train_both
 from demo import sft_data
 from demo import world as demo_world
 from lm_human_preference_details import checkpoint
+from lm_human_preference_details.settings import recorded, with_run
 from tests.planted import run_script, write_policy_planted_labels
 from tests.test_resume import (
     max_metric_difference,
@@ -74,7 +75,11 @@ def test_sft_stage_takes_the_flags_all_stages_take_and_gives_its_model_to_the_ot
     assert policy == ["--base_model", "gpt2", "--seed", "4"]
     pipeline = train_both.parse(flags)
     sft_dir = str(tmp_path / "sft")
-    assert (pipeline.sft.dataset, pipeline.sft.base_model, pipeline.sft.output_dir) == ("sft.jsonl", "gpt2", sft_dir)
+    assert (pipeline.sft.dataset, pipeline.sft.base_model, pipeline.sft.run.output_dir) == (
+        "sft.jsonl",
+        "gpt2",
+        sft_dir,
+    )
     assert (pipeline.sft.lr, pipeline.sft.batch_size, pipeline.sft.seed) == (1e-5, 8, 4)
     assert pipeline.reward.base_model == pipeline.policy.base_model == sft_dir and pipeline.reward.lr == 1e-4
     assert pipeline.commands[0].startswith("train_sft.py ") and len(pipeline.commands) == 3
@@ -90,9 +95,9 @@ def test_sft_stage_counts_as_finished_only_with_a_whole_args_json_of_these_setti
     args_json = tmp_path / "sft" / "args.json"
     args_json.parent.mkdir()
     assert not train_both.sft_finished(sft)  # nothing saved yet
-    args_json.write_text(json.dumps(dataclasses.asdict(sft)), encoding="utf-8")
+    args_json.write_text(json.dumps(recorded(sft)), encoding="utf-8")
     assert train_both.sft_finished(sft)
-    assert train_both.sft_finished(dataclasses.replace(sft, save_interval=7))  # does not change what is trained
+    assert train_both.sft_finished(with_run(sft, save_interval=7))  # does not change what is trained
     assert not train_both.sft_finished(dataclasses.replace(sft, lr=1e-5))
     (tmp_path / "sft" / checkpoint.SAVING_MARKER).touch()  # its files being replaced
     assert not train_both.sft_finished(sft)

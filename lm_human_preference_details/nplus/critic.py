@@ -15,6 +15,7 @@ from transformers import AutoModel, PreTrainedModel, PreTrainedTokenizerBase
 
 from lm_human_preference_details.checkpoint import check_complete_save
 from lm_human_preference_details.modeling import (
+    CRITIC_DIR,
     PolicyWithValueHead,
     RewardModel,
     _load_pretrained,
@@ -26,7 +27,6 @@ from lm_human_preference_details.modeling import (
     saved_kind,
     with_bos,
 )
-from lm_human_preference_details.ppo_plumbing import CRITIC_DIR
 from lm_human_preference_details.rewards import reward_model_dir
 from lm_human_preference_details.tokenizer import check_same_tokenizer, tokenizer_fingerprint
 

@@ -6,7 +6,6 @@ table, tracking, checkpoints and the model's save. Nothing here changes what a t
 `nplus NX` is docs/nplus-details.md#nx.
 """
 
-import dataclasses
 import json
 import math
 import os
@@ -22,6 +21,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from lm_human_preference_details import checkpoint, cli, validation
 from lm_human_preference_details.devices import describe_deterministic
 from lm_human_preference_details.modeling import check_model_dir
+from lm_human_preference_details.settings import RunSettings
 from lm_human_preference_details.sizes import divisors, per_process, split
 from lm_human_preference_details.sources import read_utf8_lines
 from lm_human_preference_details.tokenizer import generation_tokenizer
@@ -36,7 +36,6 @@ MESSAGES = "messages"
 class SftArgs(Protocol):
     """What the plumbing reads of train_sft.Args: a typed view, so a reader sees which flags each helper uses."""
 
-    exp_name: str
     seed: int
     base_model: str
     dataset: str
@@ -52,14 +51,7 @@ class SftArgs(Protocol):
     eps: float
     weight_decay: float
     eval_interval: int
-    save_interval: int
-    keep_checkpoints: int
-    output_dir: str
-    overwrite_output_dir: bool
-    track: bool
-    wandb_project_name: str
-    wandb_entity: str | None
-    dry_run: bool
+    run: RunSettings
 
 
 # ---------------------------------------------------------------- reading pairs
@@ -391,18 +383,18 @@ def check_args(args: SftArgs) -> None:
     validation.check_positive(args.eps, "--eps", "N+ uses 1e-5")
     validation.check_non_negative(args.weight_decay, "--weight_decay", "N+ uses 0.01 (torch AdamW's default)")
     validation.check_at_least(args.eval_interval, 0, "--eval_interval", "0 evaluates only before and after training")
-    validation.check_at_least(args.save_interval, 0, "--save_interval", "0 saves only at the end")
+    validation.check_at_least(args.run.save_interval, 0, "--save_interval", "0 saves only at the end")
     if args.eval_interval and args.eval_split is None:
         raise ValueError("--eval_interval needs --eval_split (the rows to evaluate on); pass both or neither.")
     dataset = None if is_hf_dataset(args.dataset) else args.dataset
-    validation.check_output_dir(args.output_dir, {"--base_model": args.base_model, "--dataset": dataset})
+    validation.check_output_dir(args.run.output_dir, {"--base_model": args.base_model, "--dataset": dataset})
 
 
 def print_setup(console, args: SftArgs, sizes: SftSizes, data: SftData, tf32: str) -> None:
     """The start-up table of resolved settings, data and per-process sizes (main process only)."""
     cli.print_table(
         console,
-        "supervised fine-tuning (train_sft.py)" + (" - dry run" if args.dry_run else ""),
+        "supervised fine-tuning (train_sft.py)" + (" - dry run" if args.run.dry_run else ""),
         {
             "base model": args.base_model,
             "dataset": f"{args.dataset} ({args.dataset_split})",
@@ -419,7 +411,7 @@ def print_setup(console, args: SftArgs, sizes: SftSizes, data: SftData, tf32: st
             "eval": args.eval_split or "-",
             "TF32": tf32,
             "deterministic": describe_deterministic(),
-            "output dir": args.output_dir,
+            "output dir": args.run.output_dir,
         },
     )
 
@@ -439,13 +431,11 @@ def progress_bar(console, accelerator: Accelerator) -> Progress:
 # ---------------------------------------------------------------- tracking, checkpoints, the model's save
 
 
-def start_tracker(
-    args: SftArgs, accelerator: Accelerator, resumed: checkpoint.Resumed | None, settings: dict
-) -> tuple[Tracker, dict]:
-    """TensorBoard (and wandb) for this run (`checkpoint.start_tracker`); -> the tracker and the metadata every
-    checkpoint records."""
-    tracker, name = checkpoint.start_tracker(args, accelerator, resumed, "sft", settings)
-    return tracker, {"settings": settings, "run_name": name, "wandb_id": tracker.wandb_id}
+def start_tracker(args: SftArgs, accelerator: Accelerator, loop: checkpoint.CheckpointedLoop) -> tuple[Tracker, dict]:
+    """TensorBoard (and wandb) for this run, continuing a resumed run's (`loop.resumed`); -> the tracker and the
+    metadata every checkpoint records."""
+    tracker, name = checkpoint.start_tracker(args.run, args.seed, accelerator, loop.resumed, "sft", loop.settings)
+    return tracker, {"settings": loop.settings, "run_name": name, "wandb_id": tracker.wandb_id}
 
 
 def save_checkpoint(
@@ -473,7 +463,7 @@ def save_checkpoint(
     tracker.flush()
     local = {"rng": checkpoint.rng_states(generator)}
     checkpoint.save_training_state(
-        args.output_dir, steps, accelerator, meta, shared, local, args.keep_checkpoints, saves
+        args.run.output_dir, steps, accelerator, meta, shared, local, args.run.keep_checkpoints, saves
     )
 
 
@@ -496,7 +486,7 @@ def save_model(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, args:
         saved_tokenizer.save_pretrained(output_dir)
         save_args(args, output_dir)
 
-    validation.save_atomically(args.output_dir, write)
+    validation.save_atomically(args.run.output_dir, write)
 
 
 def print_summary(console, args: SftArgs, losses: dict[str, float | None]) -> None:
@@ -511,12 +501,7 @@ def print_summary(console, args: SftArgs, losses: dict[str, float | None]) -> No
         {
             "train loss (first -> last step)": change(losses["train_first"], losses["train_last"]),
             "eval loss (before -> after)": change(losses["eval_before"], losses["eval_after"]),
-            "model, tokenizer": args.output_dir,
-            "TensorBoard": f"{args.output_dir}/tb",
+            "model, tokenizer": args.run.output_dir,
+            "TensorBoard": f"{args.run.output_dir}/tb",
         },
     )
-
-
-def settings_of(args: SftArgs, world: int) -> dict:
-    """The run's settings as checkpoints record and --resume compares them."""
-    return {**dataclasses.asdict(args), "world_size": world}
