@@ -289,8 +289,8 @@ def nonfinite_stats(
 
 
 # ---------------------------------------------------------------- main
-# The plumbing calls name their module (checkpoint., cli., devices., distributed., labels., reward_plumbing., sizing.,
-# validation.): skip them to read the algorithm.
+# The plumbing calls name their module (checkpoint., cli., devices., distributed., labels., reward_plumbing., settings.,
+# sizing., validation.): skip them to read the algorithm.
 @checkpoint.one_run_per_output_dir
 def main(args: Args) -> dict:
     """Train and save a reward model; returns the final figures, this process's label indices and the model."""

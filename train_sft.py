@@ -131,7 +131,7 @@ def evaluate_loss(accelerator, model, data: sft.SftData, pad_id: int, micro: int
 
 
 # ---------------------------------------------------------------- main
-# The plumbing calls name their module (checkpoint., cli., devices., distributed., sft., validation.): skip
+# The plumbing calls name their module (checkpoint., cli., devices., distributed., settings., sft., validation.): skip
 # them to read the algorithm.
 @checkpoint.one_run_per_output_dir
 def main(args: Args) -> dict:

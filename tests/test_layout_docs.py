@@ -5,6 +5,7 @@ for a flag both training scripts take."""
 import ast
 import dataclasses
 import inspect
+import itertools
 import re
 import textwrap
 import typing
@@ -14,6 +15,7 @@ import pytest
 
 import train_policy
 import train_reward
+import train_sft
 
 REPO = Path(__file__).resolve().parents[1]
 PACKAGE = REPO / "lm_human_preference_details"
@@ -134,49 +136,72 @@ def test_layout_link_parser_reads_subpackages():
 
 
 # ---------------------------------------------------------------------------------------------------- shared flags
-# flags both scripts take whose help rightly differs, and why; every other shared flag has the same help in both
+# flags that two training scripts take whose help rightly differs, and why; every other shared flag has one help text
 SCRIPT_SPECIFIC_HELP = {
-    "base_model": "it becomes the policy and its reference in one script, the reward model's trunk in the other",
-    "save_interval": "PPO updates that also save the policy vs reward optimizer steps that save a training state",
-    "bf16": "train_policy.py also says how PPO's ratio gets log-probs of the bf16 arithmetic",
+    "base_model": "it becomes the policy and its reference, the reward model's trunk, or the model SFT fine-tunes",
+    "seed": "train_sft.py's seed also draws its one shuffle of the pairs; the others shuffle with --data_seed",
+    "batch_size": "labels per step in train_reward.py, pairs per step in train_sft.py",
+    "lr": "train_reward.py anneals linearly as OAI, train_sft.py on a cosine as N+",
+    "weight_decay": "train_sft.py's AdamW always decays; the others decay only with --no_use_tensorflow_adam",
+    "eval_interval": "held-out label accuracy vs the --eval_split loss",
 }
 
 
 def field_docs(cls: type) -> dict[str, str]:
-    """A dataclass's field docstrings (the string after each field, as tyro reads them), whitespace collapsed."""
-    body = ast.parse(textwrap.dedent(inspect.getsource(cls))).body[0].body
-    return {
-        field.target.id: " ".join(doc.value.value.split())
-        for field, doc in zip(body, body[1:])
-        if isinstance(field, ast.AnnAssign) and isinstance(doc, ast.Expr) and isinstance(doc.value, ast.Constant)
-    }
+    """A dataclass's field docstrings (the string after each field, as tyro reads them), whitespace collapsed; those of
+    the fields it inherits too."""
+    docs = {}
+    for base in reversed(cls.__mro__):
+        if not dataclasses.is_dataclass(base) or base is object:
+            continue
+        body = ast.parse(textwrap.dedent(inspect.getsource(base))).body[0].body
+        docs.update(
+            {
+                field.target.id: " ".join(doc.value.value.split())
+                for field, doc in zip(body, body[1:])
+                if isinstance(field, ast.AnnAssign)
+                and isinstance(doc, ast.Expr)
+                and isinstance(doc.value, ast.Constant)
+            }
+        )
+    return docs
 
 
 def flag_help(cls: type, prefix: str = "") -> dict[str, str | None]:
-    """--flag name (underscores, dotted groups) -> its help text, for every flag of an Args dataclass."""
+    """--flag name (underscores, dotted groups) -> its help text, for every flag of an Args dataclass; a group nested
+    without a prefix (tyro.conf.arg(name=""): the run group) gives its flags their plain names."""
     hints, docs, flags = typing.get_type_hints(cls, include_extras=True), field_docs(cls), {}
     for field in dataclasses.fields(cls):
         hint = hints[field.name]
-        if typing.get_origin(hint) is typing.Annotated and any("Suppress" in repr(m) for m in hint.__metadata__):
+        metadata = hint.__metadata__ if typing.get_origin(hint) is typing.Annotated else ()
+        if any("Suppress" in repr(m) for m in metadata):
             continue  # not a flag (tyro.conf.Suppress)
+        group = typing.get_args(hint)[0] if metadata else hint
+        if dataclasses.is_dataclass(group) and any(getattr(m, "name", None) == "" for m in metadata):
+            flags.update(flag_help(group, prefix))
+            continue
         flags[prefix + field.name] = docs.get(field.name)
-        if dataclasses.is_dataclass(hint):
-            flags.update(flag_help(hint, f"{prefix}{field.name}."))
+        if dataclasses.is_dataclass(group):
+            flags.update(flag_help(group, f"{prefix}{field.name}."))
     return flags
 
 
-def test_flags_of_both_training_scripts_have_the_same_help():
-    policy, reward = flag_help(train_policy.Args), flag_help(train_reward.Args)
-    shared = [name for name in policy if name in reward]
-    assert {"seed", "output_dir", "bf16", "task.query_length"} <= set(shared)
-    assert all(policy[name] and reward[name] for name in shared), "a shared flag has no help text"
-    differ = [name for name in shared if policy[name] != reward[name] and name not in SCRIPT_SPECIFIC_HELP]
+def test_flags_that_training_scripts_share_have_the_same_help():
+    helps = {module.__name__: flag_help(module.Args) for module in (train_policy, train_reward, train_sft)}
+    assert {"seed", "output_dir", "bf16", "task.query_length"} <= helps["train_policy"].keys() & helps["train_reward"]
+    assert {"output_dir", "resume", "track", "dry_run"} <= helps["train_sft"].keys() & helps["train_policy"].keys()
+    differ, differing = [], set()
+    for (one, first), (other, second) in itertools.combinations(helps.items(), 2):
+        for name in sorted(first.keys() & second.keys()):
+            assert first[name] and second[name], f"--{name} has no help text"
+            if first[name] != second[name]:
+                differing.add(name)
+                if name not in SCRIPT_SPECIFIC_HELP:
+                    differ.append(f"--{name}\n  {one}.py: {first[name]}\n  {other}.py: {second[name]}")
     assert not differ, (
-        "flags of both train_policy.py and train_reward.py with different help texts:\n"
-        + "\n".join(
-            f"--{name}\n  train_policy.py: {policy[name]}\n  train_reward.py: {reward[name]}" for name in differ
-        )
+        "flags of two training scripts with different help texts:\n"
+        + "\n".join(differ)
         + "\nword them the same (or, where the flag means another thing per script, add it to SCRIPT_SPECIFIC_HELP)"
     )
-    stale = [name for name in SCRIPT_SPECIFIC_HELP if name not in shared or policy[name] == reward[name]]
+    stale = sorted(set(SCRIPT_SPECIFIC_HELP) - differing)
     assert not stale, f"SCRIPT_SPECIFIC_HELP names flags that are not shared or whose help agrees: {stale}"

@@ -210,7 +210,8 @@ BREAKAGES = [
         "G6",
         "the reference policy's log-probs use temperature 1 instead of the task temperature",
         TP,
-        "ref_logprobs = reference_logprobs(ref_policy, query_responses, context_length, pad_id, task.temperature, rows)",
+        "ref_logprobs = reference_logprobs(ref_policy, query_responses, context_length, pad_id, task.temperature, "
+        "rows)",
         "ref_logprobs = reference_logprobs(ref_policy, query_responses, context_length, pad_id, 1.0, rows)",
         [REFERENCE],
     ),
@@ -395,8 +396,10 @@ BREAKAGES = [
         "P1",
         "the KL reference is the current policy instead of the frozen initial one",
         TP,
-        "ref_logprobs = reference_logprobs(ref_policy, query_responses, context_length, pad_id, task.temperature, rows)",
-        "ref_logprobs = reference_logprobs(models.policy, query_responses, context_length, pad_id, task.temperature, rows)",
+        "ref_logprobs = reference_logprobs(ref_policy, query_responses, context_length, pad_id, task.temperature, "
+        "rows)",
+        "ref_logprobs = reference_logprobs(models.policy, query_responses, context_length, pad_id, task.temperature, "
+        "rows)",
         [REFERENCE],
     ),
     Breakage(
@@ -2245,7 +2248,8 @@ BREAKAGES = [
         "under end_at_eos the rewards are whitened over all L tokens",
         "lm_human_preference_details/nplus/end_at_eos.py",
         "rewards = masked_whiten(rewards, ~self.after_value_end, shift_mean=False, group_size=whiten_group)",
-        "rewards = masked_whiten(rewards, torch.ones_like(self.after_value_end), shift_mean=False, group_size=whiten_group)",
+        "rewards = masked_whiten(rewards, torch.ones_like(self.after_value_end), shift_mean=False, "
+        "group_size=whiten_group)",
         [EOS_TESTS + "test_masked_advantages_match_per_row_loops[True]"],
     ),
     Breakage(

@@ -77,7 +77,6 @@ PLUMBING_MODULES = {
     "hub",
     "labels",
     "nplus.sft",
-    "presets",
     "resume_check",
     "settings",
     "sizes",
