@@ -10,7 +10,7 @@ import json
 import math
 import os
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 import torch
@@ -21,7 +21,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from lm_human_preference_details import checkpoint, cli, validation
 from lm_human_preference_details.devices import describe_deterministic
 from lm_human_preference_details.modeling import check_model_dir
-from lm_human_preference_details.settings import RunSettings
+from lm_human_preference_details.settings import SftArgs
 from lm_human_preference_details.sizes import divisors, per_process, split
 from lm_human_preference_details.sources import read_utf8_lines
 from lm_human_preference_details.tokenizer import generation_tokenizer
@@ -31,27 +31,6 @@ HF_PREFIX = "hf:"
 """--dataset hf:NAME_OR_DIR: a hub dataset id or a directory written by `datasets`' save_to_disk"""
 MESSAGES = "messages"
 """the column (JSONL field) of chat rows: a list of {"role", "content"}, the last one the assistant's completion"""
-
-
-class SftArgs(Protocol):
-    """What the plumbing reads of train_sft.Args: a typed view, so a reader sees which flags each helper uses."""
-
-    seed: int
-    base_model: str
-    dataset: str
-    dataset_split: str
-    eval_split: str | None
-    prompt_column: str
-    completion_column: str
-    loss_on: str
-    max_length: int
-    batch_size: int
-    gradient_accumulation_steps: int
-    lr: float
-    eps: float
-    weight_decay: float
-    eval_interval: int
-    run: RunSettings
 
 
 # ---------------------------------------------------------------- reading pairs
