@@ -21,6 +21,7 @@ import tyro
 from transformers import PreTrainedModel
 
 from lm_human_preference_details import checkpoint, cli, devices, distributed, settings, validation
+from lm_human_preference_details import sizes as sizing
 from lm_human_preference_details.devices import to_device
 from lm_human_preference_details.modeling import (
     check_finite_weights,
@@ -131,8 +132,8 @@ def evaluate_loss(accelerator, model, data: sft.SftData, pad_id: int, micro: int
 
 
 # ---------------------------------------------------------------- main
-# The plumbing calls name their module (checkpoint., cli., devices., distributed., sft., validation.): skip
-# them to read the algorithm.
+# The plumbing calls name their module (checkpoint., cli., devices., distributed., settings., sft., sizing.,
+# validation.): skip them to read the algorithm.
 @checkpoint.one_run_per_output_dir
 def main(args: Args) -> dict:
     """Fine-tune and save a causal LM; returns the losses and the model."""
@@ -153,7 +154,9 @@ def main(args: Args) -> dict:
     if args.eval_split is not None:
         eval_data = sft.tokenize_pairs(sft.read_pairs(args, tokenizer, True), tokenizer, args.max_length, args.loss_on)
         sft.check_usable(eval_data, f"--eval_split {args.eval_split}", args.max_length)
-    sizes = sft.derive_sizes(args, validation.dry_run_world(args.run, accelerator.num_processes), len(data.tokens))
+    sizes = sizing.derive_sft_sizes(
+        args, validation.dry_run_world(args.run, accelerator.num_processes), len(data.tokens)
+    )
     rank, world, accum = accelerator.process_index, sizes.world, args.gradient_accumulation_steps
     if accelerator.is_main_process:
         sft.print_setup(console, args, sizes, data, tf32)

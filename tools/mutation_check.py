@@ -860,8 +860,8 @@ BREAKAGES = [
         "D7",
         "each process takes the whole global label batch size",
         "lm_human_preference_details/sizes.py",
-        'batch = per_process(args.batch_size, world, "--batch_size",',
-        'batch = per_process(args.batch_size, 1, "--batch_size",',
+        'per_process(args.batch_size, world, "--batch_size", f"pass a multiple of {world}")\n    where = f"the labels',
+        'per_process(args.batch_size, 1, "--batch_size", f"pass a multiple of {world}")\n    where = f"the labels',
         [LABEL_LOOP],
     ),
     # ---------------------------------------------------------------- H: hyperparameter plumbing, LG

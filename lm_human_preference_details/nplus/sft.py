@@ -22,7 +22,7 @@ from lm_human_preference_details import checkpoint, cli, validation
 from lm_human_preference_details.devices import describe_deterministic
 from lm_human_preference_details.modeling import check_model_dir
 from lm_human_preference_details.settings import SftArgs
-from lm_human_preference_details.sizes import divisors, per_process, split
+from lm_human_preference_details.sizes import SftSizes
 from lm_human_preference_details.sources import read_utf8_lines
 from lm_human_preference_details.tokenizer import generation_tokenizer
 from lm_human_preference_details.tracking import Tracker, save_args
@@ -288,7 +288,7 @@ def check_token_ids(data: SftData, vocab_size: int, pad_id: int, base_model: str
         )
 
 
-# ---------------------------------------------------------------- order, sizes, schedule
+# ---------------------------------------------------------------- order, schedule
 
 
 def data_order(num_rows: int, seed: int) -> torch.Tensor:
@@ -298,36 +298,6 @@ def data_order(num_rows: int, seed: int) -> torch.Tensor:
     # RandomSampler without a generator draws its seed from the global generator, then permutes with it
     seed_draw = torch.empty((), dtype=torch.int64).random_(generator=torch.Generator().manual_seed(seed))
     return torch.randperm(num_rows, generator=torch.Generator().manual_seed(int(seed_draw)))
-
-
-@dataclass
-class SftSizes:
-    """train_sft.py's per-process sizes."""
-
-    world: int
-    """processes"""
-    batch: int
-    """pairs per process and optimizer step"""
-    micro: int
-    """pairs per backward pass"""
-    steps: int
-    """optimizer steps: one epoch in whole batches"""
-    left_over: int
-    """pairs of the last, partial batch, not trained on"""
-
-
-def derive_sizes(args: SftArgs, world: int, rows: int) -> SftSizes:
-    """Split the batch over processes and micro-batches and the rows into whole batches (SFD: total // batch, nplus
-    N8); ValueError naming the flag of a size that does not divide."""
-    batch = per_process(args.batch_size, world, "--batch_size", f"pass a multiple of {world}")
-    where = f"the pairs per process and step (--batch_size {args.batch_size} over {world} processes)"
-    micro = split(batch, args.gradient_accumulation_steps, "--gradient_accumulation_steps", where)
-    if rows < args.batch_size:
-        raise ValueError(
-            f"--batch_size {args.batch_size} is more than the {rows} usable pairs of --dataset; pass at most {rows} "
-            f"(e.g. one of {divisors(rows)})."
-        )
-    return SftSizes(world, batch, micro, rows // args.batch_size, rows % args.batch_size)
 
 
 def cosine_factor(step: int, steps: int) -> float:
