@@ -12,6 +12,7 @@ train_policy.py takes. Batch sizes are global (summed over processes).
 `nplus NX` in the comments is docs/nplus-details.md#nx, the section on N+'s detail X.
 """
 
+import math
 from dataclasses import dataclass, field
 from typing import Annotated, Literal
 
@@ -87,6 +88,23 @@ RESUME_IGNORED = (*checkpoint.RESUME_IGNORED, "eval_interval")
 
 
 # ---------------------------------------------------------------- algorithm
+def with_loss_mask(pairs: sft.TokenizedPairs, pad_id: int, loss_on: str) -> sft.SftData:
+    """The pairs and the tokens the next-token loss counts (nplus N10): every non-PAD token but the first (nothing
+    predicts it), or with --loss_on completion the completion's tokens and EOS. A row with none of them has nothing
+    to learn: it is dropped (counted in `empty`)."""
+    # SFD: labels = tokens with PAD -> -1 (ignored), shifted by one; the prompt is counted
+    # https://github.com/vwxyzjn/summarize_from_feedback_details/blob/ee77a9abc31f5338365ee087945c5bcafac7f1ca/summarize_from_feedback_details/sft.py#L389-L402
+    # the position of each row's first counted token: 1 (position 0 is predicted by nothing) or the prompt's length
+    first_counted = [p if loss_on == "completion" else 1 for p in pairs.prompt_tokens]
+    kept = [i for i, (length, first) in enumerate(zip(pairs.lengths, first_counted)) if length > max(first, 1)]
+    rows = pairs.select(kept)
+    first = torch.tensor([first_counted[i] for i in kept]).clamp_min(1)  # (N,)
+    positions = torch.arange(rows.tokens.shape[1])  # (T,)
+    loss_mask = (rows.tokens != pad_id) & (positions[None, :] >= first[:, None])  # (N, T)
+    empty = len(pairs.prompt_tokens) - len(kept)
+    return sft.SftData(rows.tokens, loss_mask, rows.lengths, loss_mask.sum(1).numpy(), pairs.too_long, empty)
+
+
 def next_token_loss_sum(
     model: PreTrainedModel, tokens: torch.Tensor, loss_mask: torch.Tensor, pad_id: int, bf16: bool = False
 ) -> torch.Tensor:
@@ -116,6 +134,22 @@ def make_optimizer(model: PreTrainedModel, args: Args) -> torch.optim.Optimizer:
     """torch's AdamW, betas (0.9, 0.999), with --eps and --weight_decay (nplus N8)."""
     # https://github.com/vwxyzjn/summarize_from_feedback_details/blob/ee77a9abc31f5338365ee087945c5bcafac7f1ca/summarize_from_feedback_details/sft.py#L347-L356
     return torch.optim.AdamW(model.parameters(), lr=args.lr, eps=args.eps, weight_decay=args.weight_decay)
+
+
+def data_order(num_rows: int, seed: int) -> torch.Tensor:
+    """The one shuffle of the rows, the same on every process: the order in which torch's RandomSampler yields them
+    after `torch.manual_seed(seed)`, as SFD's DataLoader does (nplus N9)."""
+    # https://github.com/vwxyzjn/summarize_from_feedback_details/blob/ee77a9abc31f5338365ee087945c5bcafac7f1ca/summarize_from_feedback_details/ppo.py#L502-L507
+    # RandomSampler without a generator draws its seed from the global generator, then permutes with it
+    seed_draw = torch.empty((), dtype=torch.int64).random_(generator=torch.Generator().manual_seed(seed))
+    return torch.randperm(num_rows, generator=torch.Generator().manual_seed(int(seed_draw)))
+
+
+def cosine_factor(step: int, steps: int) -> float:
+    """The lr's factor at optimizer step `step` (0-based) of `steps`: transformers' get_cosine_schedule_with_warmup
+    with no warm-up, 0.5 (1 + cos(pi step / steps)), from 1 at the first step towards 0 after the last (nplus N8)."""
+    # transformers/optimization.py _get_cosine_schedule_with_warmup_lr_lambda (num_cycles 0.5, no warm-up)
+    return max(0.0, 0.5 * (1.0 + math.cos(math.pi * step / max(1, steps))))
 
 
 @torch.no_grad()
@@ -148,11 +182,13 @@ def main(args: Args) -> dict:
     pad_id = tokenizer.pad_token_id
 
     # 1. the pairs: prompt.strip() ⊕ completion ⊕ EOS, right-padded, and the tokens the loss counts
-    data = sft.tokenize_pairs(sft.read_pairs(args, tokenizer), tokenizer, args.max_length, args.loss_on)
+    pairs = sft.tokenize_pairs(sft.read_pairs(args, tokenizer), tokenizer, args.max_length)
+    data = with_loss_mask(pairs, pad_id, args.loss_on)
     sft.check_usable(data, f"--dataset {args.dataset}", args.max_length)
     eval_data = None
     if args.eval_split is not None:
-        eval_data = sft.tokenize_pairs(sft.read_pairs(args, tokenizer, True), tokenizer, args.max_length, args.loss_on)
+        eval_pairs = sft.tokenize_pairs(sft.read_pairs(args, tokenizer, True), tokenizer, args.max_length)
+        eval_data = with_loss_mask(eval_pairs, pad_id, args.loss_on)
         sft.check_usable(eval_data, f"--eval_split {args.eval_split}", args.max_length)
     sizes = sizing.derive_sft_sizes(
         args, validation.dry_run_world(args.run, accelerator.num_processes), len(data.tokens)
@@ -180,7 +216,7 @@ def main(args: Args) -> dict:
     params = [p for p in model.parameters() if p.requires_grad]
     # the one shuffle, the same on every process; a step trains on the next batch_size rows, process r on every
     # world-th of them (SFD's DataLoader with 1 pair per process and micro-batch gives the same split, nplus N9)
-    order = sft.data_order(len(data.tokens), args.seed)
+    order = data_order(len(data.tokens), args.seed)
     tracker, meta = sft.start_tracker(args, accelerator, loop)
 
     def log_eval(step: int) -> float | None:
@@ -213,7 +249,7 @@ def main(args: Args) -> dict:
         for step in range(loop.first_step, sizes.steps):
             # cosine from lr to 0 over the run's steps, no warm-up, one value per optimizer step (nplus N8)
             # https://github.com/vwxyzjn/summarize_from_feedback_details/blob/ee77a9abc31f5338365ee087945c5bcafac7f1ca/summarize_from_feedback_details/sft.py#L405-L406
-            lr = args.lr * sft.cosine_factor(step, sizes.steps)
+            lr = args.lr * cosine_factor(step, sizes.steps)
             for group in optimizer.param_groups:
                 group["lr"] = lr
             rows = order[step * args.batch_size : (step + 1) * args.batch_size]

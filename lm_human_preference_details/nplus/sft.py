@@ -1,13 +1,12 @@
 """train_sft.py's data and plumbing: prompt/completion pairs read from a JSONL file or a `datasets` dataset, chat
 messages rendered through the tokenizer's chat template, tokenized with EOS appended and right-padded with the PAD
-(nplus N3, N5), the mask of the tokens the loss counts (nplus N10), the data order (nplus N9), the sizes, the start-up
-table, tracking, checkpoints and the model's save. Nothing here changes what a training step computes.
+(nplus N3, N5), the start-up table, tracking, checkpoints and the model's save. What the loss counts, the data order
+and the lr schedule are train_sft.py's.
 
 `nplus NX` is docs/nplus-details.md#nx.
 """
 
 import json
-import math
 import os
 from dataclasses import dataclass
 from typing import Any
@@ -177,12 +176,32 @@ def read_pairs(args: SftArgs, tokenizer: PreTrainedTokenizerBase, evaluation: bo
     return _pairs_from_rows(rows, columns, tokenizer, args.base_model, source)
 
 
-# ---------------------------------------------------------------- tokens and the loss mask
+# ---------------------------------------------------------------- tokens
+
+
+@dataclass
+class TokenizedPairs:
+    """Pairs as tokens, right-padded with PAD (nplus N5)."""
+
+    tokens: torch.Tensor
+    """(N, T) int64: prompt ⊕ completion ⊕ EOS, then PAD"""
+    lengths: np.ndarray
+    """(N,) real tokens of each row"""
+    prompt_tokens: list[int]
+    """tokens of each row's prompt part"""
+    too_long: int
+    """pairs dropped for being longer than --max_length tokens"""
+
+    def select(self, rows: list[int]) -> "TokenizedPairs":
+        """These rows, in this order, padded to the longest of them."""
+        width = int(self.lengths[rows].max()) if rows else 1
+        tokens = self.tokens[rows, :width]
+        return TokenizedPairs(tokens, self.lengths[rows], [self.prompt_tokens[i] for i in rows], self.too_long)
 
 
 @dataclass
 class SftData:
-    """Tokenized pairs, right-padded with PAD (nplus N5)."""
+    """Tokenized pairs and the tokens the loss counts (train_sft.py's `with_loss_mask`)."""
 
     tokens: torch.Tensor
     """(N, T) int64: prompt ⊕ completion ⊕ EOS, then PAD"""
@@ -233,39 +252,19 @@ def encode_rows(pairs: Pairs, tokenizer: PreTrainedTokenizerBase) -> tuple[list[
     return ids, prompt_tokens
 
 
-def tokenize_pairs(pairs: Pairs, tokenizer: PreTrainedTokenizerBase, max_length: int, loss_on: str) -> SftData:
-    """Rows right-padded with PAD (nplus N5) to the longest row kept, and the loss mask (nplus N10). A row longer
-    than `max_length` tokens is dropped, not cut (counted in `too_long`): cutting would drop its EOS or its prompt's
-    start, and N+'s data never holds one (its lengths are asserted when the set is built, nplus N4)."""
+def tokenize_pairs(pairs: Pairs, tokenizer: PreTrainedTokenizerBase, max_length: int) -> TokenizedPairs:
+    """Rows right-padded with PAD (nplus N5) to the longest row kept. A row longer than `max_length` tokens is dropped,
+    not cut (counted in `too_long`): cutting would drop its EOS or its prompt's start, and N+'s data never holds one
+    (its lengths are asserted when the set is built, nplus N4)."""
     # https://github.com/vwxyzjn/summarize_from_feedback_details/blob/ee77a9abc31f5338365ee087945c5bcafac7f1ca/summarize_from_feedback_details/tldr_dataset.py#L411-L418
     ids, prompt_tokens = encode_rows(pairs, tokenizer)
-    first_counted = [p if loss_on == "completion" else 1 for p in prompt_tokens]
-    fits = [len(row) <= max_length for row in ids]
-    learnable = [len(row) > max(first, 1) for row, first in zip(ids, first_counted)]
-    kept = [i for i in range(len(ids)) if fits[i] and learnable[i]]
+    kept = [i for i, row in enumerate(ids) if len(row) <= max_length]
     lengths = np.array([len(ids[i]) for i in kept], dtype=np.int64)
-    width = int(lengths.max()) if len(kept) else 1
+    width = int(lengths.max()) if kept else 1
     tokens = torch.full((len(kept), width), tokenizer.pad_token_id, dtype=torch.long)
     for row, i in enumerate(kept):
         tokens[row, : len(ids[i])] = torch.tensor(ids[i])
-    loss_mask = label_mask(tokens, tokenizer.pad_token_id, torch.tensor([first_counted[i] for i in kept]))
-    return SftData(
-        tokens,
-        loss_mask,
-        lengths,
-        loss_mask.sum(1).numpy(),
-        too_long=fits.count(False),
-        empty=sum(f and not n for f, n in zip(fits, learnable)),
-    )
-
-
-def label_mask(tokens: torch.Tensor, pad_id: int, first_counted: torch.Tensor) -> torch.Tensor:
-    """(N, T) the tokens that the next-token loss predicts: every non-PAD token from position `first_counted[i]` on
-    (1: all but the first, nplus N10; the prompt's length: the completion's tokens and EOS)."""
-    # SFD: labels = tokens with PAD -> -1 (ignored), shifted by one; the prompt is counted
-    # https://github.com/vwxyzjn/summarize_from_feedback_details/blob/ee77a9abc31f5338365ee087945c5bcafac7f1ca/summarize_from_feedback_details/sft.py#L389-L402
-    positions = torch.arange(tokens.shape[1])
-    return (tokens != pad_id) & (positions[None, :] >= first_counted.clamp_min(1)[:, None])
+    return TokenizedPairs(tokens, lengths, [prompt_tokens[i] for i in kept], too_long=len(ids) - len(kept))
 
 
 def check_usable(data: SftData, source: str, max_length: int) -> None:
@@ -286,25 +285,6 @@ def check_token_ids(data: SftData, vocab_size: int, pad_id: int, base_model: str
             f"the pairs hold token id {largest}, but the model of --base_model '{base_model}' embeds {vocab_size} "
             "tokens: its tokenizer is not the model's; pass a --base_model directory with both."
         )
-
-
-# ---------------------------------------------------------------- order, schedule
-
-
-def data_order(num_rows: int, seed: int) -> torch.Tensor:
-    """The one shuffle of the rows, the same on every process: the order in which torch's RandomSampler yields them
-    after `torch.manual_seed(seed)`, as SFD's DataLoader does (nplus N9)."""
-    # https://github.com/vwxyzjn/summarize_from_feedback_details/blob/ee77a9abc31f5338365ee087945c5bcafac7f1ca/summarize_from_feedback_details/ppo.py#L502-L507
-    # RandomSampler without a generator draws its seed from the global generator, then permutes with it
-    seed_draw = torch.empty((), dtype=torch.int64).random_(generator=torch.Generator().manual_seed(seed))
-    return torch.randperm(num_rows, generator=torch.Generator().manual_seed(int(seed_draw)))
-
-
-def cosine_factor(step: int, steps: int) -> float:
-    """The lr's factor at optimizer step `step` (0-based) of `steps`: transformers' get_cosine_schedule_with_warmup
-    with no warm-up, 0.5 (1 + cos(pi step / steps)), from 1 at the first step towards 0 after the last (nplus N8)."""
-    # transformers/optimization.py _get_cosine_schedule_with_warmup_lr_lambda (num_cycles 0.5, no warm-up)
-    return max(0.0, 0.5 * (1.0 + math.cos(math.pi * step / max(1, steps))))
 
 
 # ---------------------------------------------------------------- checks, start-up table, progress
