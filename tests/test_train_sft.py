@@ -16,7 +16,7 @@ import train_reward
 import train_sft
 from lm_human_preference_details import checkpoint, cli, validation
 from lm_human_preference_details.modeling import PolicyWithValueHead, load_causal_lm
-from lm_human_preference_details.nplus import sft
+from lm_human_preference_details.nplus import sft_data
 from lm_human_preference_details.resume_check import (
     final_training_state,
     max_metric_difference,
@@ -67,13 +67,13 @@ def make_args(model_dir: str, dataset: str, output_dir="unused", *extra: str) ->
     return train_sft.parse(flags(model_dir, dataset, output_dir, *extra))
 
 
-def plain_pairs(*rows: tuple[str, str]) -> sft.Pairs:
-    return sft.Pairs([p for p, _ in rows], [c for _, c in rows], [False] * len(rows), "test")
+def plain_pairs(*rows: tuple[str, str]) -> sft_data.Pairs:
+    return sft_data.Pairs([p for p, _ in rows], [c for _, c in rows], [False] * len(rows), "test")
 
 
-def tokens_and_mask(pairs: sft.Pairs, tokenizer, loss_on: str = "all") -> sft.SftData:
+def tokens_and_mask(pairs: sft_data.Pairs, tokenizer, loss_on: str = "all") -> sft_data.SftData:
     """The pairs tokenized as train_sft.py tokenizes them (at most 64 tokens), with its loss mask."""
-    return train_sft.with_loss_mask(sft.tokenize_pairs(pairs, tokenizer, 64), tokenizer.pad_token_id, loss_on)
+    return train_sft.with_loss_mask(sft_data.tokenize_pairs(pairs, tokenizer, 64), tokenizer.pad_token_id, loss_on)
 
 
 # ---------------------------------------------------------------- tokens and the loss
@@ -139,9 +139,9 @@ def test_chat_rows_render_through_the_template_with_the_generation_prompt():
     tokenizer.chat_template = CHAT_TEMPLATE
     tokenizer.add_special_tokens({"pad_token": "[PAD]"})  # as load_tokenizer adds it
     messages = [{"role": "user", "content": "name a fruit"}, {"role": "assistant", "content": "plums"}]
-    prompt, completion = sft.render_chat(messages, tokenizer, "row 0")
+    prompt, completion = sft_data.render_chat(messages, tokenizer, "row 0")
     assert prompt == "<|begin_of_text|><|user|>name a fruit\n<|assistant|>" and completion == "plums\n"
-    pairs = sft.Pairs([prompt], [completion], [True], "test")
+    pairs = sft_data.Pairs([prompt], [completion], [True], "test")
     data = tokens_and_mask(pairs, tokenizer, "completion")
     ids = data.tokens[0, : data.lengths[0]].tolist()
     assert ids.count(tokenizer.bos_token_id) == 1 and ids[-1] == tokenizer.eos_token_id  # one BOS, EOS appended
