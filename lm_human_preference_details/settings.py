@@ -240,3 +240,24 @@ class RewardArgs(Protocol):
 
     @property
     def labels(self) -> LabelFlags: ...
+
+
+class SftArgs(Protocol):
+    """train_sft.Args"""
+
+    seed: int
+    base_model: str
+    dataset: str
+    dataset_split: str
+    eval_split: str | None
+    prompt_column: str
+    completion_column: str
+    loss_on: str
+    max_length: int
+    batch_size: int
+    gradient_accumulation_steps: int
+    lr: float
+    eps: float
+    weight_decay: float
+    eval_interval: int
+    run: RunSettings

@@ -3,12 +3,13 @@ the error that names the flag to change (OAI derives every per-rank size with `e
 
 train_policy.py: episodes per process, minibatch and micro-batch, the virtual ranks that whiten and permute as OAI's 8
 ranks did (spec D4), and the number of updates. train_reward.py: labels per process and step, micro-batch, steps, and
-queries per process of a normalization batch.
+queries per process of a normalization batch. train_sft.py: pairs per process and step, micro-batch, steps (one epoch in
+whole batches).
 """
 
 from dataclasses import dataclass
 
-from lm_human_preference_details.settings import PolicyArgs, PpoFlags, RewardArgs
+from lm_human_preference_details.settings import PolicyArgs, PpoFlags, RewardArgs, SftArgs
 
 OAI_RANKS = 8
 """processes of OAI's runs (launch.py runs every experiment with mpi=8): by default virtual ranks make any number of
@@ -165,3 +166,36 @@ def derive_reward_sizes(args: RewardArgs, world: int) -> RewardSizes:
     steps = split(num_train, args.batch_size, "--batch_size", "--labels.num_train", fix)
     rollout_batch = per_process(args.rollout_batch_size, world, "--rollout_batch_size", f"pass a multiple of {world}")
     return RewardSizes(world, batch, micro, steps, rollout_batch)
+
+
+# ---------------------------------------------------------------- train_sft.py
+
+
+@dataclass
+class SftSizes:
+    """train_sft.py's per-process sizes."""
+
+    world: int
+    """processes"""
+    batch: int
+    """pairs per process and optimizer step"""
+    micro: int
+    """pairs per backward pass"""
+    steps: int
+    """optimizer steps: one epoch in whole batches"""
+    left_over: int
+    """pairs of the last, partial batch, not trained on"""
+
+
+def derive_sft_sizes(args: SftArgs, world: int, rows: int) -> SftSizes:
+    """Split the batch over processes and micro-batches and the rows into whole batches (SFD: total // batch, nplus
+    N8); ValueError naming the flag of a size that does not divide."""
+    batch = per_process(args.batch_size, world, "--batch_size", f"pass a multiple of {world}")
+    where = f"the pairs per process and step (--batch_size {args.batch_size} over {world} processes)"
+    micro = split(batch, args.gradient_accumulation_steps, "--gradient_accumulation_steps", where)
+    if rows < args.batch_size:
+        raise ValueError(
+            f"--batch_size {args.batch_size} is more than the {rows} usable pairs of --dataset; pass at most {rows} "
+            f"(e.g. one of {divisors(rows)})."
+        )
+    return SftSizes(world, batch, micro, rows // args.batch_size, rows % args.batch_size)

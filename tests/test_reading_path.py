@@ -221,8 +221,16 @@ def main(args):
 
 
 def test_a_module_is_plumbing_by_its_path_its_last_name_or_a_part_naming_plumbing():
-    plumbing = ["devices", "sizes", "labels", "nplus.sft", "instruments.host_syncs", "sft_plumbing", "plumbing.loop"]
-    algorithm = ["modeling", "nplus.critic", "tasks", "sft", "rewards", ""]
+    plumbing = [
+        "devices",
+        "sizes",
+        "labels",
+        "nplus.sft_plumbing",
+        "instruments.host_syncs",
+        "sft_plumbing",
+        "plumbing.loop",
+    ]
+    algorithm = ["modeling", "nplus.critic", "nplus.sft_data", "tasks", "sft", "rewards", ""]
     assert [m for m in plumbing + algorithm if reading_path.is_plumbing_module(m)] == plumbing
 
 

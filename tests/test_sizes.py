@@ -6,7 +6,14 @@ import pytest
 
 import train_policy
 import train_reward
-from lm_human_preference_details.sizes import RewardSizes, derive_reward_sizes, derive_sizes
+import train_sft
+from lm_human_preference_details.sizes import (
+    RewardSizes,
+    SftSizes,
+    derive_reward_sizes,
+    derive_sft_sizes,
+    derive_sizes,
+)
 
 
 def policy_args(**ppo) -> train_policy.Args:
@@ -70,4 +77,24 @@ def test_reward_size_that_does_not_divide_names_its_flag(flags, words):
     args = reward_args(**{"batch_size": 16, "rollout_batch_size": 8, **flags})
     with pytest.raises(ValueError) as error:
         derive_reward_sizes(args, world=4)
+    assert str(error.value).startswith(words)
+
+
+def test_sft_sizes_split_the_batch_over_processes_and_the_pairs_into_whole_steps():
+    args = train_sft.Args(batch_size=16, gradient_accumulation_steps=2)
+    assert derive_sft_sizes(args, world=4, rows=70) == SftSizes(world=4, batch=4, micro=2, steps=4, left_over=6)
+
+
+@pytest.mark.parametrize(
+    "flags, words",
+    [
+        (dict(batch_size=6), "--batch_size 6 does not split over 4 processes; pass a multiple of 4."),
+        (dict(gradient_accumulation_steps=3), "--gradient_accumulation_steps 3 does not divide the pairs per process"),
+        (dict(batch_size=128), "--batch_size 128 is more than the 70 usable pairs of --dataset; pass at most 70"),
+    ],
+)
+def test_sft_size_that_does_not_divide_names_its_flag(flags, words):
+    args = train_sft.Args(**{"batch_size": 16, **flags})
+    with pytest.raises(ValueError) as error:
+        derive_sft_sizes(args, world=4, rows=70)
     assert str(error.value).startswith(words)

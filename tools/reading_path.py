@@ -35,10 +35,10 @@ One table row per script, every count taken from the script's syntax tree (`ast`
     block is plumbing.
   Plumbing names: the plumbing modules of the package and every name imported from one (a module is plumbing when
   PLUMBING_MODULES lists its path or its last name, or when a part of its path contains "plumbing": ppo_plumbing,
-  reward_plumbing; these are the modules that each script's comment above `main` declares plumbing); the
-  standard library's bookkeeping (BOOKKEEPING_NAMES: print, time, os, dataclasses, ...); and every name that main
-  binds from a plumbing call or a plumbing `def` (the accelerator, console, tracker, progress bar, saves, stop
-  signal, ...), found by repeating the pass until nothing changes. A name bound by merely reading plumbing
+  reward_plumbing, nplus.sft_plumbing; these are the modules that each script's comment above `main` declares
+  plumbing); the standard library's bookkeeping (BOOKKEEPING_NAMES: print, time, os, dataclasses, ...); and every
+  name that main binds from a plumbing call or a plumbing `def` (the accelerator, console, tracker, progress bar,
+  saves, stop signal, ...), found by repeating the pass until nothing changes. A name bound by merely reading plumbing
   (`first = resumed.step`) stays algorithm, and so do main's parameters (`args`), whatever returns them.
   Everything else is algorithm, calls into the script's own functions included. A block's header lines (an `if`
   test, a `for` line, `else:`) count as its header does.
@@ -64,8 +64,8 @@ SCRIPTS = ("train_policy.py", "train_reward.py", "train_sft.py")
 ANCHORS = {"train_reward.py": r"^\s*loss\s*=", "train_sft.py": r"^[^#]*\bcross_entropy\("}
 DEFAULT_ANCHOR = r"^\s*ratio\s*="
 # the package's modules that hold no RL math, by path or last name: processes, devices, sizes, command line, checks,
-# checkpoints, tracking, files, the hub, label files, train_sft.py's data and plumbing; any module with "plumbing" in
-# a part of its path too (see is_plumbing_module)
+# checkpoints, tracking, files, the hub, label files; any module with "plumbing" in a part of its path too
+# (ppo_plumbing, reward_plumbing, nplus.sft_plumbing: see is_plumbing_module)
 PLUMBING_MODULES = {
     "checkpoint",
     "cli",
@@ -76,7 +76,6 @@ PLUMBING_MODULES = {
     "host_syncs",
     "hub",
     "labels",
-    "nplus.sft",
     "resume_check",
     "settings",
     "sizes",
