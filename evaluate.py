@@ -92,7 +92,8 @@ class Args:
     """gold judge, never trained on: reward_model:DIR | classifier:NAME_OR_DIR[#LABEL] | vader (label_generation's
     syntax); None: no gold score"""
     num_queries: int = 256
-    """evaluation queries; each policy samples one response per query"""
+    """evaluation queries, each from another text of the query dataset; each policy samples one response per query. A
+    dataset whose texts give fewer distinct queries stops the run with one line (its stream would repeat them)"""
     batch_size: int = 64
     """queries per sampling batch"""
     seed: int = 1
@@ -266,6 +267,12 @@ def main(args: Args) -> dict:
     tokenizer = load_tokenizer(args.base_model)
     args = dataclasses.replace(args, task=resolve_truncation(args.task, tokenizer))  # the truncation token's id
     pad_id = tokenizer.pad_token_id
+    # the held-out queries, the same for every policy, drawn (and checked) before any model is loaded
+    texts = load_texts(args.task.query_dataset, args.split)
+    queries, wrapped, conversation_of, distinct = heldout_queries(
+        texts, tokenizer, args.task, args.data_seed, skip, args.num_queries
+    )
+    check_distinct_queries(args, len(texts), distinct)
     reward = load_reward(args.reward_model, tokenizer, pad_id, device, flag="--reward_model")
     if reward.metadata is not None:  # a reward-model directory, not a programmatic reward
         check_same_tokenizer(
@@ -281,11 +288,7 @@ def main(args: Args) -> dict:
         raise ValueError("--gold human is interactive; pass reward_model:DIR, classifier:NAME_OR_DIR[#LABEL] or vader")
     base = PolicyWithValueHead(load_causal_lm(args.base_model)).to(device).eval().requires_grad_(False)
 
-    # 2. the held-out queries, the same for every policy
-    texts = load_texts(args.task.query_dataset, args.split)
-    queries, wrapped, conversation_of = heldout_queries(
-        texts, tokenizer, args.task, args.data_seed, skip, args.num_queries
-    )
+    # 2. the held-out queries' chats for the scorers; whether a training run drew them
     attach_conversations(conversation_of, reward, *judges.values())  # chats for a reward model with its own template
     unseen = held_out(args, known_runs, skip, wrapped)
     if unseen is False:
@@ -347,6 +350,22 @@ def main(args: Args) -> dict:
         written.append(plot_path)
     console.print("wrote " + ", ".join(written))
     return report
+
+
+def check_distinct_queries(args: Args, num_texts: int, distinct: int) -> None:
+    """ValueError when the --num_queries queries come from fewer distinct texts: the stream repeats its texts, so the
+    report would count a text sampled k times as k independent queries (n and the standard errors overstated)."""
+    if distinct >= args.num_queries:
+        return
+    gives = f"its {num_texts} texts give {distinct} distinct queries"
+    if distinct == num_texts:
+        gives = f"it holds {num_texts} texts"
+    raise ValueError(
+        f"--num_queries {args.num_queries} is more queries than --task.query_dataset '{args.task.query_dataset}' "
+        f"({args.split}) has: {gives}, so the stream would repeat each about {args.num_queries / distinct:.1f} "
+        "times and the report would count every repeat as another query (its standard errors too small); pass "
+        f"--num_queries {distinct} or fewer, or a query dataset with more texts."
+    )
 
 
 def run_normalization(reward: str, runs: dict[str, dict | None]) -> dict | None:

@@ -262,10 +262,34 @@ def test_heldout_queries_continue_the_training_stream(tmp_path, tokenizer):
     settings = TaskHParams(query_length=16, query_dataset="q.txt", response_length=4, start_text=None)
     stream = QueryStream(texts, tokenizer, settings, 0, 1, data_seed=3)
     expected = stream.next_batch(30)[25:]
-    queries, wrapped, _ = heldout_queries(texts, tokenizer, settings, data_seed=3, skip=25, n=5)
-    assert torch.equal(queries, expected) and not wrapped
-    _, wrapped, _ = heldout_queries(texts, tokenizer, settings, data_seed=3, skip=25, n=20)
-    assert wrapped  # 45 queries of 40 texts
+    queries, wrapped, _, distinct = heldout_queries(texts, tokenizer, settings, data_seed=3, skip=25, n=5)
+    assert torch.equal(queries, expected) and not wrapped and distinct == 5
+    _, wrapped, _, distinct = heldout_queries(texts, tokenizer, settings, data_seed=3, skip=25, n=20)
+    assert wrapped and distinct == 20  # 45 queries of 40 texts: the 20 past query 25 are still 20 texts
+    _, _, _, distinct = heldout_queries(texts, tokenizer, settings, data_seed=3, skip=25, n=50)
+    assert distinct == 40  # 50 queries of 40 texts repeat 10 of them
+
+
+@pytest.mark.slow
+def test_more_queries_than_the_query_file_has_texts_is_refused_before_the_evaluation(tiny_run, tmp_path):
+    # 64 queries of 10 texts: each text sampled 6-7 times, reported as "64 queries" with standard errors over n = 64
+    _, policy, _, _ = tiny_run
+    ten = write_query_file(tmp_path / "ten.txt", n=10)
+    out = tmp_path / "eval"
+    flags = ["--policy", policy, "--task.query_dataset", str(ten), "--batch_size", "8", "--output_dir", str(out)]
+    result = run_script("evaluate.py", *flags, "--num_queries", "64", check=False)
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
+    assert result.stderr.splitlines()[0] == (
+        f"error: --num_queries 64 is more queries than --task.query_dataset '{ten}' (train) has: it holds 10 texts, "
+        "so the stream would repeat each about 6.4 times and the report would count every repeat as another query "
+        "(its standard errors too small); pass --num_queries 10 or fewer, or a query dataset with more texts."
+    )
+    assert not out.exists()  # refused before anything was sampled or written
+    # the fix it names: every text once
+    run_script("evaluate.py", *flags, "--num_queries", "10")
+    report = json.loads((out / "results.json").read_text())
+    assert report["queries"]["num"] == 10 and report["queries"]["held_out"] is True
+    assert "10 queries of" in (out / "results.md").read_text()
 
 
 def test_query_offset_skips_what_the_run_consumed():
