@@ -52,7 +52,7 @@ from lm_human_preference_details.evaluation import (
     summarize,
     write_text_atomic,
 )
-from lm_human_preference_details.labelers import load_labeler
+from lm_human_preference_details.labelers import judge_task_mismatch, load_labeler
 from lm_human_preference_details.modeling import PolicyWithValueHead, load_causal_lm, saved_kind
 from lm_human_preference_details.rewards import (
     attach_conversations,
@@ -286,6 +286,17 @@ def main(args: Args) -> dict:
     judges = {GOLD: load_labeler(args.gold, tokenizer, pad_id, device, flag="--gold")} if args.gold else {}
     if any(judge.interactive for judge in judges.values()):
         raise ValueError("--gold human is interactive; pass reward_model:DIR, classifier:NAME_OR_DIR[#LABEL] or vader")
+    # a judge of another thing than the run's task (vader on a descriptiveness policy): said, and in the report
+    warnings = [
+        warning
+        for measures, name, flag in (
+            (reward.measures, args.reward_model, "--reward_model"),
+            *((judge.measures, args.gold, "--gold") for judge in judges.values()),
+        )
+        if (warning := judge_task_mismatch(measures, name, args.task_id, flag))
+    ]
+    for warning in warnings:
+        console.print(f"warning: {warning}", style="bold yellow", markup=False)
     base = PolicyWithValueHead(load_causal_lm(args.base_model)).to(device).eval().requires_grad_(False)
 
     # 2. the held-out queries' chats for the scorers; whether a training run drew them
@@ -315,6 +326,7 @@ def main(args: Args) -> dict:
         "seed": args.seed,
         "task_id": args.task_id,
         "task": dataclasses.asdict(args.task),
+        "warnings": warnings,
         "queries": {
             "dataset": args.task.query_dataset,
             "split": args.split,

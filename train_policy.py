@@ -759,6 +759,7 @@ def main(args: Args) -> list[dict[str, float]]:
         learner = nplus_critic.PolicyWithCritic(policy, critic)
     gold = args.rewards.gold_model  # a held-out judge of every rollout that never trains the policy
     gold_labeler = labelers.load_labeler(gold, tokenizer, pad_id, device, flag="--rewards.gold_model") if gold else None
+    ppo_plumbing.check_judge_tasks(args, reward, gold_labeler, accelerator.print)  # vader judging descriptiveness
     if args.run.fsdp:  # rank 0's host twins of the whole models for the saved directories, made before sharding
         ppo_plumbing.prepare_host_twins(loop.saves, accelerator, policy, *([critic] if critic is not None else []))
         ppo_plumbing.shard_frozen_models(accelerator, reference, reward)  # the frozen models sharded too

@@ -296,7 +296,7 @@ def main(args: Args) -> dict:
     """Train and save a reward model; returns the final figures, this process's label indices and the model."""
     # 0. processes, derived sizes (spec D1), printed, then checked by --dry_run; seeds; --resume
     validation.check_reward_args(args)
-    label_task_warning = labels.check_label_task(args.label_dataset, args.task_id, args.labels.allow_task_mismatch)
+    label_warnings = labels.label_task_warnings(args.label_dataset, args.task_id, args.labels.allow_task_mismatch)
     cli.quiet_transformers()
     accelerator = distributed.make_accelerator(args.run.dist_timeout)
     tf32 = devices.use_tf32(args.run.tf32)
@@ -305,7 +305,7 @@ def main(args: Args) -> dict:
     rank, world, accum = accelerator.process_index, sizes.world, args.gradient_accumulation_steps
     console = cli.make_console()
     if accelerator.is_main_process:
-        reward_plumbing.print_setup(console, args, sizes, tf32, label_task_warning)
+        reward_plumbing.print_setup(console, args, sizes, tf32, label_warnings)
     if args.run.dry_run:
         reward_plumbing.check_inputs(args, accelerator)
         return {}
@@ -458,7 +458,7 @@ def main(args: Args) -> dict:
         check_finite_weights(reward_model, "the trained reward model", "not saved; try a smaller --lr.")
     whole = reward_plumbing.whole_reward_model(reward_model)
     if accelerator.is_main_process:
-        reward_plumbing.save_reward_model(whole, tokenizer, args, label_type, (eval_before, eval_after))
+        reward_plumbing.save_reward_model(whole, tokenizer, args, label_type, (eval_before, eval_after), label_warnings)
         evals = (eval_before, eval_after)
         reward_plumbing.print_summary(console, args, whole, label_type, len(heldout_labels), evals)
     loop.finish()  # every process past the save; the gradient hooks and the tracker closed

@@ -257,6 +257,7 @@ def markdown(report: dict) -> str:
         f"{report['task']['temperature']}. Mean ± standard error over queries; win rate = fraction of queries where "
         "the trained policy's response scores higher than the base model's (ties count 1/2).",
     ]
+    lines += [line for warning in report.get("warnings", []) for line in ("", f"**Warning:** {warning}")]
     if note := normalization_note(report):
         lines += ["", note]
     if report.get("metrics"):
@@ -302,6 +303,8 @@ def print_report(console: Console, report: dict) -> None:
         console.print(table)
     if note := normalization_note(report):
         console.print(note)
+    for warning in report.get("warnings", []):
+        console.print(f"warning: {warning}", style="bold yellow", markup=False)
     if report.get("curve"):
         curve = Table(title="gold score vs KL", title_justify="left")
         for column in ("run", "policy", "sqrt(KL)", "score", "gold score"):

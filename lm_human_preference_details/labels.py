@@ -29,6 +29,7 @@ from lm_human_preference_details.sources import (
     oai_url,
     read_utf8,
 )
+from lm_human_preference_details.tasks import TASK_GOALS
 
 # OAI's padding token: len(encoder) + 2, outside GPT-2's 50257-token vocabulary; label files use it
 # https://github.com/openai/lm-human-preferences/blob/cbfd210bb8b08f6bc5c26878c10984b90f516c66/lm_human_preferences/language/encodings.py#L56
@@ -437,6 +438,34 @@ def check_label_task(label_dataset: str, task_id: str, allow: bool) -> str | Non
             "--labels.allow_task_mismatch to train on them anyway."
         )
     return f"--labels.allow_task_mismatch: {mismatch}; the reward model records --task {task_id}"
+
+
+def label_task_warnings(label_dataset: str, task_id: str, allow: bool) -> list[str]:
+    """The warnings about the task of a label file's rows, each one line: a task mismatch let through by `allow`
+    (check_label_task, which stops the run without it), a labeler of another thing than the task
+    (label_file_labeler_warning)."""
+    warnings = (check_label_task(label_dataset, task_id, allow), label_file_labeler_warning(label_dataset, task_id))
+    return [warning for warning in warnings if warning]
+
+
+def label_file_labeler_warning(source: str, task_id: str) -> str | None:
+    """One warning line when a local label file's `<file>.meta.json` records a labeler that measures another thing than
+    --task `task_id` is about (vader labelling descriptiveness rows: the reward model would learn sentiment); None
+    otherwise."""
+    try:
+        with open(labels_meta_path(source), encoding="utf-8") as f:
+            meta = json.load(f)
+    except (OSError, ValueError):
+        return None  # no metadata, or unreadable: label_file_pad_id names a broken one
+    measures = meta.get("labeler_measures") if isinstance(meta, dict) else None
+    if not isinstance(measures, str) or TASK_GOALS.get(task_id) in (None, measures):
+        return None
+    return (
+        f"--label_dataset '{source}' was labelled by {meta.get('labeler')}, which measures {measures} (its "
+        f"{os.path.basename(labels_meta_path(source))}), but this run is --task {task_id}, which is about "
+        f"{TASK_GOALS[task_id]}: the reward model would learn {measures}; label the rows with a labeler of "
+        f"{TASK_GOALS[task_id]}."
+    )
 
 
 def check_label_tokenizer(source: str, fingerprint: str, tokenizer_name: str, flag: str = "--label_dataset") -> None:

@@ -23,6 +23,7 @@ from lm_human_preference_details import (
     devices,
     distributed,
     files,
+    labelers,
     lora,
     sharded,
     tracking,
@@ -96,6 +97,18 @@ def check_reward_model(rm_metadata: dict, tokenizer, args: PolicyArgs, print_fn)
         print_fn(f"warning: --rewards.allow_task_mismatch: the reward model's task differs: {mismatch}")
     if warning := check_reward_model_task_name(rm_metadata, args.task_id, args.rewards):
         print_fn(f"warning: {warning}")
+
+
+def check_judge_tasks(args: PolicyArgs, reward: Reward, gold: labelers.Labeler | None, print_fn) -> None:
+    """One warning line for each judge that measures another thing than the run's --task is about: a programmatic
+    reward or the gold judge (vader on a descriptiveness run); a reward model's task is checked by
+    check_reward_model."""
+    judges = [(gold.measures, args.rewards.gold_model, "--rewards.gold_model")] if gold is not None else []
+    if reward.metadata is None:
+        judges.insert(0, (reward.measures, args.rewards.trained_model, "--rewards.trained_model"))
+    for measures, name, flag in judges:
+        if warning := labelers.judge_task_mismatch(measures, name, args.task_id, flag):
+            print_fn(f"warning: {warning}")
 
 
 def start_tracker(

@@ -27,9 +27,9 @@ from lm_human_preference_details.tokenizer import load_tokenizer, tokenizer_fing
 from lm_human_preference_details.tracking import Tracker, save_args
 
 
-def print_setup(console, args: RewardArgs, sizes: RewardSizes, tf32: str, label_task_warning: str | None) -> None:
-    """The start-up table of resolved settings and per-process sizes, and the label file's task warning (main process
-    only)."""
+def print_setup(console, args: RewardArgs, sizes: RewardSizes, tf32: str, label_warnings: list[str]) -> None:
+    """The start-up table of resolved settings and per-process sizes, and the warnings about the label file's task
+    (main process only)."""
     normalize_batches = ceil_div(args.normalize_samples, args.rollout_batch_size)
     cli.print_table(
         console,
@@ -55,8 +55,8 @@ def print_setup(console, args: RewardArgs, sizes: RewardSizes, tf32: str, label_
             "output dir": args.run.output_dir,
         },
     )
-    if label_task_warning:
-        console.print(f"warning: {label_task_warning}", style="bold red", markup=False)
+    for warning in label_warnings:
+        console.print(f"warning: {warning}", style="bold red", markup=False)
 
 
 def check_inputs(args: RewardArgs, accelerator: Accelerator) -> None:
@@ -227,9 +227,10 @@ def save_reward_model(
     args: RewardArgs,
     label_type: LabelType,
     evals: tuple[dict | None, dict | None],
+    label_warnings: list[str],
 ) -> None:
-    """The reward model with its metadata (tokenizer, task name and settings, label file, held-out figures), its
-    tokenizer and args.json in OUTPUT_DIR, atomically."""
+    """The reward model with its metadata (tokenizer, task name and settings, label file and the warnings about its
+    task, held-out figures), its tokenizer and args.json in OUTPUT_DIR, atomically."""
     eval_before, eval_after = evals
     metadata = {
         "base_model": args.base_model,
@@ -240,6 +241,7 @@ def save_reward_model(
         "task": dataclasses.asdict(args.task),
         "label_dataset": args.label_dataset,
         "label_type": label_type.name,
+        "label_warnings": label_warnings,
         "num_train": args.labels.num_train,
         "eval_before": eval_before,
         "eval_after": eval_after,

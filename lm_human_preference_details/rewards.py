@@ -34,7 +34,13 @@ from lm_human_preference_details.labelers import (
 )
 from lm_human_preference_details.modeling import RewardModel, load_reward_model, sample
 from lm_human_preference_details.sizes import ceil_div
-from lm_human_preference_details.tasks import TaskHParams, check_truncation_resolved, format_contexts, truncate_response
+from lm_human_preference_details.tasks import (
+    TASK_GOALS,
+    TaskHParams,
+    check_truncation_resolved,
+    format_contexts,
+    truncate_response,
+)
 
 FLAG = "--rewards.trained_model"
 REWARD_FORMS = (
@@ -98,6 +104,8 @@ class Reward:
     name: str
     metadata: dict | None = None
     """the reward model's saved metadata (tokenizer, task); None for a programmatic reward"""
+    measures: str | None = None
+    """what the scores measure, in the words of tasks.TASK_GOALS (vader: positive sentiment); None: not known"""
     gain: float = 1.0
     bias: float = 0.0
 
@@ -116,6 +124,7 @@ class RewardModelReward(Reward):
     def __init__(self, model: RewardModel, pad_id: int, name: str = "reward model", metadata: dict | None = None):
         self.model = model.eval().requires_grad_(False)
         self.pad_id, self.name, self.metadata = pad_id, name, metadata
+        self.measures = TASK_GOALS.get((metadata or {}).get("task_name"))
 
     def raw(self, queries: torch.Tensor, responses: torch.Tensor) -> torch.Tensor:
         """One forward; the rollout's queries start with a real token, so the check and its host sync are skipped."""
@@ -130,6 +139,7 @@ class LabelerReward(Reward):
 
     def __init__(self, labeler: Labeler, device: torch.device):
         self.labeler, self.device, self.name = labeler, device, labeler.name
+        self.measures = labeler.measures
 
     def raw(self, queries: torch.Tensor, responses: torch.Tensor) -> torch.Tensor:
         """The labeler's score of each episode as one response per query."""

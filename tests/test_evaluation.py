@@ -5,6 +5,7 @@ import dataclasses
 import json
 import math
 import os
+import shutil
 
 import numpy as np
 import pytest
@@ -403,6 +404,7 @@ def test_evaluate_command_writes_results_and_the_gold_vs_kl_plot(tiny_run, tiny_
         "held_out": True,
     }
     assert report["gold"] == "vader" and report["base_model"] == tiny_model_dir and len(report["examples"]) == 8
+    assert report["task_id"] == "sentiment" and report["warnings"] == []  # vader judges sentiment
     # the base model's point, the run's checkpoints in natural order (one line: their args.json names the run
     # kl_run), then the policy
     curve = report["curve"]
@@ -414,6 +416,28 @@ def test_evaluate_command_writes_results_and_the_gold_vs_kl_plot(tiny_run, tiny_
     text = (out / "results.md").read_text()
     assert "win rate (trained > base)" in text and "## Gold score vs KL" in text
     assert "reward-model score" in result.stdout and "gold score vs KL" in result.stdout
+
+
+@pytest.mark.slow
+def test_a_gold_judge_of_another_thing_than_the_policys_task_is_said_and_reported(tiny_run, tmp_path):
+    # vader scored a descriptiveness policy without a word that VADER measures sentiment
+    _, policy, _, _ = tiny_run
+    descriptive = tmp_path / "policy"
+    shutil.copytree(policy, descriptive)
+    run = json.loads((descriptive / "args.json").read_text())
+    (descriptive / "args.json").write_text(json.dumps({**run, "task_id": "descriptiveness"}))
+    out = tmp_path / "eval"
+    flags = ["--policy", str(descriptive), "--num_queries", "4", "--batch_size", "4", "--output_dir", str(out)]
+    result = run_script("evaluate.py", *flags)  # --gold vader: the run's gold judge, from its args.json
+    warning = (
+        "--gold vader measures positive sentiment, but --task descriptiveness is about physical descriptiveness, so "
+        "its scores do not judge this task; pass a --gold of physical descriptiveness, such as reward_model:DIR of a "
+        "train_reward.py --task descriptiveness run."
+    )
+    assert result.stdout.splitlines().count(f"warning: {warning}") == 2  # at the start and under the results
+    report = json.loads((out / "results.json").read_text())
+    assert report["task_id"] == "descriptiveness" and report["gold"] == "vader" and report["warnings"] == [warning]
+    assert f"**Warning:** {warning}" in (out / "results.md").read_text().splitlines()
 
 
 def crowded_curve() -> list[dict]:

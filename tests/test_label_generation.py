@@ -245,6 +245,42 @@ def test_generated_labels_train_a_reward_model(vader_labels, world, tmp_path):
     assert metadata["label_dataset"] == str(output) and metadata["num_train"] == 16
 
 
+@pytest.mark.slow
+def test_a_sentiment_labeler_of_descriptiveness_rows_is_said_at_every_step(world, tmp_path):
+    # vader's best-of-4 picks on --task descriptiveness rows teach a reward model sentiment, which train_reward.py
+    # recorded as a descriptiveness model without a word; train_policy.py scored a descriptiveness run with vader too
+    output = tmp_path / "labels.json"
+    flags = generate_flags(world, output, "--task", "descriptiveness", "--labeler", "vader", "--num_queries", "16")
+    result = run_script("label_generation.py", *flags, timeout=300)
+    measured = "measures positive sentiment, but --task descriptiveness is about physical descriptiveness, so its"
+    assert f"warning: --labeler vader {measured} scores do not judge this task; pass a --labeler of physical " in (
+        result.stdout
+    )
+    meta = read_meta(output)
+    assert (meta["task_id"], meta["labeler_measures"]) == ("descriptiveness", "positive sentiment")
+    task = ["--task.query_dataset", world["corpus"], "--task.query_length", str(QUERY_LENGTH)]
+    task += ["--task.response_length", str(RESPONSE_LENGTH), "--task.truncate_after", str(TRUNCATE_AFTER)]
+    reward = ["--task", "descriptiveness", "--base_model", world["model"], "--label_dataset", str(output), *task]
+    reward += ["--labels.num_train", "16", "--batch_size", "8", "--rollout_batch_size", "8"]
+    result = run_script("train_reward.py", *reward, "--normalize_samples", "8", "--output_dir", str(tmp_path / "rm"))
+    warning = (
+        f"--label_dataset '{output}' was labelled by vader, which measures positive sentiment (its "
+        "labels.json.meta.json), but this run is --task descriptiveness, which is about physical descriptiveness: the "
+        "reward model would learn positive sentiment; label the rows with a labeler of physical descriptiveness."
+    )
+    assert f"warning: {warning}" in result.stdout.splitlines()
+    _, metadata = load_reward_model(str(tmp_path / "rm"))
+    assert metadata["task_name"] == "descriptiveness" and metadata["label_warnings"] == [warning]
+    policy = ["--task", "descriptiveness", "--base_model", world["model"], *task, "--output_dir", str(tmp_path / "p")]
+    policy += ["--rewards.trained_model", "vader", "--rewards.gold_model", "vader"]
+    result = run_script("train_policy.py", *policy, "--ppo.total_episodes", "8", "--ppo.batch_size", "8", timeout=300)
+    for flag in ("--rewards.trained_model", "--rewards.gold_model"):
+        assert (
+            f"warning: {flag} vader {measured} scores do not judge this task; pass a {flag} of physical "
+            "descriptiveness, such as reward_model:DIR of a train_reward.py --task descriptiveness run."
+        ) in result.stdout.splitlines()
+
+
 def test_generate_reward_model_best_is_its_argmax(world, tiny_model_dir, tokenizer, tmp_path):
     rm_dir = make_reward_model_dir(tmp_path / "rm", tiny_model_dir, tokenizer)
     output = tmp_path / "rm_labels.json"
