@@ -19,6 +19,7 @@ import numpy as np
 import torch
 from transformers import PreTrainedTokenizerBase
 
+from lm_human_preference_details import presets
 from lm_human_preference_details.files import write_atomic, write_json_atomic
 from lm_human_preference_details.hub import HubUnavailableError, check_available
 from lm_human_preference_details.sources import (
@@ -407,28 +408,50 @@ def load_labels(
 
 def label_file_task(source: str) -> tuple[str | None, str]:
     """The --task a label file was made for and where that is recorded: the `task_id` of a local file's
-    `<file>.meta.json` (label_generation.py generate and the label server write it), or the folder of one of OAI's
-    label files (descriptiveness/offline_5k.json); (None, "") when neither tells."""
+    `<file>.meta.json` (label_generation.py generate and the label server write it), the folder of one of OAI's label
+    files (descriptiveness/offline_5k.json), or the label file of a --task preset (presets.REWARD); (None, why nothing
+    tells) otherwise."""
     if os.path.isfile(source):
         meta_path = labels_meta_path(source)
+        name = os.path.basename(meta_path)
         try:
             with open(meta_path, encoding="utf-8") as f:
                 task = json.load(f).get("task_id")
+        except FileNotFoundError:
+            return None, f"it has no {name} beside it, which label_generation.py writes"
         except (OSError, ValueError, AttributeError):
-            return None, ""  # no metadata, or unreadable: label_file_pad_id names a broken one
+            return None, f"its {name} cannot be read"  # label_file_pad_id names a broken one
         if not isinstance(task, str):
-            return None, ""
-        return task, f"its {os.path.basename(meta_path)} records task_id {task!r}"
+            return None, f"its {name} records no task_id"
+        return task, f"its {name} records task_id {task!r}"
     folder = source.removeprefix(OAI_LABELS_URL).split("/")[0]
-    return (folder, f"one of OAI's {folder} label files") if folder in OAI_LABEL_FOLDERS else (None, "")
+    if folder in OAI_LABEL_FOLDERS:
+        return folder, f"one of OAI's {folder} label files"
+    for task, settings in presets.REWARD.items():
+        if settings.get("label_dataset") == source:
+            return task, f"the label file of the --task {task} preset"
+    return None, "it is neither a local file with a .meta.json nor one of OAI's label files"
 
 
 def check_label_task(label_dataset: str, task_id: str, allow: bool) -> str | None:
     """ValueError when the label file was made for another --task than `task_id` (sentiment and descriptiveness share
     every task setting: the reward model would be recorded as trained for the wrong one and pass the policy's task
-    check), unless `allow`; -> a warning, or None when they agree or the file does not tell."""
+    check), unless `allow`; -> a warning when nothing tells the file's task (a user's file without its .meta.json:
+    the reward model is recorded as a `task_id` model unchecked) or when `allow` let a mismatch through; None when they
+    agree."""
     task, where = label_file_task(label_dataset)
-    if task is None or task == task_id:
+    if task is None:
+        fix = f"make sure they are --task {task_id} labels"
+        if os.path.isfile(label_dataset):
+            meta_path = labels_meta_path(label_dataset)
+            entry = json.dumps({"task_id": task_id})
+            write = f"add {entry[1:-1]} to" if os.path.isfile(meta_path) else f"write {entry} to"
+            fix = f"if they are --task {task_id} labels, {write} {meta_path} to have it checked"
+        return (
+            f"--label_dataset '{label_dataset}': nothing tells which task its labels judge ({where}), so their task "
+            f"was not checked and the reward model is recorded as a --task {task_id} model on trust; {fix}."
+        )
+    if task == task_id:
         return None
     mismatch = f"--label_dataset '{label_dataset}' holds labels for --task {task} ({where})"
     mismatch += f", but this run is --task {task_id}"

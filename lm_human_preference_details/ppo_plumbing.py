@@ -97,6 +97,15 @@ def check_reward_model(rm_metadata: dict, tokenizer, args: PolicyArgs, print_fn)
         print_fn(f"warning: --rewards.allow_task_mismatch: the reward model's task differs: {mismatch}")
     if warning := check_reward_model_task_name(rm_metadata, args.task_id, args.rewards):
         print_fn(f"warning: {warning}")
+    for warning in label_warnings(rm_metadata, args.rewards.trained_model):
+        print_fn(f"warning: {warning}")
+
+
+def label_warnings(rm_metadata: dict, trained_model: str) -> list[str]:
+    """The warnings train_reward.py gave about the reward model's labels (a task nobody checked, a labeler of another
+    thing), each one line naming the reward model."""
+    warnings = rm_metadata.get("label_warnings") or []
+    return [f"the reward model '{trained_model}' was trained with a warning: {warning}" for warning in warnings]
 
 
 def check_judge_tasks(args: PolicyArgs, reward: Reward, gold: labelers.Labeler | None, print_fn) -> None:
@@ -195,6 +204,8 @@ def check_policy_inputs(args: PolicyArgs, accelerator: Accelerator) -> None:
     if mismatch := check_reward_model_task(rm_metadata, args.task, args.rewards):
         accelerator.print(f"warning: --rewards.allow_task_mismatch: the reward model's task differs: {mismatch}")
     if warning := check_reward_model_task_name(rm_metadata, args.task_id, args.rewards):
+        accelerator.print(f"warning: {warning}")
+    for warning in label_warnings(rm_metadata, args.rewards.trained_model):
         accelerator.print(f"warning: {warning}")
     with cli.unchecked_when_offline(accelerator.print, "the tokenizers"):
         tokenizer = load_tokenizer(args.base_model)

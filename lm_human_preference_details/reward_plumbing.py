@@ -17,6 +17,7 @@ from lm_human_preference_details.labels import (
     check_label_tokenizer,
     check_label_tokens,
     get_label_type,
+    label_file_task,
 )
 from lm_human_preference_details.modeling import RewardModel, model_vocab_size
 from lm_human_preference_details.settings import RewardArgs, recorded
@@ -241,6 +242,7 @@ def save_reward_model(
         "task": dataclasses.asdict(args.task),
         "label_dataset": args.label_dataset,
         "label_type": label_type.name,
+        "label_task_checked": label_file_task(args.label_dataset)[0] is not None,
         "label_warnings": label_warnings,
         "num_train": args.labels.num_train,
         "eval_before": eval_before,
