@@ -717,6 +717,7 @@ def main(args: Args) -> list[dict[str, float]]:
     # the truncation token's id in the base model's tokenizer, once: in args.json, the checkpoints and the task check
     tokenizer = load_tokenizer(args.base_model)
     args = dataclasses.replace(args, task=tasks.resolve_truncation(args.task, tokenizer))
+    validation.check_policy_context(args, tokenizer)  # every model's context holds what it reads
     task, pad_id = args.task, tokenizer.pad_token_id
     # a killed run continues from its checkpoint (--resume); a fresh one never writes into another run's output_dir
     loop = checkpoint.CheckpointedLoop(

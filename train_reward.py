@@ -316,6 +316,7 @@ def main(args: Args) -> dict:
     # the truncation token's id in the base model's tokenizer, once: in args.json, the checkpoints and the reward model
     tokenizer = load_tokenizer(args.base_model)
     args = dataclasses.replace(args, task=resolve_truncation(args.task, tokenizer))
+    validation.check_reward_context(args, tokenizer)  # the reward model's and the policy's context hold their tokens
     # a killed run continues from its checkpoint (--resume); a fresh one never writes into another run's output_dir
     loop = checkpoint.CheckpointedLoop(args, world, RESUME_IGNORED, accelerator, "step", sizes.steps)
 

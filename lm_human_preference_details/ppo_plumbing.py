@@ -191,31 +191,34 @@ def check_reward_model_task_name(rm_metadata: dict, task_id: str, rewards: Polic
 
 def check_policy_inputs(args: PolicyArgs, accelerator: Accelerator) -> None:
     """What --dry_run checks beyond the flags: the reward model's files and task, a local query file, a gold reward
-    model's directory, then the tokenizers (from the hub: not checked when it is unreachable); errors name the flag."""
+    model's directory, then the tokenizers and every model's context (from the hub: not checked when it is
+    unreachable); errors name the flag."""
     if args.task.query_dataset.lower().endswith((".txt", ".jsonl")):
         load_texts(args.task.query_dataset)
     gold = args.rewards.gold_model or ""
     if gold.startswith("reward_model:") and validation.labeler_path(gold) is None:
         raise FileNotFoundError(f"--rewards.gold_model '{gold}': no such directory; pass reward_model:DIR.")
-    if (reward_dir := reward_model_dir(args.rewards.trained_model)) is None:
-        return  # a programmatic reward: its spec was checked with the flags
-    rm_metadata = read_reward_metadata(reward_dir)
-    checkpoint.check_complete_save(reward_dir, "--rewards.trained_model")
-    if mismatch := check_reward_model_task(rm_metadata, args.task, args.rewards):
-        accelerator.print(f"warning: --rewards.allow_task_mismatch: the reward model's task differs: {mismatch}")
-    if warning := check_reward_model_task_name(rm_metadata, args.task_id, args.rewards):
-        accelerator.print(f"warning: {warning}")
-    for warning in label_warnings(rm_metadata, args.rewards.trained_model):
-        accelerator.print(f"warning: {warning}")
-    with cli.unchecked_when_offline(accelerator.print, "the tokenizers"):
+    rm_metadata = None  # a programmatic reward: its spec was checked with the flags
+    if (reward_dir := reward_model_dir(args.rewards.trained_model)) is not None:
+        rm_metadata = read_reward_metadata(reward_dir)
+        checkpoint.check_complete_save(reward_dir, "--rewards.trained_model")
+        if mismatch := check_reward_model_task(rm_metadata, args.task, args.rewards):
+            accelerator.print(f"warning: --rewards.allow_task_mismatch: the reward model's task differs: {mismatch}")
+        if warning := check_reward_model_task_name(rm_metadata, args.task_id, args.rewards):
+            accelerator.print(f"warning: {warning}")
+        for warning in label_warnings(rm_metadata, args.rewards.trained_model):
+            accelerator.print(f"warning: {warning}")
+    with cli.unchecked_when_offline(accelerator.print, "the tokenizers and context lengths"):
         tokenizer = load_tokenizer(args.base_model)
-        resolve_truncation(args.task, tokenizer)  # --task.truncate_text is one token of it, the id agrees
-        check_same_tokenizer(
-            rm_metadata,
-            tokenizer,
-            f"the reward model '{args.rewards.trained_model}' (--rewards.trained_model)",
-            f"the policy uses tokenizer '{args.base_model}'",
-        )
+        task = resolve_truncation(args.task, tokenizer)  # --task.truncate_text is one token of it, the id agrees
+        if rm_metadata is not None:
+            check_same_tokenizer(
+                rm_metadata,
+                tokenizer,
+                f"the reward model '{args.rewards.trained_model}' (--rewards.trained_model)",
+                f"the policy uses tokenizer '{args.base_model}'",
+            )
+        validation.check_policy_context(dataclasses.replace(args, task=task), tokenizer)
 
 
 def dry_run(args: PolicyArgs, accelerator: Accelerator) -> list:

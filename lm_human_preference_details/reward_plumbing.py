@@ -61,12 +61,14 @@ def print_setup(console, args: RewardArgs, sizes: RewardSizes, tf32: str, label_
 
 
 def check_inputs(args: RewardArgs, accelerator: Accelerator) -> None:
-    """What --dry_run checks beyond the flags: a local query file and the label file (when it can be read)."""
+    """What --dry_run checks beyond the flags: a local query file, the models' context and the label file (when it
+    can be read)."""
     if args.task.query_dataset.lower().endswith((".txt", ".jsonl")):
         load_texts(args.task.query_dataset)
-    with cli.unchecked_when_offline(accelerator.print, "the label file"):
+    with cli.unchecked_when_offline(accelerator.print, "the context lengths and the label file"):
         tokenizer = load_tokenizer(args.base_model)
-        resolve_truncation(args.task, tokenizer)  # --task.truncate_text is one token of it, the id agrees
+        task = resolve_truncation(args.task, tokenizer)  # --task.truncate_text is one token of it, the id agrees
+        validation.check_reward_context(dataclasses.replace(args, task=task), tokenizer)
         rows = len(read_labels(args, tokenizer))
         accelerator.print(f"dry run: every input checked ({rows} label rows); nothing written")
 
