@@ -1,10 +1,28 @@
-"""lm_human_preference_details/devices.py: the RNG states a checkpoint holds (each process saves and restores only its
-own GPU's)."""
+"""lm_human_preference_details/devices.py: seeds (spec TV13: OAI's label order of seed 1), and the RNG states a
+checkpoint holds (each process saves and restores only its own GPU's)."""
 
 import numpy as np
 import torch
 
 from lm_human_preference_details import devices
+
+
+def test_set_seed_numpy_legacy_rng_reproduces_tv13():
+    devices.set_seed(1)
+    order = np.random.permutation(4992)
+    assert order[:12].tolist() == [4486, 2985, 3023, 1328, 1687, 4855, 2721, 2442, 687, 1321, 2188, 1272]
+    assert order[-4:].tolist() == [2763, 905, 3980, 235]
+
+
+def test_set_seed_makes_torch_and_python_reproducible():
+    import random
+
+    devices.set_seed(7)
+    first = (torch.rand(3), random.random())
+    devices.set_seed(7)
+    second = (torch.rand(3), random.random())
+    assert torch.equal(first[0], second[0]) and first[1] == second[1]
+
 
 # ---------------------------------------------------------------- RNG states: each process restores its own GPU's
 

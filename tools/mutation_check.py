@@ -691,7 +691,7 @@ BREAKAGES = [
         "    def summed(*args, **kwargs):\n        ddp = DistributedDataParallel(*args, **kwargs)\n"
         "        ddp.register_comm_hook(None, lambda _, bucket: dist.all_reduce(bucket.buffer(), async_op=True)"
         ".get_future().then(lambda f: f.value()[0]))\n        return ddp\n\n    return summed(\n        module,\n",
-        ["tests/test_core.py::test_allreduce_and_broadcast_two_processes"],
+        ["tests/test_distributed.py::test_allreduce_and_broadcast_two_processes"],
     ),
     Breakage(
         "O4-no-allreduce",
@@ -728,7 +728,7 @@ BREAKAGES = [
         "lm_human_preference_details/distributed.py",
         "if isinstance(trained, DistributedDataParallel) and not average:",
         "if isinstance(trained, DistributedDataParallel) and False:",
-        ["tests/test_core.py::test_allreduce_and_broadcast_two_processes", ALLREDUCE],
+        ["tests/test_distributed.py::test_allreduce_and_broadcast_two_processes", ALLREDUCE],
     ),
     Breakage(
         "O4-gradients-beside-buckets",
