@@ -28,7 +28,6 @@ from accelerate import Accelerator
 from transformers import PreTrainedTokenizerBase
 
 from lm_human_preference_details import (
-    checkpoint,
     cli,
     data,
     devices,
@@ -40,6 +39,7 @@ from lm_human_preference_details import (
     optim,
     ppo_plumbing,
     presets,
+    resumable,
     rewards,
     settings,
     tasks,
@@ -693,9 +693,9 @@ def make_kl_controller(rewards: RewardHParams) -> FixedKLController | AdaptiveKL
 
 
 # ---------------------------------------------------------------------------------------------------- main
-# The plumbing calls name their module (checkpoint., cli., devices., distributed., ppo_plumbing., settings., sizing.,
+# The plumbing calls name their module (cli., devices., distributed., ppo_plumbing., resumable., settings., sizing.,
 # validation.): skip them to read the algorithm.
-@checkpoint.one_run_per_output_dir
+@resumable.one_run_per_output_dir
 def main(args: Args) -> list[dict[str, float]]:
     """Train the policy; returns the logged statistics of every update."""
     # 0. sizes: global as in OAI, split over the processes (spec D1); printed, then checked by --dry_run; seeds
@@ -720,7 +720,7 @@ def main(args: Args) -> list[dict[str, float]]:
     validation.check_policy_context(args, tokenizer)  # every model's context holds what it reads
     task, pad_id = args.task, tokenizer.pad_token_id
     # a killed run continues from its checkpoint (--resume); a fresh one never writes into another run's output_dir
-    loop = checkpoint.CheckpointedLoop(
+    loop = resumable.CheckpointedLoop(
         args, sizes.world, ppo_plumbing.RESUME_IGNORED, accelerator, "update", sizes.nupdates
     )
 

@@ -26,7 +26,7 @@ from transformers import (
 from transformers.modeling_layers import GradientCheckpointingLayer
 
 from lm_human_preference_details import decoding_graph, lora
-from lm_human_preference_details.checkpoint import check_complete_save
+from lm_human_preference_details.files import check_complete_save
 from lm_human_preference_details.hub import check_available
 from lm_human_preference_details.kernels import (
     categorical_uniforms,

@@ -25,6 +25,7 @@ from lm_human_preference_details import (
     files,
     labelers,
     lora,
+    resumable,
     sharded,
     tracking,
     validation,
@@ -121,7 +122,7 @@ def check_judge_tasks(args: PolicyArgs, reward: Reward, gold: labelers.Labeler |
 
 
 def start_tracker(
-    args: PolicyArgs, accelerator: Accelerator, loop: checkpoint.CheckpointedLoop, nupdates: int
+    args: PolicyArgs, accelerator: Accelerator, loop: resumable.CheckpointedLoop, nupdates: int
 ) -> tuple[tracking.Tracker, dict]:
     """TensorBoard (and wandb) for this run, continuing a resumed run's (`loop.resumed`); clears a previous run's
     outputs with --overwrite_output_dir; -> the tracker and the metadata every checkpoint records."""
@@ -133,7 +134,7 @@ def start_tracker(
         with contextlib.suppress(FileNotFoundError):
             os.remove(os.path.join(args.run.output_dir, SUMMARY_FILE))
     config = {**recorded(args), "world_size": settings["world_size"], "nupdates": nupdates}
-    tracker, run_name = checkpoint.start_tracker(args.run, args.seed, accelerator, resumed, args.task_id, config)
+    tracker, run_name = resumable.start_tracker(args.run, args.seed, accelerator, resumed, args.task_id, config)
     meta = {"settings": settings, "run_name": run_name, "wandb_id": tracker.wandb_id}
     meta["reward_normalization"] = args.rewards.normalization
     return tracker, meta
@@ -201,7 +202,7 @@ def check_policy_inputs(args: PolicyArgs, accelerator: Accelerator) -> None:
     rm_metadata = None  # a programmatic reward: its spec was checked with the flags
     if (reward_dir := reward_model_dir(args.rewards.trained_model)) is not None:
         rm_metadata = read_reward_metadata(reward_dir)
-        checkpoint.check_complete_save(reward_dir, "--rewards.trained_model")
+        files.check_complete_save(reward_dir, "--rewards.trained_model")
         if mismatch := check_reward_model_task(rm_metadata, args.task, args.rewards):
             accelerator.print(f"warning: --rewards.allow_task_mismatch: the reward model's task differs: {mismatch}")
         if warning := check_reward_model_task_name(rm_metadata, args.task_id, args.rewards):
@@ -409,7 +410,7 @@ def save_policy(
 
 
 RESUME_IGNORED = (
-    *checkpoint.RESUME_IGNORED,
+    *resumable.RESUME_IGNORED,
     "log_interval",
     "filter_warning_rate",
     "divergence_updates",
@@ -455,7 +456,7 @@ class TrainingState:
                 + ("one" if self.critic is not None else "none")
                 + "; resume with the checkpoint's --ppo.value_model."
             )
-        if self.fsdp != checkpoint.is_sharded_checkpoint(resumed.meta):
+        if self.fsdp != sharded.is_sharded_checkpoint(resumed.meta):
             flags = ("without", "whole in state.pt", "with"), ("with", "sharded", "without")
             written, weights, run = flags[0] if self.fsdp else flags[1]
             raise ValueError(
@@ -474,7 +475,7 @@ class TrainingState:
             self.restore_other_layout(resumed, accelerator, seed)
             return
         self.query_stream.load_state_dict(resumed.local["query_stream"])
-        checkpoint.restore_rng_states(resumed.local["rng"], self.generator, self.order_rngs)
+        devices.restore_rng_states(resumed.local["rng"], self.generator, self.order_rngs)
 
     def restore_other_layout(self, resumed: checkpoint.Resumed, accelerator: Accelerator, seed: int) -> None:
         """The per-process state of an --fsdp checkpoint that another number of processes wrote: the query stream
@@ -485,7 +486,7 @@ class TrainingState:
         last = checkpoint.load_process_state(resumed, written - 1)["query_stream"]
         stream = self.query_stream
         self.query_stream.load_state_dict({**last, "rank": stream.rank, "world_size": stream.world_size})
-        checkpoint.reseed_rngs(seed, accelerator.process_index, resumed.step, self.generator, self.order_rngs)
+        devices.reseed_rngs(seed, accelerator.process_index, resumed.step, self.generator, self.order_rngs)
         accelerator.print(
             f"warning: checkpoint '{resumed.path}' was written by {written} processes, this run has "
             f"{accelerator.num_processes}: the weights, Adam moments, kl_coef and query position carry over, but every "
@@ -578,7 +579,7 @@ def save_checkpoint(
     async_save is not used), and the whole weights are gathered onto the main process for the policy's directory."""
     local = {
         "query_stream": state.query_stream.state_dict(),
-        "rng": checkpoint.rng_states(state.generator, state.order_rngs),
+        "rng": devices.rng_states(state.generator, state.order_rngs),
     }
     tracker.flush()
     # every process takes part in the gathering of a sharded module's whole weights (None elsewhere)

@@ -9,7 +9,7 @@ from accelerate import Accelerator
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 from transformers import AutoModel
 
-from lm_human_preference_details import checkpoint, cli, devices, sharded, validation
+from lm_human_preference_details import checkpoint, cli, devices, resumable, sharded, validation
 from lm_human_preference_details.data import QueryStream, load_texts
 from lm_human_preference_details.labels import (
     Labels,
@@ -92,13 +92,11 @@ def read_labels(args: RewardArgs, tokenizer=None) -> Labels:
     return labels
 
 
-def start_tracker(
-    args: RewardArgs, accelerator: Accelerator, loop: checkpoint.CheckpointedLoop
-) -> tuple[Tracker, dict]:
+def start_tracker(args: RewardArgs, accelerator: Accelerator, loop: resumable.CheckpointedLoop) -> tuple[Tracker, dict]:
     """TensorBoard (and wandb) for this run, continuing a resumed run's (`loop.resumed`); -> the tracker and the
     metadata every checkpoint records."""
     config = {**recorded(args), "world_size": loop.settings["world_size"]}
-    tracker, name = checkpoint.start_tracker(args.run, args.seed, accelerator, loop.resumed, args.task_id, config)
+    tracker, name = resumable.start_tracker(args.run, args.seed, accelerator, loop.resumed, args.task_id, config)
     return tracker, {"settings": loop.settings, "run_name": name, "wandb_id": tracker.wandb_id}
 
 
@@ -125,7 +123,7 @@ def restore(
     """Weights, Adam moments and step, query position and RNGs as the checkpoint holds them; under --fsdp the weights
     and moments from its shards (`sharded.load`), also on another number of processes (`query_stream_state`; each
     process's RNGs are then reseeded, with a warning)."""
-    if checkpoint.is_sharded_checkpoint(resumed.meta) != args.run.fsdp:
+    if sharded.is_sharded_checkpoint(resumed.meta) != args.run.fsdp:
         written = "with" if not args.run.fsdp else "without"
         raise ValueError(f"checkpoint '{resumed.path}' was written {written} --fsdp: resume it {written} --fsdp.")
     if args.run.fsdp:
@@ -136,10 +134,10 @@ def restore(
     query_stream.load_state_dict(query_stream_state(resumed, query_stream))
     written = int(resumed.meta["world_size"])
     if written == accelerator.num_processes:
-        checkpoint.restore_rng_states(resumed.local["rng"], generator)
+        devices.restore_rng_states(resumed.local["rng"], generator)
         return
     # the RNGs of the processes that wrote it cannot be divided among another number of processes
-    checkpoint.reseed_rngs(args.seed, accelerator.process_index, resumed.step, generator)
+    devices.reseed_rngs(args.seed, accelerator.process_index, resumed.step, generator)
     accelerator.print(
         f"warning: checkpoint '{resumed.path}' was written by {written} processes, this run has "
         f"{accelerator.num_processes}: the weights, Adam moments, label order and query position carry over, but every "
@@ -199,7 +197,7 @@ def save_checkpoint(
         shared["permutation"] = checkpoint.to_host(run_state["permutation"])
         shared["normalization"] = checkpoint.to_host(run_state["normalization"])
         shared["eval_before"] = run_state["eval_before"]
-    local = {"query_stream": query_stream.state_dict(), "rng": checkpoint.rng_states(generator)}
+    local = {"query_stream": query_stream.state_dict(), "rng": devices.rng_states(generator)}
     tracker.flush()
     # under --fsdp every process writes its shards of the weights and Adam moments
     shards = functools.partial(sharded.save, module=reward_model, optimizer=optimizer) if args.run.fsdp else None

@@ -20,7 +20,7 @@ import torch
 from torch.distributed.tensor import DTensor
 from transformers import AutoConfig, PreTrainedTokenizerBase
 
-from lm_human_preference_details import checkpoint, lora
+from lm_human_preference_details import files, lora
 from lm_human_preference_details.files import OutputError
 from lm_human_preference_details.hub import check_available
 from lm_human_preference_details.labelers import check_labeler_source
@@ -157,10 +157,10 @@ def check_writable_dir(directory: str, flag: str) -> None:
 
 def save_atomically(output_dir: str, write: Callable[[str], Any], flag: str = "--output_dir") -> None:
     """Run `write(tmp)` into a fresh directory beside the outputs, then move its files into `output_dir`
-    (`checkpoint.atomic_files`): a failure (e.g. disk full) leaves `output_dir` as it was, with no partial file, and
+    (`files.atomic_files`): a failure (e.g. disk full) leaves `output_dir` as it was, with no partial file, and
     raises OutputError naming `flag`."""
     try:
-        with checkpoint.atomic_files(output_dir) as tmp:
+        with files.atomic_files(output_dir) as tmp:
             write(tmp)
     except OSError as e:
         full = e.errno == errno.ENOSPC

@@ -10,7 +10,7 @@ import sys
 from collections.abc import Mapping
 from pathlib import Path
 
-from lm_human_preference_details import checkpoint
+from lm_human_preference_details import checkpoint, output_claim
 from lm_human_preference_details.labels import OAI_PAD_TOKEN
 from lm_human_preference_details.tasks import TASKS, TaskHParams
 
@@ -81,7 +81,7 @@ def run_script(
 def lock_record(output_dir) -> dict | None:
     """What the lock file of `output_dir` says about its holder (None while it says nothing)."""
     try:
-        return json.loads(open(os.path.join(output_dir, checkpoint.LOCK_FILE)).read())
+        return json.loads(open(os.path.join(output_dir, output_claim.LOCK_FILE)).read())
     except (OSError, ValueError):
         return None
 

@@ -11,7 +11,7 @@ import pytest
 import train_both
 from demo import sft_data
 from demo import world as demo_world
-from lm_human_preference_details import checkpoint
+from lm_human_preference_details import checkpoint, files
 from lm_human_preference_details.settings import recorded, with_run
 from tests.planted import run_script, write_policy_planted_labels
 from tests.test_resume import (
@@ -99,9 +99,9 @@ def test_sft_stage_counts_as_finished_only_with_a_whole_args_json_of_these_setti
     assert train_both.sft_finished(sft)
     assert train_both.sft_finished(with_run(sft, save_interval=7))  # does not change what is trained
     assert not train_both.sft_finished(dataclasses.replace(sft, lr=1e-5))
-    (tmp_path / "sft" / checkpoint.SAVING_MARKER).touch()  # its files being replaced
+    (tmp_path / "sft" / files.SAVING_MARKER).touch()  # its files being replaced
     assert not train_both.sft_finished(sft)
-    (tmp_path / "sft" / checkpoint.SAVING_MARKER).unlink()
+    (tmp_path / "sft" / files.SAVING_MARKER).unlink()
     args_json.write_text(args_json.read_text()[:40], encoding="utf-8")  # cut short
     assert not train_both.sft_finished(sft)
 

@@ -13,7 +13,7 @@ import torch.nn as nn
 from safetensors.torch import load_file, save_file
 from transformers import AutoModel, PreTrainedModel, PreTrainedTokenizerBase
 
-from lm_human_preference_details.checkpoint import check_complete_save
+from lm_human_preference_details.files import check_complete_save
 from lm_human_preference_details.modeling import (
     CRITIC_CONFIG_FILE,
     CRITIC_DIR,
