@@ -26,6 +26,7 @@ import json
 import os
 import shlex
 import sys
+import typing
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -62,13 +63,15 @@ class Pipeline:
 
 
 def flag_names(args_type: type, prefix: str = "") -> set[str]:
-    """Every `--flag` name a script's Args dataclass takes (nested groups dotted, booleans also as no_NAME)."""
-    names = set()
+    """Every `--flag` name a script's Args dataclass takes (nested groups dotted, the run group's plain, booleans also
+    as no_NAME)."""
+    names, hints = set(), typing.get_type_hints(args_type, include_extras=True)
     for field in dataclasses.fields(args_type):
         name = f"{prefix}{field.name}"
         default = field.default_factory() if field.default_factory is not dataclasses.MISSING else field.default
         if dataclasses.is_dataclass(default):
-            names |= flag_names(type(default), f"{name}.")
+            unprefixed = any(getattr(m, "name", None) == "" for m in getattr(hints[field.name], "__metadata__", ()))
+            names |= flag_names(type(default), prefix if unprefixed else f"{name}.")
         else:
             names |= {name, f"{prefix}no_{field.name}"}
     return names
