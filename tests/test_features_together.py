@@ -13,7 +13,9 @@ weight at a stale address (e.g. after --fsdp gathers the policy again) would go 
 import json
 import os
 import re
+import signal
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -21,13 +23,12 @@ import torch
 from safetensors.torch import load_file
 
 import train_policy
-from lm_human_preference_details import cli, devices
+from lm_human_preference_details import checkpoint, cli, devices, resumable
 from lm_human_preference_details.resume_check import max_metric_difference, max_weight_difference, scalars
 from tests.conftest import write_queries
 from tests.pairwise import all_pairs, covering_rows, pair, row_pairs
 from tests.planted import REPO, free_port
 from tests.test_multiprocess import run_all
-from tests.test_resume import start_and_kill
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
@@ -94,12 +95,15 @@ sys.path.insert(0, {repo!r})
 import torch
 import train_policy
 from lm_human_preference_details import cli
+from tests.test_features_together import killed_after_first_checkpoint
 
 torch.set_num_threads(1)
-for output_dir, flags in json.loads(sys.argv[1]):
+for output_dir, flags, killed in json.loads(sys.argv[1]):
+    if killed:
+        killed_after_first_checkpoint()
     cli.run(train_policy.main, train_policy.parse, [*flags, "--output_dir", output_dir])
 """
-"""several runs one after another in one launch of 2 processes"""
+"""several runs one after another in one launch of 2 processes; a killed one ends the launch"""
 
 
 def documented_refusals() -> dict[frozenset[str], str]:
@@ -160,11 +164,13 @@ def torchrun(*args: str) -> list[str]:
             "--master_port", str(free_port()), *args]  # fmt: skip
 
 
-def launch(world: dict, runs: list[tuple[Path, list[str]]], log_dir: Path) -> None:
-    """The `runs` (output directory, flags) one after another in one launch of 2 gloo processes."""
-    listed = [(str(out), [*world["flags"], *flags]) for out, flags in runs]
+def launch(world: dict, runs: list[tuple[Path, list[str], bool]], log_dir: Path) -> int:
+    """The `runs` (output directory, flags, killed) one after another in one launch of 2 gloo processes; -> its exit
+    code (nonzero when its last run was killed)."""
+    listed = [(str(out), [*world["flags"], *flags], killed) for out, flags, killed in runs]
     codes, outputs, _ = run_all([torchrun(str(world["launcher"]), json.dumps(listed))], 600, log_dir)
-    assert codes == [0], outputs[0][-6000:]
+    assert codes == [0] or runs[-1][2], outputs[0][-6000:]
+    return codes[0]
 
 
 def saved_weights(output_dir: Path) -> dict[str, torch.Tensor]:
@@ -179,24 +185,55 @@ def saved_weights(output_dir: Path) -> dict[str, torch.Tensor]:
 
 @pytest.fixture(scope="module")
 def two_process_runs(world):
-    """The rows of 2 processes: each row's run in one launch; then each killed row's run again, killed after its
-    first checkpoint, and all of those resumed in one launch; -> {row index: (whole, killed or None, resumed from)}."""
+    """The rows of 2 processes, each run once whole; each killed row run again, killed after its first checkpoint,
+    then resumed. A kill ends its launch, so the launches chain: the whole runs and the first killed run, that one's
+    resume and the next killed run, ...; -> {row index: (whole, killed or None, the step it resumed from)}."""
     rows = {i: row for i, row in enumerate(ROWS) if row["processes"] == 2}
     out = world["root"] / "two"
-    launch(world, [(out / f"row{i}", row_flags(row)) for i, row in rows.items()], world["root"])
+    launches = [[(out / f"row{i}", row_flags(row), False) for i, row in rows.items()]]
+    for i, row in rows.items():
+        if row["kill_resume"]:
+            launches[-1].append((out / f"row{i}-killed", row_flags(row), True))
+            launches.append([(out / f"row{i}-killed", [*row_flags(row), "--resume", "auto"], False)])
+    resumed_from = {}
+    for runs in launches:
+        if launch(world, runs, world["root"]) != 0:
+            killed = runs[-1][0]
+            resumed_from[killed] = checkpoint.list_checkpoints(str(killed))[-1][0]
     results = {}
     for i, row in rows.items():
-        killed, resumed_from = None, None
-        if row["kill_resume"]:
-            killed = out / f"row{i}-killed"
-            flags = [*world["flags"], *row_flags(row), "--output_dir", str(killed)]
-            command = torchrun(str(REPO / "train_policy.py"), *flags)
-            resumed_from = start_and_kill(command, killed, kill_after=1, delay=0.0, gpus=False)
-        results[i] = (out / f"row{i}", killed, resumed_from)
-    resumes = [(killed, [*row_flags(rows[i]), "--resume", "auto"]) for i, (_, killed, _) in results.items() if killed]
-    if resumes:
-        launch(world, resumes, world["root"])
+        killed = out / f"row{i}-killed" if row["kill_resume"] else None
+        results[i] = (out / f"row{i}", killed, resumed_from.get(killed))
     return results
+
+
+def killed_after_first_checkpoint() -> None:
+    """From now on a run of this process is SIGKILLed as soon as its first checkpoint is on disk, as
+    `resume_check.start_and_kill` kills a script (here without starting Python again)."""
+    step_done = resumable.CheckpointedLoop.step_done
+
+    def step_done_then_killed(loop: resumable.CheckpointedLoop, steps: int, stopping: bool) -> None:
+        step_done(loop, steps, stopping)
+        while not os.path.isdir(checkpoint.step_dir(str(loop.output_dir), 1)):
+            time.sleep(0.001)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    resumable.CheckpointedLoop.step_done = step_done_then_killed
+
+
+def run_killed(flags: list[str], output_dir: Path) -> int:
+    """The run of `flags` in a forked copy of this process, killed after its first checkpoint; -> the newest
+    checkpoint's step."""
+    pid = os.fork()
+    if pid == 0:  # the child never returns into pytest
+        try:
+            killed_after_first_checkpoint()
+            train_policy.main(train_policy.parse(flags))
+        finally:
+            os._exit(1)
+    _, status = os.waitpid(pid, 0)
+    assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL, status
+    return checkpoint.list_checkpoints(str(output_dir))[-1][0]
 
 
 def assert_resumed_equals_whole(whole: Path, killed: Path, resumed_from: int) -> None:
@@ -225,8 +262,7 @@ def test_row_completes_and_resumes_exactly(index, world, tmp_path, request):
         if row["kill_resume"]:
             killed = tmp_path / "killed"
             flags = [*world["flags"], *row_flags(row), "--output_dir", str(killed)]
-            command = [sys.executable, str(REPO / "train_policy.py"), *flags]
-            resumed_from = start_and_kill(command, killed, kill_after=1, delay=0.0, gpus=False)
+            resumed_from = run_killed(flags, killed)
             train_policy.main(train_policy.parse([*flags, "--resume", "auto"]))
     assert_completed(whole)
     if killed is not None:
