@@ -97,11 +97,14 @@ class GuardedEventFile:
         return self.file.closed
 
 
-def guard_event_file(writer: SummaryWriter) -> GuardedEventFile:
+def guard_event_file(writer: SummaryWriter) -> GuardedEventFile | None:
     """Put a GuardedEventFile between `writer`'s TensorBoard record writer and its event file. TensorBoard offers no
-    hook for it: the record writer is its EventFileWriter's `_async_writer._writer`, writing to `._writer`."""
+    hook for it: the record writer is its EventFileWriter's `_async_writer._writer`, writing to `._writer`. None where
+    a TensorBoard keeps them otherwise: the run then logs unguarded, as TensorBoard does."""
     events = writer.file_writer.event_writer
-    records = events._async_writer._writer
+    records = getattr(getattr(events, "_async_writer", None), "_writer", None)
+    if not (hasattr(records, "_writer") and hasattr(events, "_file_name")):
+        return None
     guard = GuardedEventFile(records._writer, events._file_name)
     records._writer = guard
     return guard

@@ -14,6 +14,7 @@ import os
 import shutil
 import struct
 import threading
+import types
 
 import pytest
 import safetensors.torch
@@ -229,6 +230,17 @@ def test_a_full_disk_under_tensorboard_is_one_error_in_the_training_thread(tmp_p
             "the points before it are whole in that file. Free space there, then run the same command again."
         ]
         assert whole_records(path) > records  # the record cut short was cut off
+
+
+def test_a_tensorboard_that_keeps_its_event_file_elsewhere_logs_unguarded(tmp_path):
+    elsewhere = types.SimpleNamespace(file_writer=types.SimpleNamespace(event_writer=types.SimpleNamespace()))
+    assert tracking.guard_event_file(elsewhere) is None
+    tracker = tracking.Tracker(str(tmp_path), False, "p", None, "run", {"lr": 1e-3}, True)
+    tracker.events = None  # as with such a TensorBoard
+    tracker.log({"loss": 0.0}, 0)
+    tracker.close()
+    (events,) = os.listdir(tmp_path / "tb")
+    assert whole_records(tmp_path / "tb" / events) >= 2
 
 
 def test_wandb_offline_on_a_full_disk_is_told_by_its_log(tmp_path, monkeypatch):
