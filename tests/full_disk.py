@@ -1,5 +1,6 @@
-"""A real full filesystem for the tests: a small tmpfs mounted in the test's directory (root, or CAP_SYS_ADMIN; the
-tests that need one skip with the reason where mounting is not permitted), filled up to ENOSPC."""
+"""A real full filesystem for the tests: a small tmpfs mounted in the test's directory (as root, or through `sudo -n`
+where the user may, as on CI; the tests that need one skip with the reason where mounting is not permitted), filled up
+to ENOSPC."""
 
 import contextlib
 import errno
@@ -13,8 +14,15 @@ import pytest
 MiB = 1 << 20
 
 
+def _as_root() -> list[str]:
+    """What runs a command as root: nothing for root, `sudo -n` for a user who may use it without a password."""
+    if os.geteuid() == 0 or shutil.which("sudo") is None:
+        return []
+    return ["sudo", "-n"] if subprocess.run(["sudo", "-n", "true"], capture_output=True).returncode == 0 else []
+
+
 def _mount(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(["mount", *args], capture_output=True, text=True)
+    return subprocess.run([*_as_root(), "mount", *args], capture_output=True, text=True)
 
 
 @contextlib.contextmanager
@@ -24,13 +32,14 @@ def small_filesystem(path, mib: int) -> Iterator[str]:
     os.makedirs(path, exist_ok=True)
     if shutil.which("mount") is None:
         pytest.skip("a full filesystem is a small tmpfs, and this machine has no mount command")
-    done = _mount("-t", "tmpfs", "-o", f"size={mib}m", "tmpfs", str(path))
+    owner = f"uid={os.getuid()},gid={os.getgid()}"  # the test's user writes there, under sudo too
+    done = _mount("-t", "tmpfs", "-o", f"size={mib}m,{owner}", "tmpfs", str(path))
     if done.returncode != 0:
         pytest.skip(f"a full filesystem is a small tmpfs, which cannot be mounted here: {done.stderr.strip()}")
     try:
         yield str(path)
     finally:
-        subprocess.run(["umount", "-l", str(path)], capture_output=True)
+        subprocess.run([*_as_root(), "umount", "-l", str(path)], capture_output=True)
 
 
 def grow(path, mib: int) -> None:
