@@ -353,17 +353,20 @@ def main(args: Args) -> dict:
             name = FINAL_POLICY if directory == args.policy else policy_label(directory)
             report["curve"].append(curve_point(run_label(directory, runs[directory]), name, episodes[directory]))
 
-    # 4. results.json, results.md, gold_vs_kl.png
-    files.write_json_atomic(os.path.join(output_dir, "results.json"), report)
-    write_text_atomic(os.path.join(output_dir, "results.md"), markdown(report))
-    written = [os.path.join(output_dir, name) for name in ("results.json", "results.md")]
+    # 4. the report on the console, then results.json, results.md and gold_vs_kl.png, written all or none: a write
+    # that fails (disk full) leaves --output_dir as it was
     print_report(console, report)
-    if checkpoints:
-        plot_path = os.path.join(output_dir, "gold_vs_kl.png")
-        title = f"scores vs sqrt(KL to {policy_label(args.base_model)}), {args.num_queries} queries, gold: {args.gold}"
-        plot_gold_vs_kl(report["curve"], plot_path, title, score_title(report))
-        written.append(plot_path)
-    console.print("wrote " + ", ".join(written))
+    names = ["results.json", "results.md", *(["gold_vs_kl.png"] if checkpoints else [])]
+    title = f"scores vs sqrt(KL to {policy_label(args.base_model)}), {args.num_queries} queries, gold: {args.gold}"
+
+    def write(directory: str) -> None:
+        files.write_json_atomic(os.path.join(directory, "results.json"), report)
+        write_text_atomic(os.path.join(directory, "results.md"), markdown(report))
+        if checkpoints:
+            plot_gold_vs_kl(report["curve"], os.path.join(directory, "gold_vs_kl.png"), title, score_title(report))
+
+    validation.save_atomically(output_dir, write, f"the evaluation's {', '.join(names)}")
+    console.print("wrote " + ", ".join(os.path.join(output_dir, name) for name in names))
     return report
 
 

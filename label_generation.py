@@ -40,6 +40,7 @@ from transformers import PreTrainedTokenizerBase
 
 from lm_human_preference_details import cli, devices, text_prefs, validation
 from lm_human_preference_details.data import QueryStream, load_texts
+from lm_human_preference_details.files import OutputError
 from lm_human_preference_details.hub import HubUnavailableError
 from lm_human_preference_details.labelers import LabelingStopped, decode_without_pad, judge_task_mismatch, load_labeler
 from lm_human_preference_details.labeling.agreement import agreement_report, format_figure
@@ -515,7 +516,10 @@ def generate(args: Generate) -> dict:
             "resume": dict(resume),
         }
         if rows:
-            save_label_file(args.output, rows, pad_id, file_pad_id, full)
+            try:
+                save_label_file(args.output, rows, pad_id, file_pad_id, full)
+            except OutputError as e:  # the file and its metadata are each whole: the old or the new
+                raise OutputError(f"{e} Then run the same command again: it continues from the rows saved.") from e
         return full
 
     # 2. batches of queries: sample until every query has num_labels passing responses, label, save

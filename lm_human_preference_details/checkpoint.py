@@ -14,6 +14,7 @@ checkpoint.json also lists the size and SHA-256 of every other file, so that --r
 before it loads it; a damaged checkpoint names itself, and --resume auto moves it aside and takes the newest intact one.
 """
 
+import contextlib
 import copy
 import hashlib
 import json
@@ -21,14 +22,14 @@ import os
 import re
 import shutil
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch.overrides import TorchFunctionMode
 
-from lm_human_preference_details.files import fsync_dir, publish_directory, temporary_sibling
+from lm_human_preference_details.files import failed_write, fsync_dir, publish_directory, temporary_sibling
 from lm_human_preference_details.sharded import is_sharded_checkpoint
 
 STATE_DIR = "training_state"
@@ -70,6 +71,15 @@ def latest_checkpoint(output_dir: str) -> str | None:
     return checkpoints[-1][1] if checkpoints else None
 
 
+def newest_checkpoint_intact(output_dir: str) -> str:
+    """What a failed write left of the run's checkpoints, in words: the newest one (written whole before it), or
+    that there is none yet."""
+    newest = latest_checkpoint(output_dir)
+    if newest is None:
+        return "no checkpoint of this run is on disk yet (--resume auto starts it over)"
+    return f"the newest checkpoint, '{newest}', is intact"
+
+
 def prune_checkpoints(output_dir: str, keep: int) -> None:
     """Delete all but the newest `keep` checkpoints (keep 0: delete none)."""
     if keep <= 0:
@@ -87,6 +97,24 @@ def to_host(obj: Any) -> Any:
     if isinstance(obj, (list, tuple)):
         return type(obj)(to_host(value) for value in obj)
     return obj
+
+
+def save_torch(obj: Any, path: str) -> None:
+    """torch.save through a file object: a write that fails (disk full) then raises torch's RuntimeError from the
+    OSError with its errno (written to a file path, torch's zip writer keeps only "unexpected pos N vs M")."""
+    with open(path, "wb") as f:
+        torch.save(obj, f)
+
+
+@contextlib.contextmanager
+def _checkpoint_write(what: str, output_dir: str, tmp: str) -> Iterator[None]:
+    """Within it, a failed write of checkpoint files into `tmp` removes `tmp` and raises WriteFailed of `what`."""
+    try:
+        with failed_write(what, output_dir, tmp):
+            yield
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
 
 
 def _host_tensor(tensor: torch.Tensor) -> torch.Tensor:
@@ -192,25 +220,30 @@ def save_training_state(
     it returns when everything is on disk. -> the checkpoint directory."""
     path = step_dir(output_dir, step)
     tmp = temporary_sibling(path, "partial")
+    # a failed write (disk full) removes the temporary directory and raises WriteFailed naming the checkpoint
+    what = f"checkpoint {STATE_DIR}/step{step}"
     if accelerator.is_main_process:
         if saves is not None:
             saves.wait()  # the previous checkpoint is whole before this one starts
         shutil.rmtree(tmp, ignore_errors=True)
-        os.makedirs(tmp)
+        with _checkpoint_write(what, output_dir, tmp):
+            os.makedirs(tmp)
     accelerator.wait_for_everyone()
-    os.makedirs(tmp, exist_ok=True)
-    torch.save(local, os.path.join(tmp, RANK_FILE.format(rank=accelerator.process_index)))
-    if write_shards is not None:
-        write_shards(tmp)
+    with _checkpoint_write(what, output_dir, tmp):
+        os.makedirs(tmp, exist_ok=True)
+        save_torch(local, os.path.join(tmp, RANK_FILE.format(rank=accelerator.process_index)))
+        if write_shards is not None:
+            write_shards(tmp)
     accelerator.wait_for_everyone()  # every process's file is in tmp
     if accelerator.is_main_process:
         meta = {**meta, "step": step, "world_size": accelerator.num_processes}
 
         def write() -> None:
-            torch.save(shared, os.path.join(tmp, SHARED_FILE))
-            with open(os.path.join(tmp, META_FILE), "w", encoding="utf-8") as f:
-                json.dump({**meta, "files": file_digests(tmp)}, f, indent=2)
-            publish_directory(tmp, path)
+            with _checkpoint_write(what, output_dir, tmp):
+                save_torch(shared, os.path.join(tmp, SHARED_FILE))
+                with open(os.path.join(tmp, META_FILE), "w", encoding="utf-8") as f:
+                    json.dump({**meta, "files": file_digests(tmp)}, f, indent=2)
+                publish_directory(tmp, path)
             prune_checkpoints(output_dir, keep)
             if then is not None:
                 then()

@@ -23,6 +23,7 @@ from rich.console import Console
 from rich.table import Table
 from transformers import PreTrainedTokenizerBase
 
+from lm_human_preference_details import files
 from lm_human_preference_details.data import QueryStream
 from lm_human_preference_details.kernels import logprobs_from_logits
 from lm_human_preference_details.labelers import Labeler, decode_without_pad
@@ -284,12 +285,8 @@ def markdown(report: dict) -> str:
 
 
 def write_text_atomic(path: str, text: str) -> None:
-    """Write `text` to `path` through a temporary file and a rename."""
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    tmp = f"{path}.tmp"
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write(text)
-    os.replace(tmp, path)
+    """Write `text` to `path` through a temporary file and a rename (`files.write_atomic`)."""
+    files.write_atomic(path, lambda f: f.write(text))
 
 
 def print_report(console: Console, report: dict) -> None:

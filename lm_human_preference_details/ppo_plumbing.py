@@ -397,9 +397,11 @@ def save_policy(
     args: PolicyArgs,
     output_dir: str,
     critic: SavedCritic | None = None,
+    what: str = "the policy",
 ) -> None:
     """Write the policy (AutoModelForCausalLM-loadable + value_head.safetensors), tokenizer and args.json, and a
-    separate critic in critic/; a failed save (e.g. disk full) leaves `output_dir` as it was."""
+    separate critic in critic/; a failed save (e.g. disk full) leaves `output_dir` as it was and raises WriteFailed
+    of `what`."""
 
     def write(path: str) -> None:
         if lora.peft_model_of(policy) is None:
@@ -411,7 +413,7 @@ def save_policy(
             critic.save(os.path.join(path, CRITIC_DIR))
         tracking.save_args(args, path)
 
-    validation.save_atomically(output_dir, write)
+    validation.save_atomically(output_dir, write, what, args.run.output_dir)
 
 
 RESUME_IGNORED = (
@@ -614,8 +616,9 @@ def save_checkpoint(
         def write_policies() -> None:
             save_policy(policy, tokenizer, args, args.run.output_dir, critic)
             if snapshot:
-                snapshot_dir = os.path.join(args.run.output_dir, "checkpoints", f"update{updates}")
-                save_policy(policy, tokenizer, args, snapshot_dir, critic)
+                name = os.path.join("checkpoints", f"update{updates}")
+                what = f"the policy's snapshot {name}"
+                save_policy(policy, tokenizer, args, os.path.join(args.run.output_dir, name), critic, what)
 
     write_shards = None
     if state.fsdp:

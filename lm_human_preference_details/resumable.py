@@ -25,11 +25,12 @@ from lm_human_preference_details.checkpoint import (
     damaged_message,
     list_checkpoints,
     load_training_state,
+    newest_checkpoint_intact,
     newest_intact_checkpoint,
     state_dir,
     step_dir,
 )
-from lm_human_preference_details.files import SAVING_MARKER, write_json_atomic
+from lm_human_preference_details.files import SAVING_MARKER, OutputError, WriteFailed, failed_write, write_json_atomic
 from lm_human_preference_details.output_claim import (
     MODEL_MARKERS,
     claim_output_dir,
@@ -37,7 +38,7 @@ from lm_human_preference_details.output_claim import (
     release_output_dir_locks,
 )
 from lm_human_preference_details.settings import RunSettings, recorded
-from lm_human_preference_details.tracking import Tracker, run_name
+from lm_human_preference_details.tracking import Tracker, abandon_open_trackers, run_name
 
 RESUME_IGNORED = (
     "exp_name",
@@ -257,8 +258,10 @@ def start_or_resume(
 
 
 def write_summary(output_dir: str, run_name: str, summary: dict[str, Any]) -> None:
-    """OUTPUT_DIR/summary.json, atomically: a run's result after its last save, tied to the run by its name."""
-    write_json_atomic(os.path.join(output_dir, SUMMARY_FILE), {"run_name": run_name, **summary})
+    """OUTPUT_DIR/summary.json, atomically: a run's result after its last save, tied to the run by its name; a write
+    that fails (disk full) leaves none and raises WriteFailed (--resume auto then saves the model and it again)."""
+    with failed_write(f"the run's summary ({SUMMARY_FILE})", output_dir):
+        write_json_atomic(os.path.join(output_dir, SUMMARY_FILE), {"run_name": run_name, **summary})
 
 
 def read_summary(output_dir: str) -> dict[str, Any] | None:
@@ -300,7 +303,8 @@ def check_not_behind_a_finished_run(output_dir: str, resumed: Resumed, total: in
 def one_run_per_output_dir(main: Callable[..., T]) -> Callable[..., T]:
     """Decorate a script's `main`: the output-directory lock that `start_or_resume` takes is released when `main`
     returns or raises (a process that calls `main` again, a test or a notebook, can then take it again), and so are
-    its loops (their signal handlers; a failed start's files)."""
+    its loops (their signal handlers; a failed start's files); a write that failed (files.WriteFailed) ends it with
+    the line that names the newest checkpoint and how to continue, its trackers closed quietly."""
 
     @functools.wraps(main)
     def locked_main(*args, **kwargs) -> T:
@@ -309,6 +313,12 @@ def one_run_per_output_dir(main: Callable[..., T]) -> Callable[..., T]:
             result = main(*args, **kwargs)
             failed = False
             return result
+        except WriteFailed as error:  # the final model's save, the tracker's logs after the loop
+            abandon_open_trackers()
+            raise error.stopped_run(newest_checkpoint_intact(error.output_dir)) from error
+        except OutputError:  # an output that could not be written, said in one line: the trackers say nothing more
+            abandon_open_trackers()
+            raise
         finally:
             while _active_loops:
                 _active_loops.pop().release(failed)
@@ -346,6 +356,10 @@ class CheckpointedLoop:
                 ...  # the step reduces loop.stop.flag(device) with its statistics: `stopping`, the same everywhere
                 loop.step_done(step + 1, stopping)
         loop.finish()
+
+    A write that fails in the loop (a checkpoint, the policy saved with it, the tracker's logs: files.WriteFailed)
+    ends the run with one line that names it, the newest checkpoint on disk and how to continue, once a checkpoint
+    still being written has ended (`reporting_failed_writes`; after the loop, `one_run_per_output_dir` says it).
     """
 
     def __init__(self, args: Any, world: int, ignored: Sequence[str], accelerator: Any, unit: str, total: int):
@@ -382,8 +396,20 @@ class CheckpointedLoop:
         """Catch Ctrl-C and SIGTERM while the loop runs; `save(steps)` writes the checkpoint after `steps` steps
         (through `saves`), `close` ends what the run opened (tracker, hooks) when it stops or finishes."""
         self._save, self._close = save, close
-        with self.stop:
+        with self.stop, self.reporting_failed_writes():
             yield self
+
+    @contextlib.contextmanager
+    def reporting_failed_writes(self) -> Iterator[None]:
+        """Within it, a write that failed (files.WriteFailed: disk full, say) becomes the run's one-line error: what
+        could not be written, what is left, the newest checkpoint on disk (once a checkpoint still being written has
+        ended, whole or removed) and how to continue."""
+        try:
+            yield
+        except WriteFailed as failed:
+            with contextlib.suppress(Exception):  # the failure reported is the first one
+                self.saves.wait()
+            raise failed.stopped_run(newest_checkpoint_intact(self.output_dir)) from failed
 
     def step_done(self, steps: int, stopping: bool) -> None:
         """After `steps` steps: raise a failed background save's error, write the checkpoint when it is due (every

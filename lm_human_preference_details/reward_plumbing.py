@@ -255,7 +255,7 @@ def save_reward_model(
         tokenizer.save_pretrained(output_dir)
         save_args(args, output_dir)
 
-    validation.save_atomically(args.run.output_dir, write)
+    validation.save_atomically(args.run.output_dir, write, "the reward model")
 
 
 def run_summary(reward_model: RewardModel, label_type: LabelType, heldout: int, evals, norms: dict) -> dict:

@@ -7,7 +7,6 @@ per step, and `check_finite_stats` names the tensor that went bad.
 """
 
 import dataclasses
-import errno
 import json
 import math
 import os
@@ -155,19 +154,26 @@ def check_writable_dir(directory: str, flag: str) -> None:
         ) from e
 
 
-def save_atomically(output_dir: str, write: Callable[[str], Any], flag: str = "--output_dir") -> None:
-    """Run `write(tmp)` into a fresh directory beside the outputs, then move its files into `output_dir`
-    (`files.atomic_files`): a failure (e.g. disk full) leaves `output_dir` as it was, with no partial file, and
-    raises OutputError naming `flag`."""
+def save_atomically(directory: str, write: Callable[[str], Any], what: str, output_dir: str | None = None) -> None:
+    """Run `write(tmp)` into a fresh directory beside the outputs, then move its files into `directory`
+    (`files.atomic_files`). A write that fails (e.g. disk full) deletes what it wrote and raises WriteFailed of `what`
+    in `output_dir` (default: `directory`), which says that `directory` is as it was (a failure before the first
+    rename, as a full disk's), or marked as an interrupted save (after it)."""
     try:
-        with files.atomic_files(output_dir) as tmp:
+        with files.atomic_files(directory) as tmp:
             write(tmp)
-    except OSError as e:
-        full = e.errno == errno.ENOSPC
-        raise OutputError(
-            f"could not save to {flag} '{output_dir}': {'disk full' if full else e.strerror or e}; the previous "
-            f"files there are unchanged. {'Free space' if full else 'Fix the directory'} or choose another {flag}."
-        ) from e
+    except files.WriteFailed:
+        raise
+    except BaseException as e:
+        cause = files.write_error(e, directory)
+        if cause is None:
+            raise
+        if os.path.exists(os.path.join(directory, files.SAVING_MARKER)):
+            marker = files.SAVING_MARKER
+            kept = f"'{directory}' is marked as a save that did not finish ({marker}), which loaders refuse"
+        else:
+            kept = f"'{directory}' is as it was before this save, with nothing partial left"
+        raise files.WriteFailed(what, output_dir or directory, cause, kept) from e
 
 
 # ---------------------------------------------------------------- the scripts' arguments

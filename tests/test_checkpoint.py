@@ -51,11 +51,11 @@ def gated_save(monkeypatch, gate: threading.Event, started: threading.Event):
     """torch.save in checkpoint.py, except that state.pt waits for `gate` (after setting `started`)."""
     real_save = torch.save
 
-    def save(obj, path, *args, **kwargs):
-        if os.path.basename(str(path)) == checkpoint.SHARED_FILE:
+    def save(obj, file, *args, **kwargs):  # checkpoint.py saves through file objects
+        if os.path.basename(file.name) == checkpoint.SHARED_FILE:
             started.set()
             assert gate.wait(30)
-        return real_save(obj, path, *args, **kwargs)
+        return real_save(obj, file, *args, **kwargs)
 
     monkeypatch.setattr(checkpoint.torch, "save", save)
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from evaluate import consumed_queries, held_out, main, parse, query_offset, run_normalization
-from lm_human_preference_details import files, tracking
+from lm_human_preference_details import cli, files, tracking
 from lm_human_preference_details.data import QueryStream
 from lm_human_preference_details.evaluation import (
     GOLD,
@@ -35,6 +35,7 @@ from lm_human_preference_details.settings import with_run
 from lm_human_preference_details.tasks import TaskHParams
 from lm_human_preference_details.tokenizer import load_tokenizer, tokenizer_fingerprint
 from tests.conftest import small_vocab_gpt2, tiny_gpt2
+from tests.full_disk import fill, small_filesystem
 from tests.planted import run_script, write_query_file
 from tests.test_train_policy import tiny_task
 from train_policy import Args as PolicyArgs
@@ -371,6 +372,27 @@ def test_bad_input_names_the_flag(tmp_path):
     with pytest.raises(FileNotFoundError, match="--checkpoints"):
         main(parse(["--checkpoints", str(tmp_path / "update*")]))
     assert not any(tmp_path.iterdir())  # nothing written
+
+
+def test_evaluate_on_a_full_disk_keeps_the_previous_results_and_says_so_in_one_line(tiny_run, tmp_path, capsys):
+    _, policy, _, _ = tiny_run
+    with small_filesystem(tmp_path / "disk", 1) as disk:
+        out = os.path.join(disk, "eval")
+        argv = ["--policy", policy, "--num_queries", "4", "--batch_size", "4", "--output_dir", out]
+        main(parse(argv))
+        before = {name: open(os.path.join(out, name), "rb").read() for name in sorted(os.listdir(out))}
+        fill(disk)
+        capsys.readouterr()
+        with pytest.raises(SystemExit) as stop:
+            cli.run(main, parse, [*argv, "--num_queries", "8"])
+        stdout, err = capsys.readouterr()
+        assert stop.value.code == 2 and "Traceback" not in err and "wrote" not in stdout
+        assert err.splitlines()[0] == (
+            f"error: disk full: could not write the evaluation's results.json, results.md in --output_dir '{out}'; "
+            f"'{out}' is as it was before this save, with nothing partial left. Free space there, then run the same "
+            "command again."
+        )
+        assert {name: open(os.path.join(out, name), "rb").read() for name in sorted(os.listdir(out))} == before
 
 
 @pytest.mark.slow

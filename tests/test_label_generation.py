@@ -33,6 +33,7 @@ from lm_human_preference_details.modeling import (
 from lm_human_preference_details.tokenizer import gpt2_tokenizer_offline
 from tests import archs
 from tests.conftest import tiny_gpt2
+from tests.full_disk import fill, small_filesystem
 from tests.planted import REPO, books_task, run_script
 from tests.test_labelers import make_reward_model_dir
 
@@ -427,6 +428,25 @@ def test_generate_stops_with_the_filter_flags_when_responses_never_pass(world, t
     for flag in ("--task.truncate_token 13", "--task.truncate_after 4", "--task.response_length 8"):
         assert flag in message
     assert "no rows were written" in message and not output.exists()
+
+
+def test_generate_on_a_full_disk_stops_with_one_line_and_a_rerun_continues(world, tmp_path, capsys):
+    with small_filesystem(tmp_path / "disk", 1) as disk:
+        output = os.path.join(disk, "labels.json")
+        common = ["--labeler", "vader", "--num_labels", "2", "--batch_size", "4", "--num_queries", "8"]
+        flags = generate_flags(world, output, *common)
+        filler = fill(disk)
+        with pytest.raises(SystemExit) as stop:
+            cli.run(label_generation.main, label_generation.parse, flags)
+        errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+        assert stop.value.code == 2 and errors == [
+            f"error: could not write '{output}' (label file): disk full; it is unchanged. Free space or fix it. Then "
+            "run the same command again: it continues from the rows saved."
+        ]
+        assert os.listdir(disk) == ["filler"]  # nothing partial
+        os.remove(filler)
+        run_label_generation(flags)
+        assert len(read_rows(output)) == 8 and read_meta(output)["complete"]
 
 
 def test_generate_pass_rate_bound_keeps_the_rows_and_a_rerun_continues(world, tmp_path):

@@ -294,18 +294,18 @@ def test_failed_checkpoint_write_leaves_the_previous_one_whole(finished_run, tmp
     before = {name: (step2 / name).read_bytes() for name in ("state.pt", "checkpoint.json")}
     real_save = torch.save
 
-    def failing_save(obj, path, *args, **kwargs):
-        if os.path.basename(str(path)) == "state.pt":
+    def failing_save(obj, file, *args, **kwargs):
+        if os.path.basename(file.name) == "state.pt":
             raise OSError(28, "No space left on device")
-        return real_save(obj, path, *args, **kwargs)
+        return real_save(obj, file, *args, **kwargs)
 
-    # checkpoint 2 written again, failing after the per-process file: step2 stays as it was, no partial step dir
+    # checkpoint 2 written again, failing after the per-process file: step2 stays as it was, nothing partial is left
     monkeypatch.setattr(checkpoint.torch, "save", failing_save)
     accelerator = train_policy.distributed.make_accelerator()
-    with pytest.raises(OSError, match="No space left"):
+    with pytest.raises(files.WriteFailed, match="disk full: could not write checkpoint training_state/step2"):
         checkpoint.save_training_state(str(run_dir), 2, accelerator, {"settings": {}}, {"x": 1}, {"y": 2}, keep=2)
     assert {name: (step2 / name).read_bytes() for name in before} == before
-    assert sorted(os.listdir(run_dir / "training_state")) == [".step2.partial", "step1", "step2"]
+    assert sorted(os.listdir(run_dir / "training_state")) == ["step1", "step2"]
     assert checkpoint.load_training_state(checkpoint.latest_checkpoint(str(run_dir)), 0).step == 2
     monkeypatch.undo()
 

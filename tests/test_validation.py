@@ -15,7 +15,7 @@ import evaluate
 import label_generation
 import train_policy
 import train_reward
-from lm_human_preference_details import ppo_plumbing, validation
+from lm_human_preference_details import files, ppo_plumbing, validation
 from lm_human_preference_details.data import QueryStream, load_texts
 from lm_human_preference_details.labels import labels_meta_path, save_labels
 from lm_human_preference_details.modeling import PolicyWithValueHead, RewardModel, check_model_dir, load_causal_lm
@@ -344,7 +344,7 @@ def test_disk_full_while_saving_leaves_the_previous_save_and_nothing_partial(tmp
     monkeypatch.setattr(modeling, "save_file", full_disk)
     with torch.no_grad():
         policy.value_head.bias.fill_(1.0)
-    with pytest.raises(validation.OutputError, match="disk full; the previous files there are unchanged"):
+    with pytest.raises(files.WriteFailed, match="disk full: could not write the policy .* as it was before this save"):
         ppo_plumbing.save_policy(policy, tokenizer, args, str(tmp_path))
     assert tree(tmp_path) == before
 

@@ -166,7 +166,7 @@ def save_model(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, args:
         saved_tokenizer.save_pretrained(output_dir)
         save_args(args, output_dir)
 
-    validation.save_atomically(args.run.output_dir, write)
+    validation.save_atomically(args.run.output_dir, write, "the fine-tuned model")
 
 
 def print_summary(
