@@ -914,6 +914,15 @@ BREAKAGES = [
         ["tests/test_train_reward.py::test_presets_follow_oai_launch"],
     ),
     Breakage(
+        "TRL-switch-population-variance",
+        "N22",
+        "the trl_tldr preset whitens with the population variance (TRL divides by n - 1)",
+        "lm_human_preference_details/presets.py",
+        '"ppo.whiten_variance": "unbiased",',
+        '"ppo.whiten_variance": "population",',
+        ["tests/test_trl_parity.py::test_one_update_of_the_trl_switch_equals_trls"],
+    ),
+    Breakage(
         "LG-untruncated-labels",
         "LG",
         "generated label rows hold the untruncated responses",
