@@ -158,13 +158,12 @@ class Args:
     """pretrained causal LM, hub id or local directory (OAI: GPT-2 124M): the policy and the reference policy start
     from it"""
     use_tensorflow_adam: bool = True
-    """TF1 Adam as OAI (epsilon added after bias correction); off: torch.optim.Adam with the same --eps"""
+    """TF1 Adam as OAI (epsilon added after bias correction); off: torch.optim.Adam with the same epsilon"""
     weight_decay: float = 0.0
     """with --no_use_tensorflow_adam: torch.optim.AdamW's decoupled weight decay (the successor recipe uses AdamW's
     default 0.01, eps 1e-5); 0: no decay, as OAI (the TF1 Adam refuses any other value)"""
     eps: float = 1e-5
-    """Adam's epsilon, of the TF1 Adam and of torch's Adam or AdamW alike: OAI and the successor recipe use 1e-5,
-    TRL 1e-8 (transformers' adam_epsilon)"""
+    """Adam's epsilon: 1e-5 as OAI and the successor recipe (nplus N8); TRL uses 1e-8 (transformers' adam_epsilon)"""
     task_id: tyro.conf.Suppress[str] = "sentiment"
     """name of the --task preset these settings started from (recorded in the run config)"""
     task: tasks.TaskHParams = field(default_factory=lambda: dataclasses.replace(tasks.TASKS["sentiment"]))
