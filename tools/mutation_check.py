@@ -2295,7 +2295,7 @@ BREAKAGES = [
         "rewards, ~self.after_value_end, shift_mean=False, group_size=whiten_group, correction=correction",
         "rewards, torch.ones_like(self.after_value_end), shift_mean=False, group_size=whiten_group, "
         "correction=correction",
-        [EOS_TESTS + "test_masked_advantages_match_per_row_loops[True]"],
+        [EOS_TESTS + "test_masked_advantages_match_per_row_loops[True-0]"],
     ),
     Breakage(
         "N22-masked-variance-unbiased",
