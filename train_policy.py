@@ -120,8 +120,17 @@ class PpoHParams:
     """GAE lambda (CleanRL: gae_lambda)"""
     whiten_rewards: bool = True
     """whiten per-token rewards (population moments, mean kept) per minibatch before GAE (OAI train_policy.py#L324)"""
+    whiten_variance: Literal["population", "unbiased"] = "population"
+    """the variance that whitens rewards and advantages: population (divided by n: OAI's tf.nn.moments, the successor
+    recipe's) or unbiased (by n - 1: TRL's masked_whiten, for rewards and advantages alike)"""
     gradient_accumulation_steps: int = 1
-    """micro-batches per process and minibatch (backward passes per optimizer step); the update does not depend on it"""
+    """micro-batches per process and minibatch (backward passes per optimizer step); the update does not depend on it
+    (unless --ppo.loss_means micro_batch)"""
+    loss_means: Literal["minibatch", "micro_batch"] = "minibatch"
+    """with --task.end_at_eos, the token means of the policy and value losses and clip fractions: minibatch = over the
+    tokens of the process's whole minibatch, so --ppo.gradient_accumulation_steps does not change the update;
+    micro_batch = over each micro-batch's tokens, the minibatch's loss the mean of its micro-batches' (the successor
+    recipe's and TRL's code); OAI's fixed-length episodes give both the same"""
     whiten_group_size: int | None = None
     """episodes per virtual rank, a fixed share of the process's batch that permutes, cuts and whitens its own
     minibatches like one of OAI's ranks; None: batch_size / 8, OAI's 8 ranks on any number of processes (the whole
@@ -132,6 +141,9 @@ class PpoHParams:
     model of --rewards.trained_model (values start as its normalized score, the N+ recipe's choice); `policy`, a copy
     of --base_model's trunk with a zero head; or DIR, a reward model (train_reward.py) or a critic a run saved
     (OUTPUT_DIR/critic). The critic is saved to OUTPUT_DIR/critic (docs/nplus.md#critic)"""
+    value_head_bias: bool = True
+    """train the bias of the value function's head (OAI's value head, or the critic's); off: the bias stays at its
+    initial value, 0 for a new head: a head without bias, as TRL's value model (its `score` layer has none)"""
 
 
 @dataclass(slots=True)  # a misspelt field is an AttributeError, not a new attribute
@@ -146,10 +158,12 @@ class Args:
     """pretrained causal LM, hub id or local directory (OAI: GPT-2 124M): the policy and the reference policy start
     from it"""
     use_tensorflow_adam: bool = True
-    """TF1 Adam as OAI (epsilon added after bias correction); off: torch.optim.Adam with the same eps 1e-5"""
+    """TF1 Adam as OAI (epsilon added after bias correction); off: torch.optim.Adam with the same epsilon"""
     weight_decay: float = 0.0
     """with --no_use_tensorflow_adam: torch.optim.AdamW's decoupled weight decay (the successor recipe uses AdamW's
     default 0.01, eps 1e-5); 0: no decay, as OAI (the TF1 Adam refuses any other value)"""
+    eps: float = 1e-5
+    """Adam's epsilon: 1e-5 as OAI and the successor recipe (nplus N8); TRL uses 1e-8 (transformers' adam_epsilon)"""
     task_id: tyro.conf.Suppress[str] = "sentiment"
     """name of the --task preset these settings started from (recorded in the run config)"""
     task: tasks.TaskHParams = field(default_factory=lambda: dataclasses.replace(tasks.TASKS["sentiment"]))
@@ -367,17 +381,20 @@ def compute_rewards(
     return rewards, non_score_reward, kl
 
 
-def whiten(values: torch.Tensor, shift_mean: bool = True, group_size: int | None = None) -> torch.Tensor:
+def whiten(
+    values: torch.Tensor, shift_mean: bool = True, group_size: int | None = None, correction: int = 0
+) -> torch.Tensor:
     """(x - mean) / sqrt(var + 1e-8) over all elements of each group of `group_size` rows (None: one group of all rows).
 
     The mean is added back when shift_mean is False. Groups stand for OAI's ranks when fewer processes run the same
-    batch ("virtual ranks", spec D4): OAI whitens each rank's tensor on its own.
+    batch ("virtual ranks", spec D4): OAI whitens each rank's tensor on its own. `correction`: the variance divides
+    the squared deviations by N - correction (torch.var's argument; 0: OAI's population variance).
     """
     # TF-PARITY: tf.nn.moments gives the population variance (divide by N, not N - 1)
     # https://github.com/openai/lm-human-preferences/blob/cbfd210bb8b08f6bc5c26878c10984b90f516c66/lm_human_preferences/utils/core.py#L336-L341
     groups = values.reshape(-1, group_size or values.shape[0], *values.shape[1:])  # (G, group_size, ...)
     dims = tuple(range(1, groups.dim()))
-    var, mean = torch.var_mean(groups, dim=dims, correction=0, keepdim=True)
+    var, mean = torch.var_mean(groups, dim=dims, correction=correction, keepdim=True)
     whitened = (groups - mean) * torch.rsqrt(var + 1e-8)
     if not shift_mean:
         whitened = whitened + mean
@@ -407,10 +424,18 @@ def minibatch_advantages(
     """(Whitened) rewards, whitened GAE advantages and returns of one minibatch, each virtual rank's rows apart."""
     # reward whitening and GAE run per minibatch, inside OAI's loss (spec P5, P6), on each rank's own rows (D4)
     # https://github.com/openai/lm-human-preferences/blob/cbfd210bb8b08f6bc5c26878c10984b90f516c66/lm_human_preferences/train_policy.py#L324-L339
+    correction = whiten_correction(ppo)
     if ppo.whiten_rewards:
-        rewards = whiten(rewards, shift_mean=False, group_size=whiten_group)
+        rewards = whiten(rewards, shift_mean=False, group_size=whiten_group, correction=correction)
     advantages, returns = compute_advantages(rewards, values, ppo.gamma, ppo.lam)
-    return rewards, whiten(advantages, group_size=whiten_group), returns
+    return rewards, whiten(advantages, group_size=whiten_group, correction=correction), returns
+
+
+def whiten_correction(ppo: PpoHParams) -> int:
+    """What the whitening variance subtracts from the element count (--ppo.whiten_variance): 0 for the population
+    variance (OAI), 1 for the unbiased one (TRL's masked_whiten)."""
+    # https://github.com/huggingface/trl/blob/617406a4e69551c115c145114497999618d24f3c/trl/experimental/ppo/ppo_trainer.py#L254-L270
+    return 1 if ppo.whiten_variance == "unbiased" else 0
 
 
 def ppo_losses(
@@ -519,6 +544,7 @@ def ppo_update(
                     ppo.lam,
                     sizes.whiten_group,
                     compute_advantages,
+                    whiten_correction(ppo),
                 )
             stats.add_minibatch(mb_returns, mb_values, mb_advantages, sizes.virtual_ranks)
             for micro_start in range(0, sizes.minibatch, sizes.micro):
@@ -542,7 +568,7 @@ def ppo_update(
                         # https://github.com/vwxyzjn/summarize_from_feedback_details/blob/ee77a9abc31f5338365ee087945c5bcafac7f1ca/summarize_from_feedback_details/ppo.py#L736-L738
                         micro_masks = mb_masks.rows(micro)
                         new_logprobs, vpred = micro_masks.invalidate(new_logprobs), micro_masks.zero_values(vpred)
-                        loss_means = mb_masks.loss_means(micro, accum)
+                        loss_means = mb_masks.loss_means(micro, accum, ppo.loss_means == "micro_batch")
                         means = {"policy_mean": loss_means.policy_mean, "value_mean": loss_means.value_mean}
                     losses = ppo_losses(
                         new_logprobs,
@@ -760,6 +786,11 @@ def main(args: Args) -> list[dict[str, float]]:
     if critic is not None:
         modeling.reduce_training_memory(critic, args.run.gradient_checkpointing, args.run.bf16)
         learner = nplus_critic.PolicyWithCritic(policy, critic)
+    if not ppo.value_head_bias:  # the value head's bias stays as it starts (0: no bias, as TRL's value model)
+        # TRL's values are its value model's `score` layer, a Linear without bias in transformers' classifiers
+        # https://github.com/huggingface/trl/blob/617406a4e69551c115c145114497999618d24f3c/trl/experimental/ppo/ppo_trainer.py#L292-L295
+        # https://github.com/huggingface/transformers/blob/v5.24.0/src/transformers/models/gpt2/modeling_gpt2.py#L865
+        (critic.head if critic is not None else policy.value_head).bias.requires_grad_(False)
     gold = args.rewards.gold_model  # a held-out judge of every rollout that never trains the policy
     gold_labeler = labelers.load_labeler(gold, tokenizer, pad_id, device, flag="--rewards.gold_model") if gold else None
     ppo_plumbing.check_judge_tasks(args, reward, gold_labeler, accelerator.print)  # vader judging descriptiveness
@@ -772,7 +803,9 @@ def main(args: Args) -> list[dict[str, float]]:
     # read after sharding: --fsdp replaces the parameters with their shards (DTensors)
     critic_params = list(critic.parameters()) if critic is not None else []  # one optimizer for both (nplus N16)
     params = list(policy.parameters())
-    optimizer = optim.make_optimizer(params + critic_params, ppo.lr, args.use_tensorflow_adam, args.weight_decay)
+    optimizer = optim.make_optimizer(
+        params + critic_params, ppo.lr, args.use_tensorflow_adam, args.weight_decay, args.eps
+    )
     params += critic_params  # the non-finite weights guard covers the critic too
     kl_ctl = make_kl_controller(args.rewards)
     texts = data.load_texts(task.query_dataset, task.query_split)

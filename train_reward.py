@@ -111,7 +111,7 @@ class Args:
     normalize_after: bool = True
     """set gain/bias again after training (OAI launch.py#L77)"""
     use_tensorflow_adam: bool = True
-    """TF1 Adam as OAI (epsilon added after bias correction); off: torch.optim.Adam with the same eps 1e-5"""
+    """TF1 Adam as OAI (epsilon added after bias correction); off: torch.optim.Adam with the same epsilon"""
     weight_decay: float = 0.0
     """with --no_use_tensorflow_adam: torch.optim.AdamW's decoupled weight decay (the successor recipe uses AdamW's
     default 0.01, eps 1e-5); 0: no decay, as OAI (the TF1 Adam refuses any other value)"""

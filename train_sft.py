@@ -72,7 +72,7 @@ class Args:
     lr: float = 3e-6
     """AdamW learning rate at the first step, annealed to 0 on a cosine without warm-up (nplus N8)"""
     eps: float = 1e-5
-    """AdamW epsilon (nplus N8)"""
+    """Adam's epsilon: 1e-5 as OAI and the successor recipe (nplus N8); TRL uses 1e-8 (transformers' adam_epsilon)"""
     weight_decay: float = 0.01
     """AdamW's decoupled weight decay (torch's default, which N+ kept, nplus N8)"""
     eval_interval: int = 0

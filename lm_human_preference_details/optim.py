@@ -124,19 +124,30 @@ def check_weight_decay(weight_decay: float, use_tensorflow_adam: bool) -> None:
         )
 
 
+def check_eps(eps: float) -> None:
+    """ValueError unless --eps is a finite number > 0."""
+    if isinstance(eps, bool) or not (isinstance(eps, (int, float)) and math.isfinite(eps) and eps > 0):
+        raise ValueError(f"--eps must be a finite number > 0, got {eps!r}; OAI uses 1e-5, TRL 1e-8.")
+
+
 def make_optimizer(
-    params: list[torch.nn.Parameter], lr: float, use_tensorflow_adam: bool, weight_decay: float = 0.0
+    params: list[torch.nn.Parameter],
+    lr: float,
+    use_tensorflow_adam: bool,
+    weight_decay: float = 0.0,
+    eps: float = 1e-5,
 ) -> torch.optim.Optimizer:
     """OAI's optimizer, TF1-style Adam with eps 1e-5 (spec O1-O3); or torch.optim.Adam with the same eps (ablation);
     with a `weight_decay` (not OAI's), torch.optim.AdamW with eps 1e-5 and that decoupled decay (nplus N8: the
-    successor recipe's AdamW, weight decay 0.01). Frozen parameters (requires_grad off: LoRA's base weights) get no
-    optimizer state."""
+    successor recipe's AdamW, weight decay 0.01). `eps`: another epsilon for any of them (TRL's AdamW: 1e-8). Frozen
+    parameters (requires_grad off: LoRA's base weights) get no optimizer state."""
     check_weight_decay(weight_decay, use_tensorflow_adam)
+    check_eps(eps)
     # https://github.com/openai/lm-human-preferences/blob/cbfd210bb8b08f6bc5c26878c10984b90f516c66/lm_human_preferences/utils/core.py#L621-L629
     optimizer_class = AdamTensorFlowStyle if use_tensorflow_adam else torch.optim.Adam
     params = [p for p in params if p.requires_grad]  # frozen ones (LoRA's base weights) get no state
     if weight_decay:
         # p <- p * (1 - lr * weight_decay), then Adam's step (nplus N8)
         # https://github.com/vwxyzjn/summarize_from_feedback_details/blob/ee77a9abc31f5338365ee087945c5bcafac7f1ca/summarize_from_feedback_details/ppo.py#L497-L500
-        return torch.optim.AdamW(params, lr=lr, eps=1e-5, weight_decay=weight_decay)
-    return optimizer_class(params, lr=lr, eps=1e-5)
+        return torch.optim.AdamW(params, lr=lr, eps=eps, weight_decay=weight_decay)
+    return optimizer_class(params, lr=lr, eps=eps)

@@ -185,9 +185,12 @@ class PpoFlags(Protocol):
     gamma: float
     lam: float
     whiten_rewards: bool
+    whiten_variance: str
     gradient_accumulation_steps: int
+    loss_means: str
     whiten_group_size: int | None
     value_model: str | None
+    value_head_bias: bool
 
 
 class PolicyArgs(Protocol):
@@ -198,6 +201,7 @@ class PolicyArgs(Protocol):
     base_model: str
     use_tensorflow_adam: bool
     weight_decay: float
+    eps: float
     task_id: str
     task: TaskHParams
     lora: LoraHParams

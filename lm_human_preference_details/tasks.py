@@ -121,6 +121,7 @@ TASK_GOALS: dict[str, str] = {
     "tldr": "summary quality",
     "cnndm": "summary quality",
     "nplus_tldr": "summary quality",
+    "trl_tldr": "summary quality",
 }
 """what the judges of each --task measure: continuations of positive sentiment or of physically descriptive language,
 summaries of Reddit posts or news articles (Ziegler et al. 2019, arXiv:1909.08593, sections 3.1 and 3.2); a judge that

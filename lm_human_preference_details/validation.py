@@ -30,7 +30,7 @@ from lm_human_preference_details.modeling import (
     REWARD_TRUNK_DIR,
     check_model_dir,
 )
-from lm_human_preference_details.optim import check_weight_decay
+from lm_human_preference_details.optim import check_eps, check_weight_decay
 from lm_human_preference_details.prompts import query_dataset_path
 from lm_human_preference_details.rewards import (
     check_reward_source,
@@ -244,6 +244,7 @@ def check_policy_args(args: PolicyArgs) -> None:
         check_at_least(ppo.whiten_group_size, 0, "--ppo.whiten_group_size", fix)
     check_positive(ppo.lr, "--ppo.lr", "OAI uses 1e-5 (books) or 2e-6 (tldr, cnndm)")
     check_weight_decay(args.weight_decay, args.use_tensorflow_adam)
+    check_eps(args.eps)
     check_non_negative(ppo.cliprange, "--ppo.cliprange", "OAI uses 0.2")
     check_non_negative(ppo.cliprange_value, "--ppo.cliprange_value", "OAI uses 0.2")
     check_non_negative(ppo.vf_coef, "--ppo.vf_coef", "OAI uses 0.1")

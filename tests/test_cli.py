@@ -69,11 +69,14 @@ def test_piped_console_is_wide():
 
 def test_every_script_uses_the_same_task_presets():
     for presets in (train_policy.task_presets(), train_reward.task_presets()):
-        assert list(presets) == ["sentiment", "descriptiveness", "tldr", "cnndm", "nplus_tldr"]
+        assert list(presets) == ["sentiment", "descriptiveness", "tldr", "cnndm", "nplus_tldr", "trl_tldr"]
         assert all(args.task_id == name for name, args in presets.items())
     # the successor recipe's preset: the same task in both training scripts, so its reward model fits its policy
     policy, reward = train_policy.parse(["--task", "nplus_tldr"]), train_reward.parse(["--task", "nplus_tldr"])
     assert policy.task == reward.task and policy.task.end_at_eos and policy.task_id == reward.task_id == "nplus_tldr"
+    # TRL's switch: the same task in both scripts, with TRL's subtracted missing-EOS penalty
+    trl_policy, trl_reward = train_policy.parse(["--task", "trl_tldr"]), train_reward.parse(["--task", "trl_tldr"])
+    assert trl_policy.task == trl_reward.task and trl_policy.task.penalty_mode == "subtract"
     assert list(label_generation.oai_presets()) == ["sentiment", "descriptiveness", "tldr", "cnndm"]
     assert train_policy.parse(["--task", "cnndm"]).task.temperature == 0.5
     assert train_reward.parse(["--task", "cnndm"]).task.temperature == 0.5
@@ -92,7 +95,7 @@ def test_help_shows_a_usage_example_the_task_flag_and_dry_run(script):
     assert result.returncode == 0
     text = " ".join(result.stdout.split())
     tasks = "sentiment,descriptiveness,tldr,cnndm" + (
-        ",nplus_tldr" if script in ("train_reward.py", "train_policy.py") else ""
+        ",nplus_tldr,trl_tldr" if script in ("train_reward.py", "train_policy.py") else ""
     )
     assert f"--task {{{tasks}}}" in text
     assert f"{script} {'generate ' if script == 'label_generation.py' else ''}--task" in text  # a usage example
@@ -115,7 +118,8 @@ def test_help_keeps_the_usage_lines_and_lists_task_among_the_options(module, cap
     options = lines[next(i for i, line in enumerate(lines) if line.startswith("-h, --help")) :]
     flags = [line.split()[0] for line in options if line.startswith("--")]
     assert flags[:3] == ["--task", "--debug", "--seed"], flags[:3]
-    tasks = "--task {sentiment,descriptiveness,tldr,cnndm,nplus_tldr}"  # OAI's experiments, then the successor recipe's
+    # OAI's experiments, then the successor recipe's and TRL's
+    tasks = "--task {sentiment,descriptiveness,tldr,cnndm,nplus_tldr,trl_tldr}"
     assert tasks in options and "(default: sentiment)" in " ".join(options)
 
 

@@ -188,6 +188,7 @@ NPLUS_REPOS = {
         "14ef1aba152fddbc5a58f3a8a712b6e509e7e69d",
         "55f5433e15cc6203d3c731f9de5247b00878bebd",
         "46d09bd2408f17605409fb3ee8ba12705add7faa",
+        "617406a4e69551c115c145114497999618d24f3c",  # v0.29.1, whose update the trl_tldr preset matches
     ),
     "openai/summarize-from-feedback": "700967448d10004279f138666442bf1497d0e705",
 }

@@ -22,6 +22,7 @@ from lm_human_preference_details.labelers import (
     sentiment_measured,
 )
 from lm_human_preference_details.modeling import RewardModel
+from lm_human_preference_details.presets import POLICY
 from lm_human_preference_details.tasks import NPLUS_TASKS, TASK_GOALS, TASKS
 from lm_human_preference_details.tokenizer import gpt2_tokenizer_offline, tokenizer_fingerprint
 
@@ -235,7 +236,7 @@ def test_each_judge_says_what_it_measures_and_a_judge_of_another_task_is_named(
     classifier_dir, tiny_model_dir, tokenizer, tmp_path
 ):
     # vader judging a descriptiveness policy scored it without a word that VADER measures sentiment
-    assert set(TASK_GOALS) == set(TASKS) | set(NPLUS_TASKS)  # every --task says what its judges measure
+    assert set(TASK_GOALS) == set(TASKS) | set(NPLUS_TASKS) | {"trl_tldr"} == set(POLICY)  # every --task says it
     pad = tokenizer.pad_token_id
     vader = load_labeler("vader", tokenizer, pad, "cpu")
     positive = load_labeler(f"classifier:{classifier_dir}#POSITIVE", tokenizer, pad, "cpu")

@@ -181,18 +181,19 @@ def test_default_rewards_are_oais_float_for_float():
 # ---------------------------------------------------------------- N22, N23: whitening and GAE
 
 
-def np_masked_whiten(x: np.ndarray, keep: np.ndarray, shift_mean: bool) -> np.ndarray:
+def np_masked_whiten(x: np.ndarray, keep: np.ndarray, shift_mean: bool, ddof: int = 0) -> np.ndarray:
     values = x[keep]
-    mean, var = values.mean(), values.var()
+    mean, var = values.mean(), values.var(ddof=ddof)
     out = (x - mean) / np.sqrt(var + 1e-8)
     return out if shift_mean else out + mean
 
 
-@pytest.mark.parametrize("whiten_rewards", [True, False])
-def test_masked_advantages_match_per_row_loops(whiten_rewards):
+@pytest.mark.parametrize(("whiten_rewards", "correction"), [(True, 0), (False, 0), (True, 1)])
+def test_masked_advantages_match_per_row_loops(whiten_rewards, correction):
     # nplus N22, N23: rewards whitened over t <= s + 1 (mean kept) and 0 after; GAE backwards over all L positions with
     # the values 0 after s + 1; returns from the unwhitened advantages; advantages whitened over t <= s (mean shifted)
-    # and 0 after; each whitening group of 4 rows apart
+    # and 0 after; each whitening group of 4 rows apart; the variance over n (the recipe's) or n - 1 (correction 1,
+    # TRL's masked_whiten with unbiased=True, for both)
     generator = torch.Generator().manual_seed(4)
     masks = ResponseMasks.of(truncate_response(eos_responses(), EOS, 0, PAD), EOS)
     # as compute_rewards leaves them: no KL after s, the score at s + 1, nothing after
@@ -201,7 +202,7 @@ def test_masked_advantages_match_per_row_loops(whiten_rewards):
     values = masks.zero_values(torch.randn(len(FIRST_EOS), L, generator=generator, dtype=torch.float64))
     ppo = dataclasses.replace(train_policy.PpoHParams(), whiten_rewards=whiten_rewards, gamma=0.9, lam=0.8)
     out_rewards, advantages, returns = masks.minibatch_advantages(
-        rewards_, values, ppo.whiten_rewards, ppo.gamma, ppo.lam, 4, train_policy.compute_advantages
+        rewards_, values, ppo.whiten_rewards, ppo.gamma, ppo.lam, 4, train_policy.compute_advantages, correction
     )
     ends = masks.ends.tolist()
     r, v = rewards_.numpy(), values.numpy()
@@ -210,7 +211,7 @@ def test_masked_advantages_match_per_row_loops(whiten_rewards):
     expected_rewards = r.copy()
     for g in (slice(0, 4), slice(4, 8)):
         if whiten_rewards:
-            expected_rewards[g] = np_masked_whiten(r[g], keep_value[g], shift_mean=False)
+            expected_rewards[g] = np_masked_whiten(r[g], keep_value[g], shift_mean=False, ddof=correction)
     if whiten_rewards:
         expected_rewards[~keep_value] = 0.0
     expected_adv = np.zeros_like(r)
@@ -223,7 +224,7 @@ def test_masked_advantages_match_per_row_loops(whiten_rewards):
     expected_returns = expected_adv + v
     whitened = np.zeros_like(r)
     for g in (slice(0, 4), slice(4, 8)):
-        whitened[g] = np_masked_whiten(expected_adv[g], keep_policy[g], shift_mean=True)
+        whitened[g] = np_masked_whiten(expected_adv[g], keep_policy[g], shift_mean=True, ddof=correction)
     whitened[~keep_policy] = 0.0
     np.testing.assert_allclose(out_rewards.numpy(), expected_rewards, atol=1e-10)
     np.testing.assert_allclose(returns.numpy(), expected_returns, atol=1e-10)
@@ -241,6 +242,26 @@ def test_default_advantages_are_oais_float_for_float():
     advantages, returns = train_policy.compute_advantages(whitened, values, ppo.gamma, ppo.lam)
     assert torch.equal(out[0], whitened) and torch.equal(out[2], returns)
     assert torch.equal(out[1], train_policy.whiten(advantages, group_size=4))
+
+
+@pytest.mark.parametrize("per_micro_batch", [False, True])
+def test_loss_means_over_the_minibatch_or_each_micro_batch(per_micro_batch):
+    # --ppo.loss_means: each micro-batch's share of the minibatch's token mean (the update does not depend on the
+    # micro-batches), or the mean over the micro-batch's own tokens (the successor recipe's and TRL's code)
+    masks = ResponseMasks.of(truncate_response(eos_responses(), EOS, 0, PAD), EOS)
+    x = torch.randn(len(FIRST_EOS), L, generator=torch.Generator().manual_seed(7), dtype=torch.float64)
+    keep_policy, keep_value = ~masks.after_end, ~masks.after_value_end
+    halves = (slice(0, 4), slice(4, 8))
+    for micro in halves:
+        means = masks.loss_means(micro, 2, per_micro_batch)
+        policy, value = means.policy_mean(x[micro]).item(), means.value_mean(x[micro]).item()
+        if per_micro_batch:
+            assert policy == pytest.approx(x[micro][keep_policy[micro]].mean().item(), rel=1e-12)
+            assert value == pytest.approx(x[micro][keep_value[micro]].mean().item(), rel=1e-12)
+        else:
+            assert policy == pytest.approx(x[micro][keep_policy[micro]].sum().item() * 2 / keep_policy.sum().item())
+            assert value == pytest.approx(x[micro][keep_value[micro]].sum().item() * 2 / keep_value.sum().item())
+    assert keep_policy[halves[0]].sum() != keep_policy[halves[1]].sum()  # the two means differ
 
 
 # ---------------------------------------------------------------- N20, N24: the PPO update's masked losses

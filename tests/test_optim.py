@@ -301,6 +301,47 @@ def test_train_policy_weight_decay_gives_adamw_over_the_trained_parameters(tmp_p
     assert sum(p.numel() for g in optimizer.param_groups for p in g["params"]) > 10_000  # the policy and its value head
 
 
+@pytest.mark.parametrize(("use_tensorflow_adam", "weight_decay"), [(True, 0.0), (False, 0.0), (False, 0.01)])
+def test_make_optimizer_eps_is_the_epsilon_of_every_optimizer(use_tensorflow_adam, weight_decay):
+    # --eps reaches TF1 Adam, torch Adam and AdamW alike; a tiny gradient (1e-6, next to eps 1e-5) makes it matter
+    grads = [g * 1e-6 for g in grad_schedule(5)]
+    p0 = np.random.default_rng(6).normal(size=16)
+    kwargs = dict(use_tensorflow_adam=use_tensorflow_adam, weight_decay=weight_decay)
+    oai, _ = make_optimizer_run(p0, grads, 1e-3, **kwargs)
+    trl, optimizer = make_optimizer_run(p0, grads, 1e-3, eps=1e-8, **kwargs)
+    assert optimizer.defaults["eps"] == 1e-8
+    assert np.abs(trl - oai).max() > 1e-4
+
+
+@pytest.mark.parametrize("eps", [0.0, -1e-8, float("nan"), float("inf")])
+def test_make_optimizer_rejects_an_eps_that_is_not_a_number_above_zero(eps):
+    with pytest.raises(ValueError, match=r"^--eps must be a finite number > 0"):
+        make_optimizer([torch.nn.Parameter(torch.zeros(1))], 1e-3, False, eps=eps)
+
+
+@pytest.mark.parametrize("trl", [False, True])
+def test_train_policy_eps_and_value_head_bias_reach_the_optimizer(trl, tmp_path, tiny_model_dir, monkeypatch):
+    # by default Adam's eps is OAI's 1e-5 and the value head's bias trains; --eps 1e-8 --ppo.no_value_head_bias (the
+    # trl_tldr preset's) give the optimizer TRL's epsilon and leave the bias out of it, at 0
+    queries = write_queries(tmp_path / "queries.txt")
+    reward = save_reward_model(tmp_path / "reward", tiny_model_dir, tiny_task(queries))
+    args = tiny_args(tmp_path / "policy", tiny_model_dir, reward, queries)
+    if trl:
+        args.eps, args.ppo.value_head_bias = 1e-8, False
+    built = stop_at_optimizer(monkeypatch, train_policy.optim)
+    trained = []
+    monkeypatch.setattr(train_policy.distributed, "data_parallel", lambda module, *a: trained.append(module) or module)
+    with pytest.raises(OptimizerBuilt):
+        train_policy.main(args)
+    (optimizer,) = built
+    (policy,) = trained
+    assert optimizer.defaults["eps"] == (1e-8 if trl else 1e-5)
+    in_optimizer = {id(p) for g in optimizer.param_groups for p in g["params"]}
+    assert (id(policy.value_head.bias) in in_optimizer) is not trl
+    assert id(policy.value_head.weight) in in_optimizer
+    assert policy.value_head.bias.item() == 0.0
+
+
 def test_train_reward_weight_decay_gives_adamw(tmp_path, tiny_model_dir, monkeypatch):
     queries = write_queries(tmp_path / "queries.txt")
     rows = [{"query": [100 + i] * 16, **{f"sample{k}": [200 + k] * 8 for k in range(4)}, "best": 0} for i in range(16)]

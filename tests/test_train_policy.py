@@ -237,6 +237,26 @@ def test_whiten_uses_population_not_unbiased_variance():
     assert (out - torch.tensor(TV6_UNBIASED_KEEP_MEAN)).abs().max().item() > 0.05
 
 
+def test_whiten_variance_unbiased_divides_by_n_minus_1_for_rewards_and_advantages():
+    # --ppo.whiten_variance unbiased (TRL's masked_whiten): the variance of each group over n - 1, for the rewards
+    # and the advantages alike; the default stays OAI's population variance
+    values = torch.randn(8, 3, dtype=torch.float64) * 3 + torch.arange(8, dtype=torch.float64)[:, None]
+    for rows in (slice(0, 4), slice(4, 8)):
+        group = values[rows].numpy()
+        expected = (group - group.mean()) / np.sqrt(group.var(ddof=1) + 1e-8)
+        np.testing.assert_allclose(whiten(values, group_size=4, correction=1)[rows].numpy(), expected, atol=1e-10)
+    rewards = torch.randn(8, 3, dtype=torch.float64)
+    ppo = dataclasses.replace(PpoHParams(), whiten_variance="unbiased")
+    out_rewards, advantages, returns = minibatch_advantages(rewards, values, ppo, 4)
+    expected_rewards = whiten(rewards, shift_mean=False, group_size=4, correction=1)
+    expected_advantages, expected_returns = compute_advantages(expected_rewards, values, ppo.gamma, ppo.lam)
+    torch.testing.assert_close(out_rewards, expected_rewards, rtol=0, atol=0)
+    torch.testing.assert_close(advantages, whiten(expected_advantages, group_size=4, correction=1), rtol=0, atol=0)
+    torch.testing.assert_close(returns, expected_returns, rtol=0, atol=0)
+    population = minibatch_advantages(rewards, values, PpoHParams(), 4)
+    assert (population[1] - advantages).abs().max() > 1e-3
+
+
 def test_whiten_constant_input_is_finite():
     out = whiten(torch.full((4, 3), 2.5))
     assert torch.equal(out, torch.zeros(4, 3))

@@ -71,43 +71,53 @@ class ResponseMasks:
         lam: float,
         whiten_group: int,
         gae: Gae,
+        correction: int = 0,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """train_policy.py's `minibatch_advantages` for these responses: rewards whitened over t <= s + 1 and 0 after
         (nplus N22); `gae` over all L positions (values are 0 after s + 1); advantages whitened over t <= s, mean
-        shifted, and 0 after (nplus N23); returns from the unwhitened advantages."""
+        shifted, and 0 after (nplus N23); returns from the unwhitened advantages. `correction`: `masked_whiten`'s."""
         # https://github.com/vwxyzjn/summarize_from_feedback_details/blob/ee77a9abc31f5338365ee087945c5bcafac7f1ca/summarize_from_feedback_details/ppo.py#L687-L704
         if whiten_rewards:
-            rewards = masked_whiten(rewards, ~self.after_value_end, shift_mean=False, group_size=whiten_group)
+            rewards = masked_whiten(
+                rewards, ~self.after_value_end, shift_mean=False, group_size=whiten_group, correction=correction
+            )
             rewards = rewards.masked_fill(self.after_value_end, 0.0)
         advantages, returns = gae(rewards, values, gamma, lam)
-        advantages = masked_whiten(advantages, ~self.after_end, group_size=whiten_group)
+        advantages = masked_whiten(advantages, ~self.after_end, group_size=whiten_group, correction=correction)
         return rewards, advantages.masked_fill(self.after_end, 0.0), returns
 
-    def loss_means(self, micro: slice, micro_batches: int) -> "LossMeans":
-        """The means of micro-batch `micro`'s policy and value losses (nplus N24), each its share of the minibatch's
-        mean over the minibatch's tokens up to s (policy) and s + 1 (value)."""
+    def loss_means(self, micro: slice, micro_batches: int, per_micro_batch: bool = False) -> "LossMeans":
+        """The means of micro-batch `micro`'s policy and value losses (nplus N24) over its tokens up to s (policy) and
+        s + 1 (value): each its share of the minibatch's mean over the minibatch's tokens; `per_micro_batch`: the mean
+        over the micro-batch's own tokens (--ppo.loss_means micro_batch)."""
         micro_masks = self.rows(micro)
-        return LossMeans(
-            ~micro_masks.after_end,
-            ~micro_masks.after_value_end,
-            (~self.after_end).sum() / micro_batches,
-            (~self.after_value_end).sum() / micro_batches,
-        )
+        if per_micro_batch:  # each micro-batch's own token mean, as the recipe's and TRL's loss
+            # https://github.com/huggingface/trl/blob/617406a4e69551c115c145114497999618d24f3c/trl/experimental/ppo/ppo_trainer.py#L833-L842
+            tokens = (~micro_masks.after_end).sum(), (~micro_masks.after_value_end).sum()
+        else:
+            tokens = (~self.after_end).sum() / micro_batches, (~self.after_value_end).sum() / micro_batches
+        return LossMeans(~micro_masks.after_end, ~micro_masks.after_value_end, *tokens)
 
 
 def masked_whiten(
-    values: torch.Tensor, keep: torch.Tensor, shift_mean: bool = True, group_size: int | None = None
+    values: torch.Tensor,
+    keep: torch.Tensor,
+    shift_mean: bool = True,
+    group_size: int | None = None,
+    correction: int = 0,
 ) -> torch.Tensor:
     """train_policy.py's `whiten` with the moments over the `keep` elements of each group only (nplus N22, N23):
-    population variance, eps 1e-8; every element is transformed, those outside `keep` too."""
+    eps 1e-8, the variance the squared deviations' sum over the count - `correction` (0: population, the recipe's; 1:
+    unbiased, TRL's); every element is transformed, those outside `keep` too."""
     # https://github.com/vwxyzjn/summarize_from_feedback_details/blob/ee77a9abc31f5338365ee087945c5bcafac7f1ca/summarize_from_feedback_details/ppo.py#L235-L241
+    # https://github.com/huggingface/trl/blob/617406a4e69551c115c145114497999618d24f3c/trl/experimental/ppo/ppo_trainer.py#L254-L279
     rows = group_size or values.shape[0]
     groups = values.reshape(-1, rows, *values.shape[1:])  # (G, rows, ...)
     weights = keep.reshape(groups.shape).to(values.dtype)
     dims = tuple(range(1, groups.dim()))
     count = weights.sum(dims, keepdim=True)
     mean = (groups * weights).sum(dims, keepdim=True) / count
-    var = ((groups - mean) ** 2 * weights).sum(dims, keepdim=True) / count
+    var = ((groups - mean) ** 2 * weights).sum(dims, keepdim=True) / (count - correction)
     whitened = (groups - mean) * torch.rsqrt(var + 1e-8)
     if not shift_mean:
         whitened = whitened + mean
@@ -118,21 +128,22 @@ def masked_whiten(
 class LossMeans:
     """The tokens a micro-batch's PPO losses and clip fractions average over (nplus N24): t <= s (policy) and t <= s + 1
     (value), divided by the minibatch's count of them per micro-batch, so that the micro-batches' mean is the
-    minibatch's masked mean (the update does not depend on --ppo.gradient_accumulation_steps)."""
+    minibatch's masked mean (the update does not depend on --ppo.gradient_accumulation_steps); or, with --ppo.loss_means
+    micro_batch, by the micro-batch's own count."""
 
     policy: torch.Tensor
     """(b, L) bool, t <= s"""
     value: torch.Tensor
     """(b, L) bool, t <= s + 1"""
     policy_tokens: torch.Tensor
-    """() the minibatch's t <= s tokens / its micro-batches"""
+    """() the minibatch's t <= s tokens / its micro-batches (or the micro-batch's t <= s tokens)"""
     value_tokens: torch.Tensor
-    """() the minibatch's t <= s + 1 tokens / its micro-batches"""
+    """() the minibatch's t <= s + 1 tokens / its micro-batches (or the micro-batch's t <= s + 1 tokens)"""
 
     def policy_mean(self, x: torch.Tensor) -> torch.Tensor:
-        """The micro-batch's share of the minibatch's mean of x over t <= s."""
+        """The micro-batch's share of the minibatch's mean of x over t <= s (or its own mean)."""
         return torch.where(self.policy, x, 0.0).sum() / self.policy_tokens
 
     def value_mean(self, x: torch.Tensor) -> torch.Tensor:
-        """The micro-batch's share of the minibatch's mean of x over t <= s + 1."""
+        """The micro-batch's share of the minibatch's mean of x over t <= s + 1 (or its own mean)."""
         return torch.where(self.value, x, 0.0).sum() / self.value_tokens
