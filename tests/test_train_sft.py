@@ -335,7 +335,8 @@ def test_bad_input_stops_with_one_line_naming_the_flag(tmp_path, tiny_model_dir,
     other = error(write_jsonl(tmp_path / "other.jsonl", [{"question": "q", "answer": "a"}] * 8))
     assert "--prompt_column" in other and "question" in other
     chat = write_jsonl(tmp_path / "chat.jsonl", [{"messages": [{"role": "assistant", "content": "hi"}]}] * 8)
-    assert "--base_model" in error(chat) and "no chat template" in error(chat)
+    assert error(chat).startswith(f"--dataset {chat} holds 'messages' rows, but the tokenizer of --base_model")
+    assert "no chat template" in error(chat)
     too_long = error(pairs_file, "--max_length", "4")
     assert "no usable pair" in too_long and "--max_length 4" in too_long
     assert "--dataset_split 'test' picks a split of an hf: --dataset" in error(pairs_file, "--dataset_split", "test")

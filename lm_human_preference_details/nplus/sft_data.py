@@ -67,7 +67,7 @@ def _check_chat_template(tokenizer: PreTrainedTokenizerBase, base_model: str, so
     """ValueError when chat rows meet a tokenizer without a chat template."""
     if not getattr(tokenizer, "chat_template", None):
         raise ValueError(
-            f"--dataset {source} holds '{MESSAGES}' rows, but the tokenizer of --base_model '{base_model}' has no "
+            f"{source} holds '{MESSAGES}' rows, but the tokenizer of --base_model '{base_model}' has no "
             "chat template; pass a --base_model whose tokenizer has one, or prompt/completion rows."
         )
 
