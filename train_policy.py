@@ -344,7 +344,9 @@ def kl_estimate(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: s
     if estimator == "k3":
         # https://github.com/huggingface/trl/blob/55f5433e15cc6203d3c731f9de5247b00878bebd/trl/trainer/ppo_trainer.py#L594-L598
         log_ratio = ref_logprobs - logprobs
-        return (torch.exp(log_ratio) - 1) - log_ratio
+        # expm1, not exp - 1: exp(x) rounds to a float32 near 1 (steps of 6e-8), so (exp(x) - 1) - x cancels to -2e-8
+        # where the policies agree; expm1(x) keeps x's digits, and the clamp holds the last ulp of rounding at 0
+        return (torch.expm1(log_ratio) - log_ratio).clamp_min(0)
     return logprobs - ref_logprobs
 
 

@@ -2229,8 +2229,8 @@ BREAKAGES = [
         "N21",
         "k3 is r - log r (no - 1): positive even where the policies agree",
         TP,
-        "return (torch.exp(log_ratio) - 1) - log_ratio",
-        "return torch.exp(log_ratio) - log_ratio",
+        "return (torch.expm1(log_ratio) - log_ratio).clamp_min(0)",
+        "return (torch.expm1(log_ratio) + 1 - log_ratio).clamp_min(0)",
         [EOS_TESTS + "test_k1_and_k3_estimate_the_kl_and_only_k3_is_never_negative"],
     ),
     Breakage(
