@@ -703,7 +703,7 @@ def main(args: Args) -> list[dict[str, float]]:
     # 0. sizes: global as in OAI, split over the processes (spec D1); printed, then checked by --dry_run; seeds
     args, task_changes = ppo_plumbing.task_from_reward_model(args)
     ppo_plumbing.check_args(args)
-    nplus_critic.check_value_model_flag(args.ppo.value_model, args.rewards.trained_model, args.lora.rank)
+    nplus_critic.check_value_model_flag(args.ppo.value_model, args.rewards.trained_model)
     cli.quiet_transformers()
     accelerator = distributed.make_accelerator(args.run.dist_timeout)
     tf32 = devices.use_tf32(args.run.tf32)

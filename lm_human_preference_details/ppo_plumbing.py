@@ -25,6 +25,7 @@ from lm_human_preference_details import (
     files,
     labelers,
     lora,
+    presets,
     sharded,
     tracking,
     validation,
@@ -496,7 +497,26 @@ def check_args(args: PolicyArgs) -> None:
     ValueError line naming the flag."""
     validation.check_policy_args(args)
     lora.check_lora_args(args.lora)
+    check_lora_critic(args)
     check_fsdp_flags(args)
+
+
+def check_lora_critic(args: PolicyArgs) -> None:
+    """ValueError in one line for a separate critic (--ppo.value_model) with --lora.rank, naming the --task preset when
+    the preset set the critic (nplus_tldr's reward), and how to unset it."""
+    value_model = args.ppo.value_model
+    if value_model is None or not args.lora.rank:
+        return
+    both = (
+        f"--ppo.value_model {value_model} with --lora.rank {args.lora.rank}: LoRA runs keep the value head on the "
+        "policy's trunk, a separate critic with LoRA adapters is not supported"
+    )
+    if presets.POLICY.get(args.task_id, {}).get("ppo.value_model") == value_model:
+        raise ValueError(
+            f"{both}; the --task {args.task_id} preset sets --ppo.value_model {value_model}: pass --ppo.value_model "
+            "None for the value head on the policy's trunk, or drop --lora.rank."
+        )
+    raise ValueError(f"{both}; drop one of the two flags.")
 
 
 def check_fsdp_flags(args: PolicyArgs) -> None:

@@ -154,15 +154,11 @@ def rollout_values(
     return torch.cat([critic(chunk, context_length, pad_id) for chunk in query_responses.split(rows)])
 
 
-def check_value_model_flag(value_model: str | None, trained_model: str, lora_rank: int) -> None:
-    """What the flags alone tell about --ppo.value_model: ValueError or FileNotFoundError in one line naming it."""
+def check_value_model_flag(value_model: str | None, trained_model: str) -> None:
+    """What the flags alone tell about --ppo.value_model: ValueError or FileNotFoundError in one line naming it (with
+    --lora.rank: `ppo_plumbing.check_lora_critic`)."""
     if value_model is None:
         return
-    if lora_rank:
-        raise ValueError(
-            f"{FLAG} {value_model} with --lora.rank {lora_rank}: LoRA runs keep the value head on the policy's trunk, "
-            "a separate critic with LoRA adapters is not supported; drop one of the two flags."
-        )
     if value_model == "reward" and reward_model_dir(trained_model) is None:
         raise ValueError(
             f"{FLAG} reward starts the critic from the reward model, but --rewards.trained_model is the programmatic "
