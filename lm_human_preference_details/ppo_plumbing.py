@@ -36,7 +36,13 @@ from lm_human_preference_details.modeling import CRITIC_DIR, PolicyWithValueHead
 from lm_human_preference_details.rewards import Reward, RewardModelReward, reward_model_dir
 from lm_human_preference_details.settings import PolicyArgs, PolicyRewardFlags, recorded
 from lm_human_preference_details.sizes import Sizes
-from lm_human_preference_details.tasks import PassRateAlarm, TaskHParams, resolve_truncation, task_differences
+from lm_human_preference_details.tasks import (
+    POLICY_ONLY_FIELDS,
+    PassRateAlarm,
+    TaskHParams,
+    resolve_truncation,
+    reward_model_task_differences,
+)
 from lm_human_preference_details.tokenizer import check_same_tokenizer, load_tokenizer
 
 A = TypeVar("A", bound=PolicyArgs)
@@ -152,7 +158,10 @@ def check_reward_model_task(rm_metadata: dict, task: TaskHParams, rewards: Polic
     --rewards.allow_task_mismatch; -> the differences (None when equal)."""
     # OAI asserts that the reward model's task hyperparameters equal the policy's, every field
     # https://github.com/openai/lm-human-preferences/blob/cbfd210bb8b08f6bc5c26878c10984b90f516c66/lm_human_preferences/train_policy.py#L411
-    differences = task_differences(rm_metadata.get("task"), task)
+    # DEVIATION (reward-task-check): the penalty of a response failing the filter (penalty_reward_value, penalty_mode)
+    # is not compared: reward training never reads it, and TRL's subtracted penalty against a reward model trained
+    # with the default was refused, its remedy --rewards.allow_task_mismatch hiding every real mismatch
+    differences = reward_model_task_differences(rm_metadata.get("task"), task)
     if not differences:
         return None
     listed = "; ".join(
@@ -246,7 +255,8 @@ def task_flags(differences: dict[str, tuple]) -> str:
 
 
 def task_from_reward_model(args: A) -> tuple[A, list[str]]:
-    """With --rewards.task_from_reward_model, `args` with the reward model's task settings; -> args, what changed."""
+    """With --rewards.task_from_reward_model, `args` with the reward model's task settings (the run's own penalty of a
+    failing response kept: POLICY_ONLY_FIELDS); -> args, what changed."""
     if not args.rewards.task_from_reward_model:
         return args, []
     if (reward_dir := reward_model_dir(args.rewards.trained_model)) is None:
@@ -260,9 +270,10 @@ def task_from_reward_model(args: A) -> tuple[A, list[str]]:
             f"--rewards.task_from_reward_model: the reward model '{args.rewards.trained_model}' records no task "
             "settings; pass its --task.* flags instead."
         )
-    changed = task_differences(saved, args.task)
+    changed = reward_model_task_differences(saved, args.task)
     fields = {f.name for f in dataclasses.fields(TaskHParams)}
-    task = TaskHParams(**{k: v for k, v in saved.items() if k in fields})
+    penalty = {name: getattr(args.task, name) for name in POLICY_ONLY_FIELDS}  # the run's own, which no RM depends on
+    task = TaskHParams(**{**{k: v for k, v in saved.items() if k in fields}, **penalty})
     return dataclasses.replace(args, task=task), [f"{k}: {ours!r} -> {saved!r}" for k, (saved, ours) in changed.items()]
 
 
