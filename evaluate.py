@@ -275,12 +275,15 @@ def main(args: Args) -> dict:
         raise FileNotFoundError(f"--policy directory '{args.policy}' does not exist; pass the --output_dir of a run")
     check_reward_input(args.reward_model, runs)
     if args.dry_run:
+        with cli.unchecked_when_offline(console.print, "the context lengths"):
+            check_context(args, load_tokenizer(args.base_model), checkpoints)
         return {}
 
     # 1. models and judges, all loaded before anything is written
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     tokenizer = load_tokenizer(args.base_model)
     args = dataclasses.replace(args, task=resolve_truncation(args.task, tokenizer))  # the truncation token's id
+    check_context(args, tokenizer, checkpoints)
     pad_id = tokenizer.pad_token_id
     # the held-out queries, the same for every policy, drawn (and checked) before any model is loaded
     texts = load_texts(args.task.query_dataset, args.split)
@@ -437,6 +440,14 @@ def check_base_model(base_model: str, runs: dict[str, dict | None], allow: bool)
             "with it anyway."
         )
     return mismatch
+
+
+def check_context(args: Args, tokenizer, checkpoints: list[str]) -> None:
+    """ValueError in one line when the task's tokens exceed the context of the base model, a policy, the reward model
+    or a reward-model gold judge (`validation.check_evaluate_context`)."""
+    policies = [("--policy", args.policy)] if args.policy else []
+    policies += [("--checkpoints", directory) for directory in checkpoints]
+    validation.check_evaluate_context(args.task, tokenizer, args.base_model, policies, args.reward_model, args.gold)
 
 
 def same_model(a: str, b: str) -> bool:

@@ -449,6 +449,7 @@ def generate(args: Generate) -> dict:
     tokenizer = load_tokenizer(args.base_model)
     args = dataclasses.replace(args, task=resolve_truncation(args.task, tokenizer))
     task = args.task
+    validation.check_sampling_context(task, tokenizer, args.base_model, args.labeler)  # the dry run's verdict too
     pad_id = tokenizer.pad_token_id
     file_pad_id = OAI_PAD_TOKEN if oai_pad_compatible(tokenizer) else pad_id
     labeler = load_labeler(args.labeler, tokenizer, pad_id, device)
@@ -830,6 +831,7 @@ def sample_candidates(args: Sample) -> dict:
     console = cli.make_console()
     tokenizer = load_tokenizer(args.base_model)
     args = dataclasses.replace(args, task=resolve_truncation(args.task, tokenizer))  # the truncation token's id
+    validation.check_sampling_context(args.task, tokenizer, args.base_model)
     pad_id = tokenizer.pad_token_id
     file_pad_id = OAI_PAD_TOKEN if oai_pad_compatible(tokenizer) else pad_id
     sampler = start_sampler(args, tokenizer, device, None)

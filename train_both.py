@@ -26,13 +26,14 @@ import json
 import os
 import shlex
 import sys
+import typing
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import train_policy
 import train_reward
 import train_sft
-from lm_human_preference_details import checkpoint, cli, settings
+from lm_human_preference_details import checkpoint, cli, files, resumable, settings
 from lm_human_preference_details.modeling import REWARD_CONFIG_FILE
 
 STAGES = ("reward_stage", "policy_stage")
@@ -62,13 +63,15 @@ class Pipeline:
 
 
 def flag_names(args_type: type, prefix: str = "") -> set[str]:
-    """Every `--flag` name a script's Args dataclass takes (nested groups dotted, booleans also as no_NAME)."""
-    names = set()
+    """Every `--flag` name a script's Args dataclass takes (nested groups dotted, the run group's plain, booleans also
+    as no_NAME)."""
+    names, hints = set(), typing.get_type_hints(args_type, include_extras=True)
     for field in dataclasses.fields(args_type):
         name = f"{prefix}{field.name}"
         default = field.default_factory() if field.default_factory is not dataclasses.MISSING else field.default
         if dataclasses.is_dataclass(default):
-            names |= flag_names(type(default), f"{name}.")
+            unprefixed = any(getattr(m, "name", None) == "" for m in getattr(hints[field.name], "__metadata__", ()))
+            names |= flag_names(type(default), prefix if unprefixed else f"{name}.")
         else:
             names |= {name, f"{prefix}no_{field.name}"}
     return names
@@ -175,7 +178,7 @@ def sft_finished(args: train_sft.Args) -> bool:
     """Whether args.run.output_dir holds the model that these settings fine-tune: its final save (the model, then
     args.json) is complete and args.json records these settings."""
     args_path = os.path.join(args.run.output_dir, "args.json")
-    if not os.path.isfile(args_path) or os.path.exists(os.path.join(args.run.output_dir, checkpoint.SAVING_MARKER)):
+    if not os.path.isfile(args_path) or os.path.exists(os.path.join(args.run.output_dir, files.SAVING_MARKER)):
         return False
     try:
         with open(args_path, encoding="utf-8") as f:
@@ -183,7 +186,7 @@ def sft_finished(args: train_sft.Args) -> bool:
     except (OSError, ValueError):
         return False  # cut short: the stage's --resume auto continues from its newest checkpoint
     current = json.loads(json.dumps(settings.recorded(args)))
-    return not checkpoint.setting_differences(saved, current, train_sft.RESUME_IGNORED)
+    return not resumable.setting_differences(saved, current, train_sft.RESUME_IGNORED)
 
 
 def reward_model_finished(args: train_reward.Args) -> bool:
@@ -192,7 +195,7 @@ def reward_model_finished(args: train_reward.Args) -> bool:
     saved = checkpoint.list_checkpoints(args.run.output_dir)
     if not saved or not os.path.isfile(os.path.join(args.run.output_dir, REWARD_CONFIG_FILE)):
         return False
-    if os.path.exists(os.path.join(args.run.output_dir, checkpoint.SAVING_MARKER)):
+    if os.path.exists(os.path.join(args.run.output_dir, files.SAVING_MARKER)):
         return False
     step, path = saved[-1]
     try:
@@ -200,7 +203,7 @@ def reward_model_finished(args: train_reward.Args) -> bool:
     except (checkpoint.CheckpointDamaged, FileNotFoundError):
         return False  # the reward stage's --resume auto moves it aside and continues from an intact one
     current = json.loads(json.dumps({**settings.recorded(args), "world_size": int(os.environ.get("WORLD_SIZE", "1"))}))
-    differences = checkpoint.setting_differences(meta["settings"], current, checkpoint.RESUME_IGNORED)
+    differences = resumable.setting_differences(meta["settings"], current, resumable.RESUME_IGNORED)
     return step == args.labels.num_train // args.batch_size and not differences
 
 

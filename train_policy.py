@@ -28,7 +28,6 @@ from accelerate import Accelerator
 from transformers import PreTrainedTokenizerBase
 
 from lm_human_preference_details import (
-    checkpoint,
     cli,
     data,
     devices,
@@ -40,6 +39,7 @@ from lm_human_preference_details import (
     optim,
     ppo_plumbing,
     presets,
+    resumable,
     rewards,
     settings,
     tasks,
@@ -695,9 +695,9 @@ def make_kl_controller(rewards: RewardHParams) -> FixedKLController | AdaptiveKL
 
 
 # ---------------------------------------------------------------------------------------------------- main
-# The plumbing calls name their module (checkpoint., cli., devices., distributed., ppo_plumbing., settings., sizing.,
+# The plumbing calls name their module (cli., devices., distributed., ppo_plumbing., resumable., settings., sizing.,
 # validation.): skip them to read the algorithm.
-@checkpoint.one_run_per_output_dir
+@resumable.one_run_per_output_dir
 def main(args: Args) -> list[dict[str, float]]:
     """Train the policy; returns the logged statistics of every update."""
     # 0. sizes: global as in OAI, split over the processes (spec D1); printed, then checked by --dry_run; seeds
@@ -719,11 +719,14 @@ def main(args: Args) -> list[dict[str, float]]:
     # the truncation token's id in the base model's tokenizer, once: in args.json, the checkpoints and the task check
     tokenizer = load_tokenizer(args.base_model)
     args = dataclasses.replace(args, task=tasks.resolve_truncation(args.task, tokenizer))
+    validation.check_policy_context(args, tokenizer)  # every model's context holds what it reads
     task, pad_id = args.task, tokenizer.pad_token_id
     # a killed run continues from its checkpoint (--resume); a fresh one never writes into another run's output_dir
-    loop = checkpoint.CheckpointedLoop(
+    loop = resumable.CheckpointedLoop(
         args, sizes.world, ppo_plumbing.RESUME_IGNORED, accelerator, "update", sizes.nupdates
     )
+    if loop.finished is not None:  # a finished run is a result: its summary shown, every file kept as it is
+        return ppo_plumbing.report_finished(console, args, loop.finished, accelerator)
 
     # per-process seed (spec D2); the query order uses data_seed instead (spec D3)
     # https://github.com/openai/lm-human-preferences/blob/cbfd210bb8b08f6bc5c26878c10984b90f516c66/lm_human_preferences/utils/core.py#L108-L113
@@ -792,13 +795,15 @@ def main(args: Args) -> list[dict[str, float]]:
     )
 
     # plumbing: what a checkpoint saves and --resume restores, the tracker, the logs and progress, the clock
-    state = ppo_plumbing.TrainingState(
-        policy, optimizer, kl_ctl, query_stream, generator, order_rngs, critic, trained, args.run.fsdp
-    )
     tracker, meta = ppo_plumbing.start_tracker(args, accelerator, loop, sizes.nupdates)
+    report = ppo_plumbing.RunReport(
+        args, accelerator, console, tracker, tokenizer, sizes.nupdates, loop.first_step, meta["run_name"]
+    )
+    state = ppo_plumbing.TrainingState(
+        policy, optimizer, kl_ctl, query_stream, generator, order_rngs, critic, trained, args.run.fsdp, report
+    )
     if loop.resumed is not None:
         state.restore(loop.resumed, accelerator, args.seed)
-    report = ppo_plumbing.RunReport(args, accelerator, console, tracker, tokenizer, sizes.nupdates, loop.first_step)
     last_time = time.time()
     start_time = last_time - (loop.resumed.shared["elapsed_time"] if loop.resumed else 0.0)
 

@@ -21,12 +21,12 @@ import tyro
 from accelerate.utils import broadcast
 
 from lm_human_preference_details import (
-    checkpoint,
     cli,
     devices,
     distributed,
     labels,
     presets,
+    resumable,
     reward_plumbing,
     settings,
     validation,
@@ -125,7 +125,7 @@ class Args:
     """where the run writes, how it logs, saves, resumes and speeds up (flags without a prefix: --output_dir, ...)"""
 
 
-RESUME_IGNORED = (*checkpoint.RESUME_IGNORED, "labels.allow_task_mismatch")
+RESUME_IGNORED = (*resumable.RESUME_IGNORED, "labels.allow_task_mismatch")
 """settings that may change on --resume: they do not change what the run computes"""
 
 
@@ -289,9 +289,9 @@ def nonfinite_stats(
 
 
 # ---------------------------------------------------------------- main
-# The plumbing calls name their module (checkpoint., cli., devices., distributed., labels., reward_plumbing., settings.,
+# The plumbing calls name their module (cli., devices., distributed., labels., resumable., reward_plumbing., settings.,
 # sizing., validation.): skip them to read the algorithm.
-@checkpoint.one_run_per_output_dir
+@resumable.one_run_per_output_dir
 def main(args: Args) -> dict:
     """Train and save a reward model; returns the final figures, this process's label indices and the model."""
     # 0. processes, derived sizes (spec D1), printed, then checked by --dry_run; seeds; --resume
@@ -316,8 +316,11 @@ def main(args: Args) -> dict:
     # the truncation token's id in the base model's tokenizer, once: in args.json, the checkpoints and the reward model
     tokenizer = load_tokenizer(args.base_model)
     args = dataclasses.replace(args, task=resolve_truncation(args.task, tokenizer))
+    validation.check_reward_context(args, tokenizer)  # the reward model's and the policy's context hold their tokens
     # a killed run continues from its checkpoint (--resume); a fresh one never writes into another run's output_dir
-    loop = checkpoint.CheckpointedLoop(args, world, RESUME_IGNORED, accelerator, "step", sizes.steps)
+    loop = resumable.CheckpointedLoop(args, world, RESUME_IGNORED, accelerator, "step", sizes.steps)
+    if loop.finished is not None:  # a finished run is a result: its summary shown, every file kept as it is
+        return reward_plumbing.report_finished(console, args, loop.finished, accelerator)
 
     # 1. labels (validated before any model is loaded), models, optimizer, query stream
     label_type = get_label_type(args.labels.type)
@@ -458,9 +461,11 @@ def main(args: Args) -> dict:
         check_finite_weights(reward_model, "the trained reward model", "not saved; try a smaller --lr.")
     whole = reward_plumbing.whole_reward_model(reward_model)
     if accelerator.is_main_process:
-        reward_plumbing.save_reward_model(whole, tokenizer, args, label_type, (eval_before, eval_after), label_warnings)
         evals = (eval_before, eval_after)
-        reward_plumbing.print_summary(console, args, whole, label_type, len(heldout_labels), evals)
+        reward_plumbing.save_reward_model(whole, tokenizer, args, label_type, evals, label_warnings)
+        summary = reward_plumbing.run_summary(whole, label_type, len(heldout_labels), evals, norms)
+        resumable.write_summary(args.run.output_dir, meta["run_name"], summary)  # the result, after the model
+        reward_plumbing.print_summary(console, args, summary)
     loop.finish()  # every process past the save; the gradient hooks and the tracker closed
     return {
         "eval_before": eval_before,

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 import tyro
 from transformers import PreTrainedModel
 
-from lm_human_preference_details import checkpoint, cli, devices, distributed, settings, validation
+from lm_human_preference_details import cli, devices, distributed, resumable, settings, validation
 from lm_human_preference_details import sizes as sizing
 from lm_human_preference_details.devices import to_device
 from lm_human_preference_details.modeling import (
@@ -83,7 +83,7 @@ class Args:
     """where the run writes, how it logs, saves, resumes and speeds up (flags without a prefix: --output_dir, ...)"""
 
 
-RESUME_IGNORED = (*checkpoint.RESUME_IGNORED, "eval_interval")
+RESUME_IGNORED = (*resumable.RESUME_IGNORED, "eval_interval")
 """settings that may change on --resume: they do not change what the run computes"""
 
 
@@ -166,9 +166,9 @@ def evaluate_loss(accelerator, model, data: sft_data.SftData, pad_id: int, micro
 
 
 # ---------------------------------------------------------------- main
-# The plumbing calls name their module (checkpoint., cli., devices., distributed., settings., sft_plumbing.,
-# sizing., validation.): skip them to read the algorithm.
-@checkpoint.one_run_per_output_dir
+# The plumbing calls name their module (cli., devices., distributed., resumable., settings., sft_plumbing., sizing.,
+# validation.): skip them to read the algorithm.
+@resumable.one_run_per_output_dir
 def main(args: Args) -> dict:
     """Fine-tune and save a causal LM; returns the losses and the model."""
     # 0. processes, the pairs tokenized, derived sizes, printed, then --dry_run stops; seeds; --resume
@@ -204,7 +204,9 @@ def main(args: Args) -> dict:
     # https://github.com/vwxyzjn/summarize_from_feedback_details/blob/ee77a9abc31f5338365ee087945c5bcafac7f1ca/summarize_from_feedback_details/ppo.py#L421
     devices.set_seed(args.seed + rank * 100003)
     generator = torch.Generator().manual_seed(args.seed + rank * 100003)
-    loop = checkpoint.CheckpointedLoop(args, world, RESUME_IGNORED, accelerator, "step", sizes.steps)
+    loop = resumable.CheckpointedLoop(args, world, RESUME_IGNORED, accelerator, "step", sizes.steps)
+    if loop.finished is not None:  # a finished run is a result: its summary shown, every file kept as it is
+        return sft_plumbing.report_finished(console, args, loop.finished, accelerator)
 
     # 2. the model (dropout off: load_causal_lm zeroes every dropout probability, nplus N6), rank 0's weights
     # everywhere, AdamW, the gradients averaged over processes
@@ -309,6 +311,7 @@ def main(args: Args) -> dict:
     }
     if accelerator.is_main_process:
         sft_plumbing.save_model(model, tokenizer, args)
+        resumable.write_summary(args.run.output_dir, meta["run_name"], {**losses, "steps": sizes.steps})
         sft_plumbing.print_summary(console, args, losses)
     loop.finish()  # every process past the save; the gradient hooks and the tracker closed
     return {**losses, "steps": sizes.steps, "model": model}

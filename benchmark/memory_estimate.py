@@ -171,10 +171,15 @@ def estimate(args: Args, shape: str, rollout_rows: int | None) -> dict[str, floa
     layers, width, vocab = config.num_hidden_layers, config.hidden_size, config.vocab_size
     preset = presets()[args.task]
     task = preset.task
-    batch_size = args.batch_size or preset.ppo.batch_size
-    batch = sizes.exact_div(batch_size, args.processes, "--batch_size / --processes")
-    minibatch = sizes.exact_div(batch, args.nminibatches, "episodes per process / --nminibatches")
-    micro = sizes.exact_div(minibatch, args.gradient_accumulation_steps, "minibatch / --gradient_accumulation_steps")
+    ppo = replace(
+        preset.ppo,
+        batch_size=args.batch_size or preset.ppo.batch_size,
+        nminibatches=args.nminibatches,
+        gradient_accumulation_steps=args.gradient_accumulation_steps,
+    )
+    # the per-process episodes and PPO micro-batch, as train_policy.py derives them (its error when one does not divide)
+    derived = sizes.derive_sizes(replace(preset, ppo=ppo), args.processes)
+    batch, micro = derived.batch, derived.micro
     rows = min(rollout_rows or batch, batch)
     length, tokens = task.response_length, task.query_length + task.response_length
     value_model = args.value_model or preset.ppo.value_model

@@ -135,7 +135,12 @@ class RewardModelLabeler(Labeler):
 
 
 class ClassifierLabeler(Labeler):
-    """Log-probability of one label of an HF sequence classifier (or the logit of a 1-output regressor) on the text."""
+    """Log-probability of one label of an HF sequence classifier (or the logit of a 1-output regressor) on the text.
+
+    A response longer than the classifier takes (the smaller of its tokenizer's model_max_length and its position
+    embeddings) is cut to its first max_length tokens of the classifier's tokenizer, special tokens kept (the
+    tokenizer's own truncation); the run says so once, on stderr.
+    """
 
     def __init__(
         self,
@@ -187,12 +192,27 @@ class ClassifierLabeler(Labeler):
         label_name = model.config.id2label.get(self.label_index, str(self.label_index))
         self.name = f"classifier:{name_or_dir}#{label_name}"
         self.measures = sentiment_measured(model.config.id2label, self.label_index)
+        self.warned_cut = False
+
+    def warn_if_cut(self, texts: list[str]) -> None:
+        """Say once per run that a text longer than the classifier takes is cut (its end is not scored)."""
+        if self.warned_cut:
+            return
+        lengths = [len(ids) for ids in self.classifier_tokenizer(texts, verbose=False)["input_ids"]]
+        if any(length > self.max_length for length in lengths):
+            self.warned_cut = True
+            print(
+                f"warning: {self.name}: a response longer than the classifier's {self.max_length} tokens is cut to "
+                "its first ones, and the rest is not scored (said once per run)",
+                file=sys.stderr,
+            )
 
     @torch.no_grad()
     def scores(self, queries: torch.Tensor, responses: torch.Tensor) -> torch.Tensor:
         """log p(label | response text) (B, N), in batches of the classifier's own tokens."""
         _check_shapes(queries, responses)
         texts = decode_without_pad(self.tokenizer, responses, self.pad_id)
+        self.warn_if_cut(texts)
         out = []
         for start in range(0, len(texts), self.batch_size):
             inputs = self.classifier_tokenizer(

@@ -1,7 +1,6 @@
 """The plumbing around train_policy.py's algorithm: input checks, the start-up table, tracking, the sample table,
 progress, checkpoints, the policy's save and its upload. Nothing here changes what a PPO update computes."""
 
-import contextlib
 import dataclasses
 import os
 import shlex
@@ -26,6 +25,7 @@ from lm_human_preference_details import (
     labelers,
     lora,
     presets,
+    resumable,
     sharded,
     tracking,
     validation,
@@ -128,7 +128,7 @@ def check_judge_tasks(args: PolicyArgs, reward: Reward, gold: labelers.Labeler |
 
 
 def start_tracker(
-    args: PolicyArgs, accelerator: Accelerator, loop: checkpoint.CheckpointedLoop, nupdates: int
+    args: PolicyArgs, accelerator: Accelerator, loop: resumable.CheckpointedLoop, nupdates: int
 ) -> tuple[tracking.Tracker, dict]:
     """TensorBoard (and wandb) for this run, continuing a resumed run's (`loop.resumed`); clears a previous run's
     outputs with --overwrite_output_dir; -> the tracker and the metadata every checkpoint records."""
@@ -136,11 +136,8 @@ def start_tracker(
     if resumed is None and args.run.overwrite_output_dir and accelerator.is_main_process:
         # the previous run's critic, which a run without one would leave beside a policy it does not belong to
         shutil.rmtree(os.path.join(args.run.output_dir, CRITIC_DIR), ignore_errors=True)
-    if accelerator.is_main_process:  # a run that starts or continues makes the summary of its last end stale
-        with contextlib.suppress(FileNotFoundError):
-            os.remove(os.path.join(args.run.output_dir, SUMMARY_FILE))
     config = {**recorded(args), "world_size": settings["world_size"], "nupdates": nupdates}
-    tracker, run_name = checkpoint.start_tracker(args.run, args.seed, accelerator, resumed, args.task_id, config)
+    tracker, run_name = resumable.start_tracker(args.run, args.seed, accelerator, resumed, args.task_id, config)
     meta = {"settings": settings, "run_name": run_name, "wandb_id": tracker.wandb_id}
     meta["reward_normalization"] = args.rewards.normalization
     return tracker, meta
@@ -201,31 +198,34 @@ def check_reward_model_task_name(rm_metadata: dict, task_id: str, rewards: Polic
 
 def check_policy_inputs(args: PolicyArgs, accelerator: Accelerator) -> None:
     """What --dry_run checks beyond the flags: the reward model's files and task, a local query file, a gold reward
-    model's directory, then the tokenizers (from the hub: not checked when it is unreachable); errors name the flag."""
+    model's directory, then the tokenizers and every model's context (from the hub: not checked when it is
+    unreachable); errors name the flag."""
     if args.task.query_dataset.lower().endswith((".txt", ".jsonl")):
         load_texts(args.task.query_dataset)
     gold = args.rewards.gold_model or ""
     if gold.startswith("reward_model:") and validation.labeler_path(gold) is None:
         raise FileNotFoundError(f"--rewards.gold_model '{gold}': no such directory; pass reward_model:DIR.")
-    if (reward_dir := reward_model_dir(args.rewards.trained_model)) is None:
-        return  # a programmatic reward: its spec was checked with the flags
-    rm_metadata = read_reward_metadata(reward_dir)
-    checkpoint.check_complete_save(reward_dir, "--rewards.trained_model")
-    if mismatch := check_reward_model_task(rm_metadata, args.task, args.rewards):
-        accelerator.print(f"warning: --rewards.allow_task_mismatch: the reward model's task differs: {mismatch}")
-    if warning := check_reward_model_task_name(rm_metadata, args.task_id, args.rewards):
-        accelerator.print(f"warning: {warning}")
-    for warning in label_warnings(rm_metadata, args.rewards.trained_model):
-        accelerator.print(f"warning: {warning}")
-    with cli.unchecked_when_offline(accelerator.print, "the tokenizers"):
+    rm_metadata = None  # a programmatic reward: its spec was checked with the flags
+    if (reward_dir := reward_model_dir(args.rewards.trained_model)) is not None:
+        rm_metadata = read_reward_metadata(reward_dir)
+        files.check_complete_save(reward_dir, "--rewards.trained_model")
+        if mismatch := check_reward_model_task(rm_metadata, args.task, args.rewards):
+            accelerator.print(f"warning: --rewards.allow_task_mismatch: the reward model's task differs: {mismatch}")
+        if warning := check_reward_model_task_name(rm_metadata, args.task_id, args.rewards):
+            accelerator.print(f"warning: {warning}")
+        for warning in label_warnings(rm_metadata, args.rewards.trained_model):
+            accelerator.print(f"warning: {warning}")
+    with cli.unchecked_when_offline(accelerator.print, "the tokenizers and context lengths"):
         tokenizer = load_tokenizer(args.base_model)
-        resolve_truncation(args.task, tokenizer)  # --task.truncate_text is one token of it, the id agrees
-        check_same_tokenizer(
-            rm_metadata,
-            tokenizer,
-            f"the reward model '{args.rewards.trained_model}' (--rewards.trained_model)",
-            f"the policy uses tokenizer '{args.base_model}'",
-        )
+        task = resolve_truncation(args.task, tokenizer)  # --task.truncate_text is one token of it, the id agrees
+        if rm_metadata is not None:
+            check_same_tokenizer(
+                rm_metadata,
+                tokenizer,
+                f"the reward model '{args.rewards.trained_model}' (--rewards.trained_model)",
+                f"the policy uses tokenizer '{args.base_model}'",
+            )
+        validation.check_policy_context(dataclasses.replace(args, task=task), tokenizer)
 
 
 def dry_run(args: PolicyArgs, accelerator: Accelerator) -> list:
@@ -321,6 +321,15 @@ class DivergenceWatch:
             f"books, 2e-6 for tldr and cnndm), --rewards.kl_coef {self.kl_coef:g}. The run trains on; it ends with "
             f"exit status {cli.DIVERGED_EXIT_CODE} (--allow_divergence: 0)."
         )
+
+    def state_dict(self) -> dict[str, Any]:
+        """What carries over to the next update: the counts in a row, the best pass rate, the first detection."""
+        return {"high_kl": self.high_kl, "no_pass": self.no_pass, "passed": self.passed, "diverged": self.diverged}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """The watch as a checkpoint saved it: a resumed run reports the divergence the run had before the kill."""
+        self.high_kl, self.no_pass, self.diverged = state["high_kl"], state["no_pass"], state["diverged"]
+        self.passed = tuple(state["passed"]) if state["passed"] is not None else None
 
 
 class PhaseTimer:
@@ -418,7 +427,7 @@ def save_policy(
 
 
 RESUME_IGNORED = (
-    *checkpoint.RESUME_IGNORED,
+    *resumable.RESUME_IGNORED,
     "log_interval",
     "filter_warning_rate",
     "divergence_updates",
@@ -451,6 +460,8 @@ class TrainingState:
     fsdp: bool = False
     """--fsdp: checkpoints hold `trained`'s weights and Adam state as every process's shards (`sharded`), not in
     state.pt, and resume on any number of processes"""
+    report: "RunReport | None" = None
+    """the run's report, whose divergence watch and summary carry over"""
 
     def restore(self, resumed: checkpoint.Resumed, accelerator: Accelerator, seed: int) -> None:
         """Weights, Adam moments and step, kl_coef, query position and every RNG as the checkpoint holds them (an
@@ -464,7 +475,7 @@ class TrainingState:
                 + ("one" if self.critic is not None else "none")
                 + "; resume with the checkpoint's --ppo.value_model."
             )
-        if self.fsdp != checkpoint.is_sharded_checkpoint(resumed.meta):
+        if self.fsdp != sharded.is_sharded_checkpoint(resumed.meta):
             flags = ("without", "whole in state.pt", "with"), ("with", "sharded", "without")
             written, weights, run = flags[0] if self.fsdp else flags[1]
             raise ValueError(
@@ -479,11 +490,13 @@ class TrainingState:
                 self.critic.load_state_dict(resumed.shared["critic"])
             self.optimizer.load_state_dict(resumed.shared["optimizer"])
         self.kl_ctl.value = resumed.shared["kl_coef"]
+        if self.report is not None:
+            self.report.load_state_dict(resumed.shared.get("report"))
         if self.fsdp and resumed.meta["world_size"] != accelerator.num_processes:
             self.restore_other_layout(resumed, accelerator, seed)
             return
         self.query_stream.load_state_dict(resumed.local["query_stream"])
-        checkpoint.restore_rng_states(resumed.local["rng"], self.generator, self.order_rngs)
+        devices.restore_rng_states(resumed.local["rng"], self.generator, self.order_rngs)
 
     def restore_other_layout(self, resumed: checkpoint.Resumed, accelerator: Accelerator, seed: int) -> None:
         """The per-process state of an --fsdp checkpoint that another number of processes wrote: the query stream
@@ -494,7 +507,7 @@ class TrainingState:
         last = checkpoint.load_process_state(resumed, written - 1)["query_stream"]
         stream = self.query_stream
         self.query_stream.load_state_dict({**last, "rank": stream.rank, "world_size": stream.world_size})
-        checkpoint.reseed_rngs(seed, accelerator.process_index, resumed.step, self.generator, self.order_rngs)
+        devices.reseed_rngs(seed, accelerator.process_index, resumed.step, self.generator, self.order_rngs)
         accelerator.print(
             f"warning: checkpoint '{resumed.path}' was written by {written} processes, this run has "
             f"{accelerator.num_processes}: the weights, Adam moments, kl_coef and query position carry over, but every "
@@ -606,7 +619,7 @@ def save_checkpoint(
     async_save is not used), and the whole weights are gathered onto the main process for the policy's directory."""
     local = {
         "query_stream": state.query_stream.state_dict(),
-        "rng": checkpoint.rng_states(state.generator, state.order_rngs),
+        "rng": devices.rng_states(state.generator, state.order_rngs),
     }
     tracker.flush()
     # every process takes part in the gathering of a sharded module's whole weights (None elsewhere)
@@ -625,6 +638,8 @@ def save_checkpoint(
                 "optimizer": checkpoint.to_host(state.optimizer.state_dict()),
             }
         shared = {**weights, "kl_coef": state.kl_ctl.value, "elapsed_time": time.time() - start_time}
+        if state.report is not None:
+            shared["report"] = state.report.state_dict(state.kl_ctl.value)
         snapshot = args.run.save_checkpoints and updates < nupdates
 
         def write_policies() -> None:
@@ -672,10 +687,6 @@ def progress_text(stats: dict[str, float]) -> str:
     return text
 
 
-SUMMARY_FILE = "summary.json"
-"""OUTPUT_DIR/summary.json: what the closing table shows, written when a run ends (removed when one starts)"""
-
-
 def run_summary(
     history: list[dict[str, float]], first_update: int, nupdates: int, kl_coef: float, diverged: dict | None
 ) -> dict:
@@ -695,12 +706,9 @@ def run_summary(
     }
 
 
-def write_summary(output_dir: str, summary: dict) -> None:
-    """OUTPUT_DIR/summary.json, atomically."""
-    files.write_json_atomic(os.path.join(output_dir, SUMMARY_FILE), summary)
-
-
-def print_summary(console, args: PolicyArgs, summary: dict, hub: str | None) -> None:
+def print_summary(
+    console, args: PolicyArgs, summary: dict, hub: str | None, title: str = "policy training done"
+) -> None:
     """The closing table: updates run, score and KL at this run's first and last update, kl_coef from its first
     update to after its last (a resumed run's start values are the resume point's), the divergence, where the outputs
     went."""
@@ -725,10 +733,10 @@ def print_summary(console, args: PolicyArgs, summary: dict, hub: str | None) -> 
         "policy, value head, tokenizer": args.run.output_dir,
         **({"critic": os.path.join(args.run.output_dir, CRITIC_DIR)} if args.ppo.value_model else {}),
         "TensorBoard": f"{args.run.output_dir}/tb",
-        "summary": os.path.join(args.run.output_dir, SUMMARY_FILE),
+        "summary": os.path.join(args.run.output_dir, resumable.SUMMARY_FILE),
         **({"hub": hub} if hub else {}),
     }
-    cli.print_table(console, "policy training done", table)
+    cli.print_table(console, title, table)
 
 
 class RunReport:
@@ -745,14 +753,31 @@ class RunReport:
         tokenizer: PreTrainedTokenizerBase,
         nupdates: int,
         first_update: int,
+        run_name: str,
     ):
         self.args, self.accelerator, self.console = args, accelerator, console
         self.tracker, self.tokenizer = tracker, tokenizer
-        self.nupdates, self.first_update = nupdates, first_update
+        self.nupdates, self.first_update, self.run_name = nupdates, first_update, run_name
         self.progress, self.bar = progress_bar(console, accelerator, nupdates, first_update)
         self.pass_rate_alarm = PassRateAlarm(args.run.filter_warning_rate, args.run.log_interval)
         self.divergence = DivergenceWatch(args)  # detection only: reads the reduced statistics
         self.history: list[dict[str, float]] = []
+        self.summary: dict | None = None  # the run's summary once its last update is in (or its checkpoint's)
+
+    def state_dict(self, kl_coef: float) -> dict[str, Any]:
+        """What a checkpoint keeps of the report: the divergence watch, and after the last update the summary that
+        summary.json gets (a kill before that file is written leaves it in the last checkpoint)."""
+        if self.history and self.first_update + len(self.history) == self.nupdates:
+            self.summary = run_summary(
+                self.history, self.first_update, self.nupdates, kl_coef, self.divergence.diverged
+            )
+        return {"divergence": self.divergence.state_dict(), "summary": self.summary}
+
+    def load_state_dict(self, state: dict[str, Any] | None) -> None:
+        """The report as a checkpoint kept it (None: a checkpoint written before reports were kept)."""
+        if state is not None:
+            self.divergence.load_state_dict(state["divergence"])
+            self.summary = state["summary"]
 
     def __enter__(self) -> "RunReport":
         self.progress.__enter__()
@@ -782,20 +807,41 @@ class RunReport:
     def finish(self, kl_coef: float) -> list[dict[str, float]]:
         """OUTPUT_DIR/summary.json and the closing table, the upload with --push_to_hub; cli.Stopped with the
         divergence's exit status when the run diverged (unless --allow_divergence); -> the history."""
-        args, diverged = self.args, self.divergence.diverged
-        failed = diverged is not None and not args.run.allow_divergence
-        if self.accelerator.is_main_process and self.history:
-            summary = run_summary(self.history, self.first_update, self.nupdates, kl_coef, diverged)
-            write_summary(args.run.output_dir, summary)
+        args = self.args
+        if self.history:
+            self.summary = run_summary(
+                self.history, self.first_update, self.nupdates, kl_coef, self.divergence.diverged
+            )
+        if self.summary is None:  # a run that trained nothing and whose checkpoint keeps no summary
+            return self.history
+        failed = self.summary["diverged"] is not None and not args.run.allow_divergence
+        if self.accelerator.is_main_process:
+            resumable.write_summary(args.run.output_dir, self.run_name, self.summary)
             hub = None
             if args.run.push_to_hub:  # a diverged policy is not published
                 hub = "not uploaded: the run diverged" if failed else push_to_hub(args)
-            print_summary(self.console, args, summary, hub)
-        if failed:
-            message = (
-                f"the run diverged at update {diverged['update']} (see the line then and "
-                f"{args.run.output_dir}/summary.json); its policy and checkpoints are saved, from the diverged run. "
-                "Lower the flag it names and train again, or pass --allow_divergence to end with status 0."
-            )
-            raise cli.Stopped(message if self.accelerator.is_main_process else "", cli.DIVERGED_EXIT_CODE)
+            print_summary(self.console, args, self.summary, hub)
+        stop_if_diverged(args, self.summary, self.accelerator.is_main_process)
         return self.history
+
+
+def stop_if_diverged(args: PolicyArgs, summary: dict, main_process: bool) -> None:
+    """cli.Stopped with the divergence's exit status when the run `summary` tells diverged (unless
+    --allow_divergence)."""
+    diverged = summary["diverged"]
+    if diverged is not None and not args.run.allow_divergence:
+        message = (
+            f"the run diverged at update {diverged['update']} (see the line then and "
+            f"{args.run.output_dir}/{resumable.SUMMARY_FILE}); its policy and checkpoints are saved, from the diverged "
+            "run. Lower the flag it names and train again, or pass --allow_divergence to end with status 0."
+        )
+        raise cli.Stopped(message if main_process else "", cli.DIVERGED_EXIT_CODE)
+
+
+def report_finished(console, args: PolicyArgs, summary: dict, accelerator: Accelerator) -> list:
+    """A finished run, rerun: its closing table from summary.json, every file kept as it is, and the exit status it
+    ended with; -> main's empty history (nothing trained)."""
+    if accelerator.is_main_process:
+        print_summary(console, args, summary, None, "policy training already finished: kept as it is")
+    stop_if_diverged(args, summary, accelerator.is_main_process)
+    return []

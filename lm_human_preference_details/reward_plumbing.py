@@ -3,13 +3,14 @@ checkpoints and the reward model's save. Nothing here changes what a training st
 
 import dataclasses
 import functools
+import os
 
 import torch
 from accelerate import Accelerator
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 from transformers import AutoModel
 
-from lm_human_preference_details import checkpoint, cli, devices, sharded, validation
+from lm_human_preference_details import checkpoint, cli, devices, resumable, sharded, validation
 from lm_human_preference_details.data import QueryStream, load_texts
 from lm_human_preference_details.labels import (
     Labels,
@@ -61,12 +62,14 @@ def print_setup(console, args: RewardArgs, sizes: RewardSizes, tf32: str, label_
 
 
 def check_inputs(args: RewardArgs, accelerator: Accelerator) -> None:
-    """What --dry_run checks beyond the flags: a local query file and the label file (when it can be read)."""
+    """What --dry_run checks beyond the flags: a local query file, the models' context and the label file (when it
+    can be read)."""
     if args.task.query_dataset.lower().endswith((".txt", ".jsonl")):
         load_texts(args.task.query_dataset)
-    with cli.unchecked_when_offline(accelerator.print, "the label file"):
+    with cli.unchecked_when_offline(accelerator.print, "the context lengths and the label file"):
         tokenizer = load_tokenizer(args.base_model)
-        resolve_truncation(args.task, tokenizer)  # --task.truncate_text is one token of it, the id agrees
+        task = resolve_truncation(args.task, tokenizer)  # --task.truncate_text is one token of it, the id agrees
+        validation.check_reward_context(dataclasses.replace(args, task=task), tokenizer)
         rows = len(read_labels(args, tokenizer))
         accelerator.print(f"dry run: every input checked ({rows} label rows); nothing written")
 
@@ -90,13 +93,11 @@ def read_labels(args: RewardArgs, tokenizer=None) -> Labels:
     return labels
 
 
-def start_tracker(
-    args: RewardArgs, accelerator: Accelerator, loop: checkpoint.CheckpointedLoop
-) -> tuple[Tracker, dict]:
+def start_tracker(args: RewardArgs, accelerator: Accelerator, loop: resumable.CheckpointedLoop) -> tuple[Tracker, dict]:
     """TensorBoard (and wandb) for this run, continuing a resumed run's (`loop.resumed`); -> the tracker and the
     metadata every checkpoint records."""
     config = {**recorded(args), "world_size": loop.settings["world_size"]}
-    tracker, name = checkpoint.start_tracker(args.run, args.seed, accelerator, loop.resumed, args.task_id, config)
+    tracker, name = resumable.start_tracker(args.run, args.seed, accelerator, loop.resumed, args.task_id, config)
     return tracker, {"settings": loop.settings, "run_name": name, "wandb_id": tracker.wandb_id}
 
 
@@ -123,7 +124,7 @@ def restore(
     """Weights, Adam moments and step, query position and RNGs as the checkpoint holds them; under --fsdp the weights
     and moments from its shards (`sharded.load`), also on another number of processes (`query_stream_state`; each
     process's RNGs are then reseeded, with a warning)."""
-    if checkpoint.is_sharded_checkpoint(resumed.meta) != args.run.fsdp:
+    if sharded.is_sharded_checkpoint(resumed.meta) != args.run.fsdp:
         written = "with" if not args.run.fsdp else "without"
         raise ValueError(f"checkpoint '{resumed.path}' was written {written} --fsdp: resume it {written} --fsdp.")
     if args.run.fsdp:
@@ -134,10 +135,10 @@ def restore(
     query_stream.load_state_dict(query_stream_state(resumed, query_stream))
     written = int(resumed.meta["world_size"])
     if written == accelerator.num_processes:
-        checkpoint.restore_rng_states(resumed.local["rng"], generator)
+        devices.restore_rng_states(resumed.local["rng"], generator)
         return
     # the RNGs of the processes that wrote it cannot be divided among another number of processes
-    checkpoint.reseed_rngs(args.seed, accelerator.process_index, resumed.step, generator)
+    devices.reseed_rngs(args.seed, accelerator.process_index, resumed.step, generator)
     accelerator.print(
         f"warning: checkpoint '{resumed.path}' was written by {written} processes, this run has "
         f"{accelerator.num_processes}: the weights, Adam moments, label order and query position carry over, but every "
@@ -197,7 +198,7 @@ def save_checkpoint(
         shared["permutation"] = checkpoint.to_host(run_state["permutation"])
         shared["normalization"] = checkpoint.to_host(run_state["normalization"])
         shared["eval_before"] = run_state["eval_before"]
-    local = {"query_stream": query_stream.state_dict(), "rng": checkpoint.rng_states(generator)}
+    local = {"query_stream": query_stream.state_dict(), "rng": devices.rng_states(generator)}
     tracker.flush()
     # under --fsdp every process writes its shards of the weights and Adam moments
     shards = functools.partial(sharded.save, module=reward_model, optimizer=optimizer) if args.run.fsdp else None
@@ -257,22 +258,45 @@ def save_reward_model(
     validation.save_atomically(args.run.output_dir, write)
 
 
-def print_summary(
-    console, args: RewardArgs, reward_model: RewardModel, label_type: LabelType, heldout: int, evals
-) -> None:
-    """The closing table: held-out rows and figure before -> after training, gain and bias, where the outputs went."""
+def run_summary(reward_model: RewardModel, label_type: LabelType, heldout: int, evals, norms: dict) -> dict:
+    """What a finished reward run shows and summary.json keeps: held-out rows and figures before and after training,
+    the normalizations, gain and bias."""
     eval_before, eval_after = evals
-    held_out = "accuracy" if label_type.label_field == "best" else "loss"
+    return {
+        "label_type": label_type.name,
+        "heldout_rows": heldout,
+        "eval_before": eval_before,
+        "eval_after": eval_after,
+        "normalization": norms,
+        "gain": reward_model.gain.item(),
+        "bias": reward_model.bias.item(),
+    }
+
+
+def print_summary(console, args: RewardArgs, summary: dict, title: str = "reward training done") -> None:
+    """The closing table: held-out rows and figure before -> after training, gain and bias, where the outputs went."""
+    eval_before, eval_after = summary["eval_before"], summary["eval_after"]
+    held_out = "accuracy" if get_label_type(summary["label_type"]).label_field == "best" else "loss"
     cli.print_table(
         console,
-        "reward training done",
+        title,
         {
-            "held-out rows": heldout,
+            "held-out rows": summary["heldout_rows"],
             f"held-out {held_out}": f"{cli.number(eval_before[held_out])} -> {cli.number(eval_after[held_out])}"
             if eval_after
             else "-",
-            "gain, bias": f"{cli.number(reward_model.gain.item(), 4)}, {cli.number(reward_model.bias.item(), 4)}",
+            "gain, bias": f"{cli.number(summary['gain'], 4)}, {cli.number(summary['bias'], 4)}",
             "reward model, tokenizer": args.run.output_dir,
             "TensorBoard": f"{args.run.output_dir}/tb",
+            "summary": os.path.join(args.run.output_dir, resumable.SUMMARY_FILE),
         },
     )
+
+
+def report_finished(console, args: RewardArgs, summary: dict, accelerator: Accelerator) -> dict:
+    """A finished run, rerun: its closing table from summary.json, every file kept as it is; -> main's figures (no
+    model: nothing was loaded)."""
+    if accelerator.is_main_process:
+        print_summary(console, args, summary, "reward training already finished: kept as it is")
+    keys = ("eval_before", "eval_after", "normalization", "gain", "bias")
+    return {**{key: summary[key] for key in keys}, "label_indices": None, "model": None}

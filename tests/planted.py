@@ -1,6 +1,7 @@
 """Small offline worlds for end-to-end tests: a query corpus and label files with a planted preference."""
 
 import dataclasses
+import hashlib
 import json
 import os
 import random
@@ -10,7 +11,7 @@ import sys
 from collections.abc import Mapping
 from pathlib import Path
 
-from lm_human_preference_details import checkpoint
+from lm_human_preference_details import checkpoint, output_claim
 from lm_human_preference_details.labels import OAI_PAD_TOKEN
 from lm_human_preference_details.tasks import TASKS, TaskHParams
 
@@ -81,7 +82,7 @@ def run_script(
 def lock_record(output_dir) -> dict | None:
     """What the lock file of `output_dir` says about its holder (None while it says nothing)."""
     try:
-        return json.loads(open(os.path.join(output_dir, checkpoint.LOCK_FILE)).read())
+        return json.loads(open(os.path.join(output_dir, output_claim.LOCK_FILE)).read())
     except (OSError, ValueError):
         return None
 
@@ -139,3 +140,13 @@ def write_policy_planted_labels(
     ]
     path.write_text(json.dumps(rows))
     return path
+
+
+def file_digests(directory: Path) -> dict[str, str]:
+    """Every file below `directory` (relative path -> SHA-256 of its bytes): what a run left, to compare byte for
+    byte."""
+    return {
+        str(path.relative_to(directory)): hashlib.sha256(path.read_bytes()).hexdigest()
+        for path in sorted(Path(directory).rglob("*"))
+        if path.is_file()
+    }

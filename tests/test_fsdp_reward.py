@@ -21,7 +21,7 @@ import torch
 from safetensors.torch import load_file
 
 import train_reward
-from lm_human_preference_details import checkpoint, reward_plumbing
+from lm_human_preference_details import checkpoint, resumable, reward_plumbing
 from lm_human_preference_details.data import QueryStream, load_texts
 from lm_human_preference_details.modeling import load_reward_model
 from lm_human_preference_details.resume_check import scalars
@@ -263,12 +263,12 @@ def test_another_process_count_resumes_only_under_fsdp():
     resumed = checkpoint.Resumed("ckpt", 2, {"settings": settings}, {}, {})
     on_two = {**settings, "world_size": 2}
     with pytest.raises(ValueError, match="world_size: checkpoint 4, now 2"):
-        checkpoint.check_resume_settings(
-            resumed, on_two, checkpoint.resume_ignored(RewardRunSettings(fsdp=False), ()), False
+        resumable.check_resume_settings(
+            resumed, on_two, resumable.resume_ignored(RewardRunSettings(fsdp=False), ()), False
         )
     assert (
-        checkpoint.check_resume_settings(
-            resumed, on_two, checkpoint.resume_ignored(RewardRunSettings(fsdp=True), ()), False
+        resumable.check_resume_settings(
+            resumed, on_two, resumable.resume_ignored(RewardRunSettings(fsdp=True), ()), False
         )
         is None
     )

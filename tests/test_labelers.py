@@ -160,6 +160,19 @@ def test_classifier_labeler_scores_log_prob_of_label(classifier_dir, tokenizer):
         assert torch.allclose(negative.exp() + scores.exp(), torch.ones(2, 2), atol=1e-5)
 
 
+def test_classifier_says_once_that_it_cuts_a_response_longer_than_it_takes(classifier_dir, tokenizer, capsys):
+    labeler = ClassifierLabeler(classifier_dir, "POSITIVE", tokenizer, tokenizer.pad_token_id, "cpu", "--labeler")
+    assert labeler.max_length == 64  # its n_positions
+    queries = torch.tensor([tokenizer.encode(" The old man walked")])
+    fine = tokenizer.encode(" fine")[0]
+    assert torch.isfinite(labeler.scores(queries, torch.full((1, 1, 64), fine))).all()  # fits: scored whole
+    assert "warning" not in capsys.readouterr().err
+    for _ in range(2):  # 192 tokens: the first 64 are scored
+        assert torch.isfinite(labeler.scores(queries, torch.full((1, 1, 192), fine))).all()
+    err = capsys.readouterr().err
+    assert err.count("a response longer than the classifier's 64 tokens is cut to its first ones") == 1, err
+
+
 def test_classifier_labeler_unknown_label_lists_labels(classifier_dir, tokenizer):
     with pytest.raises(ValueError) as error:
         load_labeler(f"classifier:{classifier_dir}#HAPPY", tokenizer, tokenizer.pad_token_id, "cpu")

@@ -130,6 +130,17 @@ def test_nplus_tldr_task_takes_the_presets_lengths_batch_critic_and_torch_adamw(
         memory_estimate.main(planner(task="nplus_tldr", lora_rank=8, shapes=("tiny",)))
 
 
+def test_planner_takes_train_policys_sizes_and_refuses_the_sizes_it_refuses():
+    # micro-batch = 64 / 2 processes / 2 minibatches / 4 accumulation steps = 4 episodes, whose activations it counts
+    args = planner(processes=2, batch_size=64, nminibatches=2, gradient_accumulation_steps=4)
+    result = memory_estimate.estimate(args, "gpt2-124m", None)
+    whole = memory_estimate.estimate(planner(processes=1, batch_size=64), "gpt2-124m", None)  # a micro-batch of 64
+    assert result["batch"] == 32 and whole["activations"] / result["activations"] == 64 / 4
+    # 8 episodes of a process over 2 minibatches: whitening groups of 4, which train_policy.py refuses
+    with pytest.raises(ValueError, match="ppo.whiten_rewards needs at least 8 episodes per whitening group, got 4"):
+        memory_estimate.estimate(planner(processes=8, batch_size=64, nminibatches=2), "gpt2-124m", None)
+
+
 # ---------------------------------------------------------------- the tables in README.md and docs/multiprocess.md
 
 _TABLE_RE = re.compile(r"`(python benchmark/memory_estimate\.py --summary[^`]*)`[^|]*?\n\n((?:\|.*\|\n)+)")

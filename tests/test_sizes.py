@@ -10,9 +10,11 @@ import train_sft
 from lm_human_preference_details.sizes import (
     RewardSizes,
     SftSizes,
+    ceil_div,
     derive_reward_sizes,
     derive_sft_sizes,
     derive_sizes,
+    exact_div,
 )
 
 
@@ -98,3 +100,23 @@ def test_sft_size_that_does_not_divide_names_its_flag(flags, words):
     with pytest.raises(ValueError) as error:
         derive_sft_sizes(args, world=4, rows=70)
     assert str(error.value).startswith(words)
+
+
+def test_exact_div_returns_quotient():
+    assert exact_div(512, 8, "ppo.batch_size / world_size") == 64
+
+
+def test_exact_div_error_names_both_numbers_and_what():
+    with pytest.raises(ValueError) as excinfo:
+        exact_div(510, 8, "ppo.batch_size / world_size")
+    message = str(excinfo.value)
+    assert "510" in message and "8" in message and "ppo.batch_size / world_size" in message
+
+
+def test_exact_div_zero_divisor_raises_value_error():
+    with pytest.raises(ValueError, match="labels.num_train"):
+        exact_div(4, 0, "labels.num_train")
+
+
+def test_ceil_div_rounds_up():
+    assert [ceil_div(a, 4) for a in (0, 1, 4, 5, 8, 9)] == [0, 1, 1, 2, 2, 3]

@@ -640,7 +640,7 @@ BREAKAGES = [
         "P20-no-final-save",
         "P20",
         "the policy is not saved at the end of training",
-        "lm_human_preference_details/checkpoint.py",
+        "lm_human_preference_details/resumable.py",
         "if last or stopping or (self.save_interval and steps % self.save_interval == 0):",
         "if stopping or (self.save_interval and steps % self.save_interval == 0):",
         ["tests/test_train_policy.py::test_main_saves_a_loadable_policy"],
@@ -691,7 +691,7 @@ BREAKAGES = [
         "    def summed(*args, **kwargs):\n        ddp = DistributedDataParallel(*args, **kwargs)\n"
         "        ddp.register_comm_hook(None, lambda _, bucket: dist.all_reduce(bucket.buffer(), async_op=True)"
         ".get_future().then(lambda f: f.value()[0]))\n        return ddp\n\n    return summed(\n        module,\n",
-        ["tests/test_core.py::test_allreduce_and_broadcast_two_processes"],
+        ["tests/test_distributed.py::test_allreduce_and_broadcast_two_processes"],
     ),
     Breakage(
         "O4-no-allreduce",
@@ -728,7 +728,7 @@ BREAKAGES = [
         "lm_human_preference_details/distributed.py",
         "if isinstance(trained, DistributedDataParallel) and not average:",
         "if isinstance(trained, DistributedDataParallel) and False:",
-        ["tests/test_core.py::test_allreduce_and_broadcast_two_processes", ALLREDUCE],
+        ["tests/test_distributed.py::test_allreduce_and_broadcast_two_processes", ALLREDUCE],
     ),
     Breakage(
         "O4-gradients-beside-buckets",
@@ -2392,7 +2392,7 @@ BREAKAGES = [
         "D1-world-size-changes-without-fsdp",
         "D1",
         "a reward checkpoint resumes on another number of processes without --fsdp too (its per-process sizes change)",
-        "lm_human_preference_details/checkpoint.py",
+        "lm_human_preference_details/resumable.py",
         'return (*ignored, "world_size") if getattr(run, "fsdp", False) else tuple(ignored)',
         'return (*ignored, "world_size")',
         ["tests/test_fsdp_reward.py::test_another_process_count_resumes_only_under_fsdp"],

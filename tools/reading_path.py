@@ -64,8 +64,9 @@ SCRIPTS = ("train_policy.py", "train_reward.py", "train_sft.py")
 ANCHORS = {"train_reward.py": r"^\s*loss\s*=", "train_sft.py": r"^[^#]*\bcross_entropy\("}
 DEFAULT_ANCHOR = r"^\s*ratio\s*="
 # the package's modules that hold no RL math, by path or last name: processes, devices, sizes, command line, checks,
-# checkpoints, tracking, files, the hub, label files; any module with "plumbing" in a part of its path too
-# (ppo_plumbing, reward_plumbing, nplus.sft_plumbing: see is_plumbing_module)
+# checkpoints, the output directory's claim, the loop's resume and saves, tracking, files, the hub, label files; any
+# module with "plumbing" in a part of its path too (ppo_plumbing, reward_plumbing, nplus.sft_plumbing: see
+# is_plumbing_module)
 PLUMBING_MODULES = {
     "checkpoint",
     "cli",
@@ -76,6 +77,8 @@ PLUMBING_MODULES = {
     "host_syncs",
     "hub",
     "labels",
+    "output_claim",
+    "resumable",
     "resume_check",
     "settings",
     "sizes",

@@ -10,8 +10,7 @@ from accelerate import Accelerator
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from lm_human_preference_details import checkpoint, cli, validation
-from lm_human_preference_details.devices import describe_deterministic
+from lm_human_preference_details import checkpoint, cli, devices, resumable, validation
 from lm_human_preference_details.modeling import check_model_dir
 from lm_human_preference_details.nplus.sft_data import SftData, is_hf_dataset
 from lm_human_preference_details.settings import SftArgs
@@ -91,7 +90,7 @@ def print_setup(console, args: SftArgs, sizes: SftSizes, data: SftData, tf32: st
             "steps": f"{sizes.steps} (one epoch)",
             "eval": args.eval_split or "-",
             "TF32": tf32,
-            "deterministic": describe_deterministic(),
+            "deterministic": devices.describe_deterministic(),
             "output dir": args.run.output_dir,
         },
     )
@@ -112,10 +111,10 @@ def progress_bar(console, accelerator: Accelerator) -> Progress:
 # ---------------------------------------------------------------- tracking, checkpoints, the model's save
 
 
-def start_tracker(args: SftArgs, accelerator: Accelerator, loop: checkpoint.CheckpointedLoop) -> tuple[Tracker, dict]:
+def start_tracker(args: SftArgs, accelerator: Accelerator, loop: resumable.CheckpointedLoop) -> tuple[Tracker, dict]:
     """TensorBoard (and wandb) for this run, continuing a resumed run's (`loop.resumed`); -> the tracker and the
     metadata every checkpoint records."""
-    tracker, name = checkpoint.start_tracker(args.run, args.seed, accelerator, loop.resumed, "sft", loop.settings)
+    tracker, name = resumable.start_tracker(args.run, args.seed, accelerator, loop.resumed, "sft", loop.settings)
     return tracker, {"settings": loop.settings, "run_name": name, "wandb_id": tracker.wandb_id}
 
 
@@ -142,7 +141,7 @@ def save_checkpoint(
             **run_state,
         }
     tracker.flush()
-    local = {"rng": checkpoint.rng_states(generator)}
+    local = {"rng": devices.rng_states(generator)}
     checkpoint.save_training_state(
         args.run.output_dir, steps, accelerator, meta, shared, local, args.run.keep_checkpoints, saves
     )
@@ -152,7 +151,7 @@ def restore(resumed: checkpoint.Resumed, model: PreTrainedModel, optimizer, gene
     """Weights, AdamW moments and step, and RNGs as the checkpoint holds them."""
     model.load_state_dict(resumed.shared["model"])
     optimizer.load_state_dict(resumed.shared["optimizer"])
-    checkpoint.restore_rng_states(resumed.local["rng"], generator)
+    devices.restore_rng_states(resumed.local["rng"], generator)
 
 
 def save_model(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, args: SftArgs) -> None:
@@ -170,7 +169,9 @@ def save_model(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, args:
     validation.save_atomically(args.run.output_dir, write)
 
 
-def print_summary(console, args: SftArgs, losses: dict[str, float | None]) -> None:
+def print_summary(
+    console, args: SftArgs, losses: dict[str, float | None], title: str = "supervised fine-tuning done"
+) -> None:
     """The closing table: training loss first -> last step, eval loss before -> after, where the outputs went."""
 
     def change(first: float | None, last: float | None) -> str:
@@ -178,11 +179,21 @@ def print_summary(console, args: SftArgs, losses: dict[str, float | None]) -> No
 
     cli.print_table(
         console,
-        "supervised fine-tuning done",
+        title,
         {
             "train loss (first -> last step)": change(losses["train_first"], losses["train_last"]),
             "eval loss (before -> after)": change(losses["eval_before"], losses["eval_after"]),
             "model, tokenizer": args.run.output_dir,
             "TensorBoard": f"{args.run.output_dir}/tb",
+            "summary": os.path.join(args.run.output_dir, resumable.SUMMARY_FILE),
         },
     )
+
+
+def report_finished(console, args: SftArgs, summary: dict, accelerator: Accelerator) -> dict:
+    """A finished run, rerun: its closing table from summary.json, every file kept as it is; -> main's figures (no
+    model: nothing was loaded)."""
+    if accelerator.is_main_process:
+        print_summary(console, args, summary, "supervised fine-tuning already finished: kept as it is")
+    keys = ("train_first", "train_last", "eval_before", "eval_after", "steps")
+    return {**{key: summary[key] for key in keys}, "model": None}
