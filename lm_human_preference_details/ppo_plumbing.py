@@ -30,7 +30,7 @@ from lm_human_preference_details import (
     tracking,
     validation,
 )
-from lm_human_preference_details.data import QueryStream, load_texts
+from lm_human_preference_details.data import QueryStream, check_queries, load_texts
 from lm_human_preference_details.hub import HubUnavailableError, hub_reachable
 from lm_human_preference_details.modeling import CRITIC_DIR, PolicyWithValueHead, read_reward_metadata
 from lm_human_preference_details.rewards import Reward, RewardModelReward, reward_model_dir
@@ -197,9 +197,11 @@ def check_reward_model_task_name(rm_metadata: dict, task_id: str, rewards: Polic
 
 
 def check_policy_inputs(args: PolicyArgs, accelerator: Accelerator) -> None:
-    """What --dry_run checks beyond the flags: the reward model's files and task, a local query file, a gold reward
-    model's directory, then the tokenizers and every model's context (from the hub: not checked when it is
-    unreachable); errors name the flag."""
+    """What --dry_run checks beyond the flags, as the run checks them before its first update: the hub for
+    --push_to_hub, a local query file, a gold reward model's directory, the reward model's files and task, then the
+    tokenizers, every model's context and the query data (from the hub: not checked when it is unreachable); errors
+    name the flag."""
+    check_hub_for_push(args)
     if args.task.query_dataset.lower().endswith((".txt", ".jsonl")):
         load_texts(args.task.query_dataset)
     gold = args.rewards.gold_model or ""
@@ -215,7 +217,7 @@ def check_policy_inputs(args: PolicyArgs, accelerator: Accelerator) -> None:
             accelerator.print(f"warning: {warning}")
         for warning in label_warnings(rm_metadata, args.rewards.trained_model):
             accelerator.print(f"warning: {warning}")
-    with cli.unchecked_when_offline(accelerator.print, "the tokenizers and context lengths"):
+    with cli.unchecked_when_offline(accelerator.print, "the tokenizers, context lengths and the query data"):
         tokenizer = load_tokenizer(args.base_model)
         task = resolve_truncation(args.task, tokenizer)  # --task.truncate_text is one token of it, the id agrees
         if rm_metadata is not None:
@@ -226,6 +228,7 @@ def check_policy_inputs(args: PolicyArgs, accelerator: Accelerator) -> None:
                 f"the policy uses tokenizer '{args.base_model}'",
             )
         validation.check_policy_context(dataclasses.replace(args, task=task), tokenizer)
+        check_queries(task, tokenizer, args.data_seed)  # the query stream's checks (a template's columns, ...)
 
 
 def dry_run(args: PolicyArgs, accelerator: Accelerator) -> list:
