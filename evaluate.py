@@ -31,13 +31,14 @@ import math
 import os
 import re
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 import tyro
 
 from lm_human_preference_details import checkpoint, cli, devices, files, sizes, validation
-from lm_human_preference_details.data import load_texts
+from lm_human_preference_details.data import is_local_source, load_texts
 from lm_human_preference_details.evaluation import (
     BASE_RUN,
     FINAL_POLICY,
@@ -275,8 +276,12 @@ def main(args: Args) -> dict:
         raise FileNotFoundError(f"--policy directory '{args.policy}' does not exist; pass the --output_dir of a run")
     check_reward_input(args.reward_model, runs)
     if args.dry_run:
-        with cli.unchecked_when_offline(console.print, "the context lengths"):
-            check_context(args, load_tokenizer(args.base_model), checkpoints)
+        with cli.unchecked_when_offline(console.print, "the context lengths and the held-out queries"):
+            tokenizer = load_tokenizer(args.base_model)
+            args = dataclasses.replace(args, task=resolve_truncation(args.task, tokenizer))
+            check_context(args, tokenizer, checkpoints)
+            if is_local_source(args.task.query_dataset):  # a dry run downloads no dataset
+                draw_heldout_queries(args, tokenizer, skip)
         return {}
 
     # 1. models and judges, all loaded before anything is written
@@ -286,11 +291,7 @@ def main(args: Args) -> dict:
     check_context(args, tokenizer, checkpoints)
     pad_id = tokenizer.pad_token_id
     # the held-out queries, the same for every policy, drawn (and checked) before any model is loaded
-    texts = load_texts(args.task.query_dataset, args.split)
-    queries, wrapped, conversation_of, distinct = heldout_queries(
-        texts, tokenizer, args.task, args.data_seed, skip, args.num_queries
-    )
-    check_distinct_queries(args, len(texts), distinct)
+    queries, wrapped, conversation_of, num_texts = draw_heldout_queries(args, tokenizer, skip)
     reward = load_reward(args.reward_model, tokenizer, pad_id, device, flag="--reward_model")
     if reward.metadata is not None:  # a reward-model directory, not a programmatic reward
         check_same_tokenizer(
@@ -323,7 +324,7 @@ def main(args: Args) -> dict:
     if unseen is False:
         console.print(
             f"[bold yellow]warning:[/] these queries are not held out: a training run drew them too "
-            f"({args.task.query_dataset}, {len(texts)} texts repeated in every pass of the stream, data_seed "
+            f"({args.task.query_dataset}, {num_texts} texts repeated in every pass of the stream, data_seed "
             f"{args.data_seed}, from query {skip}). Pass --skip_queries beyond the run's queries, another "
             "--task.query_dataset, or --split test."
         )
@@ -389,6 +390,17 @@ def describe_temperatures(sampling: float, kl: float) -> str:
     if kl == sampling:
         return f"{sampling:g} (samples and KL)"
     return f"{sampling:g} (samples), {kl:g} (KL, on a second sample of each policy at it)"
+
+
+def draw_heldout_queries(args: Args, tokenizer, skip: int) -> tuple[torch.Tensor, bool, Callable, int]:
+    """`heldout_queries` of --task.query_dataset's --split, checked to come from --num_queries distinct texts; the
+    last item is the dataset's text count."""
+    texts = load_texts(args.task.query_dataset, args.split)
+    queries, wrapped, conversation_of, distinct = heldout_queries(
+        texts, tokenizer, args.task, args.data_seed, skip, args.num_queries
+    )
+    check_distinct_queries(args, len(texts), distinct)
+    return queries, wrapped, conversation_of, len(texts)
 
 
 def check_distinct_queries(args: Args, num_texts: int, distinct: int) -> None:

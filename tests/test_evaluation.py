@@ -337,6 +337,22 @@ def test_more_queries_than_the_query_file_has_texts_is_refused_before_the_evalua
     assert "10 queries of" in (out / "results.md").read_text()
 
 
+def test_dry_run_draws_the_heldout_queries_as_the_evaluation_does(tiny_run, tmp_path):
+    # the dry run said nothing of a query file too small for --num_queries, nor of one lacking a template's columns
+    _, policy, _, _ = tiny_run
+    ten = str(write_query_file(tmp_path / "ten.txt", n=10))
+    flags = ["--policy", policy, "--task.query_dataset", ten, "--output_dir", str(tmp_path / "eval"), "--dry_run"]
+    with pytest.raises(ValueError, match=r"^--num_queries 64 is more queries than --task\.query_dataset .*holds 10"):
+        main(parse([*flags, "--num_queries", "64"]))
+    assert main(parse([*flags, "--num_queries", "10"])) == {}
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": f"Say {i} words."}) + "\n" for i in range(10)))
+    template = ["--task.query_dataset", str(prompts), "--task.query_template", "{title}: {post}"]
+    with pytest.raises(ValueError, match=r"^--task\.query_template names \['title', 'post'\], which"):
+        main(parse([*flags, "--num_queries", "10", *template]))
+    assert not (tmp_path / "eval").exists()
+
+
 def test_query_offset_skips_what_the_run_consumed():
     run = {"task": {"query_dataset": "q.txt"}, "data_seed": 0, "ppo": {"total_episodes": 100, "batch_size": 32}}
     assert consumed_queries(run) == 128  # ceil(100 / 32) updates of 32
