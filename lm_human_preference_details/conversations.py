@@ -7,8 +7,10 @@ A preference row without `prompt` (TRL's implicit prompt) holds the prompt in bo
 prefix of the two texts, or every message but the last of the two conversations, which must then agree.
 """
 
+import inspect
 from typing import Any
 
+import transformers
 from transformers import PreTrainedTokenizerBase
 
 from lm_human_preference_details.tokenizer import added_bos_id
@@ -46,6 +48,17 @@ def check_chat_template(tokenizer: PreTrainedTokenizerBase, source: str, base_fl
         raise ValueError(
             f"{source} holds conversations (lists of role/content messages), but the tokenizer of {base_flag} has no "
             f"chat template to render them; pass a {base_flag} whose tokenizer has one, or rows of texts."
+        )
+
+
+def check_plain_message_text(tokenizer: PreTrainedTokenizerBase, source: str) -> None:
+    """ValueError in one line when the installed transformers cannot encode a message's text as plain characters
+    (apply_chat_template's sanitize_control_tokens), which `render_tokens` needs."""
+    if "sanitize_control_tokens" not in inspect.signature(tokenizer.apply_chat_template).parameters:
+        raise ValueError(
+            f"{source} holds conversations, but this transformers ({transformers.__version__}) cannot encode a "
+            "message's text as plain characters (apply_chat_template's sanitize_control_tokens); upgrade transformers "
+            "to 5.21 or later."
         )
 
 

@@ -159,6 +159,7 @@ def encode_pairs(
     chats = [i for i, pair in enumerate(pairs) if not isinstance(pair["prompt"], str)]
     if chats:
         conversations.check_chat_template(tokenizer, where)
+        conversations.check_plain_message_text(tokenizer, where)
     for i in chats:
         for side, name in ((1, "chosen"), (2, "rejected")):
             prompt, response = conversations.render_tokens(

@@ -247,3 +247,13 @@ def test_conversations_need_a_tokenizer_with_a_chat_template(tmp_path, tiny_mode
     with pytest.raises(ValueError, match=r"holds conversations .* has no chat template") as stop:
         reward_labels(tiny_model_dir, [PREFERENCE_FORMATS["conversational"]] * 4, tmp_path / "pairs.jsonl")
     assert "\n" not in str(stop.value)
+
+
+def test_conversations_need_a_transformers_that_keeps_the_messages_text_plain(tmp_path, chat_model_dir):
+    tokenizer = load_tokenizer(chat_model_dir)
+    render = tokenizer.apply_chat_template
+    tokenizer.apply_chat_template = lambda conversation, **kwargs: render(conversation, **kwargs)  # an older signature
+    path = tmp_path / "pairs.jsonl"
+    path.write_text(json.dumps(PREFERENCE_FORMATS["conversational"]) + "\n")
+    with pytest.raises(ValueError, match=r"^--label_dataset '.*' holds conversations, but this transformers .* 5\.21"):
+        load_labels_or_pairs(str(path), 64, 24, tokenizer.pad_token_id, 1, "best_of_2", tokenizer)
