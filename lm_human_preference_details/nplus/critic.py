@@ -5,13 +5,14 @@ The critic reads the policy's tokens with the project's pad semantics (spec G2):
 predict each response token are those a `PolicyWithValueHead` value head would give on the same trunk.
 """
 
+import copy
 import json
 import os
 
 import torch
 import torch.nn as nn
 from safetensors.torch import load_file, save_file
-from transformers import AutoModel, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import AutoModel, AutoModelForTokenClassification, PreTrainedModel, PreTrainedTokenizerBase
 
 from lm_human_preference_details.files import check_complete_save
 from lm_human_preference_details.modeling import (
@@ -95,7 +96,9 @@ class Critic(nn.Module):
 
     def save(self, directory: str) -> None:
         """The trunk in `trunk/` (save_pretrained), the head in critic_head.safetensors, and in critic.json the
-        `metadata` (the tokenizer's fingerprint and PAD, where the critic came from) with its BOS."""
+        `metadata` (the tokenizer's fingerprint and PAD, where the critic came from) with its BOS; beside them the same
+        critic as a standard `*ForTokenClassification` model (`values_checkpoint`), which plain transformers loads."""
+        values_checkpoint(self).save_pretrained(directory)
         self.trunk.save_pretrained(os.path.join(directory, CRITIC_TRUNK_DIR))
         head = {f"head.{k}": v.detach().cpu().contiguous() for k, v in self.head.state_dict().items()}
         save_file(head, os.path.join(directory, CRITIC_HEAD_FILE))
@@ -118,6 +121,23 @@ class Critic(nn.Module):
         critic.head.load_state_dict({k.removeprefix("head."): v for k, v in tensors.items()})
         check_finite_weights(critic, f"critic '{directory}' ({flag})")
         return critic, metadata
+
+
+@torch.no_grad()
+def values_checkpoint(critic: Critic) -> PreTrainedModel:
+    """The critic as a standard `*ForTokenClassification` model with one label: its logits[..., 0] at each position
+    are the critic's value there (the trunk's weights, the head as its classifier). It reads the tokens as given: a
+    critic with a BOS (`bos_token_id`) gets it from its tokenizer, which adds it."""
+    config = copy.deepcopy(critic.trunk.config)
+    config.num_labels, config.id2label, config.label2id = 1, {0: "value"}, {"value": 0}
+    with torch.device("meta"):
+        model = AutoModelForTokenClassification.from_config(config)
+    state = {f"{model.base_model_prefix}.{k}": v.detach() for k, v in critic.trunk.state_dict().items()}
+    head = next(name for name, module in model.named_children() if isinstance(module, nn.Linear))
+    state[f"{head}.weight"] = critic.head.weight.detach().clone()
+    state[f"{head}.bias"] = critic.head.bias.detach().clone()
+    model.load_state_dict(state, strict=True, assign=True)
+    return model.eval()
 
 
 class PolicyWithCritic(nn.Module):
