@@ -12,7 +12,7 @@ import evaluate
 import label_generation
 import train_policy
 import train_reward
-from lm_human_preference_details import cli
+from lm_human_preference_details import cli, ppo_plumbing
 from lm_human_preference_details.labels import labels_meta_path
 from lm_human_preference_details.modeling import PolicyWithValueHead, load_causal_lm
 from lm_human_preference_details.tokenizer import load_tokenizer
@@ -378,3 +378,17 @@ def test_nplus_tldr_dry_run_on_a_users_prompt_file_stops_where_the_run_would(own
         f"error: --task.query_template names ['subreddit', 'title', 'post'], which --task.query_dataset "
         f"'{own_files['prompts.jsonl']}' does not have; its columns: ['prompt']."
     )
+
+
+def test_dry_run_with_push_to_hub_and_no_hub_stops_as_the_run_does(
+    own_files, tmp_path, tiny_model_dir, capsys, monkeypatch
+):
+    # the run stops before its first update when --push_to_hub could not upload at the end; the dry run said nothing
+    monkeypatch.setattr(ppo_plumbing, "hub_reachable", lambda: False)
+    argv = ["--base_model", tiny_model_dir, "--task.query_dataset", own_files["prompts.jsonl"], "--push_to_hub"]
+    argv += ["--rewards.trained_model", f"python:{own_files['reward.py']}:score", "--output_dir", str(tmp_path / "run")]
+    argv += ["--task.query_length", "16", "--task.response_length", "8", "--task.truncate_after", "2"]
+    argv += ["--ppo.total_episodes", "8", "--ppo.batch_size", "8"]
+    dry = verdict(train_policy, [*argv, "--dry_run"], capsys)
+    assert dry == verdict(train_policy, argv, capsys)
+    assert dry[1] == "error: --push_to_hub needs the Hugging Face hub, which is unreachable; drop the flag"
