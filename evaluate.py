@@ -27,16 +27,18 @@ gold_vs_kl.png: the gold and reward scores of every checkpoint against sqrt(KL),
 import dataclasses
 import glob
 import json
+import math
 import os
 import re
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 import tyro
 
 from lm_human_preference_details import checkpoint, cli, devices, files, sizes, validation
-from lm_human_preference_details.data import load_texts
+from lm_human_preference_details.data import is_local_source, load_texts
 from lm_human_preference_details.evaluation import (
     BASE_RUN,
     FINAL_POLICY,
@@ -62,7 +64,7 @@ from lm_human_preference_details.rewards import (
     reward_input_path,
 )
 from lm_human_preference_details.sources import OAI_TEXT_SOURCES
-from lm_human_preference_details.tasks import TASKS, TaskHParams, resolve_truncation
+from lm_human_preference_details.tasks import MIN_TEMPERATURE, NPLUS_TASKS, TASKS, TaskHParams, resolve_truncation
 from lm_human_preference_details.tokenizer import check_same_tokenizer, load_tokenizer
 
 RUN_PRESET = "policy"
@@ -124,12 +126,18 @@ class Args:
     """name of the --task preset these settings started from (recorded in results.json)"""
     task: TaskHParams = field(default_factory=lambda: dataclasses.replace(TASKS["sentiment"]))
     """query data, lengths, truncation, filter penalty and sampling temperature, as in training"""
+    kl_temperature: float | None = None
+    """temperature of the two distributions whose KL(policy || base) is reported (both models' logits divided by it,
+    as objective/kl's); None: the --task.temperature of the training run (its args.json) or of the --task preset. A
+    --task.temperature other than it (N+'s 0.01) samples each policy once more at this temperature for the KL"""
 
 
-def oai_presets() -> dict[str, Args]:
-    """One `Args` per OAI task (launch.py's task settings), for policies without an args.json."""
+def task_presets() -> dict[str, Args]:
+    """One `Args` per --task (OAI's launch.py task settings and the successor recipe's nplus_tldr), for policies
+    without an args.json."""
     # https://github.com/openai/lm-human-preferences/blob/cbfd210bb8b08f6bc5c26878c10984b90f516c66/launch.py#L8-L47
-    return {name: Args(task_id=name, task=dataclasses.replace(task)) for name, task in TASKS.items()}
+    tasks = {**TASKS, **NPLUS_TASKS}
+    return {name: Args(task_id=name, task=dataclasses.replace(task)) for name, task in tasks.items()}
 
 
 # ---------------------------------------------------------------- the training run's settings
@@ -228,6 +236,13 @@ def main(args: Args) -> dict:
         raise ValueError("nothing to evaluate: pass --policy DIR (base vs trained) and/or --checkpoints DIR...")
     if args.num_queries < 2 or args.batch_size < 1:
         raise ValueError(f"--num_queries must be >= 2 and --batch_size >= 1, got {args.num_queries}, {args.batch_size}")
+    kl_temperature = args.task.temperature if args.kl_temperature is None else args.kl_temperature
+    if not MIN_TEMPERATURE <= kl_temperature < float("inf"):
+        raise ValueError(
+            f"--kl_temperature {kl_temperature:g}: the KL of two models is read at a temperature of "
+            f"{math.ceil(MIN_TEMPERATURE * 1e4) / 1e4:g} or more (below it both softmaxes are one-hot in float32); "
+            "pass the training run's --task.temperature (OAI: 0.7), or drop the flag to take it from the run."
+        )
     output_dir = args.output_dir or (os.path.join(args.policy, "eval") if args.policy else "eval")
     validation.check_writable_dir(output_dir, "--output_dir")  # before the evaluation, not after it
     runs = {d: read_run_args(d) for d in [args.policy, *checkpoints] if d is not None}
@@ -251,6 +266,7 @@ def main(args: Args) -> dict:
             "reward normalization": describe_normalization(normalization) if normalization else "-",
             "gold judge": args.gold or "-",
             "queries": f"{args.num_queries} of {args.task.query_dataset} ({args.split}), from query {skip}",
+            "temperature": describe_temperatures(args.task.temperature, kl_temperature),
             "TF32": tf32,
             "deterministic": devices.describe_deterministic(),
             "output dir": output_dir,
@@ -260,8 +276,12 @@ def main(args: Args) -> dict:
         raise FileNotFoundError(f"--policy directory '{args.policy}' does not exist; pass the --output_dir of a run")
     check_reward_input(args.reward_model, runs)
     if args.dry_run:
-        with cli.unchecked_when_offline(console.print, "the context lengths"):
-            check_context(args, load_tokenizer(args.base_model), checkpoints)
+        with cli.unchecked_when_offline(console.print, "the context lengths and the held-out queries"):
+            tokenizer = load_tokenizer(args.base_model)
+            args = dataclasses.replace(args, task=resolve_truncation(args.task, tokenizer))
+            check_context(args, tokenizer, checkpoints)
+            if is_local_source(args.task.query_dataset):  # a dry run downloads no dataset
+                draw_heldout_queries(args, tokenizer, skip)
         return {}
 
     # 1. models and judges, all loaded before anything is written
@@ -271,11 +291,7 @@ def main(args: Args) -> dict:
     check_context(args, tokenizer, checkpoints)
     pad_id = tokenizer.pad_token_id
     # the held-out queries, the same for every policy, drawn (and checked) before any model is loaded
-    texts = load_texts(args.task.query_dataset, args.split)
-    queries, wrapped, conversation_of, distinct = heldout_queries(
-        texts, tokenizer, args.task, args.data_seed, skip, args.num_queries
-    )
-    check_distinct_queries(args, len(texts), distinct)
+    queries, wrapped, conversation_of, num_texts = draw_heldout_queries(args, tokenizer, skip)
     reward = load_reward(args.reward_model, tokenizer, pad_id, device, flag="--reward_model")
     if reward.metadata is not None:  # a reward-model directory, not a programmatic reward
         check_same_tokenizer(
@@ -308,7 +324,7 @@ def main(args: Args) -> dict:
     if unseen is False:
         console.print(
             f"[bold yellow]warning:[/] these queries are not held out: a training run drew them too "
-            f"({args.task.query_dataset}, {len(texts)} texts repeated in every pass of the stream, data_seed "
+            f"({args.task.query_dataset}, {num_texts} texts repeated in every pass of the stream, data_seed "
             f"{args.data_seed}, from query {skip}). Pass --skip_queries beyond the run's queries, another "
             "--task.query_dataset, or --split test."
         )
@@ -316,7 +332,8 @@ def main(args: Args) -> dict:
     def run(policy: PolicyWithValueHead):
         """Episodes of one policy on the queries, from a fresh generator with the evaluation seed."""
         generator = torch.Generator(device=device).manual_seed(args.seed)
-        return sample_and_score(policy, base, queries, args.task, tokenizer, reward, judges, generator, args.batch_size)
+        scorers = (reward, judges, generator, args.batch_size, kl_temperature)
+        return sample_and_score(policy, base, queries, args.task, tokenizer, *scorers)
 
     # 3. base vs trained; every checkpoint for the curve
     base_episodes = run(base)
@@ -329,6 +346,7 @@ def main(args: Args) -> dict:
         "seed": args.seed,
         "task_id": args.task_id,
         "task": dataclasses.asdict(args.task),
+        "kl_temperature": kl_temperature,
         "warnings": warnings,
         "queries": {
             "dataset": args.task.query_dataset,
@@ -368,6 +386,24 @@ def main(args: Args) -> dict:
     validation.save_atomically(output_dir, write, f"the evaluation's {', '.join(names)}")
     console.print("wrote " + ", ".join(os.path.join(output_dir, name) for name in names))
     return report
+
+
+def describe_temperatures(sampling: float, kl: float) -> str:
+    """The start-up table's temperatures: the samples', and the KL's when it is another one."""
+    if kl == sampling:
+        return f"{sampling:g} (samples and KL)"
+    return f"{sampling:g} (samples), {kl:g} (KL, on a second sample of each policy at it)"
+
+
+def draw_heldout_queries(args: Args, tokenizer, skip: int) -> tuple[torch.Tensor, bool, Callable, int]:
+    """`heldout_queries` of --task.query_dataset's --split, checked to come from --num_queries distinct texts; the
+    last item is the dataset's text count."""
+    texts = load_texts(args.task.query_dataset, args.split)
+    queries, wrapped, conversation_of, distinct = heldout_queries(
+        texts, tokenizer, args.task, args.data_seed, skip, args.num_queries
+    )
+    check_distinct_queries(args, len(texts), distinct)
+    return queries, wrapped, conversation_of, len(texts)
 
 
 def check_distinct_queries(args: Args, num_texts: int, distinct: int) -> None:
@@ -495,11 +531,14 @@ def policy_label(directory: str) -> str:
 def parse(argv: list[str] | None = None) -> Args:
     """Args from the command line, starting from the policy's training settings (or the `--task` preset)."""
     argv = sys.argv[1:] if argv is None else list(argv)
-    presets, default = oai_presets(), "sentiment"
+    presets, default = task_presets(), "sentiment"
     run = read_run_args(first_policy_dir(argv))
     if run is not None:
         presets[RUN_PRESET], default = defaults_from_run(run), RUN_PRESET
-    return cli.parse_args(Args, presets, default, __doc__, argv)[1]
+    task, args = cli.parse_args(Args, presets, default, __doc__, argv)
+    if args.kl_temperature is None:  # the temperature training measured its KL at, before any --task.temperature
+        args = dataclasses.replace(args, kl_temperature=presets[task].task.temperature)
+    return args
 
 
 if __name__ == "__main__":

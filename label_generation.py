@@ -39,7 +39,7 @@ from rich.table import Table
 from transformers import PreTrainedTokenizerBase
 
 from lm_human_preference_details import cli, devices, text_prefs, validation
-from lm_human_preference_details.data import QueryStream, load_texts
+from lm_human_preference_details.data import QueryStream, check_queries, load_texts
 from lm_human_preference_details.files import OutputError
 from lm_human_preference_details.hub import HubUnavailableError
 from lm_human_preference_details.labelers import LabelingStopped, decode_without_pad, judge_task_mismatch, load_labeler
@@ -480,6 +480,7 @@ def generate(args: Generate) -> dict:
         "min_pass_rate": args.min_pass_rate,
     }
     if args.dry_run:
+        check_queries(task, tokenizer, args.data_seed)  # the query stream's checks, as the sampler makes them
         cli.print_table(
             console,
             "label generation (dry run)",

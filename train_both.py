@@ -128,6 +128,11 @@ def route_stage_flags(argv: Sequence[str]) -> tuple[dict[str, list[str]], list[s
     return own, stage_argv["reward_stage"], stage_argv["policy_stage"], stage_argv[SFT_STAGE]
 
 
+def without_flag(argv: Sequence[str], flag: str) -> list[str]:
+    """argv without `flag` and its values (`--flag VALUE` or `--flag=VALUE`)."""
+    return [token for group in group_flags(argv) if group[0].partition("=")[0] != flag for token in group]
+
+
 def parse(argv: list[str] | None = None) -> Pipeline:
     """Both stages' settings from one command line (see the module docstring)."""
     argv = sys.argv[1:] if argv is None else list(argv)
@@ -150,10 +155,19 @@ def parse(argv: list[str] | None = None) -> Pipeline:
         raise ValueError(f"{stray[0]} is a flag of the SFT stage, which runs only with --sft_dataset FILE.")
     sft_args, commands = None, ()
     if sft_dataset is not None:  # the SFT model is the other stages' base model
+        stage_models = [f"--{stage}.base_model" for stage in STAGES]
+        staged = [flag.partition("=")[0] for flag in argv if flag.partition("=")[0] in stage_models]
+        if staged:
+            raise ValueError(
+                f"{staged[0]} with --sft_dataset: the reward and policy stages start from the SFT model "
+                f"({os.path.join(output_dir, SFT_DIR)}); drop {staged[0]}, or --sft_dataset to start them from it."
+            )
         sft_dir = os.path.join(output_dir, SFT_DIR)
         sft_argv = [*sft_argv, *dry_run, "--dataset", sft_dataset[0], "--output_dir", sft_dir]
         sft_args, commands = train_sft.parse(sft_argv), (shlex.join(["train_sft.py", *sft_argv]),)
-        reward_argv, policy_argv = [*reward_argv, "--base_model", sft_dir], [*policy_argv, "--base_model", sft_dir]
+        # --base_model went to the SFT stage, which fine-tunes it; the others start from its output instead
+        reward_argv = [*without_flag(reward_argv, "--base_model"), "--base_model", sft_dir]
+        policy_argv = [*without_flag(policy_argv, "--base_model"), "--base_model", sft_dir]
     reward_argv = [*reward_argv, *dry_run, "--output_dir", reward_dir]
     policy_argv = [*policy_argv, *dry_run, "--output_dir", policy_dir, "--rewards.trained_model", reward_dir]
     commands += (shlex.join(["train_reward.py", *reward_argv]), shlex.join(["train_policy.py", *policy_argv]))

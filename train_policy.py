@@ -358,7 +358,9 @@ def kl_estimate(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: s
     if estimator == "k3":
         # https://github.com/huggingface/trl/blob/55f5433e15cc6203d3c731f9de5247b00878bebd/trl/trainer/ppo_trainer.py#L594-L598
         log_ratio = ref_logprobs - logprobs
-        return (torch.exp(log_ratio) - 1) - log_ratio
+        # expm1, not exp - 1: exp(x) rounds to a float32 near 1 (steps of 6e-8), so (exp(x) - 1) - x cancels to -2e-8
+        # where the policies agree; expm1(x) keeps x's digits, and the clamp holds the last ulp of rounding at 0
+        return (torch.expm1(log_ratio) - log_ratio).clamp_min(0)
     return logprobs - ref_logprobs
 
 
@@ -727,7 +729,7 @@ def main(args: Args) -> list[dict[str, float]]:
     # 0. sizes: global as in OAI, split over the processes (spec D1); printed, then checked by --dry_run; seeds
     args, task_changes = ppo_plumbing.task_from_reward_model(args)
     ppo_plumbing.check_args(args)
-    nplus_critic.check_value_model_flag(args.ppo.value_model, args.rewards.trained_model, args.lora.rank)
+    nplus_critic.check_value_model_flag(args.ppo.value_model, args.rewards.trained_model)
     cli.quiet_transformers()
     accelerator = distributed.make_accelerator(args.run.dist_timeout)
     tf32 = devices.use_tf32(args.run.tf32)

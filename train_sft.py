@@ -47,18 +47,19 @@ class Args:
     base_model: str = "gpt2"
     """pretrained causal LM to fine-tune, hub id or local directory (gpt2, gpt_neox, llama or qwen2; N+: Pythia)"""
     dataset: str = "hf:trl-lib/tldr"
-    """the pairs: a .jsonl file (rows with --prompt_column and --completion_column texts, or `messages`: a chat whose
-    last message is the assistant's completion) or hf:NAME_OR_DIR (a hub dataset or a directory of `datasets`'
-    save_to_disk)"""
+    """the pairs: a .jsonl file (rows with --prompt_column and --completion_column, texts or lists of role/content
+    messages; or `messages`, a chat whose last message is the assistant's completion; or `text`, all of it the
+    completion) or hf:NAME_OR_DIR (a hub dataset or a directory of `datasets`' save_to_disk)"""
     dataset_split: str = "train"
     """the split of an hf: --dataset to train on"""
     eval_split: str | None = None
     """rows whose loss is evaluated before and after training (and every --eval_interval steps): a split of an hf:
     --dataset, or a second .jsonl file for a .jsonl --dataset; None: no evaluation"""
     prompt_column: str = "prompt"
-    """the column (JSONL field) of the prompt texts"""
+    """the column (JSONL field) of the prompts (texts, or lists of messages)"""
     completion_column: str = "completion"
-    """the column (JSONL field) of the completion texts (N+: a leading space, then the summary)"""
+    """the column (JSONL field) of the completions (texts, N+'s a leading space then the summary; or lists of
+    messages)"""
     loss_on: Literal["all", "completion"] = "all"
     """the tokens the loss counts: all (every non-PAD token of prompt and completion but the first, N+, nplus N10) or
     completion (the completion's tokens and EOS only)"""

@@ -17,7 +17,14 @@ import numpy as np
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from lm_human_preference_details.prompts import PromptQueries, PromptRows, is_hf_source, load_hf_rows, read_prompt_jsonl
+from lm_human_preference_details.prompts import (
+    PromptQueries,
+    PromptRows,
+    is_hf_source,
+    load_hf_rows,
+    query_dataset_path,
+    read_prompt_jsonl,
+)
 from lm_human_preference_details.sources import (
     OAI_TEXT_SOURCES,
     HubTexts,
@@ -65,6 +72,22 @@ def load_texts(query_dataset: str, split: str = "train") -> Sequence[str] | Prom
             "or a path to a .txt (one passage per line) or .jsonl ('text' field, or prompts) file, or hf:NAME_OR_DIR."
         )
     return load_task_texts(query_dataset, split)
+
+
+def is_local_source(query_dataset: str) -> bool:
+    """Whether --task.query_dataset is read from this machine: a .txt or .jsonl file, or hf:DIR of a directory (not
+    OAI's files nor a hub dataset, which a dry run does not download)."""
+    if is_hf_source(query_dataset):
+        return os.path.isdir(os.path.expanduser(query_dataset_path(query_dataset)))
+    return query_dataset.lower().endswith(_LOCAL_SUFFIXES) or os.path.isfile(query_dataset)
+
+
+def check_queries(task: TaskHParams, tokenizer: PreTrainedTokenizerBase, data_seed: int) -> None:
+    """For --dry_run: what a run checks of its query data before its first step, when the data lies on this machine
+    (`is_local_source`): the stream built (a --task.query_template's columns, the chat template of chats, the
+    start_text/end_text tokens) and its first query drawn (a source where no row gives one)."""
+    if is_local_source(task.query_dataset):
+        QueryStream(load_texts(task.query_dataset, task.query_split), tokenizer, task, 0, 1, data_seed).next_batch(1)
 
 
 # ---------------------------------------------------------------- query stream

@@ -9,13 +9,18 @@ scores raw query and truncated response (with the training run's normalization, 
 filter get `task.penalty_reward_value` as `objective/score` (spec P2, P3; with `task.penalty_mode` subtract, their score
 plus it); a gold judge sees the same truncated response, as `objective/gold_score`. With `task.end_at_eos` a response
 ends at its first EOS (nplus N19-N21): the KL sums its tokens up to that EOS only, as the training run's.
+
+The KL is KL(policy ‖ base) of both models' distributions at one temperature, the `kl_temperature` (by default the
+training run's, the one objective/kl and the KL penalty measured). A sampling temperature other than it (N+'s 0.01,
+nplus N27) gets a second sample at the KL's temperature to estimate it on: at 0.01 both distributions are near one-hot,
+and each token the base model ranks below the policy's choice costs their logit gap times 100 nats.
 https://github.com/openai/lm-human-preferences/blob/cbfd210bb8b08f6bc5c26878c10984b90f516c66/lm_human_preferences/train_policy.py#L281-L316
 """
 
 import math
 import os
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -98,26 +103,28 @@ def sample_and_score(
     judges: dict[str, Labeler],
     generator: torch.Generator,
     batch_size: int = 64,
+    kl_temperature: float | None = None,
 ) -> Episodes:
-    """Sample one response per query (n, Lq) and score it as train_policy.py's rollout does, in batches."""
+    """Sample one response per query (n, Lq) and score it as train_policy.py's rollout does, in batches; the KL is at
+    `kl_temperature` (None: task.temperature), on a second sample at that temperature when it is another one."""
     check_truncation_resolved(task)
     pad_id = tokenizer.pad_token_id
     prefix, suffix = encode_context_affixes(tokenizer, task)
     device = next(policy.parameters()).device
+    kl_task = None if kl_temperature in (None, task.temperature) else replace(task, temperature=kl_temperature)
     parts = []
     for batch in queries.split(batch_size):
         batch = batch.to(device)
         contexts = format_contexts(batch, prefix, suffix)  # (b, C)
         responses, logprobs, _ = sample(policy, contexts, task.response_length, task.temperature, pad_id, generator)
-        # the base model's tempered log-probs of the same tokens, from one forward (spec G6, P4)
-        ref_logits = ref_policy(torch.cat([contexts, responses], 1), contexts.shape[1], pad_id, task.temperature)[0]
-        token_kl = logprobs - logprobs_from_logits(ref_logits, responses)  # (b, L)
+        if kl_task is None:
+            kl = sampled_kl(ref_policy, contexts, responses, logprobs, task, pad_id)  # (b,)
+        else:  # the KL at its own temperature, on responses sampled at it
+            kl_sample = sample(policy, contexts, task.response_length, kl_task.temperature, pad_id, generator)[:2]
+            kl = sampled_kl(ref_policy, contexts, *kl_sample, kl_task, pad_id)
         # truncate -> the reward of raw query and truncated response -> filter penalty (spec P2, P3, RS1)
         # https://github.com/openai/lm-human-preferences/blob/cbfd210bb8b08f6bc5c26878c10984b90f516c66/lm_human_preferences/train_policy.py#L378-L390
         truncated = truncate_response(responses, task.truncate_token, task.truncate_after, pad_id)
-        if task.end_at_eos:  # no KL after a response's first EOS, as in training (nplus N20)
-            token_kl = token_kl.masked_fill(after_end(truncated, task.truncate_token), 0.0)
-        kl = token_kl.sum(1)  # (b,)
         scores = reward(batch, truncated)
         passed = passes_filter(truncated, task.truncate_token, task.truncate_after)
         if task.penalty_mode == "subtract":  # TRL's missing_eos_penalty (nplus N19)
@@ -134,6 +141,34 @@ def sample_and_score(
         truncated=torch.cat([p[1] for p in parts]).cpu(),
         metrics={k: torch.cat([p[2][k] for p in parts]).float().cpu() for k in parts[0][2]},
     )
+
+
+def sampled_kl(
+    ref_policy: PolicyWithValueHead,
+    contexts: torch.Tensor,
+    responses: torch.Tensor,
+    logprobs: torch.Tensor,
+    task: TaskHParams,
+    pad_id: int,
+) -> torch.Tensor:
+    """(b,) objective/kl of responses the policy sampled at task.temperature, with their log-probs: the sum over the
+    raw response's tokens of logprob - the base model's logprob, both tempered (end_at_eos: up to the first EOS)."""
+    # the base model's tempered log-probs of the same tokens, from one forward (spec G6, P4)
+    ref_logits = ref_policy(torch.cat([contexts, responses], 1), contexts.shape[1], pad_id, task.temperature)[0]
+    token_kl = logprobs - logprobs_from_logits(ref_logits, responses)  # (b, L)
+    if task.end_at_eos:  # no KL after a response's first EOS, as in training (nplus N20)
+        truncated = truncate_response(responses, task.truncate_token, task.truncate_after, pad_id)
+        token_kl = token_kl.masked_fill(after_end(truncated, task.truncate_token), 0.0)
+    return token_kl.sum(1)
+
+
+def kl_title(report: dict) -> str:
+    """What the KL metric is: KL(policy ‖ base) at the report's KL temperature, and on which samples."""
+    kl_temperature = report.get("kl_temperature")
+    if kl_temperature is None:
+        return METRIC_TITLES[KL]
+    second = "" if kl_temperature == report["task"]["temperature"] else " (on a second sample)"
+    return f"KL to the base model at temperature {kl_temperature:g}{second}, nats"
 
 
 def after_end(truncated: torch.Tensor, eos_id: int) -> torch.Tensor:
@@ -239,7 +274,7 @@ def metric_rows(report: dict) -> list[tuple[str, str, str, str]]:
     """(metric, base, trained, win rate) rows of the report's comparison table."""
     rows = []
     for name, stats in report["metrics"].items():
-        title = score_title(report) if name == SCORE else METRIC_TITLES.get(name, name)
+        title = score_title(report) if name == SCORE else kl_title(report) if name == KL else METRIC_TITLES[name]
         if name == GOLD and report.get("gold"):
             title = f"gold score ({report['gold']})"
         win = report["win_rate"].get(name)
@@ -258,6 +293,15 @@ def markdown(report: dict) -> str:
         f"{report['task']['temperature']}. Mean ± standard error over queries; win rate = fraction of queries where "
         "the trained policy's response scores higher than the base model's (ties count 1/2).",
     ]
+    if report.get("kl_temperature") not in (None, report["task"]["temperature"]):
+        kl_temperature = report["kl_temperature"]
+        lines += [
+            "",
+            f"The KL is KL(policy ‖ base) of both models at temperature {kl_temperature:g}, the training run's (as "
+            f"objective/kl), estimated on a second sample of each policy at {kl_temperature:g}: at the sampling "
+            f"temperature {report['task']['temperature']:g} both are near one-hot and their KL says little about "
+            "how far training moved the policy.",
+        ]
     lines += [line for warning in report.get("warnings", []) for line in ("", f"**Warning:** {warning}")]
     if note := normalization_note(report):
         lines += ["", note]

@@ -281,7 +281,7 @@ def _read_json_rows(path: str, where: str, flag: str) -> Any:
         return json.loads(text)
     except json.JSONDecodeError as e:
         first = _first_json_line(text)
-        if first is not None and set(PREFERENCE_PAIR_FIELDS) <= set(first):
+        if first is not None and set(PREFERENCE_PAIR_FIELDS[1:]) <= set(first):
             raise ValueError(
                 f"{where} is JSON Lines of text preference pairs ({', '.join(PREFERENCE_PAIR_FIELDS)}, as TRL writes "
                 "them), which need a tokenizer: pass it to train_reward.py --label_dataset with --labels.type "

@@ -24,18 +24,25 @@ from lm_human_preference_details import (
     files,
     labelers,
     lora,
+    presets,
     resumable,
     sharded,
     tracking,
     validation,
 )
-from lm_human_preference_details.data import QueryStream, load_texts
+from lm_human_preference_details.data import QueryStream, check_queries, load_texts
 from lm_human_preference_details.hub import HubUnavailableError, hub_reachable
 from lm_human_preference_details.modeling import CRITIC_DIR, PolicyWithValueHead, read_reward_metadata
 from lm_human_preference_details.rewards import Reward, RewardModelReward, reward_model_dir
 from lm_human_preference_details.settings import PolicyArgs, PolicyRewardFlags, recorded
 from lm_human_preference_details.sizes import Sizes
-from lm_human_preference_details.tasks import PassRateAlarm, TaskHParams, resolve_truncation, task_differences
+from lm_human_preference_details.tasks import (
+    POLICY_ONLY_FIELDS,
+    PassRateAlarm,
+    TaskHParams,
+    resolve_truncation,
+    reward_model_task_differences,
+)
 from lm_human_preference_details.tokenizer import check_same_tokenizer, load_tokenizer
 
 A = TypeVar("A", bound=PolicyArgs)
@@ -148,7 +155,10 @@ def check_reward_model_task(rm_metadata: dict, task: TaskHParams, rewards: Polic
     --rewards.allow_task_mismatch; -> the differences (None when equal)."""
     # OAI asserts that the reward model's task hyperparameters equal the policy's, every field
     # https://github.com/openai/lm-human-preferences/blob/cbfd210bb8b08f6bc5c26878c10984b90f516c66/lm_human_preferences/train_policy.py#L411
-    differences = task_differences(rm_metadata.get("task"), task)
+    # DEVIATION (reward-task-check): the penalty of a response failing the filter (penalty_reward_value, penalty_mode)
+    # is not compared: reward training never reads it, and TRL's subtracted penalty against a reward model trained
+    # with the default was refused, its remedy --rewards.allow_task_mismatch hiding every real mismatch
+    differences = reward_model_task_differences(rm_metadata.get("task"), task)
     if not differences:
         return None
     listed = "; ".join(
@@ -187,9 +197,11 @@ def check_reward_model_task_name(rm_metadata: dict, task_id: str, rewards: Polic
 
 
 def check_policy_inputs(args: PolicyArgs, accelerator: Accelerator) -> None:
-    """What --dry_run checks beyond the flags: the reward model's files and task, a local query file, a gold reward
-    model's directory, then the tokenizers and every model's context (from the hub: not checked when it is
-    unreachable); errors name the flag."""
+    """What --dry_run checks beyond the flags, as the run checks them before its first update: the hub for
+    --push_to_hub, a local query file, a gold reward model's directory, the reward model's files and task, then the
+    tokenizers, every model's context and the query data (from the hub: not checked when it is unreachable); errors
+    name the flag."""
+    check_hub_for_push(args)
     if args.task.query_dataset.lower().endswith((".txt", ".jsonl")):
         load_texts(args.task.query_dataset)
     gold = args.rewards.gold_model or ""
@@ -205,7 +217,7 @@ def check_policy_inputs(args: PolicyArgs, accelerator: Accelerator) -> None:
             accelerator.print(f"warning: {warning}")
         for warning in label_warnings(rm_metadata, args.rewards.trained_model):
             accelerator.print(f"warning: {warning}")
-    with cli.unchecked_when_offline(accelerator.print, "the tokenizers and context lengths"):
+    with cli.unchecked_when_offline(accelerator.print, "the tokenizers, context lengths and the query data"):
         tokenizer = load_tokenizer(args.base_model)
         task = resolve_truncation(args.task, tokenizer)  # --task.truncate_text is one token of it, the id agrees
         if rm_metadata is not None:
@@ -216,6 +228,7 @@ def check_policy_inputs(args: PolicyArgs, accelerator: Accelerator) -> None:
                 f"the policy uses tokenizer '{args.base_model}'",
             )
         validation.check_policy_context(dataclasses.replace(args, task=task), tokenizer)
+        check_queries(task, tokenizer, args.data_seed)  # the query stream's checks (a template's columns, ...)
 
 
 def dry_run(args: PolicyArgs, accelerator: Accelerator) -> list:
@@ -245,7 +258,8 @@ def task_flags(differences: dict[str, tuple]) -> str:
 
 
 def task_from_reward_model(args: A) -> tuple[A, list[str]]:
-    """With --rewards.task_from_reward_model, `args` with the reward model's task settings; -> args, what changed."""
+    """With --rewards.task_from_reward_model, `args` with the reward model's task settings (the run's own penalty of a
+    failing response kept: POLICY_ONLY_FIELDS); -> args, what changed."""
     if not args.rewards.task_from_reward_model:
         return args, []
     if (reward_dir := reward_model_dir(args.rewards.trained_model)) is None:
@@ -259,9 +273,10 @@ def task_from_reward_model(args: A) -> tuple[A, list[str]]:
             f"--rewards.task_from_reward_model: the reward model '{args.rewards.trained_model}' records no task "
             "settings; pass its --task.* flags instead."
         )
-    changed = task_differences(saved, args.task)
+    changed = reward_model_task_differences(saved, args.task)
     fields = {f.name for f in dataclasses.fields(TaskHParams)}
-    task = TaskHParams(**{k: v for k, v in saved.items() if k in fields})
+    penalty = {name: getattr(args.task, name) for name in POLICY_ONLY_FIELDS}  # the run's own, which no RM depends on
+    task = TaskHParams(**{**{k: v for k, v in saved.items() if k in fields}, **penalty})
     return dataclasses.replace(args, task=task), [f"{k}: {ours!r} -> {saved!r}" for k, (saved, ours) in changed.items()]
 
 
@@ -511,7 +526,26 @@ def check_args(args: PolicyArgs) -> None:
     ValueError line naming the flag."""
     validation.check_policy_args(args)
     lora.check_lora_args(args.lora)
+    check_lora_critic(args)
     check_fsdp_flags(args)
+
+
+def check_lora_critic(args: PolicyArgs) -> None:
+    """ValueError in one line for a separate critic (--ppo.value_model) with --lora.rank, naming the --task preset when
+    the preset set the critic (nplus_tldr's reward), and how to unset it."""
+    value_model = args.ppo.value_model
+    if value_model is None or not args.lora.rank:
+        return
+    both = (
+        f"--ppo.value_model {value_model} with --lora.rank {args.lora.rank}: LoRA runs keep the value head on the "
+        "policy's trunk, a separate critic with LoRA adapters is not supported"
+    )
+    if presets.POLICY.get(args.task_id, {}).get("ppo.value_model") == value_model:
+        raise ValueError(
+            f"{both}; the --task {args.task_id} preset sets --ppo.value_model {value_model}: pass --ppo.value_model "
+            "None for the value head on the policy's trunk, or drop --lora.rank."
+        )
+    raise ValueError(f"{both}; drop one of the two flags.")
 
 
 def check_fsdp_flags(args: PolicyArgs) -> None:

@@ -11,7 +11,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from transformers import AutoModel
 
 from lm_human_preference_details import checkpoint, cli, devices, resumable, sharded, validation
-from lm_human_preference_details.data import QueryStream, load_texts
+from lm_human_preference_details.data import QueryStream, check_queries, load_texts
 from lm_human_preference_details.labels import (
     Labels,
     LabelType,
@@ -62,15 +62,16 @@ def print_setup(console, args: RewardArgs, sizes: RewardSizes, tf32: str, label_
 
 
 def check_inputs(args: RewardArgs, accelerator: Accelerator) -> None:
-    """What --dry_run checks beyond the flags: a local query file, the models' context and the label file (when it
-    can be read)."""
+    """What --dry_run checks beyond the flags, as the run checks them before its first step: a local query file, the
+    models' context, the label file and the query data (when they can be read without a download)."""
     if args.task.query_dataset.lower().endswith((".txt", ".jsonl")):
         load_texts(args.task.query_dataset)
-    with cli.unchecked_when_offline(accelerator.print, "the context lengths and the label file"):
+    with cli.unchecked_when_offline(accelerator.print, "the context lengths, the label file and the query data"):
         tokenizer = load_tokenizer(args.base_model)
         task = resolve_truncation(args.task, tokenizer)  # --task.truncate_text is one token of it, the id agrees
         validation.check_reward_context(dataclasses.replace(args, task=task), tokenizer)
         rows = len(read_labels(args, tokenizer))
+        check_queries(task, tokenizer, args.data_seed)  # the normalization's query stream
         accelerator.print(f"dry run: every input checked ({rows} label rows); nothing written")
 
 

@@ -247,6 +247,19 @@ def task_differences(saved: dict | None, task: TaskHParams) -> dict[str, tuple]:
     }
 
 
+POLICY_ONLY_FIELDS = ("penalty_reward_value", "penalty_mode")
+"""TaskHParams fields that only a policy run reads: what a response failing the filter scores. Reward training never
+reads them (train_reward.py scores raw label responses and normalizes on samples without a penalty), so a reward model
+fits a policy run with any value of them (TRL's --task.penalty_mode subtract against a reward model trained with the
+preset's replace)"""
+
+
+def reward_model_task_differences(saved: dict | None, task: TaskHParams) -> dict[str, tuple]:
+    """`task_differences` of a reward model's saved task and a policy run's, over the fields the reward model depends
+    on (not POLICY_ONLY_FIELDS)."""
+    return {name: values for name, values in task_differences(saved, task).items() if name not in POLICY_ONLY_FIELDS}
+
+
 LATER_FIELD_DEFAULTS = {"penalty_mode": "replace", "end_at_eos": False}
 """TaskHParams fields added after tasks were first saved (reward_model.json, args.json, checkpoints), with the value a
 task saved without them ran with"""

@@ -6,6 +6,10 @@ Convention: `sample0` is the chosen response and `sample1` the rejected one, so 
 already a query (as in OAI's label files, whose queries were built from the corpus text): it is encoded as plain BPE,
 truncated to its first query_length tokens and right-padded; responses are truncated to response_length and
 right-padded, as OAI's label files hold them (spec R7, G1, G3).
+
+TRL's other preference formats are read too (conversations.py): values that are lists of messages (the prompt rendered
+with the chat template's generation prompt, each response the rest of its conversation's rendering), and rows without
+`prompt` whose `chosen` and `rejected` both start with it.
 """
 
 import json
@@ -15,6 +19,7 @@ from typing import Any
 import torch
 from transformers import PreTrainedTokenizerBase
 
+from lm_human_preference_details import conversations
 from lm_human_preference_details.files import write_atomic
 from lm_human_preference_details.hub import check_available
 from lm_human_preference_details.labels import (
@@ -30,6 +35,8 @@ from lm_human_preference_details.tasks import build_query, encode_texts
 
 CHOSEN_INDEX = 0
 """Index of the chosen response in a best_of_2 row (sample0); the rejected one is sample1."""
+RESPONSE_FIELDS = PREFERENCE_PAIR_FIELDS[1:]
+"""chosen, rejected: the fields every preference row holds (`prompt` is implicit in them when it is missing)"""
 
 
 def _is_hub_dataset_name(source: str) -> bool:
@@ -53,7 +60,7 @@ def _starts_with_text_pair(path: str) -> bool:
         first = json.loads(line)
     except json.JSONDecodeError:
         return False
-    return isinstance(first, dict) and set(PREFERENCE_PAIR_FIELDS) <= set(first)
+    return isinstance(first, dict) and set(RESPONSE_FIELDS) <= set(first)
 
 
 def is_text_preference_source(source: str) -> bool:
@@ -105,22 +112,67 @@ def _read_dataset(source: str, flag: str) -> list[Any]:
     return dataset.to_list()
 
 
-def read_text_pairs(source: str, flag: str = "--label_dataset") -> list[dict[str, str]]:
-    """The (prompt, chosen, rejected) rows of a JSONL file, `datasets` directory or hub dataset, validated."""
+def read_text_pairs(source: str, flag: str = "--label_dataset") -> list[dict[str, Any]]:
+    """The (prompt, chosen, rejected) rows of a JSONL file, `datasets` directory or hub dataset, validated: each all
+    texts, or all conversations (message lists, checked); an implicit prompt taken out of chosen and rejected."""
     rows = _read_jsonl(source, flag) if os.path.isfile(source) else _read_dataset(source, flag)
     if not rows:
         raise ValueError(f"{flag} '{source}' holds no rows; expected {TEXT_PAIRS_SCHEMA}.")
+    pairs = []
     for i, row in enumerate(rows):
         found = sorted(row)[:8] if isinstance(row, dict) else type(row).__name__
-        if not isinstance(row, dict) or not set(PREFERENCE_PAIR_FIELDS) <= set(row):
+        if not isinstance(row, dict) or not set(RESPONSE_FIELDS) <= set(row):
             raise ValueError(
                 f"{flag} '{source}' is in neither schema: row {i} has fields {found}; expected {TEXT_PAIRS_SCHEMA}, or "
                 f"OAI's label schema, {SCHEMA}."
             )
-        bad = next((name for name in PREFERENCE_PAIR_FIELDS if not isinstance(row[name], str)), None)
-        if bad is not None:
-            raise ValueError(f"{flag} '{source}': row {i} field '{bad}' is {type(row[bad]).__name__}, not a string.")
-    return [{name: row[name] for name in PREFERENCE_PAIR_FIELDS} for row in rows]
+        where = f"{flag} '{source}': row {i}"
+        pair = {name: row[name] for name in PREFERENCE_PAIR_FIELDS if row.get(name) is not None}
+        if "prompt" not in pair:
+            pair = dict(
+                zip(PREFERENCE_PAIR_FIELDS, conversations.implicit_prompt(row["chosen"], row["rejected"], where))
+            )
+        chat = conversations.is_conversation(pair["prompt"])
+        for name in PREFERENCE_PAIR_FIELDS:
+            if chat:
+                pair[name] = conversations.check_messages(pair[name], f"{where} '{name}'")
+            elif not isinstance(pair[name], str):
+                raise ValueError(
+                    f"{where} field '{name}' is {type(pair[name]).__name__}, not a string (a text prompt takes text "
+                    "responses; message lists go with a message-list prompt)."
+                )
+        pairs.append(pair)
+    return pairs
+
+
+def encode_pairs(
+    pairs: list[dict[str, Any]], tokenizer: PreTrainedTokenizerBase, where: str
+) -> tuple[list[list[int]], list[list[int]], list[list[int]]]:
+    """Token ids of each pair's prompt, chosen and rejected: texts as plain BPE, conversations through the chat
+    template (`conversations.render_tokens`)."""
+    texts = [i for i, pair in enumerate(pairs) if isinstance(pair["prompt"], str)]
+    encoded = [encode_texts(tokenizer, [pairs[i][name] for i in texts]) for name in PREFERENCE_PAIR_FIELDS]
+    tokens: list[list[list[int]]] = [[[] for _ in pairs] for _ in PREFERENCE_PAIR_FIELDS]
+    for field, column in zip(tokens, encoded):
+        for i, ids in zip(texts, column):
+            field[i] = ids
+    chats = [i for i, pair in enumerate(pairs) if not isinstance(pair["prompt"], str)]
+    if chats:
+        conversations.check_chat_template(tokenizer, where)
+        conversations.check_plain_message_text(tokenizer, where)
+    for i in chats:
+        for side, name in ((1, "chosen"), (2, "rejected")):
+            prompt, response = conversations.render_tokens(
+                pairs[i]["prompt"], pairs[i][name], tokenizer, f"{where} row {i}"
+            )
+            tokens[0][i], tokens[side][i] = prompt, response
+    return tokens[0], tokens[1], tokens[2]
+
+
+def _without_eos(tokens: list[int], eos_id: int) -> list[int]:
+    """`tokens` without a final `eos_id`, which a conversation's response ends with when the template's turn end is
+    the EOS (it gets one EOS, not two); a text's tokens never end with it (their special-token texts are plain)."""
+    return tokens[:-1] if tokens[-1:] == [eos_id] else tokens
 
 
 def _pad_tokens(rows: list[list[int]], length: int, pad_id: int) -> list[list[int]]:
@@ -129,7 +181,7 @@ def _pad_tokens(rows: list[list[int]], length: int, pad_id: int) -> list[list[in
 
 
 def tokenize_pairs(
-    pairs: list[dict[str, str]],
+    pairs: list[dict[str, Any]],
     tokenizer: PreTrainedTokenizerBase,
     query_length: int,
     response_length: int,
@@ -140,7 +192,9 @@ def tokenize_pairs(
     """best_of_2 rows of OAI's schema (tokenizer PAD): query = prompt, sample0 = chosen, sample1 = rejected, best 0;
     -> the rows and how many queries and samples were truncated. With `eos_id` (responses that end at EOS,
     --task.end_at_eos) every response ends with that token, kept when a long response is cut to response_length."""
-    prompts, chosen, rejected = (encode_texts(tokenizer, [p[name] for p in pairs]) for name in PREFERENCE_PAIR_FIELDS)
+    prompts, chosen, rejected = encode_pairs(pairs, tokenizer, where)
+    if eos_id is not None:
+        chosen, rejected = ([_without_eos(t, eos_id) for t in side] for side in (chosen, rejected))
     with_eos = int(eos_id is not None)
     truncated = {
         "truncated_queries": sum(len(prompt) > query_length for prompt in prompts),
@@ -183,7 +237,7 @@ def load_text_labels(
             f"{label_type}; pass --labels.type best_of_2."
         )
     pairs = read_text_pairs(source, flag)
-    rows, _ = tokenize_pairs(pairs, tokenizer, query_length, response_length, pad_id, flag, eos_id)
+    rows, _ = tokenize_pairs(pairs, tokenizer, query_length, response_length, pad_id, f"{flag} '{source}'", eos_id)
     if len(rows) < num_train:
         raise ValueError(
             f"{flag} '{source}' has {len(rows)} rows but num_train is {num_train}; lower --labels.num_train."

@@ -17,12 +17,12 @@ from typing import Any, Protocol
 
 import torch
 from torch.distributed.tensor import DTensor
-from transformers import AutoConfig, PreTrainedTokenizerBase
+from transformers import AutoConfig, AutoTokenizer, PreTrainedTokenizerBase
 
 from lm_human_preference_details import files, lora
 from lm_human_preference_details.files import OutputError
 from lm_human_preference_details.hub import check_available
-from lm_human_preference_details.labelers import check_labeler_source
+from lm_human_preference_details.labelers import SEQUENCE_CLASSIFIER, check_labeler_source
 from lm_human_preference_details.modeling import (
     CRITIC_CONFIG_FILE,
     CRITIC_TRUNK_DIR,
@@ -424,6 +424,12 @@ def critic_reader(value_model: str | None, trained_model: str) -> ContextReader 
     whose context the policy's check covers)."""
     if value_model is None or value_model == "policy":
         return None
+    classifier = os.path.expanduser(trained_model.removeprefix(SEQUENCE_CLASSIFIER))
+    if value_model == "reward" and trained_model.startswith(SEQUENCE_CLASSIFIER) and os.path.isdir(classifier):
+        # a critic from a sequence classifier (nplus/critic.py) reads the policy's tokens with its tokenizer's BOS
+        bos = added_bos_id(AutoTokenizer.from_pretrained(classifier)) is not None
+        source = f"--ppo.value_model reward: '{trained_model}'"
+        return ContextReader("the critic", "--ppo.value_model", source, classifier, "critic", bos)
     directory = reward_model_dir(trained_model) if value_model == "reward" else value_model
     if directory is None:
         return None

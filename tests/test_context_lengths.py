@@ -7,7 +7,9 @@ import json
 import os
 
 import pytest
+from transformers import AutoConfig, AutoModelForSequenceClassification
 
+import train_policy
 from lm_human_preference_details import validation
 from lm_human_preference_details.modeling import PolicyWithValueHead, load_causal_lm
 from lm_human_preference_details.nplus.critic import Critic
@@ -238,3 +240,19 @@ def test_the_presets_fit_gpt2_and_tldr_needs_its_suffix_counted(tmp_path, tokeni
     validation.check_sampling_context(TASKS["tldr"], tokenizer, config_dir(tmp_path / "580", 580))
     with pytest.raises(ValueError, match=r"\+ 6 tokens of --task.query_suffix .* = 580 tokens .* \(or shorten"):
         validation.check_sampling_context(TASKS["tldr"], tokenizer, config_dir(tmp_path / "579", 579))
+
+
+def test_a_critic_from_a_sequence_classifier_is_checked_against_its_context(world, tokenizer, tmp_path):
+    # --ppo.value_model reward with a sequence_classifier: reward reads the policy's tokens with the classifier's trunk
+    config = AutoConfig.from_pretrained(world["small"], num_labels=1, pad_token_id=0)
+    AutoModelForSequenceClassification.from_config(config).save_pretrained(tmp_path / "classifier")
+    tokenizer.save_pretrained(tmp_path / "classifier")
+    spec = f"sequence_classifier:{tmp_path / 'classifier'}"
+    flags = ["--base_model", world["big"], "--rewards.trained_model", spec, "--ppo.value_model", "reward"]
+    for response_length, fits in ((9, True), (10, False)):  # the critic reads 8 + 10 - 1 = 17 > 16 tokens
+        args = train_policy.parse([*flags, *task_flags(world, 8, response_length), "--output_dir", str(tmp_path)])
+        if fits:
+            validation.check_policy_context(args, tokenizer)
+            continue
+        with pytest.raises(ValueError, match=r"= 17 tokens exceed the context of the critic \(--ppo\.value_model "):
+            validation.check_policy_context(args, tokenizer)

@@ -29,10 +29,10 @@ from lm_human_preference_details.evaluation import (
     win_rate,
 )
 from lm_human_preference_details.labelers import Labeler
-from lm_human_preference_details.modeling import PolicyWithValueHead, RewardModel, load_causal_lm
+from lm_human_preference_details.modeling import PolicyWithValueHead, RewardModel, load_causal_lm, sample
 from lm_human_preference_details.rewards import RewardModelReward
 from lm_human_preference_details.settings import with_run
-from lm_human_preference_details.tasks import TaskHParams
+from lm_human_preference_details.tasks import NPLUS_TASKS, TaskHParams, encode_context_affixes, format_contexts
 from lm_human_preference_details.tokenizer import load_tokenizer, tokenizer_fingerprint
 from tests.conftest import small_vocab_gpt2, tiny_gpt2
 from tests.full_disk import fill, small_filesystem
@@ -129,6 +129,50 @@ def test_kl_matches_a_direct_recomputation(tokenizer):
     expected = torch.tensor(expected, dtype=torch.float32)
     assert expected.abs().min() > 1e-2  # two different models: the check is not trivially 0 = 0
     torch.testing.assert_close(episodes.metrics[KL], expected, atol=2e-4, rtol=1e-4)
+
+
+def sharp_policy(seed: int) -> PolicyWithValueHead:
+    """A tiny policy whose logits are SHARPNESS times a random model's: nats of KL from another tiny model at 0.7."""
+    model = tiny_gpt2(seed)
+    with torch.no_grad():
+        model.transformer.ln_f.weight.mul_(SHARPNESS)
+        model.transformer.ln_f.bias.mul_(SHARPNESS)
+    return PolicyWithValueHead(model)
+
+
+def sequence_kl(policy, base, context: list[int], response: list[int], temperature: float) -> float:
+    """The sum over the response's tokens of logprob(policy) - logprob(base), both tempered, from plain forwards."""
+    return (
+        (
+            direct_logprobs(policy.lm, context, response, temperature)
+            - direct_logprobs(base.lm, context, response, temperature)
+        )
+        .sum()
+        .item()
+    )
+
+
+def test_kl_is_read_at_the_kl_temperature_on_a_second_sample_at_it(tokenizer):
+    # N+ evaluates at T = 0.01 (nplus N27): there both models are near one-hot, and each token the base model ranks
+    # lower costs 100 times the logit gap (32 queries here: 76.5 nats at 0.01, 2.9 at the training temperature 0.7)
+    policy, base = sharp_policy(1), PolicyWithValueHead(tiny_gpt2(0))
+    reward_model = RewardModelReward(RewardModel(tiny_gpt2(2).transformer), PAD)
+    queries, cold = random_queries(0, 6, 6, pad_tail=True), task(temperature=0.01)
+    generator = torch.Generator().manual_seed(1)
+    episodes = sample_and_score(policy, base, queries, cold, tokenizer, reward_model, {}, generator, 4, TEMPERATURE)
+    # the draws replayed: each batch samples at 0.01 (the scored responses), then at 0.7 (the KL's)
+    generator, affixes = torch.Generator().manual_seed(1), encode_context_affixes(tokenizer, cold)
+    contexts, kl, cold_kl = context_rows(tokenizer, queries, cold), [], []
+    for batch in (slice(0, 4), slice(4, 6)):
+        batch_contexts = format_contexts(queries[batch], *affixes)
+        scored = sample(policy, batch_contexts, 8, 0.01, PAD, generator)[0]
+        warm = sample(policy, batch_contexts, 8, TEMPERATURE, PAD, generator)[0]
+        assert torch.equal(scored, episodes.responses[batch])
+        for context, response, cold_response in zip(contexts[batch], warm.tolist(), scored.tolist()):
+            kl.append(sequence_kl(policy, base, context, response, TEMPERATURE))
+            cold_kl.append(sequence_kl(policy, base, context, cold_response, 0.01))
+    torch.testing.assert_close(episodes.metrics[KL], torch.tensor(kl, dtype=torch.float32), atol=2e-4, rtol=1e-4)
+    assert np.mean(cold_kl) > 10 * np.mean(kl) > 0  # what the KL at 0.01 would have read
 
 
 def test_sampling_is_paired_by_seed(tokenizer):
@@ -294,6 +338,22 @@ def test_more_queries_than_the_query_file_has_texts_is_refused_before_the_evalua
     assert "10 queries of" in (out / "results.md").read_text()
 
 
+def test_dry_run_draws_the_heldout_queries_as_the_evaluation_does(tiny_run, tmp_path):
+    # the dry run said nothing of a query file too small for --num_queries, nor of one lacking a template's columns
+    _, policy, _, _ = tiny_run
+    ten = str(write_query_file(tmp_path / "ten.txt", n=10))
+    flags = ["--policy", policy, "--task.query_dataset", ten, "--output_dir", str(tmp_path / "eval"), "--dry_run"]
+    with pytest.raises(ValueError, match=r"^--num_queries 64 is more queries than --task\.query_dataset .*holds 10"):
+        main(parse([*flags, "--num_queries", "64"]))
+    assert main(parse([*flags, "--num_queries", "10"])) == {}
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": f"Say {i} words."}) + "\n" for i in range(10)))
+    template = ["--task.query_dataset", str(prompts), "--task.query_template", "{title}: {post}"]
+    with pytest.raises(ValueError, match=r"^--task\.query_template names \['title', 'post'\], which"):
+        main(parse([*flags, "--num_queries", "10", *template]))
+    assert not (tmp_path / "eval").exists()
+
+
 def test_query_offset_skips_what_the_run_consumed():
     run = {"task": {"query_dataset": "q.txt"}, "data_seed": 0, "ppo": {"total_episodes": 100, "batch_size": 32}}
     assert consumed_queries(run) == 128  # ceil(100 / 32) updates of 32
@@ -362,6 +422,35 @@ def test_parse_takes_the_training_settings_from_args_json(tiny_run, tiny_model_d
     assert parse(["--policy", policy, "--task.response_length", "5"]).task.response_length == 5
     preset = parse(["--policy", policy, "--task", "tldr"])
     assert preset.task.query_length == 500 and preset.base_model is None  # None: the run's, resolved in main
+
+
+def test_nplus_tldr_preset_is_taken_and_the_kl_keeps_the_training_temperature(tiny_run, tmp_path):
+    _, policy, _, _ = tiny_run
+    preset = parse(["--task", "nplus_tldr"])  # it was refused: "--task must be one of sentiment, ..."
+    assert (preset.task_id, preset.task, preset.kl_temperature) == ("nplus_tldr", NPLUS_TASKS["nplus_tldr"], 0.7)
+    cold = parse(["--task", "nplus_tldr", "--task.temperature", "0.01"])  # N+'s evaluation (nplus N27)
+    assert (cold.task.temperature, cold.kl_temperature) == (0.01, 0.7)
+    run = parse(["--policy", policy, "--task.temperature", "0.01"])
+    assert (run.task.temperature, run.kl_temperature) == (0.01, 0.7)  # the run's args.json: 0.7
+    assert parse(["--policy", policy, "--kl_temperature", "1"]).kl_temperature == 1.0
+    with pytest.raises(ValueError, match=r"^--kl_temperature 0.01: the KL of two models is read at a temperature of 0"):
+        main(parse(["--policy", policy, "--kl_temperature", "0.01", "--output_dir", str(tmp_path / "out")]))
+
+
+@pytest.mark.slow
+def test_evaluate_at_nplus_temperature_reports_the_kl_at_the_training_temperature(tiny_run):
+    root, policy, _, _ = tiny_run
+    out = root / "eval_cold"
+    flags = ("--policy", policy, "--task.temperature", "0.01", "--num_queries", "12", "--batch_size", "8")
+    result = run_script("evaluate.py", *flags, "--output_dir", str(out))
+    assert "0.01 (samples), 0.7 (KL, on a second sample of each policy at it)" in result.stdout
+    report = json.loads((out / "results.json").read_text())
+    assert (report["task"]["temperature"], report["kl_temperature"]) == (0.01, 0.7)
+    # the KL of both models at 0.01 read 123 nats here; at 0.7 this policy is 2.6 nats from its base model
+    assert 0.1 < report["metrics"][KL]["trained"]["mean"] < 10
+    text = (out / "results.md").read_text()
+    assert "| KL to the base model at temperature 0.7 (on a second sample), nats |" in text
+    assert "The KL is KL(policy ‖ base) of both models at temperature 0.7, the training run's" in text
 
 
 def test_bad_input_names_the_flag(tmp_path):

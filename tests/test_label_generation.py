@@ -384,6 +384,17 @@ def test_generate_human_labeler_only_picks_the_best(world, tmp_path):
     assert not (tmp_path / "labels.json").exists()
 
 
+def test_generate_dry_run_makes_the_query_streams_checks(world, tmp_path):
+    # a prompt file lacking a --task.query_template's columns passed the dry run, then stopped the real run
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": f"Say {i} words."}) + "\n" for i in range(8)))
+    flags = ["--labeler", "vader", "--num_queries", "2", "--task.query_dataset", str(prompts)]
+    flags += ["--task.query_template", "{title}: {post}", "--dry_run"]
+    with pytest.raises(ValueError, match=r"^--task\.query_template names \['title', 'post'\], which"):
+        run_label_generation(generate_flags(world, tmp_path / "labels.json", *flags))
+    assert not (tmp_path / "labels.json").exists()
+
+
 def test_generate_skips_queries_without_enough_passing_responses(world, tmp_path):
     output = tmp_path / "skips.json"
     meta = run_label_generation(

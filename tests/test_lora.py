@@ -15,7 +15,7 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer, GPT2Config, GPTNeoXConfig, LlamaConfig, Qwen2Config
 
 import train_policy
-from lm_human_preference_details import checkpoint, lora
+from lm_human_preference_details import checkpoint, cli, lora, ppo_plumbing
 from lm_human_preference_details.kernels import logprobs_from_logits
 from lm_human_preference_details.modeling import PolicyWithValueHead, load_causal_lm, reduce_training_memory
 from lm_human_preference_details.optim import make_optimizer
@@ -154,6 +154,25 @@ def test_bad_lora_flags_name_the_flag(tmp_path):
     args = train_policy.parse(["--lora.rank", "-2", "--output_dir", str(tmp_path)])
     with pytest.raises(ValueError, match="--lora.rank"):
         train_policy.main(args)
+
+
+def test_a_critic_with_lora_names_the_preset_that_set_it_and_how_to_unset_it(tmp_path, capsys):
+    # nplus_tldr sets --ppo.value_model reward; the refusal used to read as if the user had passed it
+    argv = ["--task", "nplus_tldr", "--lora.rank", "8", "--dry_run", "--output_dir", str(tmp_path / "out")]
+    with pytest.raises(SystemExit) as stop:
+        cli.run(train_policy.main, train_policy.parse, argv)
+    assert stop.value.code == 2
+    assert capsys.readouterr().err.splitlines()[0] == (
+        "error: --ppo.value_model reward with --lora.rank 8: LoRA runs keep the value head on the policy's trunk, a "
+        "separate critic with LoRA adapters is not supported; the --task nplus_tldr preset sets --ppo.value_model "
+        "reward: pass --ppo.value_model None for the value head on the policy's trunk, or drop --lora.rank."
+    )
+    unset = train_policy.parse([*argv, "--ppo.value_model", "None"])
+    assert unset.ppo.value_model is None
+    ppo_plumbing.check_args(unset)  # the way out it names passes the check
+    own = train_policy.parse(["--lora.rank", "8", "--ppo.value_model", "policy", "--output_dir", str(tmp_path)])
+    with pytest.raises(ValueError, match=r"^--ppo.value_model policy with --lora.rank 8: .*; drop one of the two fl"):
+        ppo_plumbing.check_args(own)
 
 
 # ---------------------------------------------------------------- runs of train_policy.py

@@ -11,15 +11,17 @@ import sys
 import pytest
 import torch
 from safetensors.torch import load_file
+from transformers import AutoConfig, AutoModelForSequenceClassification, AutoModelForTokenClassification, AutoTokenizer
 
 import train_policy
 from lm_human_preference_details import checkpoint
-from lm_human_preference_details.modeling import PolicyWithValueHead, RewardModel
+from lm_human_preference_details.modeling import PolicyWithValueHead, RewardModel, load_causal_lm
 from lm_human_preference_details.nplus import critic as nplus_critic
 from lm_human_preference_details.nplus.critic import Critic, PolicyWithCritic
 from lm_human_preference_details.optim import make_optimizer
 from lm_human_preference_details.resume_check import final_training_state, max_weight_difference
-from lm_human_preference_details.tokenizer import load_tokenizer, tokenizer_fingerprint
+from lm_human_preference_details.tokenizer import added_bos_id, load_tokenizer, tokenizer_fingerprint
+from tests import archs
 from tests.conftest import tiny_gpt2, write_queries
 from tests.planted import REPO, run_script, script_env
 
@@ -125,6 +127,63 @@ def test_critic_on_the_policy_trunk_gives_the_policy_value_heads_values(tokenize
         torch.testing.assert_close(
             critic(query_responses, context_length, pad_id), policy(query_responses, context_length, pad_id, 0.7)[1]
         )
+
+
+@pytest.mark.parametrize("family", archs.FAMILIES)
+def test_saved_critic_loads_in_plain_transformers_as_a_token_classifier_whose_logits_are_its_values(family, tmp_path):
+    tokenizer = archs.family_tokenizer(family)
+    bos = added_bos_id(tokenizer)  # Llama's: the critic puts it in front, a user's tokenizer adds it
+    critic = Critic(archs.family_model(family, tokenizer, seed=5).base_model, bos_token_id=bos)
+    with torch.no_grad():
+        critic.head.weight.normal_()
+        critic.head.bias.fill_(0.3)
+    critic.save(str(tmp_path / "critic"))
+    classifier = AutoModelForTokenClassification.from_pretrained(str(tmp_path / "critic")).eval()
+    context_length, pad_id = 6, len(tokenizer) - 1
+    query_responses = torch.randint(0, pad_id, (3, context_length + 5), generator=torch.Generator().manual_seed(0))
+    encoded = query_responses if bos is None else torch.cat([torch.full((3, 1), bos), query_responses], 1)
+    start = context_length - 1 + int(bos is not None)
+    with torch.no_grad():
+        values = critic(query_responses, context_length, pad_id)  # (3, L): the project's own value computation
+        logits = classifier(input_ids=encoded).logits  # (3, T, 1)
+    torch.testing.assert_close(logits[:, start : start + values.shape[1], 0], values, rtol=1e-5, atol=1e-5)
+    assert values.std() > 1e-3
+    assert torch.equal(Critic.load(str(tmp_path / "critic"))[0].head.weight, critic.head.weight)  # the old files too
+
+
+def save_sequence_classifier(path, model_dir: str, tokenizer) -> str:
+    """A one-output GPT-2 sequence classifier (TRL's reward models: a bias-free score layer) on `model_dir`'s
+    config, random, with `tokenizer`, in `path`."""
+    config = AutoConfig.from_pretrained(model_dir, num_labels=1, pad_token_id=0)
+    torch.manual_seed(6)
+    classifier = AutoModelForSequenceClassification.from_config(config)
+    with torch.no_grad():
+        classifier.score.weight.normal_()
+    classifier.save_pretrained(str(path))
+    tokenizer.save_pretrained(str(path))
+    return str(path)
+
+
+def test_critic_from_a_sequence_classifier_reads_its_score_layer_at_every_token(tmp_path, tiny_model_dir):
+    # TRL starts its value model from its reward model; --ppo.value_model reward refused a sequence_classifier: one
+    tokenizer = load_tokenizer(tiny_model_dir)
+    directory = save_sequence_classifier(tmp_path / "rm", tiny_model_dir, AutoTokenizer.from_pretrained(tiny_model_dir))
+    spec = f"sequence_classifier:{directory}"
+    nplus_critic.check_value_model_flag("reward", spec)
+    policy = PolicyWithValueHead(load_causal_lm(tiny_model_dir))
+    critic = nplus_critic.load_critic("reward", spec, tiny_model_dir, tokenizer, policy)
+    classifier = AutoModelForSequenceClassification.from_pretrained(directory).eval()
+    context_length, pad_id = 6, tokenizer.pad_token_id
+    query_responses = torch.randint(0, 50000, (3, context_length + 5), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        values = critic(query_responses, context_length, pad_id)
+        hidden = classifier.transformer(input_ids=query_responses[:, :-1]).last_hidden_state
+        expected = classifier.score(hidden)[:, context_length - 1 :, 0]  # the score at each prefix's last token
+    torch.testing.assert_close(values, expected, rtol=1e-5, atol=1e-5)
+    assert critic.metadata["initialized_from"] == f"the sequence classifier '{directory}'"
+    other = save_sequence_classifier(tmp_path / "other", tiny_model_dir, archs.family_tokenizer("qwen2"))
+    with pytest.raises(ValueError, match=r"^--ppo\.value_model reward: the sequence classifier .* another tokenizer"):
+        nplus_critic.load_critic("reward", f"sequence_classifier:{other}", tiny_model_dir, tokenizer, policy)
 
 
 def test_critic_from_the_policy_starts_at_zero_on_a_copy_of_the_base_trunk(tokenizer, tiny_model_dir):

@@ -165,6 +165,21 @@ def test_k1_and_k3_estimate_the_kl_and_only_k3_is_never_negative():
     assert torch.equal(kl_estimate(logp, logp, "k3"), torch.zeros_like(logp))
 
 
+def test_k3_is_never_negative_where_float32_log_probs_agree_to_rounding():
+    # at update 0 the policy is the reference: their float32 log-probs differ by rounding alone (1e-7), where
+    # (exp(x) - 1) - x cancels to -6e-8 per token and objective/kl read -2e-8; k3 >= 0 is exact arithmetic
+    generator = torch.Generator().manual_seed(4)
+    logprobs = -3 * torch.rand(64, 53, generator=generator)  # float32, as the rollout's
+    ref_logprobs = logprobs + 1e-7 * torch.randn(64, 53, generator=generator)
+    k3 = kl_estimate(logprobs, ref_logprobs, "k3")
+    assert (k3 >= 0).all() and (k3.sum(1).mean() >= 0).item()
+    assert k3.max().item() < 1e-12  # (1e-7)^2 / 2: nothing of the rounding is left
+    moved = logprobs + 0.3 * torch.randn(64, 53, generator=generator)  # where they differ, the same values as before
+    log_ratio = (moved - logprobs).double()
+    torch.testing.assert_close(kl_estimate(logprobs, moved, "k3").double(), log_ratio.exp() - 1 - log_ratio)
+    assert torch.equal(kl_estimate(logprobs, ref_logprobs, "k1"), logprobs - ref_logprobs)  # k1 untouched
+
+
 def test_default_rewards_are_oais_float_for_float():
     # end_at_eos and kl_estimator off: exactly OAI's operations (spec P4), bit for bit
     generator = torch.Generator().manual_seed(3)

@@ -11,8 +11,11 @@ import label_generation
 import train_reward
 from lm_human_preference_details.hub import HubUnavailableError
 from lm_human_preference_details.labels import OAI_PAD_TOKEN, read_label_rows
+from lm_human_preference_details.reward_plumbing import read_labels
 from lm_human_preference_details.settings import with_run
 from lm_human_preference_details.text_prefs import load_labels_or_pairs, read_text_pairs, tokenize_pairs
+from lm_human_preference_details.tokenizer import load_tokenizer
+from tests import archs
 from tests.planted import books_task, write_query_file
 
 QUERY_LENGTH, RESPONSE_LENGTH = 16, 8
@@ -156,3 +159,101 @@ def test_a_text_preference_file_trains_a_reward_model(tmp_path, tiny_model_dir, 
     saved = json.loads((tmp_path / "rm" / "args.json").read_text())
     assert saved["label_dataset"].endswith("prefs.jsonl")
     assert torch.isfinite(torch.tensor(result["gain"]))
+
+
+# ---------------------------------------------------------------- TRL's preference formats
+
+ASK = [{"role": "user", "content": "What colour is the sky?"}]
+BLUE, GREEN = [{"role": "assistant", "content": "It is blue."}], [{"role": "assistant", "content": "It is green."}]
+PREFERENCE_FORMATS = {
+    "standard": {"prompt": "The sky is", "chosen": " blue.", "rejected": " green."},
+    "standard, implicit prompt": {"chosen": "The sky is blue.", "rejected": "The sky is green."},
+    "conversational": {"prompt": ASK, "chosen": BLUE, "rejected": GREEN},
+    "conversational, implicit prompt": {"chosen": ASK + BLUE, "rejected": ASK + GREEN},
+}
+"""one row of each preference format TRL's docs list"""
+
+
+@pytest.fixture(scope="module")
+def chat_model_dir(tmp_path_factory) -> str:
+    """A tiny Qwen2-like model whose tokenizer has ChatML's template and <|im_end|> (its turn end) as EOS."""
+    return archs.save_family("qwen2", str(tmp_path_factory.mktemp("qwen2-chat")), chat=True)
+
+
+def reward_labels(model_dir: str, rows: list[dict], path, *extra: str):
+    """The rows as train_reward.py reads its --label_dataset (reward_plumbing.read_labels), under --task nplus_tldr
+    (responses end at EOS)."""
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    argv = ["--task", "nplus_tldr", "--base_model", model_dir, "--label_dataset", str(path), *extra]
+    argv += ["--labels.type", "best_of_2", "--labels.num_train", str(len(rows)), "--task.query_length", "64"]
+    argv += ["--batch_size", "4", "--rollout_batch_size", "4", "--normalize_samples", "4"]
+    args = train_reward.parse([*argv, "--task.response_length", "24", "--output_dir", str(path.parent / "rm")])
+    return args, read_labels(args, load_tokenizer(model_dir))
+
+
+@pytest.mark.parametrize("form", PREFERENCE_FORMATS)
+def test_every_trl_preference_format_reads_as_best_of_2_labels_rendered_like_the_policys_queries(
+    form, tmp_path, chat_model_dir, capsys
+):
+    tokenizer = load_tokenizer(chat_model_dir)
+    args, labels = reward_labels(chat_model_dir, [PREFERENCE_FORMATS[form]] * 4, tmp_path / "pairs.jsonl")
+    pad, eos = tokenizer.pad_token_id, tokenizer.eos_token_id
+    query = [t for t in labels.query[0].tolist() if t != pad]
+    chosen, rejected = ([t for t in labels.samples[0, i].tolist() if t != pad] for i in (0, 1))
+    if form.startswith("standard"):
+        assert tokenizer.decode(query) == "The sky is"
+        assert (tokenizer.decode(chosen), tokenizer.decode(rejected)) == (" blue.<|im_end|>", " green.<|im_end|>")
+    else:
+        # the query as the policy's chat prompts are encoded (prompts.PromptQueries), the response the rest of the
+        # conversation, ending at the template's turn end, the EOS, once
+        rendered = dict(tokenize=True, return_dict=False, sanitize_control_tokens=True)
+        assert query == tokenizer.apply_chat_template(ASK, add_generation_prompt=True, **rendered)
+        whole = tokenizer.apply_chat_template(ASK + BLUE, **rendered)
+        assert whole[len(query) :] == [*chosen, tokenizer.encode("\n")[0]]
+        assert tokenizer.decode(chosen) == "It is blue.<|im_end|>" and chosen.count(eos) == rejected.count(eos) == 1
+    # the dry run reads the file through the same loader
+    train_reward.main(with_run(args, dry_run=True))
+    assert "dry run: every input checked (4 label rows)" in capsys.readouterr().out
+
+
+PREFERENCE_ERRORS = {
+    "ShareGPT's keys": (
+        {"prompt": [{"from": "human", "value": "hi"}], "chosen": BLUE, "rejected": GREEN},
+        "row 0 'prompt': message 0 has keys ['from', 'value'], not 'role' and 'content'",
+    ),
+    "an empty conversation": ({"prompt": [], "chosen": BLUE, "rejected": GREEN}, "row 0 'prompt' is an empty"),
+    "a prompt that differs": (
+        {"chosen": ASK + BLUE, "rejected": [{"role": "user", "content": "Hi"}, *GREEN]},
+        "row 0: 'chosen' and 'rejected' differ before their last message",
+    ),
+    "texts sharing no prompt": ({"chosen": "Blue.", "rejected": "Green."}, "row 0: 'chosen' and 'rejected' share no"),
+    "a text prompt with messages": (
+        {"prompt": "Sky?", "chosen": BLUE, "rejected": GREEN},
+        "row 0 field 'chosen' is list, not a string",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", PREFERENCE_ERRORS)
+def test_malformed_preference_rows_stop_in_one_line_naming_the_row(case, tmp_path, chat_model_dir):
+    row, problem = PREFERENCE_ERRORS[case]
+    with pytest.raises(ValueError) as stop:
+        reward_labels(chat_model_dir, [row] * 4, tmp_path / "pairs.jsonl")
+    assert f"--label_dataset '{tmp_path / 'pairs.jsonl'}'" in str(stop.value) and problem in str(stop.value)
+    assert "\n" not in str(stop.value)
+
+
+def test_conversations_need_a_tokenizer_with_a_chat_template(tmp_path, tiny_model_dir):
+    with pytest.raises(ValueError, match=r"holds conversations .* has no chat template") as stop:
+        reward_labels(tiny_model_dir, [PREFERENCE_FORMATS["conversational"]] * 4, tmp_path / "pairs.jsonl")
+    assert "\n" not in str(stop.value)
+
+
+def test_conversations_need_a_transformers_that_keeps_the_messages_text_plain(tmp_path, chat_model_dir):
+    tokenizer = load_tokenizer(chat_model_dir)
+    render = tokenizer.apply_chat_template
+    tokenizer.apply_chat_template = lambda conversation, **kwargs: render(conversation, **kwargs)  # an older signature
+    path = tmp_path / "pairs.jsonl"
+    path.write_text(json.dumps(PREFERENCE_FORMATS["conversational"]) + "\n")
+    with pytest.raises(ValueError, match=r"^--label_dataset '.*' holds conversations, but this transformers .* 5\.21"):
+        load_labels_or_pairs(str(path), 64, 24, tokenizer.pad_token_id, 1, "best_of_2", tokenizer)

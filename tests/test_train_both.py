@@ -5,6 +5,7 @@ finished."""
 
 import dataclasses
 import json
+import shlex
 
 import pytest
 
@@ -83,6 +84,11 @@ def test_sft_stage_takes_the_flags_all_stages_take_and_gives_its_model_to_the_ot
     assert (pipeline.sft.lr, pipeline.sft.batch_size, pipeline.sft.seed) == (1e-5, 8, 4)
     assert pipeline.reward.base_model == pipeline.policy.base_model == sft_dir and pipeline.reward.lr == 1e-4
     assert pipeline.commands[0].startswith("train_sft.py ") and len(pipeline.commands) == 3
+    # each stage's command names one --base_model: the SFT stage the user's, the others the SFT model
+    assert [shlex.split(command).count("--base_model") for command in pipeline.commands] == [1, 1, 1]
+    assert all(f"--base_model {sft_dir} " in command for command in pipeline.commands[1:])
+    with pytest.raises(ValueError, match=r"^--reward_stage.base_model with --sft_dataset: the reward and policy stag"):
+        train_both.parse([*flags, "--reward_stage.base_model", "gpt2"])
     # without --sft_dataset: no SFT stage, the base model as given; an SFT flag then says what it lacks
     plain = train_both.parse([*flags[2:8], "--output_dir", str(tmp_path)])
     assert plain.sft is None and plain.reward.base_model == "gpt2" and len(plain.commands) == 2

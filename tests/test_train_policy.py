@@ -26,6 +26,7 @@ from lm_human_preference_details.ppo_plumbing import (
     print_summary,
     progress_text,
     run_summary,
+    task_from_reward_model,
 )
 from lm_human_preference_details.settings import with_run
 from lm_human_preference_details.sizes import derive_sizes
@@ -787,6 +788,28 @@ def test_reward_model_without_recorded_task_is_a_mismatch(tmp_path, query_file):
     assert "temperature: reward model 1.0, policy 0.7" in check_reward_model_task(
         {"task": {**dataclasses.asdict(tiny_task(query_file)), "temperature": 1.0}}, tiny_task(query_file), rewards
     )
+
+
+def test_the_penalty_of_a_failing_response_is_not_compared_with_the_reward_models_task(
+    tmp_path, tiny_model_dir, query_file
+):
+    # train_reward.py never reads penalty_mode nor penalty_reward_value; TRL's subtracted penalty (missing_eos_penalty)
+    # against a reward model trained with the default replace was refused as a task mismatch
+    trained = tiny_task(query_file)
+    rm_dir = save_reward_model(tmp_path / "reward", tiny_model_dir, trained)
+    trl = dataclasses.replace(trained, penalty_mode="subtract", penalty_reward_value=-0.5)
+    rewards = RewardHParams(trained_model=rm_dir)
+    assert check_reward_model_task({"task": dataclasses.asdict(trained)}, trl, rewards) is None
+    other = dataclasses.replace(trl, response_length=6)
+    with pytest.raises(ValueError, match=r"task settings than this run's: response_length: reward model 8, policy 6\."):
+        check_reward_model_task({"task": dataclasses.asdict(trained)}, other, rewards)
+    args = tiny_args(tmp_path / "policy", tiny_model_dir, rm_dir, query_file)
+    args.task, args.run.dry_run = trl, True
+    assert main(args) == []  # the dry run checks the reward model's task too
+    # --rewards.task_from_reward_model takes the reward model's settings and keeps the run's own penalty
+    args.task, args.rewards.task_from_reward_model = other, True
+    taken, changed = task_from_reward_model(args)
+    assert taken.task == trl and changed == ["response_length: 6 -> 8"]
 
 
 def test_main_warns_when_no_response_passes_the_filter(

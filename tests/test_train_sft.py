@@ -24,6 +24,7 @@ from lm_human_preference_details.resume_check import (
     saved_files,
     scalars,
 )
+from lm_human_preference_details.settings import with_run
 from lm_human_preference_details.tokenizer import load_tokenizer, tokenizer_fingerprint
 from tests import archs
 from tests.conftest import tiny_gpt2
@@ -335,7 +336,10 @@ def test_bad_input_stops_with_one_line_naming_the_flag(tmp_path, tiny_model_dir,
     other = error(write_jsonl(tmp_path / "other.jsonl", [{"question": "q", "answer": "a"}] * 8))
     assert "--prompt_column" in other and "question" in other
     chat = write_jsonl(tmp_path / "chat.jsonl", [{"messages": [{"role": "assistant", "content": "hi"}]}] * 8)
-    assert "--base_model" in error(chat) and "no chat template" in error(chat)
+    assert error(chat).startswith(
+        f"--dataset {chat} holds conversations (lists of role/content messages), but the tokenizer of --base_model"
+    )
+    assert "no chat template" in error(chat)
     too_long = error(pairs_file, "--max_length", "4")
     assert "no usable pair" in too_long and "--max_length 4" in too_long
     assert "--dataset_split 'test' picks a split of an hf: --dataset" in error(pairs_file, "--dataset_split", "test")
@@ -367,3 +371,80 @@ def test_command_line_error_is_one_line(tmp_path, tiny_model_dir, capsys):
     assert capsys.readouterr().err.splitlines()[0] == (
         f"error: --dataset '{tmp_path / 'none.jsonl'}' does not exist; pass a .jsonl file or hf:NAME_OR_DIR."
     )
+
+
+# ---------------------------------------------------------------- TRL's SFT formats
+
+FRUIT = [{"role": "user", "content": "name a fruit"}, {"role": "assistant", "content": "plums"}]
+SFT_FORMATS = {
+    "language modeling": {"text": "Name a fruit: plums"},
+    "conversational language modeling": {"messages": FRUIT},
+    "prompt-completion": {"prompt": "Name a fruit:", "completion": " plums"},
+    "conversational prompt-completion": {"prompt": FRUIT[:1], "completion": FRUIT[1:]},
+}
+"""one row of each SFT format TRL's docs list"""
+
+
+@pytest.fixture(scope="module")
+def chat_model_dir(tmp_path_factory) -> str:
+    """A tiny Qwen2-like model whose tokenizer has ChatML's template and <|im_end|> (its turn end) as EOS."""
+    return archs.save_family("qwen2", str(tmp_path_factory.mktemp("qwen2-chat")), chat=True)
+
+
+def saved_dataset(path, rows: list[dict]) -> str:
+    """hf:DIR of the rows saved with `datasets`' save_to_disk (a train split)."""
+    import datasets
+
+    datasets.DatasetDict({"train": datasets.Dataset.from_list(rows)}).save_to_disk(str(path))
+    return f"hf:{path}"
+
+
+@pytest.mark.parametrize("storage", ["jsonl", "hf"])
+@pytest.mark.parametrize("form", SFT_FORMATS)
+def test_every_trl_sft_format_reads_as_pairs_rendered_like_the_policys_queries(
+    form, storage, tmp_path, chat_model_dir, capsys
+):
+    rows = [SFT_FORMATS[form]] * 8
+    dataset = write_jsonl(tmp_path / "sft.jsonl", rows) if storage == "jsonl" else saved_dataset(tmp_path / "d", rows)
+    args = make_args(chat_model_dir, dataset, tmp_path / "out", "--loss_on", "completion")
+    tokenizer = load_tokenizer(chat_model_dir)
+    data = train_sft.with_loss_mask(
+        sft_data.tokenize_pairs(sft_data.read_pairs(args, tokenizer), tokenizer, 64),
+        tokenizer.pad_token_id,
+        "completion",
+    )
+    ids = data.tokens[0, : data.lengths[0]].tolist()
+    counted = tokenizer.decode([t for t, m in zip(ids, data.loss_mask[0].tolist()) if m])
+    eos = tokenizer.eos_token
+    assert ids[-1] == tokenizer.eos_token_id and ids.count(tokenizer.eos_token_id) == 1 + form.startswith("conv")
+    if form.startswith("conversational"):
+        # the prompt as the policy's chat queries are encoded (prompts.PromptQueries), the completion the rest of the
+        # conversation up to the template's turn end, which is the EOS: one EOS, not `<|im_end|>\n<|im_end|>`
+        rendered = dict(tokenize=True, return_dict=False, sanitize_control_tokens=True)
+        prompt = tokenizer.apply_chat_template(FRUIT[:1], add_generation_prompt=True, **rendered)
+        assert ids[: len(prompt)] == prompt and counted == "plums" + eos
+        assert ids == tokenizer.apply_chat_template(FRUIT, **rendered)[:-1]  # without the newline after <|im_end|>
+    elif form == "prompt-completion":
+        assert counted == " plums" + eos
+    else:  # language modeling: the whole text is the completion (its first token predicts nothing)
+        assert tokenizer.decode(ids) == "Name a fruit: plums" + eos and counted == tokenizer.decode(ids[1:])
+    assert train_sft.main(with_run(args, dry_run=True)) == {}  # the dry run reads the rows through the same loader
+    assert "8 used" in capsys.readouterr().out
+
+
+SFT_ERRORS = {
+    "ShareGPT's keys": ({"messages": [{"from": "human", "value": "hi"}]}, "'messages': message 0 has keys ['from',"),
+    "an empty conversation": ({"prompt": [], "completion": FRUIT[1:]}, "line 1 'prompt' is an empty conversation"),
+    "a chat ending with the user": ({"messages": FRUIT[:1]}, "the last message has role 'user'"),
+    "an empty text": ({"text": ""}, "line 1: 'text' must be a non-empty text"),
+}
+
+
+@pytest.mark.parametrize("case", SFT_ERRORS)
+def test_malformed_sft_rows_stop_in_one_line_naming_the_row(case, tmp_path, chat_model_dir):
+    row, problem = SFT_ERRORS[case]
+    dataset = write_jsonl(tmp_path / "sft.jsonl", [row] * 8)
+    with pytest.raises(ValueError) as stop:
+        train_sft.main(make_args(chat_model_dir, dataset, tmp_path / "out", "--dry_run"))
+    assert str(stop.value).startswith(f"--dataset {dataset} line 1") and problem in str(stop.value)
+    assert "\n" not in str(stop.value)

@@ -12,11 +12,12 @@ import evaluate
 import label_generation
 import train_policy
 import train_reward
-from lm_human_preference_details import cli
+from lm_human_preference_details import cli, ppo_plumbing
 from lm_human_preference_details.labels import labels_meta_path
 from lm_human_preference_details.modeling import PolicyWithValueHead, load_causal_lm
 from lm_human_preference_details.tokenizer import load_tokenizer
 from tests.conftest import write_queries
+from tests.planted import run_script
 from tests.test_train_policy import save_reward_model, tiny_task
 
 pytestmark = pytest.mark.usefixtures("single_thread")
@@ -311,3 +312,83 @@ def test_huge_lr_run_is_reported_as_diverged_and_exits_with_status_3(tmp_path, t
     assert (tmp_path / "out" / "model.safetensors").exists()  # saved first: detection changes nothing the run does
     code, out, err = run_cli(train_policy, [*argv, "--overwrite_output_dir", "--allow_divergence"], capsys)
     assert code == 0 and "diverged at update 2" in " ".join(out.split()), err
+
+
+# ---------------------------------------------------------------- --dry_run gives the real run's verdict
+
+OWN_PROMPTS = [
+    f"Tell me about {thing} in the {place}." for thing in ("the cat", "a dog") for place in ("garden", "city")
+]
+SCORE_LENGTH = "def score(queries, responses):\n    return [float(len(r)) for r in responses]\n"
+
+
+@pytest.fixture(scope="module")
+def own_files(tmp_path_factory) -> dict[str, str]:
+    """A user's own prompt file (TRL's prompt-only rows: no TL;DR columns), text preference pairs and a reward."""
+    root = tmp_path_factory.mktemp("own-files")
+    (root / "prompts.jsonl").write_text("".join(json.dumps({"prompt": p}) + "\n" for p in OWN_PROMPTS * 4))
+    pairs = [{"prompt": p, "chosen": " It is kind.", "rejected": " It is."} for p in OWN_PROMPTS * 2]
+    (root / "pairs.jsonl").write_text("".join(json.dumps(pair) + "\n" for pair in pairs))
+    (root / "reward.py").write_text(SCORE_LENGTH)
+    return {name: str(root / name) for name in ("prompts.jsonl", "pairs.jsonl", "reward.py")}
+
+
+def verdict(script, argv: list[str], capsys) -> tuple[int, str | None]:
+    """A run's exit code and its `error:` line (None when it ended well)."""
+    code, _, err = run_cli(script, argv, capsys)
+    return code, one_error_line(code, err) if code else None
+
+
+PRESET_RUNS = [("train_reward", name) for name in train_reward.task_presets()]
+PRESET_RUNS += [("train_policy", name) for name in train_policy.task_presets()]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("script, preset", PRESET_RUNS)
+def test_dry_run_gives_the_real_runs_verdict_for_every_preset_with_a_users_prompt_file(
+    script, preset, own_files, tmp_path, tiny_model_dir, capsys
+):
+    # --task nplus_tldr's TL;DR --task.query_template names columns a user's prompt file lacks: the dry run said
+    # "inputs checked", then the real run stopped at the query stream
+    argv = ["--task", preset, "--base_model", tiny_model_dir, "--task.query_dataset", own_files["prompts.jsonl"]]
+    argv += ["--task.query_length", "16", "--task.response_length", "8", "--output_dir", str(tmp_path / "run")]
+    if script == "train_reward":
+        argv += ["--label_dataset", own_files["pairs.jsonl"], "--labels.type", "best_of_2", "--labels.num_train", "8"]
+        argv += ["--batch_size", "8", "--rollout_batch_size", "8", "--normalize_samples", "8"]
+    else:
+        argv += ["--rewards.trained_model", f"python:{own_files['reward.py']}:score", "--ppo.value_model", "None"]
+        argv += ["--task.truncate_after", "2", "--ppo.total_episodes", "8", "--ppo.batch_size", "8"]
+    module = {"train_reward": train_reward, "train_policy": train_policy}[script]
+    dry = verdict(module, [*argv, "--dry_run"], capsys)
+    assert dry == verdict(module, argv, capsys)
+    if preset == "nplus_tldr":
+        assert dry[1].startswith("error: --task.query_template names ['subreddit', 'title', 'post'], which ")
+    else:
+        assert dry == (0, None)
+
+
+@pytest.mark.slow
+def test_nplus_tldr_dry_run_on_a_users_prompt_file_stops_where_the_run_would(own_files, tmp_path, tiny_model_dir):
+    argv = ["--task", "nplus_tldr", "--base_model", tiny_model_dir, "--task.query_dataset", own_files["prompts.jsonl"]]
+    argv += ["--rewards.trained_model", f"python:{own_files['reward.py']}:score", "--ppo.value_model", "None"]
+    argv += ["--task.query_length", "16", "--task.response_length", "8"]  # within the tiny model's context
+    result = run_script("train_policy.py", *argv, "--dry_run", "--output_dir", str(tmp_path / "run"), check=False)
+    assert result.returncode == 2 and "dry run: inputs checked" not in result.stdout
+    assert result.stderr.splitlines()[0] == (
+        f"error: --task.query_template names ['subreddit', 'title', 'post'], which --task.query_dataset "
+        f"'{own_files['prompts.jsonl']}' does not have; its columns: ['prompt']."
+    )
+
+
+def test_dry_run_with_push_to_hub_and_no_hub_stops_as_the_run_does(
+    own_files, tmp_path, tiny_model_dir, capsys, monkeypatch
+):
+    # the run stops before its first update when --push_to_hub could not upload at the end; the dry run said nothing
+    monkeypatch.setattr(ppo_plumbing, "hub_reachable", lambda: False)
+    argv = ["--base_model", tiny_model_dir, "--task.query_dataset", own_files["prompts.jsonl"], "--push_to_hub"]
+    argv += ["--rewards.trained_model", f"python:{own_files['reward.py']}:score", "--output_dir", str(tmp_path / "run")]
+    argv += ["--task.query_length", "16", "--task.response_length", "8", "--task.truncate_after", "2"]
+    argv += ["--ppo.total_episodes", "8", "--ppo.batch_size", "8"]
+    dry = verdict(train_policy, [*argv, "--dry_run"], capsys)
+    assert dry == verdict(train_policy, argv, capsys)
+    assert dry[1] == "error: --push_to_hub needs the Hugging Face hub, which is unreachable; drop the flag"

@@ -1884,6 +1884,30 @@ BREAKAGES = [
         ["tests/test_train_sft.py::test_eos_is_appended_and_pads_are_distinct_and_never_targets"],
     ),
     Breakage(
+        "N3-chat-rows-end-with-two-eos",
+        "N3",
+        "a chat row whose template ends its turn with the EOS keeps the newline after it and gets a second EOS",
+        "lm_human_preference_details/conversations.py",
+        "return stripped if eos and stripped.endswith(eos) else completion",
+        "return completion",
+        [
+            "tests/test_train_sft.py::test_every_trl_sft_format_reads_as_pairs_rendered_like_the_policys_queries"
+            "[conversational language modeling-jsonl]"
+        ],
+    ),
+    Breakage(
+        "N3-chat-responses-end-with-two-eos",
+        "N3",
+        "a conversational preference response keeps the newline after its turn-ending EOS and gets a second EOS",
+        "lm_human_preference_details/conversations.py",
+        "return tokens[: last + 1] if not tokenizer.decode(after).strip() else tokens",
+        "return tokens",
+        [
+            "tests/test_text_prefs.py::test_every_trl_preference_format_reads_as_best_of_2_labels_rendered_like_the_"
+            "policys_queries[conversational]"
+        ],
+    ),
+    Breakage(
         "N5-sft-prompt-not-stripped",
         "N5",
         "the SFT text is prompt + completion instead of prompt.strip() + completion",
@@ -2274,8 +2298,8 @@ BREAKAGES = [
         "N21",
         "k3 is r - log r (no - 1): positive even where the policies agree",
         TP,
-        "return (torch.exp(log_ratio) - 1) - log_ratio",
-        "return torch.exp(log_ratio) - log_ratio",
+        "return (torch.expm1(log_ratio) - log_ratio).clamp_min(0)",
+        "return (torch.expm1(log_ratio) + 1 - log_ratio).clamp_min(0)",
         [EOS_TESTS + "test_k1_and_k3_estimate_the_kl_and_only_k3_is_never_negative"],
     ),
     Breakage(

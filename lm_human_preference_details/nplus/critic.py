@@ -5,15 +5,24 @@ The critic reads the policy's tokens with the project's pad semantics (spec G2):
 predict each response token are those a `PolicyWithValueHead` value head would give on the same trunk.
 """
 
+import copy
 import json
 import os
 
 import torch
 import torch.nn as nn
 from safetensors.torch import load_file, save_file
-from transformers import AutoModel, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import (
+    AutoModel,
+    AutoModelForSequenceClassification,
+    AutoModelForTokenClassification,
+    AutoTokenizer,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+)
 
 from lm_human_preference_details.files import check_complete_save
+from lm_human_preference_details.labelers import SEQUENCE_CLASSIFIER, sequence_classifier_target
 from lm_human_preference_details.modeling import (
     CRITIC_CONFIG_FILE,
     CRITIC_DIR,
@@ -30,7 +39,7 @@ from lm_human_preference_details.modeling import (
     with_bos,
 )
 from lm_human_preference_details.rewards import reward_model_dir
-from lm_human_preference_details.tokenizer import check_same_tokenizer, tokenizer_fingerprint
+from lm_human_preference_details.tokenizer import added_bos_id, check_same_tokenizer, tokenizer_fingerprint
 
 FLAG = "--ppo.value_model"
 CRITIC_HEAD_FILE = "critic_head.safetensors"
@@ -89,13 +98,36 @@ class Critic(nn.Module):
         return critic
 
     @classmethod
+    def of_sequence_classifier(cls, target: str, tokenizer: PreTrainedTokenizerBase, flag: str = FLAG) -> "Critic":
+        """TRL's value model from its reward model: a one-output sequence classifier's trunk, with its score layer
+        read at every position (the value of each prefix), on the policy's tokens with the BOS its tokenizer adds.
+        ValueError naming `flag` unless its tokenizer has the policy's vocabulary."""
+        own = AutoTokenizer.from_pretrained(target)
+        if _base_vocab(own) != _base_vocab(tokenizer):
+            raise ValueError(
+                f"{flag} reward: the sequence classifier '{target}' has another tokenizer than the policy's, and the "
+                f"critic reads the policy's tokens; pass {flag} policy, or a sequence classifier trained from the "
+                "policy's --base_model."
+            )
+        classifier = _load_pretrained(AutoModelForSequenceClassification, target, flag, "critic", strict=True)
+        critic = cls(classifier.base_model, added_bos_id(own))
+        with torch.no_grad():
+            critic.head.weight.copy_(classifier.score.weight)
+            critic.head.bias.zero_()  # TRL's score layers have no bias
+            if classifier.score.bias is not None:
+                critic.head.bias.copy_(classifier.score.bias)
+        return critic
+
+    @classmethod
     def from_policy_base(cls, base_model: str) -> "Critic":
         """A critic on a copy of --base_model's trunk (LM head dropped) with a zero head (spec G8)."""
         return cls(load_causal_lm(base_model).base_model)
 
     def save(self, directory: str) -> None:
         """The trunk in `trunk/` (save_pretrained), the head in critic_head.safetensors, and in critic.json the
-        `metadata` (the tokenizer's fingerprint and PAD, where the critic came from) with its BOS."""
+        `metadata` (the tokenizer's fingerprint and PAD, where the critic came from) with its BOS; beside them the same
+        critic as a standard `*ForTokenClassification` model (`values_checkpoint`), which plain transformers loads."""
+        values_checkpoint(self).save_pretrained(directory)
         self.trunk.save_pretrained(os.path.join(directory, CRITIC_TRUNK_DIR))
         head = {f"head.{k}": v.detach().cpu().contiguous() for k, v in self.head.state_dict().items()}
         save_file(head, os.path.join(directory, CRITIC_HEAD_FILE))
@@ -118,6 +150,28 @@ class Critic(nn.Module):
         critic.head.load_state_dict({k.removeprefix("head."): v for k, v in tensors.items()})
         check_finite_weights(critic, f"critic '{directory}' ({flag})")
         return critic, metadata
+
+
+def _base_vocab(tokenizer: PreTrainedTokenizerBase) -> dict[str, int]:
+    """The tokenizer's vocabulary without the tokens added to it (the project adds a PAD to some)."""
+    return {token: i for token, i in tokenizer.get_vocab().items() if token not in tokenizer.get_added_vocab()}
+
+
+@torch.no_grad()
+def values_checkpoint(critic: Critic) -> PreTrainedModel:
+    """The critic as a standard `*ForTokenClassification` model with one label: its logits[..., 0] at each position
+    are the critic's value there (the trunk's weights, the head as its classifier). It reads the tokens as given: a
+    critic with a BOS (`bos_token_id`) gets it from its tokenizer, which adds it."""
+    config = copy.deepcopy(critic.trunk.config)
+    config.num_labels, config.id2label, config.label2id = 1, {0: "value"}, {"value": 0}
+    with torch.device("meta"):
+        model = AutoModelForTokenClassification.from_config(config)
+    state = {f"{model.base_model_prefix}.{k}": v.detach() for k, v in critic.trunk.state_dict().items()}
+    head = next(name for name, module in model.named_children() if isinstance(module, nn.Linear))
+    state[f"{head}.weight"] = critic.head.weight.detach().clone()
+    state[f"{head}.bias"] = critic.head.bias.detach().clone()
+    model.load_state_dict(state, strict=True, assign=True)
+    return model.eval()
 
 
 class PolicyWithCritic(nn.Module):
@@ -154,20 +208,17 @@ def rollout_values(
     return torch.cat([critic(chunk, context_length, pad_id) for chunk in query_responses.split(rows)])
 
 
-def check_value_model_flag(value_model: str | None, trained_model: str, lora_rank: int) -> None:
-    """What the flags alone tell about --ppo.value_model: ValueError or FileNotFoundError in one line naming it."""
+def check_value_model_flag(value_model: str | None, trained_model: str) -> None:
+    """What the flags alone tell about --ppo.value_model: ValueError or FileNotFoundError in one line naming it (with
+    --lora.rank: `ppo_plumbing.check_lora_critic`)."""
     if value_model is None:
         return
-    if lora_rank:
-        raise ValueError(
-            f"{FLAG} {value_model} with --lora.rank {lora_rank}: LoRA runs keep the value head on the policy's trunk, "
-            "a separate critic with LoRA adapters is not supported; drop one of the two flags."
-        )
-    if value_model == "reward" and reward_model_dir(trained_model) is None:
+    from_classifier = trained_model.startswith(SEQUENCE_CLASSIFIER)
+    if value_model == "reward" and reward_model_dir(trained_model) is None and not from_classifier:
         raise ValueError(
             f"{FLAG} reward starts the critic from the reward model, but --rewards.trained_model is the programmatic "
             f"reward '{trained_model}'; pass {FLAG} policy, or {FLAG} DIR with a reward model written by "
-            "train_reward.py."
+            "train_reward.py (or a sequence_classifier: reward model)."
         )
     if value_model not in SOURCES and not os.path.isdir(os.path.expanduser(value_model)):
         raise FileNotFoundError(
@@ -194,6 +245,10 @@ def load_critic(
         # N+ starts the critic from the reward model (nplus N16); this one starts as OAI's value head (zero head,
         # spec G8, all values 0) on a trunk of its own, a copy of the policy's
         critic, described = Critic.from_policy_base(base_model), f"the policy's trunk ({base_model})"
+    elif value_model == "reward" and trained_model.startswith(SEQUENCE_CLASSIFIER):  # no directory of the project
+        # TRL starts its value model from the reward model, a sequence classifier: its score layer at every token
+        target = sequence_classifier_target(trained_model, "--rewards.trained_model")
+        critic, described = Critic.of_sequence_classifier(target, tokenizer), f"the sequence classifier '{target}'"
     elif os.path.isfile(os.path.join(directory, CRITIC_CONFIG_FILE)):
         critic, saved = Critic.load(directory)
         check_same_tokenizer(saved, tokenizer, f"the critic '{directory}' ({FLAG})", policy_tokens)

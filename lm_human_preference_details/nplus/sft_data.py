@@ -2,6 +2,11 @@
 through the tokenizer's chat template, tokenized as prompt ⊕ completion ⊕ EOS (nplus N3, N5) and right-padded with
 the PAD, rows longer than --max_length dropped. The tokens the loss counts are train_sft.py's (`with_loss_mask`).
 
+Every format TRL's SFT trainer reads is a pair: prompt/completion texts (standard prompt-completion); prompt/completion
+message lists (conversational prompt-completion: the prompt rendered with the generation prompt, the completion the
+rest of the conversation's rendering); `messages` (conversational language modeling: every message but the last is
+the prompt); `text` (standard language modeling: an empty prompt, the whole text the completion).
+
 `nplus NX` is docs/nplus-details.md#nx.
 """
 
@@ -14,6 +19,7 @@ import numpy as np
 import torch
 from transformers import PreTrainedTokenizerBase
 
+from lm_human_preference_details import conversations
 from lm_human_preference_details.settings import SftArgs
 from lm_human_preference_details.sources import read_utf8_lines
 
@@ -21,6 +27,8 @@ HF_PREFIX = "hf:"
 """--dataset hf:NAME_OR_DIR: a hub dataset id or a directory written by `datasets`' save_to_disk"""
 MESSAGES = "messages"
 """the column (JSONL field) of chat rows: a list of {"role", "content"}, the last one the assistant's completion"""
+TEXT = "text"
+"""the column (JSONL field) of language-modeling rows: one text, all of it the completion"""
 
 
 # ---------------------------------------------------------------- reading pairs
@@ -47,29 +55,26 @@ def render_chat(messages: Any, tokenizer: PreTrainedTokenizerBase, where: str) -
     """The prompt (every message but the last, with the template's generation prompt) and the completion (the rest of
     the whole conversation's rendering) of a chat row; ValueError naming `where` for a row that is no conversation
     ending in the assistant's message, or one the template renders with another prompt."""
-    if not (isinstance(messages, list) and messages and all(isinstance(m, dict) for m in messages)):
-        raise ValueError(f"{where}: '{MESSAGES}' must be a list of {{'role', 'content'}} objects.")
-    if messages[-1].get("role") != "assistant":
+    messages = conversations.check_messages(messages, f"{where} '{MESSAGES}'")
+    if messages[-1]["role"] != "assistant":
         raise ValueError(
-            f"{where}: the last message has role {messages[-1].get('role')!r}; it must be the assistant's completion."
+            f"{where}: the last message has role {messages[-1]['role']!r}; it must be the assistant's completion."
         )
-    prompt = tokenizer.apply_chat_template(messages[:-1], tokenize=False, add_generation_prompt=True)
-    whole = tokenizer.apply_chat_template(messages, tokenize=False)
-    if not whole.startswith(prompt):
-        raise ValueError(
-            f"{where}: the chat template renders the conversation without its prompt part (with the generation "
-            "prompt) in front, so the completion cannot be told apart; use prompt/completion rows instead."
-        )
-    return prompt, whole[len(prompt) :]
+    return render_prompt_completion(messages[:-1], messages[-1:], tokenizer, where)
+
+
+def render_prompt_completion(
+    prompt: list[dict], completion: list[dict], tokenizer: PreTrainedTokenizerBase, where: str
+) -> tuple[str, str]:
+    """`conversations.render_texts`, the completion without the whitespace after a final EOS (the template's turn end,
+    e.g. ChatML's newline after `<|im_end|>`): `encode_rows` then appends no second EOS."""
+    prompt_text, completion_text = conversations.render_texts(prompt, completion, tokenizer, where)
+    return prompt_text, conversations.end_text_at_eos(completion_text, tokenizer)
 
 
 def _check_chat_template(tokenizer: PreTrainedTokenizerBase, base_model: str, source: str) -> None:
     """ValueError when chat rows meet a tokenizer without a chat template."""
-    if not getattr(tokenizer, "chat_template", None):
-        raise ValueError(
-            f"--dataset {source} holds '{MESSAGES}' rows, but the tokenizer of --base_model '{base_model}' has no "
-            "chat template; pass a --base_model whose tokenizer has one, or prompt/completion rows."
-        )
+    conversations.check_chat_template(tokenizer, source, f"--base_model '{base_model}'")
 
 
 def _jsonl_rows(path: str, flag: str) -> list[tuple[int, dict]]:
@@ -93,24 +98,36 @@ def _jsonl_rows(path: str, flag: str) -> list[tuple[int, dict]]:
 def _pairs_from_rows(
     rows: list[tuple[Any, dict]], columns: tuple[str, str], tokenizer, base_model: str, source: str
 ) -> Pairs:
-    """Pairs of rows that hold both columns (texts) or `messages`; ValueError naming the first row that holds
-    neither."""
+    """Pairs of rows that hold both columns (texts, or message lists), `messages` or `text`; ValueError naming the
+    first row that holds none of them."""
     prompt_column, completion_column = columns
     pairs = Pairs([], [], [], source)
     for where, row in rows:
         if prompt_column in row and completion_column in row:
             prompt, completion = row[prompt_column], row[completion_column]
-            if not (isinstance(prompt, str) and isinstance(completion, str)):
+            chat = conversations.is_conversation(prompt) or conversations.is_conversation(completion)
+            if chat:
+                _check_chat_template(tokenizer, base_model, source)
+                prompt, completion = render_prompt_completion(
+                    conversations.check_messages(prompt, f"{source} {where} '{prompt_column}'"),
+                    conversations.check_messages(completion, f"{source} {where} '{completion_column}'"),
+                    tokenizer,
+                    f"{source} {where}",
+                )
+            elif not (isinstance(prompt, str) and isinstance(completion, str)):
                 raise ValueError(f"{source} {where}: '{prompt_column}' and '{completion_column}' must be texts.")
-            chat = False
         elif MESSAGES in row:
             _check_chat_template(tokenizer, base_model, source)
             prompt, completion = render_chat(row[MESSAGES], tokenizer, f"{source} {where}")
             chat = True
+        elif TEXT in row:
+            if not isinstance(row[TEXT], str) or not row[TEXT]:
+                raise ValueError(f"{source} {where}: '{TEXT}' must be a non-empty text.")
+            prompt, completion, chat = "", row[TEXT], False
         else:
             raise ValueError(
                 f"{source} {where} has neither '{prompt_column}' + '{completion_column}' (--prompt_column, "
-                f"--completion_column) nor '{MESSAGES}'; its fields: {', '.join(sorted(row)) or 'none'}."
+                f"--completion_column) nor '{MESSAGES}' nor '{TEXT}'; its fields: {', '.join(sorted(row)) or 'none'}."
             )
         pairs.prompts.append(prompt)
         pairs.completions.append(completion)
@@ -156,12 +173,15 @@ def read_pairs(args: SftArgs, tokenizer: PreTrainedTokenizerBase, evaluation: bo
     )
     names, rows = _hf_rows(args.dataset, split_name, split_flag)
     source = f"--dataset {args.dataset} split '{split_name}'"
-    if not set(columns) <= set(names) and MESSAGES not in names:
+    keep = next((kept for kept in (list(columns), [MESSAGES], [TEXT]) if set(kept) <= set(names)), None)
+    if keep is None:
         flag, missing = next(
             (flag, c) for c, flag in zip(columns, ("--prompt_column", "--completion_column")) if c not in names
         )
-        raise ValueError(f"{flag} '{missing}' is not a column of {source}; its columns: {', '.join(names)}.")
-    keep = list(columns) if set(columns) <= set(names) else [MESSAGES]
+        raise ValueError(
+            f"{flag} '{missing}' is not a column of {source}, which has no '{MESSAGES}' or '{TEXT}' column either; "
+            f"its columns: {', '.join(names)}."
+        )
     table = rows.select_columns(keep).to_dict()
     rows = [(f"row {i}", {c: table[c][i] for c in keep}) for i in range(len(rows))]
     return _pairs_from_rows(rows, columns, tokenizer, args.base_model, source)
