@@ -440,7 +440,8 @@ def critic_reader(value_model: str | None, trained_model: str) -> ContextReader 
     critic = _json_file(os.path.join(directory, CRITIC_CONFIG_FILE))
     if critic is not None:
         trunk, bos = os.path.join(directory, CRITIC_TRUNK_DIR), critic.get("bos_token_id") is not None
-        return ContextReader("the critic", "--ppo.value_model", source, trunk, "critic", bos)
+        model = trunk if os.path.isdir(trunk) else directory  # a critic of the earlier layout: its trunk in trunk/
+        return ContextReader("the critic", "--ppo.value_model", source, model, "critic", bos)
     reward = reward_model_reader("--ppo.value_model", directory, "the critic")
     return dataclasses.replace(reward, source=source, reads="critic") if reward is not None else None
 

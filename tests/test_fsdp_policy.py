@@ -14,7 +14,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-from transformers import AutoModel, AutoModelForCausalLM
+from transformers import AutoModelForCausalLM
 
 import train_policy
 from lm_human_preference_details import checkpoint, sharded
@@ -109,8 +109,7 @@ def assert_same_run(fsdp: Path, ddp: Path) -> tuple[float, float]:
     weights = [AutoModelForCausalLM.from_pretrained(path).state_dict() for path in (fsdp, ddp)]
     heads = [load_file(path / "value_head.safetensors") for path in (fsdp, ddp)]
     if (ddp / "critic").is_dir():
-        weights += [AutoModel.from_pretrained(path / "critic" / "trunk").state_dict() for path in (fsdp, ddp)]
-        heads += [load_file(path / "critic" / "critic_head.safetensors") for path in (fsdp, ddp)]
+        weights += [load_file(path / "critic" / "model.safetensors") for path in (fsdp, ddp)]
     worst_weight = 0.0
     for got, want in zip(weights[::2] + heads[::2], weights[1::2] + heads[1::2]):
         assert got.keys() == want.keys()

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 from transformers import AutoConfig, AutoModelForSequenceClassification, AutoModelForTokenClassification, AutoTokenizer
 
 import train_policy
@@ -148,7 +148,26 @@ def test_saved_critic_loads_in_plain_transformers_as_a_token_classifier_whose_lo
         logits = classifier(input_ids=encoded).logits  # (3, T, 1)
     torch.testing.assert_close(logits[:, start : start + values.shape[1], 0], values, rtol=1e-5, atol=1e-5)
     assert values.std() > 1e-3
-    assert torch.equal(Critic.load(str(tmp_path / "critic"))[0].head.weight, critic.head.weight)  # the old files too
+    loaded = Critic.load(str(tmp_path / "critic"))[0].state_dict()
+    assert loaded.keys() == critic.state_dict().keys()
+    assert all(torch.equal(loaded[name], weight) for name, weight in critic.state_dict().items())
+    saved = sorted(path.name for path in (tmp_path / "critic").iterdir())
+    assert saved == ["config.json", "critic.json", "model.safetensors"]  # the weights once, not a second copy
+
+
+def test_a_critic_saved_as_trunk_and_head_file_still_loads(tmp_path, tiny_model_dir):
+    # the layout critics were saved in before the token classifier: trunk/ (save_pretrained) + critic_head.safetensors
+    critic = Critic.from_policy_base(tiny_model_dir)
+    with torch.no_grad():
+        critic.head.weight.normal_()
+        critic.head.bias.fill_(0.3)
+    directory = tmp_path / "critic"
+    critic.trunk.save_pretrained(str(directory / "trunk"))
+    head = {f"head.{k}": v.contiguous() for k, v in critic.head.state_dict().items()}
+    save_file(head, str(directory / nplus_critic.CRITIC_HEAD_FILE))
+    (directory / "critic.json").write_text(json.dumps({"bos_token_id": None}))
+    loaded = Critic.load(str(directory))[0].state_dict()
+    assert all(torch.equal(loaded[name], weight) for name, weight in critic.state_dict().items())
 
 
 def save_sequence_classifier(path, model_dir: str, tokenizer) -> str:
@@ -226,10 +245,8 @@ def critic_run(tmp_path_factory, tiny_model_dir, world):
 
 
 def critic_state(directory) -> dict[str, torch.Tensor]:
-    """The weights of a saved critic (OUTPUT_DIR/critic) by state-dict name."""
-    trunk = load_file(os.path.join(directory, "trunk", "model.safetensors"))
-    head = load_file(os.path.join(directory, nplus_critic.CRITIC_HEAD_FILE))
-    return {**{f"trunk.{k}": v for k, v in trunk.items()}, **head}
+    """The weights of a saved critic (OUTPUT_DIR/critic, a token classifier) by the critic's state-dict names."""
+    return Critic.load(str(directory))[0].state_dict()
 
 
 def test_run_with_a_critic_from_the_reward_model_trains_it_and_saves_it(critic_run, world):

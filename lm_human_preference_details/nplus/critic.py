@@ -11,7 +11,7 @@ import os
 
 import torch
 import torch.nn as nn
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 from transformers import (
     AutoModel,
     AutoModelForSequenceClassification,
@@ -124,32 +124,46 @@ class Critic(nn.Module):
         return cls(load_causal_lm(base_model).base_model)
 
     def save(self, directory: str) -> None:
-        """The trunk in `trunk/` (save_pretrained), the head in critic_head.safetensors, and in critic.json the
-        `metadata` (the tokenizer's fingerprint and PAD, where the critic came from) with its BOS; beside them the same
-        critic as a standard `*ForTokenClassification` model (`values_checkpoint`), which plain transformers loads."""
+        """The critic as a standard `*ForTokenClassification` model with one label (`values_checkpoint`), which plain
+        transformers loads and whose logits are the values, and in critic.json the `metadata` (the tokenizer's
+        fingerprint and PAD, where the critic came from) with its BOS."""
         values_checkpoint(self).save_pretrained(directory)
-        self.trunk.save_pretrained(os.path.join(directory, CRITIC_TRUNK_DIR))
-        head = {f"head.{k}": v.detach().cpu().contiguous() for k, v in self.head.state_dict().items()}
-        save_file(head, os.path.join(directory, CRITIC_HEAD_FILE))
         info = {**self.metadata, "bos_token_id": self.bos_token_id, "vocab_size": self.trunk.config.vocab_size}
         with open(os.path.join(directory, CRITIC_CONFIG_FILE), "w", encoding="utf-8") as f:
             json.dump(info, f, indent=2)
 
     @classmethod
     def load(cls, directory: str, flag: str = FLAG) -> tuple["Critic", dict]:
-        """Inverse of `save`: the critic (dropout off, eval mode) and its critic.json."""
+        """Inverse of `save`: the critic (dropout off, eval mode) and its critic.json. A critic saved before the token
+        classifier (its trunk in `trunk/`, its head in critic_head.safetensors) loads too."""
         check_complete_save(directory, flag)
         with open(os.path.join(directory, CRITIC_CONFIG_FILE), encoding="utf-8") as f:
             metadata = json.load(f)
+        if os.path.isdir(os.path.join(directory, CRITIC_TRUNK_DIR)):
+            critic = cls._load_trunk_and_head(directory, flag, metadata.get("bos_token_id"))
+        else:
+            model = _load_pretrained(AutoModelForTokenClassification, directory, flag, kind="critic", strict=True)
+            critic = cls(model.base_model, metadata.get("bos_token_id"))
+            critic.head.load_state_dict(_classifier(model).state_dict())
+        check_finite_weights(critic, f"critic '{directory}' ({flag})")
+        return critic, metadata
+
+    @classmethod
+    def _load_trunk_and_head(cls, directory: str, flag: str, bos_token_id: int | None) -> "Critic":
+        """A critic of the earlier layout: the trunk's save_pretrained in `trunk/`, the head in its own file."""
         head_path = os.path.join(directory, CRITIC_HEAD_FILE)
         if not os.path.isfile(head_path):
             raise FileNotFoundError(f"{flag} '{directory}': '{head_path}' is missing; pass a critic saved by a run.")
         trunk = _load_pretrained(AutoModel, os.path.join(directory, CRITIC_TRUNK_DIR), flag, kind="critic")
-        critic = cls(trunk, metadata.get("bos_token_id"))
+        critic = cls(trunk, bos_token_id)
         tensors = load_file(head_path)
         critic.head.load_state_dict({k.removeprefix("head."): v for k, v in tensors.items()})
-        check_finite_weights(critic, f"critic '{directory}' ({flag})")
-        return critic, metadata
+        return critic
+
+
+def _classifier(model: PreTrainedModel) -> nn.Linear:
+    """The one-output linear layer a `*ForTokenClassification` model applies to its trunk's hidden states."""
+    return next(module for module in model.children() if isinstance(module, nn.Linear))
 
 
 def _base_vocab(tokenizer: PreTrainedTokenizerBase) -> dict[str, int]:
@@ -167,7 +181,7 @@ def values_checkpoint(critic: Critic) -> PreTrainedModel:
     with torch.device("meta"):
         model = AutoModelForTokenClassification.from_config(config)
     state = {f"{model.base_model_prefix}.{k}": v.detach() for k, v in critic.trunk.state_dict().items()}
-    head = next(name for name, module in model.named_children() if isinstance(module, nn.Linear))
+    head = next(name for name, module in model.named_children() if module is _classifier(model))
     state[f"{head}.weight"] = critic.head.weight.detach().clone()
     state[f"{head}.bias"] = critic.head.bias.detach().clone()
     model.load_state_dict(state, strict=True, assign=True)
