@@ -307,6 +307,15 @@ BREAKAGES = [
         [NORMALIZATION],
     ),
     Breakage(
+        "R4-normalization-at-temperature-1",
+        "R4",
+        "reward normalization samples the pretrained policy at temperature 1 instead of the task temperature",
+        TR,
+        "ref_policy, contexts, args.task.response_length, args.task.temperature, pad_id, generator",
+        "ref_policy, contexts, args.task.response_length, 1.0, pad_id, generator",
+        [NORMALIZATION],
+    ),
+    Breakage(
         "R4-floor-batches",
         "R4",
         "normalization draws floor(normalize_samples / rollout_batch_size) batches (at least one) instead of ceil",
