@@ -932,6 +932,15 @@ BREAKAGES = [
         [POLICY_RUN + "test_run_rollout_logprobs_and_values_come_from_the_sampling_policy"],
     ),
     Breakage(
+        "G6-bf16-ratio-logprobs-at-temperature-1",
+        "G6",
+        "--bf16: the ratio's old log-probs (the loss forward's arithmetic) are taken at temperature 1",
+        TP,
+        "models.learner, query_responses, context_length, pad_id, task.temperature, sizes.micro",
+        "models.learner, query_responses, context_length, pad_id, 1.0, sizes.micro",
+        [TP_TESTS + "test_main_gradient_checkpointing_and_bf16_track_the_plain_update"],
+    ),
+    Breakage(
         "G6-evaluate-sampled-at-temperature-1",
         "G6",
         "evaluate.py samples the policy at temperature 1 instead of the task temperature",
