@@ -107,7 +107,9 @@ NORMALIZED_REWARD = (
     + "test_normalization_is_population_moments_of_truncated_samples_and_the_reward_is_gain_times_score_plus_bias"
 )
 TP, TR, MOD = "train_policy.py", "train_reward.py", "lm_human_preference_details/modeling.py"
+PPO_PLUMBING = "lm_human_preference_details/ppo_plumbing.py"
 
+RESUMED_STATE = "tests/test_resume.py::test_a_resumed_policy_run_holds_the_uninterrupted_runs_state_at_that_update"
 EOS_TESTS = "tests/test_nplus_eos.py::"
 EOS_RUN = EOS_TESTS + "test_main_with_end_at_eos_masks_the_rollout_and_logs_the_masked_objectives"
 
@@ -653,6 +655,51 @@ BREAKAGES = [
         "if last or stopping or (self.save_interval and steps % self.save_interval == 0):",
         "if stopping or (self.save_interval and steps % self.save_interval == 0):",
         ["tests/test_train_policy.py::test_main_saves_a_loadable_policy"],
+    ),
+    Breakage(
+        "P20-resume-keeps-the-initial-kl-coef",
+        "P20",
+        "a resumed policy run starts from the initial kl_coef instead of the checkpoint's",
+        PPO_PLUMBING,
+        'self.kl_ctl.value = resumed.shared["kl_coef"]',
+        "self.kl_ctl.value = self.kl_ctl.value",
+        [RESUMED_STATE],
+    ),
+    Breakage(
+        "P20-resume-restarts-the-query-stream",
+        "P20",
+        "a resumed policy run draws its queries from the start of the stream instead of the checkpoint's position",
+        PPO_PLUMBING,
+        'self.query_stream.load_state_dict(resumed.local["query_stream"])',
+        "self.query_stream.state_dict()",
+        [RESUMED_STATE],
+    ),
+    Breakage(
+        "P20-resume-reseeds-the-epoch-orders",
+        "P20",
+        "a resumed policy run restores the sampling and global RNGs but not the PPO epochs' permutation RNGs",
+        PPO_PLUMBING,
+        'devices.restore_rng_states(resumed.local["rng"], self.generator, self.order_rngs)',
+        'devices.restore_rng_states({**resumed.local["rng"], "numpy_rngs": []}, self.generator)',
+        [RESUMED_STATE],
+    ),
+    Breakage(
+        "P20-resume-without-adam-state",
+        "P20",
+        "a resumed policy run starts Adam afresh (no moments, step 0) instead of from the checkpoint's",
+        PPO_PLUMBING,
+        'self.optimizer.load_state_dict(resumed.shared["optimizer"])',
+        "self.optimizer.state_dict()",
+        [RESUMED_STATE],
+    ),
+    Breakage(
+        "P20-resume-forgets-the-divergence-watch",
+        "P20",
+        "a resumed policy run's divergence watch starts afresh instead of the checkpoint's",
+        PPO_PLUMBING,
+        'self.report.load_state_dict(resumed.shared.get("report"))',
+        "self.report.load_state_dict(None)",
+        [RESUMED_STATE],
     ),
     Breakage(
         "P20-host-twin-copies-the-kv-cache",
