@@ -15,7 +15,7 @@ import torch
 
 import train_policy
 import train_reward
-from lm_human_preference_details import checkpoint, devices, files, ppo_plumbing, resume_check
+from lm_human_preference_details import checkpoint, devices, files, optim, ppo_plumbing, resume_check
 from lm_human_preference_details.modeling import PolicyWithValueHead, load_reward_model
 from lm_human_preference_details.resume_check import (  # noqa: F401 (imported from here by other test files)
     final_training_state,
@@ -413,3 +413,54 @@ def test_a_resumed_policy_run_holds_the_uninterrupted_runs_state_at_that_update(
     assert len(states) == 1
     assert equal_states(states[0], whole[2]) == []
     assert equal_states(states[0], whole[1]) != [], "the states of two updates differ: the comparison tells them apart"
+
+
+def record_reward_states(monkeypatch) -> dict[str, list]:
+    """Every state a reward run's resume rewrites, where the run reads it: at each Adam step the optimizer (moments,
+    step, lr), the reward model's weights (gain and bias included) and the global RNGs; at each normalization the
+    query stream's position and the sampling generator."""
+    records = {"steps": [], "normalizations": []}
+    real_step, real_normalize = optim.AdamTensorFlowStyle.step, train_reward.normalize_rewards
+
+    def step(self, *args, **kwargs):
+        model = self.param_groups[0]["params"]
+        records["steps"].append(
+            {
+                "optimizer": self.state_dict(),
+                "weights": [p.detach().clone() for p in model],
+                "rng": devices.rng_states(torch.Generator()),
+            }
+        )
+        return real_step(self, *args, **kwargs)
+
+    def normalize_rewards(*args):
+        _, _, reward_model, _, query_stream, _, _, generator = args[:8]
+        state = {"query_stream": query_stream.state_dict(), "generator": generator.get_state()}
+        records["normalizations"].append({**state, "gain": reward_model.gain.item(), "bias": reward_model.bias.item()})
+        return real_normalize(*args)
+
+    monkeypatch.setattr(optim.AdamTensorFlowStyle, "step", step)
+    monkeypatch.setattr(train_reward, "normalize_rewards", normalize_rewards)
+    return records
+
+
+def test_a_resumed_reward_run_holds_the_uninterrupted_runs_state_where_it_reads_it(
+    tmp_path, tiny_model_dir, reward_world, monkeypatch
+):
+    # the resumed run's first Adam step sees the uninterrupted run's optimizer (moments, step, lr), weights and RNGs
+    # at that step; its final normalization samples from the same query position with the same generator state
+    records, keep = record_reward_states(monkeypatch), ("--keep_checkpoints", "0")
+    train_reward.main(train_reward.parse(reward_flags(tiny_model_dir, reward_world, tmp_path / "whole", *keep)))
+    whole = {key: list(value) for key, value in records.items()}
+    assert len(whole["steps"]) == 6 and len(whole["normalizations"]) == 2
+    first, last = whole["normalizations"]
+    assert first["query_stream"] != last["query_stream"] and not torch.equal(first["generator"], last["generator"])
+    for value in records.values():
+        value.clear()
+    step2 = checkpoint.step_dir(str(tmp_path / "whole"), 2)
+    flags = reward_flags(tiny_model_dir, reward_world, tmp_path / "resumed", *keep, "--resume", step2)
+    train_reward.main(train_reward.parse(flags))
+    assert len(records["steps"]) == 4 and len(records["normalizations"]) == 1
+    assert equal_states(records["steps"][0], whole["steps"][2]) == []
+    assert equal_states(records["normalizations"][0], whole["normalizations"][1]) == []
+    assert equal_states(records["steps"][0], whole["steps"][1]) != [], "two steps' states differ: the test tells them"

@@ -108,8 +108,12 @@ NORMALIZED_REWARD = (
 )
 TP, TR, MOD = "train_policy.py", "train_reward.py", "lm_human_preference_details/modeling.py"
 PPO_PLUMBING = "lm_human_preference_details/ppo_plumbing.py"
+REWARD_PLUMBING = "lm_human_preference_details/reward_plumbing.py"
 
 RESUMED_STATE = "tests/test_resume.py::test_a_resumed_policy_run_holds_the_uninterrupted_runs_state_at_that_update"
+REWARD_RESUMED_STATE = (
+    "tests/test_resume.py::test_a_resumed_reward_run_holds_the_uninterrupted_runs_state_where_it_reads_it"
+)
 EOS_TESTS = "tests/test_nplus_eos.py::"
 EOS_RUN = EOS_TESTS + "test_main_with_end_at_eos_masks_the_rollout_and_logs_the_masked_objectives"
 
@@ -1145,6 +1149,33 @@ BREAKAGES = [
             "tests/test_oai_ranks.py::test_one_two_and_four_processes_log_oai_eight_rank_whitening",
             "tests/test_train_policy.py::test_whiten_groups_use_population_moments_per_group",
         ],
+    ),
+    Breakage(
+        "R8-resume-without-adam-state",
+        "R8",
+        "a resumed reward run starts Adam afresh (no moments, step 0) instead of from the checkpoint's",
+        REWARD_PLUMBING,
+        'optimizer.load_state_dict(resumed.shared["optimizer"])',
+        "optimizer.state_dict()",
+        [REWARD_RESUMED_STATE],
+    ),
+    Breakage(
+        "R8-resume-restarts-the-query-stream",
+        "R8",
+        "a resumed reward run normalizes on queries from the start of the stream instead of the checkpoint's position",
+        REWARD_PLUMBING,
+        "query_stream.load_state_dict(query_stream_state(resumed, query_stream))",
+        "query_stream.state_dict()",
+        [REWARD_RESUMED_STATE],
+    ),
+    Breakage(
+        "R8-resume-reseeds-the-rngs",
+        "R8",
+        "a resumed reward run reseeds its RNGs from the seed and step instead of restoring the checkpoint's",
+        REWARD_PLUMBING,
+        'devices.restore_rng_states(resumed.local["rng"], generator)\n        return',
+        "devices.reseed_rngs(args.seed, accelerator.process_index, resumed.step, generator)\n        return",
+        [REWARD_RESUMED_STATE],
     ),
     Breakage(
         "R8-task-name-unchecked",
