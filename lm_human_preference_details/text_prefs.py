@@ -31,6 +31,7 @@ from lm_human_preference_details.labels import (
     get_label_type,
     load_labels,
 )
+from lm_human_preference_details.sources import read_utf8_lines
 from lm_human_preference_details.tasks import build_query, encode_texts
 
 CHOSEN_INDEX = 0
@@ -75,15 +76,14 @@ def is_text_preference_source(source: str) -> bool:
 def _read_jsonl(path: str, flag: str) -> list[Any]:
     """The JSON value of every non-blank line of `path`; ValueError naming the line that is not JSON."""
     rows = []
-    with open(path, encoding="utf-8") as f:
-        for number, line in enumerate(f, 1):
-            if line.strip():
-                try:
-                    rows.append(json.loads(line))
-                except json.JSONDecodeError as e:
-                    raise ValueError(
-                        f"{flag} '{path}': line {number} is not JSON ({e}); expected {TEXT_PAIRS_SCHEMA}."
-                    ) from e
+    for number, line in enumerate(read_utf8_lines(path, "label file", flag), 1):
+        if line.strip():
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError as e:
+                raise ValueError(
+                    f"{flag} '{path}': line {number} is not JSON ({e}); expected {TEXT_PAIRS_SCHEMA}."
+                ) from e
     return rows
 
 

@@ -33,6 +33,7 @@ QUERY_LENGTH, RESPONSE_LENGTH, TRUNCATE_AFTER = 12, 8, 2
 NUM_TRAIN, NUM_ROWS, BATCH, ACCUM = 32, 40, 8, 2  # 4 steps of 8 labels: 4 per process, 2 micro-batches of 2
 ROLLOUT_BATCH, NORMALIZE_SAMPLES = 16, 24  # ceil(24 / 16) = 2 global batches of 16 (8 per process)
 LR, SEED, RANK, WORLD = 1e-3, 1, 1, 2
+TEMPERATURE = 0.7  # far from 1.0, the default, so a normalization sampling at 1.0 is told apart
 
 
 @dataclasses.dataclass
@@ -108,6 +109,7 @@ def run(tmp_path_factory, tokenizer) -> Run:
             end_text=None,
             truncate_token=the,
             truncate_after=TRUNCATE_AFTER,
+            temperature=TEMPERATURE,
         ),
         labels=train_reward.LabelHParams(num_train=NUM_TRAIN),
         batch_size=BATCH,
@@ -185,7 +187,7 @@ def test_reward_run_normalizes_on_raw_samples_of_the_pretrained_policy(run):
             sampling = run.samples_of(call).inputs
             for key, value in initial.items():
                 assert torch.equal(sampling["state"][f"lm.{key}"], value), key
-            assert sampling["temperature"] == run.args.task.temperature
+            assert sampling["temperature"] == TEMPERATURE
             contexts, responses = sampling["contexts"], run.samples_of(call).output[0]
             assert contexts.shape == (ROLLOUT_BATCH // WORLD, p + QUERY_LENGTH + s)
             assert torch.equal(contexts[:, :p], torch.tensor(run.prefix).expand(len(contexts), -1))

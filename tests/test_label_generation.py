@@ -1,5 +1,6 @@
 """label_generation.py: generate (filter, labelers, metadata, human resume, train_reward reads it) and convert."""
 
+import dataclasses
 import json
 import os
 import shutil
@@ -28,6 +29,7 @@ from lm_human_preference_details.modeling import (
     PolicyWithValueHead,
     load_causal_lm,
     load_reward_model,
+    sample,
     score_label_rows,
 )
 from lm_human_preference_details.tokenizer import gpt2_tokenizer_offline
@@ -189,6 +191,29 @@ def test_sample_passing_responses_drops_failing_and_truncates(world, tokenizer):
         policy, contexts[:6], no_filter, 3, pad, torch.Generator().manual_seed(0), 1.0, 8, 8
     )
     assert done.all() and sampled == passed == 18 and not (responses == pad).any()
+
+
+def test_sample_passing_responses_samples_at_the_task_temperature(world, tokenizer):
+    # spec LG, G6: the candidates are the policy's samples at the task temperature (0.3 here, far from 1.0): with the
+    # same generator seed they are the sampler's draws at that temperature for each query repeated per candidate
+    task = books_task(
+        query_length=QUERY_LENGTH, response_length=RESPONSE_LENGTH, truncate_token=None, truncate_text=None
+    )
+    task = dataclasses.replace(task, temperature=0.3)
+    policy = PolicyWithValueHead(load_causal_lm(world["model"]))
+    contexts = torch.tensor([tokenizer.encode(" The cat sat."), tokenizer.encode(" A dog ran.")])
+    pad = tokenizer.pad_token_id
+    responses, done, _, _ = label_generation.sample_passing_responses(
+        policy, contexts, task, 3, pad, torch.Generator().manual_seed(0), 1.0, 1, 1
+    )
+    assert done.all()
+    repeated = contexts.repeat_interleave(3, 0)
+    draws = {
+        temperature: sample(policy, repeated, RESPONSE_LENGTH, temperature, pad, torch.Generator().manual_seed(0))[0]
+        for temperature in (0.3, 1.0)
+    }
+    assert not torch.equal(draws[0.3], draws[1.0]), "the two temperatures would give different samples"
+    assert torch.equal(responses.reshape(-1, RESPONSE_LENGTH), draws[0.3])
 
 
 # ---------------------------------------------------------------- generate

@@ -15,6 +15,7 @@ import torch
 import label_generation
 from lm_human_preference_details import cli
 from lm_human_preference_details.labelers import VaderLabeler
+from lm_human_preference_details.labeling import labelstore
 from lm_human_preference_details.labeling.agreement import (
     agreement_report,
     cohen_kappa,
@@ -22,7 +23,9 @@ from lm_human_preference_details.labeling.agreement import (
     krippendorff_alpha,
 )
 from lm_human_preference_details.labeling.labelstore import (
+    CLAIM_SECONDS,
     Judgement,
+    JudgementError,
     LabelStore,
     label_from_answer,
     labels_per_minute,
@@ -170,6 +173,39 @@ def test_unshared_rows_go_to_one_labeler_and_shared_rows_to_all(candidates, tmp_
     assert store.shared <= set(seen["ann"]) & set(seen["bob"])
     unshared = set(range(6)) - store.shared
     assert set(seen["ann"]) | set(seen["bob"]) >= unshared and not (set(seen["ann"]) & set(seen["bob"]) & unshared)
+    store.close()
+
+
+def test_a_reload_shows_the_claimed_row_and_a_claim_expires_after_ten_minutes(candidates, tmp_path, monkeypatch):
+    # a reload (next_row again) shows the labeler the row they hold, even when a lower row became free meanwhile,
+    # never another labeler's; their label of it is accepted once; an unanswered claim keeps the row from the others
+    # for CLAIM_SECONDS, then another labeler gets it and the first one's reload does not
+    clock = [1000.0]
+    monkeypatch.setattr(labelstore.time, "time", lambda: clock[0])
+    store = LabelStore(load_candidates(candidates), str(tmp_path / "out.json"), shared_fraction=0.0)
+    assert store.next_row("bob")["row"] == 0
+    ann = store.next_row("ann")
+    assert ann["row"] == 1
+    store.skip("bob", 0)  # row 0 is free again, and lower than ann's
+    assert store.next_row("bob")["row"] == 2
+    reloaded = store.next_row("ann")
+    assert (reloaded["row"], reloaded["responses"]) == (1, ann["responses"])
+    store.judge("ann", 1, 0)
+    with pytest.raises(JudgementError, match="already labelled row 1"):
+        store.judge("ann", 1, 0)
+    clock[0] += 100
+    assert store.next_row("ann")["row"] == 0  # answered: the next row, the free one
+    # bob leaves row 2 unanswered: kept from cara until CLAIM_SECONDS have passed since it was shown to him
+    clock[0] = 1000.0 + CLAIM_SECONDS - 1
+    assert store.next_row("cara")["row"] == 3
+    assert store.next_row("cara")["row"] == 3
+    clock[0] = 1000.0 + CLAIM_SECONDS + 1  # ann's claim of row 0, 100 s younger, still holds
+    assert store.next_row("dan")["row"] == 2
+    assert store.next_row("bob")["row"] == 4  # dan's now: bob's reload moves him on
+    # an undo shows the undone row next, not the row the page showed before
+    store.judge("cara", 3, 0)
+    assert store.next_row("cara")["row"] == 5
+    assert store.undo("cara")["row"] == 3 and store.next_row("cara")["row"] == 3
     store.close()
 
 

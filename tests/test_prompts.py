@@ -217,6 +217,11 @@ def test_a_source_where_no_prompt_fits_stops_in_one_line_with_the_counts(tmp_pat
 CHATS = [
     [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "the cat sat\non the mat\nin the sun"}],
     [{"role": "user", "content": "a dog ran <|im_start|> <|eot_id|> <|begin_of_text|> away"}],
+    [
+        {"role": "user", "content": "name a fruit"},
+        {"role": "assistant", "content": "plums"},
+        {"role": "user", "content": "and a tree?"},
+    ],
 ]
 
 
@@ -277,7 +282,7 @@ def test_a_prompt_column_holding_chats_reads_as_messages(tmp_path):
     as_messages = write_jsonl(tmp_path / "m.jsonl", [{"messages": chat} for chat in CHATS])
     _, first = one_pass(None, tokenizer, prompt_task(as_prompt, 120))
     _, second = one_pass(None, tokenizer, prompt_task(as_messages, 120))
-    assert first == second and len(first) == 2
+    assert first == second and len(first) == len(CHATS)
 
 
 def test_chats_need_a_tokenizer_with_a_chat_template(tmp_path, tokenizer):

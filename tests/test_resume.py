@@ -9,12 +9,13 @@ import subprocess
 import sys
 import time
 
+import numpy as np
 import pytest
 import torch
 
 import train_policy
 import train_reward
-from lm_human_preference_details import checkpoint, devices, files, resume_check
+from lm_human_preference_details import checkpoint, devices, files, optim, ppo_plumbing, resume_check
 from lm_human_preference_details.modeling import PolicyWithValueHead, load_reward_model
 from lm_human_preference_details.resume_check import (  # noqa: F401 (imported from here by other test files)
     final_training_state,
@@ -343,3 +344,123 @@ def test_reward_run_into_used_output_dir_stops(tmp_path, tiny_model_dir, reward_
     with pytest.raises(ValueError, match=f"already holds another run \\({leftover}\\); pass --resume auto"):
         train_reward.main(train_reward.parse(reward_flags(tiny_model_dir, reward_world, used)))
     assert sorted(os.listdir(used)) == [leftover]
+
+
+def equal_states(a, b, where: str = "") -> list[str]:
+    """The paths at which two nested states (dicts, lists, tuples, tensors, arrays, numbers) differ."""
+    if isinstance(a, dict) and isinstance(b, dict):
+        if a.keys() != b.keys():
+            return [f"{where}: keys {sorted(a)} != {sorted(b)}"]
+        return [d for key in a for d in equal_states(a[key], b[key], f"{where}.{key}")]
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        if len(a) != len(b):
+            return [f"{where}: {len(a)} != {len(b)} items"]
+        return [d for i, (x, y) in enumerate(zip(a, b)) for d in equal_states(x, y, f"{where}[{i}]")]
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return [] if torch.equal(torch.as_tensor(a), torch.as_tensor(b)) else [where]
+    if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
+        return [] if np.array_equal(a, b) else [where]
+    return [] if a == b else [f"{where}: {a!r} != {b!r}"]
+
+
+def record_update_states(monkeypatch) -> list[dict]:
+    """Every state a resume rewrites, as the policy run holds it at the start of each update (before the update's
+    first random draw): every RNG, the query stream's position, kl_coef, the optimizer (Adam moments, step, lr) and the
+    divergence watch."""
+    states, held, real_training_state = [], [], ppo_plumbing.TrainingState
+
+    def training_state(*args, **kwargs):
+        held.append(real_training_state(*args, **kwargs))
+        return held[-1]
+
+    def minibatch_indices(rngs, *args):
+        state = held[-1]
+        states.append(
+            {
+                "rng": devices.rng_states(state.generator, state.order_rngs),
+                "query_stream": state.query_stream.state_dict(),
+                "kl_coef": state.kl_ctl.value,
+                "optimizer": state.optimizer.state_dict(),
+                "divergence": state.report.divergence.state_dict(),
+            }
+        )
+        return real_minibatch_indices(rngs, *args)
+
+    real_minibatch_indices = train_policy.minibatch_indices
+    monkeypatch.setattr(train_policy.ppo_plumbing, "TrainingState", training_state)
+    monkeypatch.setattr(train_policy, "minibatch_indices", minibatch_indices)
+    return states
+
+
+def test_a_resumed_policy_run_holds_the_uninterrupted_runs_state_at_that_update(
+    tmp_path, tiny_model_dir, policy_world, monkeypatch
+):
+    # every state a resume rewrites is itself compared, not only what the run logs later: the RNGs (sampling, the
+    # PPO epochs' orders, Python, NumPy, torch), the query position, kl_coef (adaptive, so it moved), Adam's moments,
+    # step and lr, and the divergence watch (its best pass rate so far)
+    extra = ("--ppo.total_episodes", "24", "--save_interval", "1", "--keep_checkpoints", "0")
+    states = record_update_states(monkeypatch)
+    whole_flags = policy_flags(tiny_model_dir, policy_world, tmp_path / "whole", *extra)
+    train_policy.main(train_policy.parse(whole_flags))
+    whole = list(states)
+    assert len(whole) == 3
+    assert whole[2]["kl_coef"] != whole[0]["kl_coef"] and whole[2]["divergence"]["passed"] is not None
+    assert whole[2]["query_stream"] != whole[0]["query_stream"]
+    states.clear()
+    step2 = checkpoint.step_dir(str(tmp_path / "whole"), 2)
+    resumed_flags = policy_flags(tiny_model_dir, policy_world, tmp_path / "resumed", *extra, "--resume", step2)
+    train_policy.main(train_policy.parse(resumed_flags))
+    assert len(states) == 1
+    assert equal_states(states[0], whole[2]) == []
+    assert equal_states(states[0], whole[1]) != [], "the states of two updates differ: the comparison tells them apart"
+
+
+def record_reward_states(monkeypatch) -> dict[str, list]:
+    """Every state a reward run's resume rewrites, where the run reads it: at each Adam step the optimizer (moments,
+    step, lr), the reward model's weights (gain and bias included) and the global RNGs; at each normalization the
+    query stream's position and the sampling generator."""
+    records = {"steps": [], "normalizations": []}
+    real_step, real_normalize = optim.AdamTensorFlowStyle.step, train_reward.normalize_rewards
+
+    def step(self, *args, **kwargs):
+        model = self.param_groups[0]["params"]
+        records["steps"].append(
+            {
+                "optimizer": self.state_dict(),
+                "weights": [p.detach().clone() for p in model],
+                "rng": devices.rng_states(torch.Generator()),
+            }
+        )
+        return real_step(self, *args, **kwargs)
+
+    def normalize_rewards(*args):
+        _, _, reward_model, _, query_stream, _, _, generator = args[:8]
+        state = {"query_stream": query_stream.state_dict(), "generator": generator.get_state()}
+        records["normalizations"].append({**state, "gain": reward_model.gain.item(), "bias": reward_model.bias.item()})
+        return real_normalize(*args)
+
+    monkeypatch.setattr(optim.AdamTensorFlowStyle, "step", step)
+    monkeypatch.setattr(train_reward, "normalize_rewards", normalize_rewards)
+    return records
+
+
+def test_a_resumed_reward_run_holds_the_uninterrupted_runs_state_where_it_reads_it(
+    tmp_path, tiny_model_dir, reward_world, monkeypatch
+):
+    # the resumed run's first Adam step sees the uninterrupted run's optimizer (moments, step, lr), weights and RNGs
+    # at that step; its final normalization samples from the same query position with the same generator state
+    records, keep = record_reward_states(monkeypatch), ("--keep_checkpoints", "0")
+    train_reward.main(train_reward.parse(reward_flags(tiny_model_dir, reward_world, tmp_path / "whole", *keep)))
+    whole = {key: list(value) for key, value in records.items()}
+    assert len(whole["steps"]) == 6 and len(whole["normalizations"]) == 2
+    first, last = whole["normalizations"]
+    assert first["query_stream"] != last["query_stream"] and not torch.equal(first["generator"], last["generator"])
+    for value in records.values():
+        value.clear()
+    step2 = checkpoint.step_dir(str(tmp_path / "whole"), 2)
+    flags = reward_flags(tiny_model_dir, reward_world, tmp_path / "resumed", *keep, "--resume", step2)
+    train_reward.main(train_reward.parse(flags))
+    assert len(records["steps"]) == 4 and len(records["normalizations"]) == 1
+    assert equal_states(records["steps"][0], whole["steps"][2]) == []
+    assert equal_states(records["normalizations"][0], whole["normalizations"][1]) == []
+    assert equal_states(records["steps"][0], whole["steps"][1]) != [], "two steps' states differ: the test tells them"

@@ -12,6 +12,7 @@ import evaluate
 import label_generation
 import train_policy
 import train_reward
+import train_sft
 from lm_human_preference_details import cli, ppo_plumbing
 from lm_human_preference_details.labels import labels_meta_path
 from lm_human_preference_details.modeling import PolicyWithValueHead, load_causal_lm
@@ -233,6 +234,52 @@ def test_files_that_are_not_utf8_name_the_file_the_line_and_the_flag(tmp_path, t
     argv = reward_argv(tiny_model_dir, world, str(labels), tmp_path / "rm", "--dry_run")
     line = one_error_line(*run_cli(train_reward, argv, capsys)[::2])
     assert f"label file '{labels}' is not UTF-8 text (byte 0xe9 at line 1" in line and "--label_dataset" in line
+
+
+LATIN1 = "Le café était fermé.".encode("latin-1")
+"""a Latin-1 text: its byte 0xe9 (é) is not UTF-8"""
+
+
+@pytest.mark.parametrize(
+    "script, what, flag, name, content",
+    [
+        ("policy", "query dataset file", "--task.query_dataset", "texts.jsonl", b'{"text": "' + LATIN1 + b'"}\n'),
+        (
+            "policy",
+            "query dataset file",
+            "--task.query_dataset",
+            "chats.jsonl",
+            b'{"messages": [{"role": "user", "content": "' + LATIN1 + b'"}]}\n',
+        ),
+        (
+            "reward",
+            "label file",
+            "--label_dataset",
+            "pairs.jsonl",
+            b'{"prompt": "a", "chosen": "' + LATIN1 + b'", "rejected": "b"}\n',
+        ),
+        ("sft", "SFT dataset file", "--dataset", "sft.jsonl", b'{"prompt": "a", "completion": "' + LATIN1 + b'"}\n'),
+    ],
+    ids=["query-texts", "query-chats", "text-pairs", "sft-rows"],
+)
+def test_every_jsonl_reader_names_a_file_that_is_not_utf8(
+    tmp_path, tiny_model_dir, world, capsys, script, what, flag, name, content
+):
+    # every JSON Lines reader (query texts, prompt rows, text preference pairs, SFT rows): one line naming the file,
+    # the bad byte's line and the flag, not a UnicodeDecodeError traceback
+    path = tmp_path / name
+    path.write_bytes(b'{"text": "A first line."}\n' + content if name == "texts.jsonl" else content)
+    module = {"policy": train_policy, "reward": train_reward, "sft": train_sft}[script]
+    if script == "policy":
+        argv = policy_argv(tiny_model_dir, world, tmp_path / "out", flag, str(path))
+    elif script == "reward":
+        argv = reward_argv(tiny_model_dir, world, str(path), tmp_path / "rm", "--labels.type", "best_of_2")
+    else:
+        argv = ["--base_model", tiny_model_dir, flag, str(path), "--output_dir", str(tmp_path / "sft")]
+    line = one_error_line(*run_cli(module, [*argv, "--dry_run"], capsys)[::2])
+    bad_line = 2 if name == "texts.jsonl" else 1
+    assert f"{what} '{path}' is not UTF-8 text (byte 0xe9 at line {bad_line}" in line, line
+    assert flag in line and "save it as UTF-8" in line
 
 
 @pytest.fixture(scope="module")

@@ -107,7 +107,13 @@ NORMALIZED_REWARD = (
     + "test_normalization_is_population_moments_of_truncated_samples_and_the_reward_is_gain_times_score_plus_bias"
 )
 TP, TR, MOD = "train_policy.py", "train_reward.py", "lm_human_preference_details/modeling.py"
+PPO_PLUMBING = "lm_human_preference_details/ppo_plumbing.py"
+REWARD_PLUMBING = "lm_human_preference_details/reward_plumbing.py"
 
+RESUMED_STATE = "tests/test_resume.py::test_a_resumed_policy_run_holds_the_uninterrupted_runs_state_at_that_update"
+REWARD_RESUMED_STATE = (
+    "tests/test_resume.py::test_a_resumed_reward_run_holds_the_uninterrupted_runs_state_where_it_reads_it"
+)
 EOS_TESTS = "tests/test_nplus_eos.py::"
 EOS_RUN = EOS_TESTS + "test_main_with_end_at_eos_masks_the_rollout_and_logs_the_masked_objectives"
 
@@ -304,6 +310,15 @@ BREAKAGES = [
         TR,
         "mean, std = moments[0], (moments[1] - moments[0].square()).clamp_min(0).sqrt()",
         "mean, std = moments[0], scores.std()",
+        [NORMALIZATION],
+    ),
+    Breakage(
+        "R4-normalization-at-temperature-1",
+        "R4",
+        "reward normalization samples the pretrained policy at temperature 1 instead of the task temperature",
+        TR,
+        "ref_policy, contexts, args.task.response_length, args.task.temperature, pad_id, generator",
+        "ref_policy, contexts, args.task.response_length, 1.0, pad_id, generator",
         [NORMALIZATION],
     ),
     Breakage(
@@ -655,6 +670,51 @@ BREAKAGES = [
         ["tests/test_train_policy.py::test_main_saves_a_loadable_policy"],
     ),
     Breakage(
+        "P20-resume-keeps-the-initial-kl-coef",
+        "P20",
+        "a resumed policy run starts from the initial kl_coef instead of the checkpoint's",
+        PPO_PLUMBING,
+        'self.kl_ctl.value = resumed.shared["kl_coef"]',
+        "self.kl_ctl.value = self.kl_ctl.value",
+        [RESUMED_STATE],
+    ),
+    Breakage(
+        "P20-resume-restarts-the-query-stream",
+        "P20",
+        "a resumed policy run draws its queries from the start of the stream instead of the checkpoint's position",
+        PPO_PLUMBING,
+        'self.query_stream.load_state_dict(resumed.local["query_stream"])',
+        "self.query_stream.state_dict()",
+        [RESUMED_STATE],
+    ),
+    Breakage(
+        "P20-resume-reseeds-the-epoch-orders",
+        "P20",
+        "a resumed policy run restores the sampling and global RNGs but not the PPO epochs' permutation RNGs",
+        PPO_PLUMBING,
+        'devices.restore_rng_states(resumed.local["rng"], self.generator, self.order_rngs)',
+        'devices.restore_rng_states({**resumed.local["rng"], "numpy_rngs": []}, self.generator)',
+        [RESUMED_STATE],
+    ),
+    Breakage(
+        "P20-resume-without-adam-state",
+        "P20",
+        "a resumed policy run starts Adam afresh (no moments, step 0) instead of from the checkpoint's",
+        PPO_PLUMBING,
+        'self.optimizer.load_state_dict(resumed.shared["optimizer"])',
+        "self.optimizer.state_dict()",
+        [RESUMED_STATE],
+    ),
+    Breakage(
+        "P20-resume-forgets-the-divergence-watch",
+        "P20",
+        "a resumed policy run's divergence watch starts afresh instead of the checkpoint's",
+        PPO_PLUMBING,
+        'self.report.load_state_dict(resumed.shared.get("report"))',
+        "self.report.load_state_dict(None)",
+        [RESUMED_STATE],
+    ),
+    Breakage(
         "P20-host-twin-copies-the-kv-cache",
         "P20",
         "the checkpoint's host twin copies tensors the model keeps beside its weights (the sampler's KV cache)",
@@ -931,6 +991,51 @@ BREAKAGES = [
         "collected[active[rows], slot[rows, cols]] = raw.view(-1, per_query, length)[rows, cols]",
         ["tests/test_label_generation.py::test_sample_passing_responses_drops_failing_and_truncates"],
     ),
+    Breakage(
+        "LG-sampled-at-temperature-1",
+        "LG",
+        "label generation samples the candidates at temperature 1 instead of the task temperature",
+        "label_generation.py",
+        "policy, contexts[active].repeat_interleave(per_query, 0), length, task.temperature, pad_id, generator",
+        "policy, contexts[active].repeat_interleave(per_query, 0), length, 1.0, pad_id, generator",
+        ["tests/test_label_generation.py::test_sample_passing_responses_samples_at_the_task_temperature"],
+    ),
+    Breakage(
+        "G6-rollout-at-temperature-1",
+        "G6",
+        "the policy samples its rollout at temperature 1 instead of the task temperature",
+        TP,
+        "task.response_length,\n            task.temperature,\n            pad_id,\n            generator,",
+        "task.response_length,\n            1.0,\n            pad_id,\n            generator,",
+        [POLICY_RUN + "test_run_rollout_logprobs_and_values_come_from_the_sampling_policy"],
+    ),
+    Breakage(
+        "G6-bf16-ratio-logprobs-at-temperature-1",
+        "G6",
+        "--bf16: the ratio's old log-probs (the loss forward's arithmetic) are taken at temperature 1",
+        TP,
+        "models.learner, query_responses, context_length, pad_id, task.temperature, sizes.micro",
+        "models.learner, query_responses, context_length, pad_id, 1.0, sizes.micro",
+        [TP_TESTS + "test_main_gradient_checkpointing_and_bf16_track_the_plain_update"],
+    ),
+    Breakage(
+        "G6-evaluate-sampled-at-temperature-1",
+        "G6",
+        "evaluate.py samples the policy at temperature 1 instead of the task temperature",
+        "lm_human_preference_details/evaluation.py",
+        "sample(policy, contexts, task.response_length, task.temperature, pad_id, generator)",
+        "sample(policy, contexts, task.response_length, 1.0, pad_id, generator)",
+        ["tests/test_evaluation.py::test_kl_matches_a_direct_recomputation"],
+    ),
+    Breakage(
+        "G6-evaluate-reference-at-temperature-1",
+        "G6",
+        "evaluate.py's KL takes the reference policy's log-probs at temperature 1 instead of the task temperature",
+        "lm_human_preference_details/evaluation.py",
+        "contexts.shape[1], pad_id, task.temperature)[0]",
+        "contexts.shape[1], pad_id, 1.0)[0]",
+        ["tests/test_evaluation.py::test_kl_matches_a_direct_recomputation"],
+    ),
     # ---------------------------------------------------------------- §4: metric semantics
     Breakage(
         "metrics-kl-per-token",
@@ -1071,6 +1176,33 @@ BREAKAGES = [
             "tests/test_oai_ranks.py::test_one_two_and_four_processes_log_oai_eight_rank_whitening",
             "tests/test_train_policy.py::test_whiten_groups_use_population_moments_per_group",
         ],
+    ),
+    Breakage(
+        "R8-resume-without-adam-state",
+        "R8",
+        "a resumed reward run starts Adam afresh (no moments, step 0) instead of from the checkpoint's",
+        REWARD_PLUMBING,
+        'optimizer.load_state_dict(resumed.shared["optimizer"])',
+        "optimizer.state_dict()",
+        [REWARD_RESUMED_STATE],
+    ),
+    Breakage(
+        "R8-resume-restarts-the-query-stream",
+        "R8",
+        "a resumed reward run normalizes on queries from the start of the stream instead of the checkpoint's position",
+        REWARD_PLUMBING,
+        "query_stream.load_state_dict(query_stream_state(resumed, query_stream))",
+        "query_stream.state_dict()",
+        [REWARD_RESUMED_STATE],
+    ),
+    Breakage(
+        "R8-resume-reseeds-the-rngs",
+        "R8",
+        "a resumed reward run reseeds its RNGs from the seed and step instead of restoring the checkpoint's",
+        REWARD_PLUMBING,
+        'devices.restore_rng_states(resumed.local["rng"], generator)\n        return',
+        "devices.reseed_rngs(args.seed, accelerator.process_index, resumed.step, generator)\n        return",
+        [REWARD_RESUMED_STATE],
     ),
     Breakage(
         "R8-task-name-unchecked",

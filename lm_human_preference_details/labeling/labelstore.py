@@ -601,10 +601,19 @@ class LabelStore(JudgementState):
             last = state.actions[-1]
             record = self._append({"event": "undo", "labeler": labeler, "row": last["row"], "undoes": last["seq"]})
             self.apply(record)
-            self.claims[last["row"]] = (labeler, time.time())
+            self._claim(labeler, last["row"], time.time())  # the undone row is shown to them next
             if last["event"] == "label":
                 self._export_soon()
         return record
+
+    def _claimed_row(self, labeler: str) -> int | None:
+        """The row `labeler` holds a claim on (each labeler holds at most one), or None."""
+        return next((row for row, (name, _) in self.claims.items() if name == labeler), None)
+
+    def _claim(self, labeler: str, row: int, now: float) -> None:
+        """`row` is shown to `labeler` from `now`: their previous claim is released (call under the lock)."""
+        self.claims.pop(self._claimed_row(labeler), None)
+        self.claims[row] = (labeler, now)
 
     def next_row(self, labeler: str) -> dict:
         """Claim the next row for `labeler` (shown order applied); with their progress, their normalized name and a
@@ -638,11 +647,10 @@ class LabelStore(JudgementState):
             status = {"labeler": labeler, "progress": progress, "export_error": self.export_error}
             if not available:
                 return {"row": None, **status}
-            row = available[0]
-            for claimed_row, (name, _) in list(self.claims.items()):
-                if name == labeler:
-                    del self.claims[claimed_row]
-            self.claims[row] = (labeler, now)
+            # a reloaded page shows the row this labeler was shown, while it is still theirs to answer
+            own = self._claimed_row(labeler)
+            row = own if own in set(available) else available[0]
+            self._claim(labeler, row, now)
         candidate = self.candidates.rows[row]
         order = shown_order(labeler, row, self.candidates.num_samples)
         return {
