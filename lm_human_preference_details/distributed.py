@@ -179,21 +179,48 @@ def clear_gradients(optimizer: torch.optim.Optimizer, trained: torch.nn.Module) 
     optimizer.zero_grad(set_to_none=not isinstance(trained, DistributedDataParallel))
 
 
+def _fsdp_units(module: torch.nn.Module) -> list[torch.nn.Module]:
+    """The FSDP2 units inside `module` (its transformer blocks and itself when sharded), in module order."""
+    return [m for m in module.modules() if isinstance(m, FSDPModule)]
+
+
 @contextlib.contextmanager
-def gathered(module: torch.nn.Module) -> Iterator[None]:
-    """Inside, an FSDP2-sharded `module` holds every weight whole: each unit all-gathered once, not again at every
-    forward (a rollout's decoding steps call the trunk once per token), then sharded again; otherwise nothing."""
-    units = [m for m in module.modules() if isinstance(m, FSDPModule)]
+def _fsdp_hooks_detached(units: list[torch.nn.Module]) -> Iterator[None]:
+    """Inside, the forward hooks that FSDP2 registered on `units` are detached (the units' other hooks stay): a forward
+    runs the module's own code only. FSDP2's pre-forward hook would otherwise gather the unit again and, as no root
+    forward ran, act as the iteration's root and make its all-gather streams wait on the current stream, which inside
+    a CUDA graph capture forks them into the capture without a join (cudaErrorStreamCaptureUnjoined)."""
+    detached = []
     for unit in units:
-        unit.unshard()
-        if unit is not module:
-            unit.set_reshard_after_forward(False, recurse=False)
+        state = fully_shard.state(unit)
+        for name in ("_forward_pre_hooks", "_forward_hooks"):
+            hooks = getattr(unit, name)
+            kept = type(hooks)(
+                (key, hook) for key, hook in hooks.items() if getattr(hook, "__self__", None) is not state
+            )
+            setattr(unit, name, kept)
+            detached.append((unit, name, hooks))
     try:
         yield
     finally:
+        for unit, name, hooks in detached:
+            setattr(unit, name, hooks)
+
+
+@contextlib.contextmanager
+def gathered(module: torch.nn.Module) -> Iterator[None]:
+    """Inside, an FSDP2-sharded `module` holds every weight whole and runs as a plain module: each unit all-gathered
+    once, not again at every forward (a rollout's decoding steps call the trunk once per token), with FSDP2's forward
+    hooks detached, so that no FSDP2 code runs in its forwards (nor in a decoding step captured as a CUDA graph); then
+    sharded again. Forwards inside record no gradients (the shards would not receive them). Unsharded: `no_grad`."""
+    units = _fsdp_units(module)
+    for unit in units:
+        unit.unshard()
+    try:
+        with torch.no_grad(), _fsdp_hooks_detached(units):
+            yield
+    finally:
         for unit in units:
-            if unit is not module:
-                unit.set_reshard_after_forward(True, recurse=False)
             unit.reshard()
 
 

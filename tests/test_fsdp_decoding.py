@@ -1,0 +1,95 @@
+"""The captured decoding step of an --fsdp policy (`distributed.gathered`, `modeling.sample(..., compile=True)`): no
+FSDP2 hook runs inside the captured step. One gloo process
+stands in for several: FSDP2 shards into one shard, registers the same hooks and frees and gathers the same storage."""
+
+import pytest
+import torch
+from torch.distributed.fsdp._fully_shard._fsdp_state import FSDPState
+
+from lm_human_preference_details import decoding_graph, distributed
+from lm_human_preference_details.modeling import PolicyWithValueHead, sample
+from tests.conftest import tiny_gpt2
+from tests.planted import free_port
+
+PAD = 50257
+
+pytestmark = pytest.mark.usefixtures("single_thread")
+
+
+class Several:
+    """An accelerator of 2 processes, for `data_parallel` (the group itself has one)."""
+
+    num_processes = 2
+
+
+@pytest.fixture
+def process_group():
+    torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+class GraphBodies:
+    """Replaces the step graphs by the eager stand-in and counts, while a captured step's body runs (the kernels a CUDA
+    graph records), FSDP2's forward hooks; `captures` counts the captures."""
+
+    def __init__(self, monkeypatch):
+        self.captures = 0
+        self.hooks_inside: list[str] = []
+        self.bodies = 0
+        inside = [False]
+        for name in ("_pre_forward", "_post_forward"):
+            original = getattr(FSDPState, name)
+
+            def counted(state, *args, _original=original, _name=name, **kwargs):
+                if inside[0]:
+                    self.hooks_inside.append(_name)
+                return _original(state, *args, **kwargs)
+
+            monkeypatch.setattr(FSDPState, name, counted)  # before fully_shard registers them
+        bodies = self
+
+        class BodyGraph(decoding_graph.EagerStepGraph):
+            def capture(self, step):
+                bodies.captures += 1
+
+                def body():
+                    inside[0] = True
+                    bodies.bodies += 1
+                    try:
+                        step()
+                    finally:
+                        inside[0] = False
+
+                super().capture(body)
+
+        monkeypatch.setattr(decoding_graph, "new_step_graph", BodyGraph)
+
+
+def sharded_policy() -> tuple[PolicyWithValueHead, torch.nn.Module, PolicyWithValueHead]:
+    """A tiny policy sharded by FSDP2 as `--fsdp` shards it, the module PPO runs through, and an unsharded twin."""
+    policy = PolicyWithValueHead(tiny_gpt2()).eval()
+    torch.nn.init.normal_(policy.value_head.weight)
+    whole = PolicyWithValueHead(tiny_gpt2()).eval()
+    whole.load_state_dict(policy.state_dict())
+    return policy, distributed.data_parallel(policy, Several(), fsdp=True), whole
+
+
+CONTEXTS = torch.tensor([[23073, 11, PAD, 13], [7091, 1807, 546, 340], [13, PAD, PAD, 11]])
+
+
+def rollout(policy, seed: int, compile: bool = True):
+    return sample(policy, CONTEXTS, 7, 0.7, PAD, torch.Generator().manual_seed(seed), compile=compile)
+
+
+def test_no_fsdp_hook_runs_inside_the_captured_decoding_step(monkeypatch, process_group):
+    bodies = GraphBodies(monkeypatch)
+    policy, trained, whole = sharded_policy()
+    with distributed.gathered(trained):
+        compiled = rollout(policy, 0)
+    assert bodies.captures == 1 and bodies.bodies == 3  # 7 tokens: the prefill's, 3 warm-up steps, 3 graph steps
+    assert bodies.hooks_inside == []
+    for a, b in zip(compiled, rollout(whole, 0, compile=False)):
+        assert torch.equal(a, b)
