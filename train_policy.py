@@ -766,6 +766,8 @@ def main(args: Args) -> list[dict[str, float]]:
         ppo_plumbing.shard_frozen_models(accelerator, reference, reward)  # the frozen models sharded too
     # the module PPO's forwards run through: DDP averages its gradients over processes, or --fsdp shards it (spec O4)
     trained = distributed.data_parallel(learner, accelerator, args.run.fsdp)
+    if args.run.fsdp and args.run.compile_sampler:  # the captured decoding step reads the gathered weights in place
+        distributed.hold_gathered_weights(trained, policy)
     models = Models(policy, critic, learner, trained, reference, reward, gold_labeler)
     # read after sharding: --fsdp replaces the parameters with their shards (DTensors)
     critic_params = list(critic.parameters()) if critic is not None else []  # one optimizer for both (nplus N16)

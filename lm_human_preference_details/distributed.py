@@ -224,6 +224,30 @@ def gathered(module: torch.nn.Module) -> Iterator[None]:
             unit.reshard()
 
 
+def hold_gathered_weights(trained: torch.nn.Module, module: torch.nn.Module) -> int:
+    """Keep the gathered (whole) weights of `module`'s parameters, sharded inside `trained` by FSDP2, allocated for
+    the rest of the run; -> their bytes. FSDP2 frees a unit's gathered weights whenever it shards it again and
+    allocates them anew at its next gather, elsewhere in memory: a decoding step captured as a CUDA graph on them
+    (--compile_sampler) would then be captured again at every update (a new KV cache, warm-up steps, a capture and a
+    device sync each). Held, every gather writes the same addresses and the graph replays on the new weights. The
+    cost: 4 bytes per parameter of `module` (float32), held while the run trains rather than during the rollout and,
+    in the PPO passes, a unit at a time."""
+    wanted = {id(p) for p in module.parameters()}
+    held = 0
+    for unit in _fsdp_units(trained):
+        for group in fully_shard.state(unit)._fsdp_param_groups:
+            for fsdp_param in group.fsdp_params:
+                if id(fsdp_param.sharded_param) in wanted:
+                    # FSDP2 frees the gathered storage through this method only (to_sharded, to_sharded_post_forward)
+                    fsdp_param.free_unsharded_param = _keep_gathered_storage
+                    held += fsdp_param.sharded_param.numel() * fsdp_param.sharded_param.element_size()  # whole
+    return held
+
+
+def _keep_gathered_storage() -> None:
+    """`hold_gathered_weights`'s stand-in for an FSDP2 parameter's `free_unsharded_param`: the storage stays."""
+
+
 def broadcast_parameters(module: torch.nn.Module, accelerator: Any) -> None:
     """Overwrite every rank's parameters with rank 0's, so all ranks start from identical weights."""
     # OAI loads checkpoints on rank 0, then broadcasts all variables to the other ranks

@@ -1,5 +1,5 @@
 """The captured decoding step of an --fsdp policy (`distributed.gathered`, `modeling.sample(..., compile=True)`): no
-FSDP2 hook runs inside the captured step. One gloo process
+FSDP2 hook runs inside the captured step, and the graph is captured once over several updates. One gloo process
 stands in for several: FSDP2 shards into one shard, registers the same hooks and frees and gathers the same storage."""
 
 import pytest
@@ -8,10 +8,12 @@ from torch.distributed.fsdp._fully_shard._fsdp_state import FSDPState
 
 from lm_human_preference_details import decoding_graph, distributed
 from lm_human_preference_details.modeling import PolicyWithValueHead, sample
+from lm_human_preference_details.optim import make_optimizer
 from tests.conftest import tiny_gpt2
 from tests.planted import free_port
 
 PAD = 50257
+UPDATES = 3
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
@@ -84,6 +86,14 @@ def rollout(policy, seed: int, compile: bool = True):
     return sample(policy, CONTEXTS, 7, 0.7, PAD, torch.Generator().manual_seed(seed), compile=compile)
 
 
+def ppo_step(trained: torch.nn.Module, optimizer, responses: torch.Tensor) -> None:
+    """One optimizer step through the sharded module: its forward gathers and its backward frees each unit."""
+    logits, values = trained(torch.cat([CONTEXTS, responses], 1), CONTEXTS.shape[1], PAD, 0.7)
+    (logits.logsumexp(-1).mean() + values.square().mean()).backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
 def test_no_fsdp_hook_runs_inside_the_captured_decoding_step(monkeypatch, process_group):
     bodies = GraphBodies(monkeypatch)
     policy, trained, whole = sharded_policy()
@@ -93,3 +103,34 @@ def test_no_fsdp_hook_runs_inside_the_captured_decoding_step(monkeypatch, proces
     assert bodies.hooks_inside == []
     for a, b in zip(compiled, rollout(whole, 0, compile=False)):
         assert torch.equal(a, b)
+
+
+def test_fsdp_policy_decoding_graph_is_captured_once_over_several_updates(monkeypatch, process_group):
+    bodies = GraphBodies(monkeypatch)
+    policy, trained, whole = sharded_policy()
+    held = distributed.hold_gathered_weights(trained, policy)
+    assert held == sum(p.numel() * p.element_size() for p in whole.parameters())
+    optimizer = make_optimizer(list(policy.parameters()), 1e-2, use_tensorflow_adam=True)
+    whole_optimizer = make_optimizer(list(whole.parameters()), 1e-2, use_tensorflow_adam=True)
+    for update in range(UPDATES):
+        with distributed.gathered(trained):
+            responses, logprobs, values = rollout(policy, update)
+        expected = rollout(whole, update, compile=False)
+        assert all(torch.equal(a, b) for a, b in zip((responses, logprobs, values), expected)), update
+        ppo_step(trained, optimizer, responses)
+        ppo_step(whole, whole_optimizer, responses)
+    assert bodies.captures == 1
+
+
+def test_without_held_weights_the_gathered_storage_moves(process_group):
+    # the premise of hold_gathered_weights: FSDP2 frees the gathered weights when it shards them again, and the next
+    # gather allocates them elsewhere
+    policy, trained, _ = sharded_policy()
+    optimizer = make_optimizer(list(policy.parameters()), 1e-2, use_tensorflow_adam=True)
+    keys = []
+    for update in range(2):
+        with distributed.gathered(trained):
+            keys.append(decoding_graph.storage_key(policy))
+            responses = rollout(policy, update, compile=False)[0]
+        ppo_step(trained, optimizer, responses)
+    assert keys[0] != keys[1]
