@@ -9,28 +9,12 @@ from torch.distributed.fsdp._fully_shard._fsdp_state import FSDPState
 from lm_human_preference_details import decoding_graph, distributed
 from lm_human_preference_details.modeling import PolicyWithValueHead, sample
 from lm_human_preference_details.optim import make_optimizer
-from tests.conftest import tiny_gpt2
-from tests.planted import free_port
+from tests.conftest import SeveralProcesses, tiny_gpt2
 
 PAD = 50257
 UPDATES = 3
 
 pytestmark = pytest.mark.usefixtures("single_thread")
-
-
-class Several:
-    """An accelerator of 2 processes, for `data_parallel` (the group itself has one)."""
-
-    num_processes = 2
-
-
-@pytest.fixture
-def process_group():
-    torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        torch.distributed.destroy_process_group()
 
 
 class GraphBodies:
@@ -76,7 +60,7 @@ def sharded_policy() -> tuple[PolicyWithValueHead, torch.nn.Module, PolicyWithVa
     torch.nn.init.normal_(policy.value_head.weight)
     whole = PolicyWithValueHead(tiny_gpt2()).eval()
     whole.load_state_dict(policy.state_dict())
-    return policy, distributed.data_parallel(policy, Several(), fsdp=True), whole
+    return policy, distributed.data_parallel(policy, SeveralProcesses(), fsdp=True), whole
 
 
 CONTEXTS = torch.tensor([[23073, 11, PAD, 13], [7091, 1807, 546, 340], [13, PAD, PAD, 11]])
@@ -94,7 +78,7 @@ def ppo_step(trained: torch.nn.Module, optimizer, responses: torch.Tensor) -> No
     optimizer.zero_grad(set_to_none=True)
 
 
-def test_no_fsdp_hook_runs_inside_the_captured_decoding_step(monkeypatch, process_group):
+def test_no_fsdp_hook_runs_inside_the_captured_decoding_step(monkeypatch, gloo_process_group):
     bodies = GraphBodies(monkeypatch)
     policy, trained, whole = sharded_policy()
     with distributed.gathered(trained):
@@ -105,7 +89,7 @@ def test_no_fsdp_hook_runs_inside_the_captured_decoding_step(monkeypatch, proces
         assert torch.equal(a, b)
 
 
-def test_fsdp_policy_decoding_graph_is_captured_once_over_several_updates(monkeypatch, process_group):
+def test_fsdp_policy_decoding_graph_is_captured_once_over_several_updates(monkeypatch, gloo_process_group):
     bodies = GraphBodies(monkeypatch)
     policy, trained, whole = sharded_policy()
     held = distributed.hold_gathered_weights(trained, policy)
@@ -122,7 +106,7 @@ def test_fsdp_policy_decoding_graph_is_captured_once_over_several_updates(monkey
     assert bodies.captures == 1
 
 
-def test_without_held_weights_the_gathered_storage_moves(process_group):
+def test_without_held_weights_the_gathered_storage_moves(gloo_process_group):
     # the premise of hold_gathered_weights: FSDP2 frees the gathered weights when it shards them again, and the next
     # gather allocates them elsewhere
     policy, trained, _ = sharded_policy()
