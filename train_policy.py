@@ -723,6 +723,8 @@ def main(args: Args) -> list[dict[str, float]]:
     loop = resumable.CheckpointedLoop(
         args, sizes.world, ppo_plumbing.RESUME_IGNORED, accelerator, "update", sizes.nupdates
     )
+    if loop.finished is not None:  # a finished run is a result: its summary shown, every file kept as it is
+        return ppo_plumbing.report_finished(console, args, loop.finished, accelerator)
 
     # per-process seed (spec D2); the query order uses data_seed instead (spec D3)
     # https://github.com/openai/lm-human-preferences/blob/cbfd210bb8b08f6bc5c26878c10984b90f516c66/lm_human_preferences/utils/core.py#L108-L113
@@ -793,13 +795,15 @@ def main(args: Args) -> list[dict[str, float]]:
     )
 
     # plumbing: what a checkpoint saves and --resume restores, the tracker, the logs and progress, the clock
-    state = ppo_plumbing.TrainingState(
-        policy, optimizer, kl_ctl, query_stream, generator, order_rngs, critic, trained, args.run.fsdp
-    )
     tracker, meta = ppo_plumbing.start_tracker(args, accelerator, loop, sizes.nupdates)
+    report = ppo_plumbing.RunReport(
+        args, accelerator, console, tracker, tokenizer, sizes.nupdates, loop.first_step, meta["run_name"]
+    )
+    state = ppo_plumbing.TrainingState(
+        policy, optimizer, kl_ctl, query_stream, generator, order_rngs, critic, trained, args.run.fsdp, report
+    )
     if loop.resumed is not None:
         state.restore(loop.resumed, accelerator, args.seed)
-    report = ppo_plumbing.RunReport(args, accelerator, console, tracker, tokenizer, sizes.nupdates, loop.first_step)
     last_time = time.time()
     start_time = last_time - (loop.resumed.shared["elapsed_time"] if loop.resumed else 0.0)
 

@@ -319,6 +319,8 @@ def main(args: Args) -> dict:
     validation.check_reward_context(args, tokenizer)  # the reward model's and the policy's context hold their tokens
     # a killed run continues from its checkpoint (--resume); a fresh one never writes into another run's output_dir
     loop = resumable.CheckpointedLoop(args, world, RESUME_IGNORED, accelerator, "step", sizes.steps)
+    if loop.finished is not None:  # a finished run is a result: its summary shown, every file kept as it is
+        return reward_plumbing.report_finished(console, args, loop.finished, accelerator)
 
     # 1. labels (validated before any model is loaded), models, optimizer, query stream
     label_type = get_label_type(args.labels.type)
@@ -459,9 +461,11 @@ def main(args: Args) -> dict:
         check_finite_weights(reward_model, "the trained reward model", "not saved; try a smaller --lr.")
     whole = reward_plumbing.whole_reward_model(reward_model)
     if accelerator.is_main_process:
-        reward_plumbing.save_reward_model(whole, tokenizer, args, label_type, (eval_before, eval_after), label_warnings)
         evals = (eval_before, eval_after)
-        reward_plumbing.print_summary(console, args, whole, label_type, len(heldout_labels), evals)
+        reward_plumbing.save_reward_model(whole, tokenizer, args, label_type, evals, label_warnings)
+        summary = reward_plumbing.run_summary(whole, label_type, len(heldout_labels), evals, norms)
+        resumable.write_summary(args.run.output_dir, meta["run_name"], summary)  # the result, after the model
+        reward_plumbing.print_summary(console, args, summary)
     loop.finish()  # every process past the save; the gradient hooks and the tracker closed
     return {
         "eval_before": eval_before,

@@ -205,6 +205,8 @@ def main(args: Args) -> dict:
     devices.set_seed(args.seed + rank * 100003)
     generator = torch.Generator().manual_seed(args.seed + rank * 100003)
     loop = resumable.CheckpointedLoop(args, world, RESUME_IGNORED, accelerator, "step", sizes.steps)
+    if loop.finished is not None:  # a finished run is a result: its summary shown, every file kept as it is
+        return sft_plumbing.report_finished(console, args, loop.finished, accelerator)
 
     # 2. the model (dropout off: load_causal_lm zeroes every dropout probability, nplus N6), rank 0's weights
     # everywhere, AdamW, the gradients averaged over processes
@@ -309,6 +311,7 @@ def main(args: Args) -> dict:
     }
     if accelerator.is_main_process:
         sft_plumbing.save_model(model, tokenizer, args)
+        resumable.write_summary(args.run.output_dir, meta["run_name"], {**losses, "steps": sizes.steps})
         sft_plumbing.print_summary(console, args, losses)
     loop.finish()  # every process past the save; the gradient hooks and the tracker closed
     return {**losses, "steps": sizes.steps, "model": model}

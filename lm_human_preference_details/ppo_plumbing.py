@@ -1,7 +1,6 @@
 """The plumbing around train_policy.py's algorithm: input checks, the start-up table, tracking, the sample table,
 progress, checkpoints, the policy's save and its upload. Nothing here changes what a PPO update computes."""
 
-import contextlib
 import dataclasses
 import os
 import shlex
@@ -130,9 +129,6 @@ def start_tracker(
     if resumed is None and args.run.overwrite_output_dir and accelerator.is_main_process:
         # the previous run's critic, which a run without one would leave beside a policy it does not belong to
         shutil.rmtree(os.path.join(args.run.output_dir, CRITIC_DIR), ignore_errors=True)
-    if accelerator.is_main_process:  # a run that starts or continues makes the summary of its last end stale
-        with contextlib.suppress(FileNotFoundError):
-            os.remove(os.path.join(args.run.output_dir, SUMMARY_FILE))
     config = {**recorded(args), "world_size": settings["world_size"], "nupdates": nupdates}
     tracker, run_name = resumable.start_tracker(args.run, args.seed, accelerator, resumed, args.task_id, config)
     meta = {"settings": settings, "run_name": run_name, "wandb_id": tracker.wandb_id}
@@ -314,6 +310,15 @@ class DivergenceWatch:
             f"exit status {cli.DIVERGED_EXIT_CODE} (--allow_divergence: 0)."
         )
 
+    def state_dict(self) -> dict[str, Any]:
+        """What carries over to the next update: the counts in a row, the best pass rate, the first detection."""
+        return {"high_kl": self.high_kl, "no_pass": self.no_pass, "passed": self.passed, "diverged": self.diverged}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """The watch as a checkpoint saved it: a resumed run reports the divergence the run had before the kill."""
+        self.high_kl, self.no_pass, self.diverged = state["high_kl"], state["no_pass"], state["diverged"]
+        self.passed = tuple(state["passed"]) if state["passed"] is not None else None
+
 
 class PhaseTimer:
     """Time between marks without host syncs: CUDA events on GPU (read after the update's one sync), clock on CPU."""
@@ -443,6 +448,8 @@ class TrainingState:
     fsdp: bool = False
     """--fsdp: checkpoints hold `trained`'s weights and Adam state as every process's shards (`sharded`), not in
     state.pt, and resume on any number of processes"""
+    report: "RunReport | None" = None
+    """the run's report, whose divergence watch and summary carry over"""
 
     def restore(self, resumed: checkpoint.Resumed, accelerator: Accelerator, seed: int) -> None:
         """Weights, Adam moments and step, kl_coef, query position and every RNG as the checkpoint holds them (an
@@ -471,6 +478,8 @@ class TrainingState:
                 self.critic.load_state_dict(resumed.shared["critic"])
             self.optimizer.load_state_dict(resumed.shared["optimizer"])
         self.kl_ctl.value = resumed.shared["kl_coef"]
+        if self.report is not None:
+            self.report.load_state_dict(resumed.shared.get("report"))
         if self.fsdp and resumed.meta["world_size"] != accelerator.num_processes:
             self.restore_other_layout(resumed, accelerator, seed)
             return
@@ -599,6 +608,8 @@ def save_checkpoint(
                 "optimizer": checkpoint.to_host(state.optimizer.state_dict()),
             }
         shared = {**weights, "kl_coef": state.kl_ctl.value, "elapsed_time": time.time() - start_time}
+        if state.report is not None:
+            shared["report"] = state.report.state_dict(state.kl_ctl.value)
         snapshot = args.run.save_checkpoints and updates < nupdates
 
         def write_policies() -> None:
@@ -646,10 +657,6 @@ def progress_text(stats: dict[str, float]) -> str:
     return text
 
 
-SUMMARY_FILE = "summary.json"
-"""OUTPUT_DIR/summary.json: what the closing table shows, written when a run ends (removed when one starts)"""
-
-
 def run_summary(
     history: list[dict[str, float]], first_update: int, nupdates: int, kl_coef: float, diverged: dict | None
 ) -> dict:
@@ -669,12 +676,9 @@ def run_summary(
     }
 
 
-def write_summary(output_dir: str, summary: dict) -> None:
-    """OUTPUT_DIR/summary.json, atomically."""
-    files.write_json_atomic(os.path.join(output_dir, SUMMARY_FILE), summary)
-
-
-def print_summary(console, args: PolicyArgs, summary: dict, hub: str | None) -> None:
+def print_summary(
+    console, args: PolicyArgs, summary: dict, hub: str | None, title: str = "policy training done"
+) -> None:
     """The closing table: updates run, score and KL at this run's first and last update, kl_coef from its first
     update to after its last (a resumed run's start values are the resume point's), the divergence, where the outputs
     went."""
@@ -699,10 +703,10 @@ def print_summary(console, args: PolicyArgs, summary: dict, hub: str | None) -> 
         "policy, value head, tokenizer": args.run.output_dir,
         **({"critic": os.path.join(args.run.output_dir, CRITIC_DIR)} if args.ppo.value_model else {}),
         "TensorBoard": f"{args.run.output_dir}/tb",
-        "summary": os.path.join(args.run.output_dir, SUMMARY_FILE),
+        "summary": os.path.join(args.run.output_dir, resumable.SUMMARY_FILE),
         **({"hub": hub} if hub else {}),
     }
-    cli.print_table(console, "policy training done", table)
+    cli.print_table(console, title, table)
 
 
 class RunReport:
@@ -719,14 +723,31 @@ class RunReport:
         tokenizer: PreTrainedTokenizerBase,
         nupdates: int,
         first_update: int,
+        run_name: str,
     ):
         self.args, self.accelerator, self.console = args, accelerator, console
         self.tracker, self.tokenizer = tracker, tokenizer
-        self.nupdates, self.first_update = nupdates, first_update
+        self.nupdates, self.first_update, self.run_name = nupdates, first_update, run_name
         self.progress, self.bar = progress_bar(console, accelerator, nupdates, first_update)
         self.pass_rate_alarm = PassRateAlarm(args.run.filter_warning_rate, args.run.log_interval)
         self.divergence = DivergenceWatch(args)  # detection only: reads the reduced statistics
         self.history: list[dict[str, float]] = []
+        self.summary: dict | None = None  # the run's summary once its last update is in (or its checkpoint's)
+
+    def state_dict(self, kl_coef: float) -> dict[str, Any]:
+        """What a checkpoint keeps of the report: the divergence watch, and after the last update the summary that
+        summary.json gets (a kill before that file is written leaves it in the last checkpoint)."""
+        if self.history and self.first_update + len(self.history) == self.nupdates:
+            self.summary = run_summary(
+                self.history, self.first_update, self.nupdates, kl_coef, self.divergence.diverged
+            )
+        return {"divergence": self.divergence.state_dict(), "summary": self.summary}
+
+    def load_state_dict(self, state: dict[str, Any] | None) -> None:
+        """The report as a checkpoint kept it (None: a checkpoint written before reports were kept)."""
+        if state is not None:
+            self.divergence.load_state_dict(state["divergence"])
+            self.summary = state["summary"]
 
     def __enter__(self) -> "RunReport":
         self.progress.__enter__()
@@ -756,20 +777,41 @@ class RunReport:
     def finish(self, kl_coef: float) -> list[dict[str, float]]:
         """OUTPUT_DIR/summary.json and the closing table, the upload with --push_to_hub; cli.Stopped with the
         divergence's exit status when the run diverged (unless --allow_divergence); -> the history."""
-        args, diverged = self.args, self.divergence.diverged
-        failed = diverged is not None and not args.run.allow_divergence
-        if self.accelerator.is_main_process and self.history:
-            summary = run_summary(self.history, self.first_update, self.nupdates, kl_coef, diverged)
-            write_summary(args.run.output_dir, summary)
+        args = self.args
+        if self.history:
+            self.summary = run_summary(
+                self.history, self.first_update, self.nupdates, kl_coef, self.divergence.diverged
+            )
+        if self.summary is None:  # a run that trained nothing and whose checkpoint keeps no summary
+            return self.history
+        failed = self.summary["diverged"] is not None and not args.run.allow_divergence
+        if self.accelerator.is_main_process:
+            resumable.write_summary(args.run.output_dir, self.run_name, self.summary)
             hub = None
             if args.run.push_to_hub:  # a diverged policy is not published
                 hub = "not uploaded: the run diverged" if failed else push_to_hub(args)
-            print_summary(self.console, args, summary, hub)
-        if failed:
-            message = (
-                f"the run diverged at update {diverged['update']} (see the line then and "
-                f"{args.run.output_dir}/summary.json); its policy and checkpoints are saved, from the diverged run. "
-                "Lower the flag it names and train again, or pass --allow_divergence to end with status 0."
-            )
-            raise cli.Stopped(message if self.accelerator.is_main_process else "", cli.DIVERGED_EXIT_CODE)
+            print_summary(self.console, args, self.summary, hub)
+        stop_if_diverged(args, self.summary, self.accelerator.is_main_process)
         return self.history
+
+
+def stop_if_diverged(args: PolicyArgs, summary: dict, main_process: bool) -> None:
+    """cli.Stopped with the divergence's exit status when the run `summary` tells diverged (unless
+    --allow_divergence)."""
+    diverged = summary["diverged"]
+    if diverged is not None and not args.run.allow_divergence:
+        message = (
+            f"the run diverged at update {diverged['update']} (see the line then and "
+            f"{args.run.output_dir}/{resumable.SUMMARY_FILE}); its policy and checkpoints are saved, from the diverged "
+            "run. Lower the flag it names and train again, or pass --allow_divergence to end with status 0."
+        )
+        raise cli.Stopped(message if main_process else "", cli.DIVERGED_EXIT_CODE)
+
+
+def report_finished(console, args: PolicyArgs, summary: dict, accelerator: Accelerator) -> list:
+    """A finished run, rerun: its closing table from summary.json, every file kept as it is, and the exit status it
+    ended with; -> main's empty history (nothing trained)."""
+    if accelerator.is_main_process:
+        print_summary(console, args, summary, None, "policy training already finished: kept as it is")
+    stop_if_diverged(args, summary, accelerator.is_main_process)
+    return []

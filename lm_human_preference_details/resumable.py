@@ -7,6 +7,9 @@ import contextlib
 import functools
 import json
 import os
+import shutil
+import signal
+import threading
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, TypeVar
 
@@ -20,12 +23,19 @@ from lm_human_preference_details.checkpoint import (
     CheckpointDamaged,
     Resumed,
     damaged_message,
+    list_checkpoints,
     load_training_state,
     newest_intact_checkpoint,
     state_dir,
     step_dir,
 )
-from lm_human_preference_details.output_claim import claim_output_dir, clear_previous_run, release_output_dir_locks
+from lm_human_preference_details.files import SAVING_MARKER, write_json_atomic
+from lm_human_preference_details.output_claim import (
+    MODEL_MARKERS,
+    claim_output_dir,
+    clear_previous_run,
+    release_output_dir_locks,
+)
 from lm_human_preference_details.settings import RunSettings, recorded
 from lm_human_preference_details.tracking import Tracker, run_name
 
@@ -46,7 +56,22 @@ RESUME_IGNORED = (
     # checkpoints written before truncate_text record the id alone)
     "task.truncate_text",
 )
-"""settings of both scripts that may change on --resume: naming, logging, saving and waiting, not what is computed"""
+"""settings of the training scripts that may change on --resume: naming, logging, saving and waiting, not what is
+computed"""
+HELD_BY_THE_CHECKPOINT = (
+    "base_model",
+    "lora.rank",
+    "lora.alpha",
+    "lora.target_modules",
+    "ppo.value_model",
+    "world_size",
+)
+"""settings that the checkpoint's weights and states were made for (the model and its reference, the LoRA adapters,
+a critic, one RNG state per process): no --allow_resume_changes lets one of them change (an --fsdp checkpoint, whose
+shards load on any number of processes, lets world_size change)"""
+SUMMARY_FILE = "summary.json"
+"""OUTPUT_DIR/summary.json: a finished run's result, what its closing table showed, written after its last save; its
+run_name ties it to the run's checkpoints"""
 T = TypeVar("T")
 
 
@@ -83,22 +108,43 @@ def check_resume_settings(
     ignored: Sequence[str],
     allow: bool,
     defaults: dict[str, Any] | None = None,
+    total: int | None = None,
 ) -> str | None:
     """ValueError listing the settings that differ from the checkpoint's, unless `allow`; -> the list (None: none).
     A setting newer than the checkpoint passes when the run leaves it at its value in `defaults` (what the code that
-    wrote the checkpoint did)."""
+    wrote the checkpoint did). `allow` never lets through a setting HELD_BY_THE_CHECKPOINT, nor any change to a
+    checkpoint of the run's last step (`total`: a finished run is a result, kept as it is)."""
     current, defaults = json.loads(json.dumps(current)), json.loads(json.dumps(defaults or {}))
     differences = setting_differences(resumed.meta["settings"], current, ignored, defaults)
     if not differences:
         return None
     listed = "; ".join(f"{name}: checkpoint {old!r}, now {new!r}" for name, (old, new) in differences.items())
+    new_run = "or another --output_dir for a new run with these settings"
+    if resumed.step == total:
+        raise ValueError(
+            f"the run of checkpoint '{resumed.path}' finished its {total} steps with other settings: {listed}. A "
+            "finished run is kept as it is, --allow_resume_changes or not: pass its settings to see its result, "
+            f"{new_run} (or --overwrite_output_dir to replace it)."
+        )
+    held = [name for name in differences if name in HELD_BY_THE_CHECKPOINT]
+    if held:
+        raise ValueError(
+            f"checkpoint '{resumed.path}' holds weights and states made for other settings: {listed}. "
+            f"{', '.join(map(flag_of, held))} cannot change on --resume, --allow_resume_changes or not: pass the "
+            f"checkpoint's settings (see {os.path.join(resumed.path, META_FILE)}), {new_run}."
+        )
     if not allow:
         raise ValueError(
             f"checkpoint '{resumed.path}' was written with other settings, so the run would not continue as it "
-            f"started: {listed}. Pass the checkpoint's settings (see {os.path.join(resumed.path, META_FILE)}), or "
-            "--allow_resume_changes to continue anyway."
+            f"started: {listed}. Pass the checkpoint's settings (see {os.path.join(resumed.path, META_FILE)}), "
+            f"--allow_resume_changes to continue anyway, {new_run}."
         )
     return listed
+
+
+def flag_of(setting: str) -> str:
+    """How a user sets `setting`: its flag, or for world_size the number of processes."""
+    return "the number of processes" if setting == "world_size" else f"--{setting}"
 
 
 def resume_ignored(run: RunSettings, ignored: Sequence[str]) -> tuple[str, ...]:
@@ -170,12 +216,13 @@ def start_or_resume(
     defaults: dict[str, Any],
     ignored: Sequence[str],
     accelerator: Any,
-    total: str,
+    total: int,
+    unit: str = "step",
 ) -> Resumed | None:
     """Take --output_dir for this run (its lock, held until `main` ends: see `one_run_per_output_dir`), then the
     checkpoint that --resume names, its settings checked against `settings` (printed when --allow_resume_changes
     lets differences pass; a setting the checkpoint predates passes at its value in `defaults`), or None for a fresh
-    start; `total`: how far the run goes.
+    start; `total`: how many `unit`s the run goes.
 
     Process 0 chooses (every process then resumes the same step, or none does); each process then reads it. A
     checkpoint that turns out damaged while it loads stops the run (--resume PATH), or is moved aside for the newest
@@ -198,11 +245,53 @@ def start_or_resume(
             if run.resume != "auto":
                 raise ValueError(_decided_by_main_process(accelerator, lambda d=damage: damaged_message(d))) from None
             path = _decided_by_main_process(accelerator, lambda d=damage: newest_intact_checkpoint(run.output_dir, d))
-    changes = check_resume_settings(resumed, settings, ignored, run.allow_resume_changes, defaults)
+    changes = check_resume_settings(resumed, settings, ignored, run.allow_resume_changes, defaults, total)
     if changes:
         accelerator.print(f"warning: --allow_resume_changes: the checkpoint's settings differ: {changes}")
-    accelerator.print(f"resuming from {resumed.path} after {resumed.step} of {total}")
+    check_not_behind_a_finished_run(run.output_dir, resumed, total, unit)
+    accelerator.print(f"resuming from {resumed.path} after {resumed.step} of {total} {unit}s")
     return resumed
+
+
+# ---------------------------------------------------------------- a finished run is a result
+
+
+def write_summary(output_dir: str, run_name: str, summary: dict[str, Any]) -> None:
+    """OUTPUT_DIR/summary.json, atomically: a run's result after its last save, tied to the run by its name."""
+    write_json_atomic(os.path.join(output_dir, SUMMARY_FILE), {"run_name": run_name, **summary})
+
+
+def read_summary(output_dir: str) -> dict[str, Any] | None:
+    """OUTPUT_DIR/summary.json, or None when there is none (or it cannot be read: a cut write is never whole)."""
+    try:
+        with open(os.path.join(output_dir, SUMMARY_FILE), encoding="utf-8") as f:
+            summary = json.load(f)
+    except (OSError, ValueError):
+        return None
+    return summary if isinstance(summary, dict) else None
+
+
+def finished_summary(output_dir: str, resumed: Resumed | None, total: int) -> dict[str, Any] | None:
+    """The summary of the run that checkpoint `resumed` belongs to, when that run finished: the checkpoint is its last
+    step, its final save is whole (no interrupted save in OUTPUT_DIR) and summary.json names the run; else None (steps
+    to go, or a final save that a kill cut short: the run completes it)."""
+    if resumed is None or resumed.step != total or os.path.exists(os.path.join(output_dir, SAVING_MARKER)):
+        return None
+    summary = read_summary(output_dir)
+    return summary if summary is not None and summary.get("run_name") == resumed.meta.get("run_name") else None
+
+
+def check_not_behind_a_finished_run(output_dir: str, resumed: Resumed, total: int, unit: str) -> None:
+    """ValueError when `resumed` is an earlier checkpoint of a run that finished in `output_dir`: continuing from it
+    would overwrite the finished run's checkpoints, model and summary."""
+    summary = read_summary(output_dir)
+    if resumed.step < total and summary is not None and summary.get("run_name") == resumed.meta.get("run_name"):
+        raise ValueError(
+            f"--resume '{resumed.path}' is checkpoint {resumed.step} of a run that finished its {total} {unit}s in "
+            f"'{output_dir}' ({SUMMARY_FILE}); continuing from it there would overwrite that result: pass another "
+            "--output_dir with this --resume to continue from it in a new directory, or --resume auto to see the "
+            "finished run."
+        )
 
 
 # ---------------------------------------------------------------- the loop, and its tracker
@@ -210,16 +299,39 @@ def start_or_resume(
 
 def one_run_per_output_dir(main: Callable[..., T]) -> Callable[..., T]:
     """Decorate a script's `main`: the output-directory lock that `start_or_resume` takes is released when `main`
-    returns or raises (a process that calls `main` again, a test or a notebook, can then take it again)."""
+    returns or raises (a process that calls `main` again, a test or a notebook, can then take it again), and so are
+    its loops (their signal handlers; a failed start's files)."""
 
     @functools.wraps(main)
     def locked_main(*args, **kwargs) -> T:
+        failed = True
         try:
-            return main(*args, **kwargs)
+            result = main(*args, **kwargs)
+            failed = False
+            return result
         finally:
+            while _active_loops:
+                _active_loops.pop().release(failed)
             release_output_dir_locks()
 
     return locked_main
+
+
+_active_loops: list["CheckpointedLoop"] = []
+"""the loops of the `main` running in this process, released when it ends (`one_run_per_output_dir`)"""
+
+
+def _stop_outside_the_loop(loop: "CheckpointedLoop") -> dict[int, Any]:
+    """Until the loop's `saving` block (and again after it), SIGINT and SIGTERM stop the run at once with a line saying
+    what is on disk (`CheckpointedLoop.outside_the_loop`); -> the handlers they had before (none off the main thread,
+    where signals cannot be caught)."""
+    if threading.current_thread() is not threading.main_thread():
+        return {}
+
+    def stop(signum: int, frame: Any) -> None:
+        raise loop.outside_the_loop(signum)
+
+    return {signum: signal.signal(signum, stop) for signum in cli.StopSignal.SIGNALS}
 
 
 class CheckpointedLoop:
@@ -247,12 +359,23 @@ class CheckpointedLoop:
         ignored = resume_ignored(run, ignored)
         # the checkpoint this run continues from (None: a fresh start) and the first step it takes
         defaults = recorded(type(args)())
-        self.resumed = start_or_resume(run, self.settings, defaults, ignored, accelerator, f"{total} {unit}s")
+        self.resumed = start_or_resume(run, self.settings, defaults, ignored, accelerator, total, unit)
         self.first_step = self.resumed.step if self.resumed is not None else 0
+        # a finished run's result (summary.json): the script reports it and keeps every file as it is
+        self.finished = finished_summary(run.output_dir, self.resumed, total)
         self.saves = BackgroundSaves()
         self.stop = cli.StopSignal(unit, run.output_dir, accelerator.is_main_process, run.dist_timeout)
         self._save: Callable[[int], None] = lambda steps: None
         self._close: tuple[Callable[[], None], ...] = ()
+        self._saved = False
+        # what this start creates before anything is saved: gone again if it fails (a start that saved nothing
+        # leaves nothing that blocks its own rerun)
+        fresh = self.resumed is None and accelerator.is_main_process
+        self._created = [
+            d for d in (os.path.join(run.output_dir, n) for n in ("tb", "wandb")) if fresh and not os.path.exists(d)
+        ]
+        self._signals = _stop_outside_the_loop(self)
+        _active_loops.append(self)
 
     @contextlib.contextmanager
     def saving(self, save: Callable[[int], None], *close: Callable[[], None]) -> Iterator["CheckpointedLoop"]:
@@ -270,6 +393,7 @@ class CheckpointedLoop:
         last = steps == self.total
         if last or stopping or (self.save_interval and steps % self.save_interval == 0):
             self._save(steps)
+            self._saved = True
         if stopping and not last:
             self.saves.wait()  # the checkpoint the message names is on disk before the run stops
             for close in self._close:
@@ -287,6 +411,35 @@ class CheckpointedLoop:
         self.accelerator.wait_for_everyone()
         for close in self._close:
             close()
+
+    def outside_the_loop(self, signum: int) -> cli.Stopped:
+        """The stop of a signal that arrives before the loop's first step or after its last one, when no step can
+        finish with a checkpoint: what is on disk, and how to go on."""
+        name = signal.Signals(signum).name
+        if self._saved or self.resumed is not None:
+            message = (
+                f"stopped by {name} before the run finished: its last checkpoint is on disk in "
+                f"{state_dir(self.output_dir)}; the same command with --resume auto continues it"
+            )
+        else:
+            message = (
+                f"stopped by {name} before the first {self.unit}: nothing of this run was saved; run the same command "
+                "again"
+            )
+        return cli.Stopped(message if self.accelerator.is_main_process else "", 128 + signum)
+
+    def release(self, failed: bool) -> None:
+        """When `main` ends: the signals back to their handlers before the run; after a failed start that saved
+        nothing, what it created removed."""
+        for signum, handler in self._signals.items():
+            signal.signal(signum, handler)
+        self._signals = {}
+        saved = list_checkpoints(self.output_dir) or any(
+            os.path.exists(os.path.join(self.output_dir, name)) for name in MODEL_MARKERS
+        )
+        if failed and not saved:
+            for directory in self._created:
+                shutil.rmtree(directory, ignore_errors=True)
 
 
 def start_tracker(

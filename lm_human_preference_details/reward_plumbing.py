@@ -3,6 +3,7 @@ checkpoints and the reward model's save. Nothing here changes what a training st
 
 import dataclasses
 import functools
+import os
 
 import torch
 from accelerate import Accelerator
@@ -257,22 +258,45 @@ def save_reward_model(
     validation.save_atomically(args.run.output_dir, write)
 
 
-def print_summary(
-    console, args: RewardArgs, reward_model: RewardModel, label_type: LabelType, heldout: int, evals
-) -> None:
-    """The closing table: held-out rows and figure before -> after training, gain and bias, where the outputs went."""
+def run_summary(reward_model: RewardModel, label_type: LabelType, heldout: int, evals, norms: dict) -> dict:
+    """What a finished reward run shows and summary.json keeps: held-out rows and figures before and after training,
+    the normalizations, gain and bias."""
     eval_before, eval_after = evals
-    held_out = "accuracy" if label_type.label_field == "best" else "loss"
+    return {
+        "label_type": label_type.name,
+        "heldout_rows": heldout,
+        "eval_before": eval_before,
+        "eval_after": eval_after,
+        "normalization": norms,
+        "gain": reward_model.gain.item(),
+        "bias": reward_model.bias.item(),
+    }
+
+
+def print_summary(console, args: RewardArgs, summary: dict, title: str = "reward training done") -> None:
+    """The closing table: held-out rows and figure before -> after training, gain and bias, where the outputs went."""
+    eval_before, eval_after = summary["eval_before"], summary["eval_after"]
+    held_out = "accuracy" if get_label_type(summary["label_type"]).label_field == "best" else "loss"
     cli.print_table(
         console,
-        "reward training done",
+        title,
         {
-            "held-out rows": heldout,
+            "held-out rows": summary["heldout_rows"],
             f"held-out {held_out}": f"{cli.number(eval_before[held_out])} -> {cli.number(eval_after[held_out])}"
             if eval_after
             else "-",
-            "gain, bias": f"{cli.number(reward_model.gain.item(), 4)}, {cli.number(reward_model.bias.item(), 4)}",
+            "gain, bias": f"{cli.number(summary['gain'], 4)}, {cli.number(summary['bias'], 4)}",
             "reward model, tokenizer": args.run.output_dir,
             "TensorBoard": f"{args.run.output_dir}/tb",
+            "summary": os.path.join(args.run.output_dir, resumable.SUMMARY_FILE),
         },
     )
+
+
+def report_finished(console, args: RewardArgs, summary: dict, accelerator: Accelerator) -> dict:
+    """A finished run, rerun: its closing table from summary.json, every file kept as it is; -> main's figures (no
+    model: nothing was loaded)."""
+    if accelerator.is_main_process:
+        print_summary(console, args, summary, "reward training already finished: kept as it is")
+    keys = ("eval_before", "eval_after", "normalization", "gain", "bias")
+    return {**{key: summary[key] for key in keys}, "label_indices": None, "model": None}

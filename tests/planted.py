@@ -1,6 +1,7 @@
 """Small offline worlds for end-to-end tests: a query corpus and label files with a planted preference."""
 
 import dataclasses
+import hashlib
 import json
 import os
 import random
@@ -139,3 +140,13 @@ def write_policy_planted_labels(
     ]
     path.write_text(json.dumps(rows))
     return path
+
+
+def file_digests(directory: Path) -> dict[str, str]:
+    """Every file below `directory` (relative path -> SHA-256 of its bytes): what a run left, to compare byte for
+    byte."""
+    return {
+        str(path.relative_to(directory)): hashlib.sha256(path.read_bytes()).hexdigest()
+        for path in sorted(Path(directory).rglob("*"))
+        if path.is_file()
+    }

@@ -31,13 +31,13 @@ def resume_args(output_dir, resume: str | None) -> RunSettings:
 
 def test_resume_auto_without_a_checkpoint_says_the_run_starts_fresh(tmp_path):
     accelerator = OneProcess()
-    assert resumable.start_or_resume(resume_args(tmp_path / "mistyped", "auto"), {}, {}, (), accelerator, "4") is None
+    assert resumable.start_or_resume(resume_args(tmp_path / "mistyped", "auto"), {}, {}, (), accelerator, 4) is None
     assert len(accelerator.printed) == 1
     assert re.search(r"--resume auto found no checkpoint in '.*mistyped/training_state': the run starts fresh \(check "
                      r"--output_dir", accelerator.printed[0])  # fmt: skip
     fake_checkpoint(tmp_path / "run", 2, 1)
-    resumed = resumable.start_or_resume(resume_args(tmp_path / "run", "auto"), {}, {}, (), accelerator, "4 updates")
+    resumed = resumable.start_or_resume(resume_args(tmp_path / "run", "auto"), {}, {}, (), accelerator, 4, "update")
     assert resumed.step == 2 and accelerator.printed[-1].startswith("resuming from")
     quiet = OneProcess()
-    assert resumable.start_or_resume(resume_args(tmp_path / "new", None), {}, {}, (), quiet, "4") is None
+    assert resumable.start_or_resume(resume_args(tmp_path / "new", None), {}, {}, (), quiet, 4) is None
     assert quiet.printed == []  # a fresh run that asked for none: nothing to say

@@ -249,6 +249,7 @@ def test_resume_with_changed_settings_lists_them_and_override_continues(finished
     run_dir = tmp_path / "run"
     shutil.copytree(output_dir, run_dir)
     shutil.rmtree(checkpoint.step_dir(str(run_dir), 2))
+    (run_dir / "summary.json").unlink()  # as a kill after update 0 leaves the run: no summary yet
     changed = [*flags[:-2], "--output_dir", str(run_dir), "--resume", "auto", "--ppo.lr", "2e-3", "--seed", "7"]
     changed += ["--dist_timeout", "900", "--filter_warning_rate", "0.5"]  # these do not change what is computed
     with pytest.raises(ValueError, match="other settings") as stop:
@@ -268,6 +269,7 @@ def test_checkpoint_older_than_a_setting_resumes_while_the_run_leaves_it_at_its_
     run_dir = tmp_path / "run"
     shutil.copytree(output_dir, run_dir)
     shutil.rmtree(checkpoint.step_dir(str(run_dir), 2))
+    (run_dir / "summary.json").unlink()  # as a kill after update 0 leaves the run: no summary yet
     meta_path = os.path.join(checkpoint.step_dir(str(run_dir), 1), checkpoint.META_FILE)
     with open(meta_path) as f:
         meta = json.load(f)

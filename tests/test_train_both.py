@@ -13,7 +13,7 @@ from demo import sft_data
 from demo import world as demo_world
 from lm_human_preference_details import checkpoint, files
 from lm_human_preference_details.settings import recorded, with_run
-from tests.planted import run_script, write_policy_planted_labels
+from tests.planted import file_digests, run_script, write_policy_planted_labels
 from tests.test_resume import (
     max_metric_difference,
     max_weight_difference,
@@ -116,6 +116,18 @@ def test_pipeline_runs_on_the_demo_world_and_resumes_after_a_kill(tmp_path, tiny
     reward_meta = json.loads((whole / "reward_model" / "reward_model.json").read_text())
     assert reward_meta["task"]["response_length"] == 8 and reward_meta["num_train"] == 32
     assert checkpoint.list_checkpoints(str(whole / "policy"))[-1][0] == 4
+    # the same command again: a finished pipeline is reported and kept, every file (policy/summary.json too)
+    finished = file_digests(whole)
+    capsys.readouterr()
+    train_both.main(train_both.parse(pipeline_flags(tiny_model_dir, pipeline_world, whole)))
+    assert "policy training already finished: kept as it is" in capsys.readouterr().out
+    assert file_digests(whole) == finished
+    # another seed is another run: no --allow_resume_changes relabels the finished one
+    other_seed = [*pipeline_flags(tiny_model_dir, pipeline_world, whole), "--seed", "2", "--allow_resume_changes"]
+    with pytest.raises(ValueError, match="finished its 4 steps with other settings: seed: checkpoint 1, now 2") as stop:
+        train_both.main(train_both.parse(other_seed))
+    assert "another --output_dir" in str(stop.value)
+    assert file_digests(whole) == finished
 
     # SIGKILL during the policy stage (its first checkpoint on disk), then the same command
     killed = tmp_path / "killed"

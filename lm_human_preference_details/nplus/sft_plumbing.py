@@ -169,7 +169,9 @@ def save_model(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, args:
     validation.save_atomically(args.run.output_dir, write)
 
 
-def print_summary(console, args: SftArgs, losses: dict[str, float | None]) -> None:
+def print_summary(
+    console, args: SftArgs, losses: dict[str, float | None], title: str = "supervised fine-tuning done"
+) -> None:
     """The closing table: training loss first -> last step, eval loss before -> after, where the outputs went."""
 
     def change(first: float | None, last: float | None) -> str:
@@ -177,11 +179,21 @@ def print_summary(console, args: SftArgs, losses: dict[str, float | None]) -> No
 
     cli.print_table(
         console,
-        "supervised fine-tuning done",
+        title,
         {
             "train loss (first -> last step)": change(losses["train_first"], losses["train_last"]),
             "eval loss (before -> after)": change(losses["eval_before"], losses["eval_after"]),
             "model, tokenizer": args.run.output_dir,
             "TensorBoard": f"{args.run.output_dir}/tb",
+            "summary": os.path.join(args.run.output_dir, resumable.SUMMARY_FILE),
         },
     )
+
+
+def report_finished(console, args: SftArgs, summary: dict, accelerator: Accelerator) -> dict:
+    """A finished run, rerun: its closing table from summary.json, every file kept as it is; -> main's figures (no
+    model: nothing was loaded)."""
+    if accelerator.is_main_process:
+        print_summary(console, args, summary, "supervised fine-tuning already finished: kept as it is")
+    keys = ("train_first", "train_last", "eval_before", "eval_after", "steps")
+    return {**{key: summary[key] for key in keys}, "model": None}
