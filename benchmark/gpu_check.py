@@ -15,6 +15,9 @@ as such and the others still run:
 - fp32, tf32, tf32 + compile_sampler, bf16: the real `train_policy.main` (benchmark/policy_throughput.py's setup) with
   those flags: seconds per PPO update, response tokens/s (OAI's `elapsed/fps`), peak memory, syncs per update (the
   CUDA runtime's sync debug mode on a GPU, `HostSyncCounter` on CPU), every logged statistic finite;
+- fused: the same with the opt-in speed flags --fused_adam --fused_checks;
+- profile: one PPO update under torch.profiler: the matrix multiplies' share of the device time and the top kernels,
+  printed as a table (on CPU: the operators' host time);
 - resume: train_policy.py run whole, then run again, SIGKILLed after its checkpoint 2 and resumed with `--resume
   auto`: its logged scalars and final weights must equal the uninterrupted run's.
 
@@ -49,14 +52,25 @@ from rich.table import Table
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
-StepName = Literal["environment", "decoding", "fp32", "tf32", "tf32_compile", "bf16", "resume"]
-STEPS: tuple[StepName, ...] = ("environment", "decoding", "fp32", "tf32", "tf32_compile", "bf16", "resume")
+StepName = Literal["environment", "decoding", "fp32", "tf32", "tf32_compile", "bf16", "fused", "profile", "resume"]
+STEPS: tuple[StepName, ...] = (
+    "environment",
+    "decoding",
+    "fp32",
+    "tf32",
+    "tf32_compile",
+    "bf16",
+    "fused",
+    "profile",
+    "resume",
+)
 
 FLAG_SETS: dict[str, tuple[str, ...]] = {
     "fp32": (),
     "tf32": ("--tf32",),
     "tf32_compile": ("--tf32", "--compile_sampler"),
     "bf16": ("--bf16",),
+    "fused": ("--fused_adam", "--fused_checks"),
 }
 """the PPO steps: train_policy.py flags of each"""
 
@@ -64,6 +78,7 @@ STEP_TITLES = {
     "environment": "environment",
     "decoding": "decoding: compiled = eager",
     **{name: "PPO " + (" ".join(flags) or "fp32") for name, flags in FLAG_SETS.items()},
+    "profile": "profile: one PPO update",
     "resume": "kill + --resume auto = whole",
 }
 
@@ -74,6 +89,8 @@ STEP_LIMITS_S = {
     "tf32": 90,
     "tf32_compile": 150,
     "bf16": 90,
+    "fused": 90,
+    "profile": 90,
     "resume": 180,
 }
 """each step's time limit in seconds (on a GPU; the overall --budget caps them)"""
@@ -411,7 +428,8 @@ def ppo_step(plan: Plan, work_dir: str, name: str) -> tuple[dict, str]:
     )
     run_dir = os.path.join(work_dir, f"ppo-{name}")
     args = policy_throughput.policy_args(bench, run_dir, policy_dir, reward_dir, corpus)
-    args = settings.with_run(args, overwrite_output_dir=True)
+    fused = {"fused_adam": "--fused_adam" in flags, "fused_checks": "--fused_checks" in flags}
+    args = settings.with_run(args, overwrite_output_dir=True, **fused)
     counter, counted_by = sync_counter(plan.device, flags)
     memory = PeakMemory(plan.device)
     probe = policy_throughput.UpdateProbe(plan.device, True, counter)
@@ -439,6 +457,70 @@ def ppo_step(plan: Plan, work_dir: str, name: str) -> tuple[dict, str]:
         raise CheckFailed(f"{len(history)} updates logged; statistics not finite: {bad[:5]}", figures)
     phases = ", ".join(f"{phase} {figures[f'{phase}_s']:.2f}" for phase in PHASES)
     return figures, f"s per phase: {phases}"
+
+
+MATMUL_NAMES = ("gemm", "mm", "matmul", "xmma", "cutlass")
+"""parts of the names of matrix-multiply kernels (cuBLAS, CUTLASS) and operators (aten::mm, addmm, bmm)"""
+
+
+def profile_step(plan: Plan, work_dir: str) -> tuple[dict, str]:
+    """One PPO update of the real train_policy.main (fp32, OAI's flags) under torch.profiler: the share of the device
+    time (on CPU: of the operators' own host time) spent in matrix multiplies, and the top kernels."""
+    from torch.profiler import ProfilerActivity, profile
+
+    import train_policy
+    from benchmark import policy_throughput
+    from lm_human_preference_details import settings
+
+    policy_dir, reward_dir, corpus = prepared_inputs(work_dir, plan.model)
+    bench = policy_throughput.Args(
+        model=plan.model,
+        updates=1,
+        warmup=0,
+        batch=plan.batch,
+        query_length=plan.query_length,
+        response_length=plan.response_length,
+        noptepochs=plan.noptepochs,
+        count_syncs=False,
+    )
+    args = policy_throughput.policy_args(bench, os.path.join(work_dir, "ppo-profile"), policy_dir, reward_dir, corpus)
+    args = settings.with_run(args, overwrite_output_dir=True)
+    on_gpu = plan.device == "cuda"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_gpu else [])
+    with torch_precision_restored(), profile(activities=activities) as profiler:
+        train_policy.main(args)
+    events = profiler.key_averages()
+    if on_gpu:  # the kernels: events with device time of their own
+        times = {e.key: e.self_device_time_total for e in events if e.self_device_time_total > 0}
+    else:  # the operators' own host time (aten::*)
+        times = {e.key: e.self_cpu_time_total for e in events if e.key.startswith("aten::")}
+    total = sum(times.values())
+    matmul = sum(t for name, t in times.items() if any(part in name.lower() for part in MATMUL_NAMES))
+    top = sorted(times.items(), key=lambda item: -item[1])[:10]
+    figures = {
+        "measured": "device time of each kernel" if on_gpu else "host time of each operator (CPU)",
+        "total_ms": total / 1e3,
+        "matmul_share": matmul / total if total else float("nan"),
+        "top_kernels": [{"name": name[:70], "ms": t / 1e3, "share": t / total} for name, t in top],
+    }
+    if not total or not math.isfinite(figures["matmul_share"]):
+        raise CheckFailed("the profiler recorded no time", figures)
+    return figures, f"matrix multiplies {figures['matmul_share']:.0%} of {figures['measured']}"
+
+
+def print_profile(console: Console, report: dict) -> None:
+    """The profile step's top kernels, as a table of their own."""
+    for row in report["steps"]:
+        if row["step"] != "profile" or "top_kernels" not in row["figures"]:
+            continue
+        figures = row["figures"]
+        title = f"one PPO update, {figures['measured']}: matrix multiplies {figures['matmul_share']:.1%} of the total"
+        table = Table(title=title, title_justify="left")
+        for column in ("kernel", "ms", "share"):
+            table.add_column(column, justify="left" if column == "kernel" else "right")
+        for kernel in figures["top_kernels"]:
+            table.add_row(kernel["name"], f"{kernel['ms']:.1f}", f"{kernel['share']:.1%}")
+        console.print(table)
 
 
 def resume_step(plan: Plan, work_dir: str) -> tuple[dict, str]:
@@ -498,7 +580,8 @@ def run_step(name: str, plan: Plan, work_dir: str):
     """The step `name`'s function applied to the plan."""
     if name in FLAG_SETS:
         return ppo_step(plan, work_dir, name)
-    return {"environment": environment_step, "decoding": decoding_step, "resume": resume_step}[name](plan, work_dir)
+    steps = {"environment": environment_step, "decoding": decoding_step, "profile": profile_step, "resume": resume_step}
+    return steps[name](plan, work_dir)
 
 
 # ---------------------------------------------------------------------------------------------------- worker
@@ -668,6 +751,7 @@ def check(args: Args, work_dir: str) -> dict:
         "steps": rows,
     }
     print_table(console, report)
+    print_profile(console, report)
     if args.json:
         write_json(args.json, report)
         console.print(f"results written to {args.json}", markup=False)
