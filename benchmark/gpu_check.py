@@ -16,6 +16,9 @@ as such and the others still run:
   those flags: seconds per PPO update, response tokens/s (OAI's `elapsed/fps`), peak memory, syncs per update (the
   CUDA runtime's sync debug mode on a GPU, `HostSyncCounter` on CPU), every logged statistic finite;
 - fused: the same with the opt-in speed flags --fused_adam --fused_checks;
+- successor: the same with the successor recipe's rollout: responses that end at EOS, a critic of its own (from the
+  reward model), the k3 KL estimator;
+- sft: train_sft.py, 2 steps of the successor recipe's supervised stage on the policy's shape;
 - profile: one PPO update under torch.profiler: the matrix multiplies' share of the device time and the top kernels,
   printed as a table (on CPU: the operators' host time);
 - resume: train_policy.py run whole, then run again, SIGKILLed after its checkpoint 2 and resumed with `--resume
@@ -52,7 +55,9 @@ from rich.table import Table
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
-StepName = Literal["environment", "decoding", "fp32", "tf32", "tf32_compile", "bf16", "fused", "profile", "resume"]
+StepName = Literal[
+    "environment", "decoding", "fp32", "tf32", "tf32_compile", "bf16", "fused", "successor", "sft", "profile", "resume"
+]
 STEPS: tuple[StepName, ...] = (
     "environment",
     "decoding",
@@ -61,6 +66,8 @@ STEPS: tuple[StepName, ...] = (
     "tf32_compile",
     "bf16",
     "fused",
+    "successor",
+    "sft",
     "profile",
     "resume",
 )
@@ -71,6 +78,7 @@ FLAG_SETS: dict[str, tuple[str, ...]] = {
     "tf32_compile": ("--tf32", "--compile_sampler"),
     "bf16": ("--bf16",),
     "fused": ("--fused_adam", "--fused_checks"),
+    "successor": ("--task.end_at_eos", "--rewards.kl_estimator k3", "--ppo.value_model reward"),
 }
 """the PPO steps: train_policy.py flags of each"""
 
@@ -78,6 +86,7 @@ STEP_TITLES = {
     "environment": "environment",
     "decoding": "decoding: compiled = eager",
     **{name: "PPO " + (" ".join(flags) or "fp32") for name, flags in FLAG_SETS.items()},
+    "sft": "train_sft.py",
     "profile": "profile: one PPO update",
     "resume": "kill + --resume auto = whole",
 }
@@ -90,6 +99,8 @@ STEP_LIMITS_S = {
     "tf32_compile": 150,
     "bf16": 90,
     "fused": 90,
+    "successor": 90,
+    "sft": 60,
     "profile": 90,
     "resume": 180,
 }
@@ -430,6 +441,13 @@ def ppo_step(plan: Plan, work_dir: str, name: str) -> tuple[dict, str]:
     args = policy_throughput.policy_args(bench, run_dir, policy_dir, reward_dir, corpus)
     fused = {"fused_adam": "--fused_adam" in flags, "fused_checks": "--fused_checks" in flags}
     args = settings.with_run(args, overwrite_output_dir=True, **fused)
+    if name == "successor":  # responses that end at EOS, a critic of its own (from the reward model), k3
+        task = dataclasses.replace(args.task, end_at_eos=True, truncate_text=None, truncate_token=None)
+        rewards = dataclasses.replace(args.rewards, kl_estimator="k3", allow_task_mismatch=True)
+        ppo = dataclasses.replace(args.ppo, value_model="reward")
+        args = dataclasses.replace(
+            args, task=dataclasses.replace(task, penalty_mode="subtract"), rewards=rewards, ppo=ppo
+        )
     counter, counted_by = sync_counter(plan.device, flags)
     memory = PeakMemory(plan.device)
     probe = policy_throughput.UpdateProbe(plan.device, True, counter)
@@ -457,6 +475,27 @@ def ppo_step(plan: Plan, work_dir: str, name: str) -> tuple[dict, str]:
         raise CheckFailed(f"{len(history)} updates logged; statistics not finite: {bad[:5]}", figures)
     phases = ", ".join(f"{phase} {figures[f'{phase}_s']:.2f}" for phase in PHASES)
     return figures, f"s per phase: {phases}"
+
+
+def sft_step(plan: Plan, work_dir: str) -> tuple[dict, str]:
+    """train_sft.py (the successor recipe's supervised stage) on the policy's shape: 2 steps of 8 prompt/completion
+    rows, its loss finite and its model saved."""
+    import train_sft
+
+    policy_dir, _, _ = prepared_inputs(work_dir, plan.model)
+    pairs = os.path.join(work_dir, "sft_pairs.jsonl")
+    with open(pairs, "w", encoding="utf-8") as f:
+        for i in range(16):
+            f.write(json.dumps({"prompt": f"Count to {i}: ", "completion": " ".join(str(k) for k in range(i % 5 + 1))}))
+            f.write("\n")
+    output_dir = os.path.join(work_dir, "sft")
+    flags = ["--base_model", policy_dir, "--dataset", pairs, "--batch_size", "8", "--lr", "1e-4"]
+    start = time.time()
+    losses = train_sft.main(train_sft.parse([*flags, "--output_dir", output_dir, "--overwrite_output_dir"]))
+    figures = {"steps": losses["steps"], "loss": losses["train_last"], "seconds": time.time() - start}
+    if not math.isfinite(figures["loss"]) or not os.path.exists(os.path.join(output_dir, "config.json")):
+        raise CheckFailed(f"loss {figures['loss']}; saved model: {os.listdir(output_dir)}", figures)
+    return figures, f"{figures['steps']} steps, last loss {figures['loss']:.3f}"
 
 
 MATMUL_NAMES = ("gemm", "mm", "matmul", "xmma", "cutlass")
@@ -580,8 +619,8 @@ def run_step(name: str, plan: Plan, work_dir: str):
     """The step `name`'s function applied to the plan."""
     if name in FLAG_SETS:
         return ppo_step(plan, work_dir, name)
-    steps = {"environment": environment_step, "decoding": decoding_step, "profile": profile_step, "resume": resume_step}
-    return steps[name](plan, work_dir)
+    steps = {"environment": environment_step, "decoding": decoding_step, "sft": sft_step, "profile": profile_step}
+    return {**steps, "resume": resume_step}[name](plan, work_dir)
 
 
 # ---------------------------------------------------------------------------------------------------- worker

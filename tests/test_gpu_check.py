@@ -17,7 +17,7 @@ SPEC = importlib.util.spec_from_file_location("gpu_check", REPO / "benchmark" / 
 gpu_check = importlib.util.module_from_spec(SPEC)
 SPEC.loader.exec_module(gpu_check)
 
-PPO_STEPS = ("fp32", "tf32_compile", "bf16", "fused")
+PPO_STEPS = ("fp32", "tf32_compile", "bf16", "fused", "successor")
 
 
 @pytest.mark.slow
@@ -49,6 +49,7 @@ def test_quick_check_on_cpu_reports_every_row_and_a_failing_step_without_stoppin
         assert figures["tokens_per_s"] == pytest.approx(8 * 24 / figures["seconds_per_update"], rel=0.05)
     for name in PPO_STEPS:  # counted by HostSyncCounter on CPU: the statistics copy alone
         assert 1 <= rows[name]["figures"]["syncs_per_update"] <= HOST_SYNC_BUDGET, rows[name]["figures"]
+    assert rows["sft"]["figures"]["steps"] == 2 and math.isfinite(rows["sft"]["figures"]["loss"])
     # the profile of one update: the matrix multiplies' share of the operators' time, and the top ones as a table
     profile = rows["profile"]["figures"]
     assert 0 < profile["matmul_share"] < 1 and 0 < len(profile["top_kernels"]) <= 10
