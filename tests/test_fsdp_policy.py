@@ -291,7 +291,10 @@ def test_one_process_fsdp_run_writes_sharded_checkpoints_and_resumes_from_them(w
     ]
     assert states[0].keys() == states[1].keys() and any(k.endswith("exp_avg") for k in states[1])
     assert all(torch.equal(states[0][k], states[1][k]) for k in states[1])
-    # a run without --fsdp cannot read those checkpoints: one line naming the flag
+    # a run without --fsdp cannot read those checkpoints: one line naming the flag (of a run cut before its end: a
+    # finished run refuses any other setting first)
+    shutil.rmtree(checkpoint.step_dir(str(resumed), UPDATES))
+    (resumed / "summary.json").unlink()
     with pytest.raises(ValueError, match=r"written with --fsdp .*resume with the checkpoint's --fsdp"):
         train_policy.main(train_policy.parse([*flags[:-3], "--output_dir", str(resumed), "--resume", "auto",
                                               "--allow_resume_changes"]))  # fmt: skip
