@@ -12,6 +12,7 @@ device-to-host copies of DCP's save add to the blocked time; this CPU benchmark 
 """
 
 import os
+import socket
 import sys
 import tempfile
 import time
@@ -27,7 +28,13 @@ from benchmark.shapes import gpt2_config  # noqa: E402
 from lm_human_preference_details import checkpoint, cli, distributed, sharded  # noqa: E402
 from lm_human_preference_details.modeling import PolicyWithValueHead  # noqa: E402
 from lm_human_preference_details.optim import make_optimizer  # noqa: E402
-from tests.planted import free_port  # noqa: E402
+
+
+def free_port() -> int:
+    """A TCP port of 127.0.0.1 that was free a moment ago."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 @dataclass

@@ -19,6 +19,9 @@ as such and the others still run:
 - successor: the same with the successor recipe's rollout: responses that end at EOS, a critic of its own (from the
   reward model), the k3 KL estimator;
 - sft: train_sft.py, 2 steps of the successor recipe's supervised stage on the policy's shape;
+- distributed: a process group of this one process (NCCL on a GPU, gloo on CPU): the policy sharded as --fsdp shards
+  it, the decoding step compiled and captured once over 3 updates, a torch.distributed.checkpoint save and load of
+  the sharded weights and Adam state (equal after), one step through DDP (its gradients equal those without);
 - profile: one PPO update under torch.profiler: the matrix multiplies' share of the device time and the top kernels,
   printed as a table (on CPU: the operators' host time);
 - resume: train_policy.py run whole, then run again, SIGKILLed after its checkpoint 2 and resumed with `--resume
@@ -38,6 +41,7 @@ import os
 import resource
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -56,7 +60,18 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
 StepName = Literal[
-    "environment", "decoding", "fp32", "tf32", "tf32_compile", "bf16", "fused", "successor", "sft", "profile", "resume"
+    "environment",
+    "decoding",
+    "fp32",
+    "tf32",
+    "tf32_compile",
+    "bf16",
+    "fused",
+    "successor",
+    "sft",
+    "distributed",
+    "profile",
+    "resume",
 ]
 STEPS: tuple[StepName, ...] = (
     "environment",
@@ -68,6 +83,7 @@ STEPS: tuple[StepName, ...] = (
     "fused",
     "successor",
     "sft",
+    "distributed",
     "profile",
     "resume",
 )
@@ -87,6 +103,7 @@ STEP_TITLES = {
     "decoding": "decoding: compiled = eager",
     **{name: "PPO " + (" ".join(flags) or "fp32") for name, flags in FLAG_SETS.items()},
     "sft": "train_sft.py",
+    "distributed": "one-process group: FSDP, DDP, DCP",
     "profile": "profile: one PPO update",
     "resume": "kill + --resume auto = whole",
 }
@@ -101,6 +118,7 @@ STEP_LIMITS_S = {
     "fused": 90,
     "successor": 90,
     "sft": 60,
+    "distributed": 120,
     "profile": 90,
     "resume": 180,
 }
@@ -477,6 +495,110 @@ def ppo_step(plan: Plan, work_dir: str, name: str) -> tuple[dict, str]:
     return figures, f"s per phase: {phases}"
 
 
+class TwoProcesses:
+    """The accelerator of a run on 2 processes as `distributed.data_parallel` reads it, in a group of one: FSDP2
+    shards into one shard with the hooks, DTensors and gathers of several, DDP reduces over the group."""
+
+    num_processes = 2
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+
+
+def distributed_step(plan: Plan, work_dir: str) -> tuple[dict, str]:
+    """A process group of this one process (NCCL on a GPU, gloo on CPU): the policy sharded as --fsdp shards it, 3
+    updates with the decoding step compiled (a CUDA graph on a GPU), which must be captured once over them; the
+    sharded weights and Adam state saved and loaded through torch.distributed.checkpoint, equal after; one step
+    through DDP (`distributed.data_parallel`), equal to the same step without it."""
+    from transformers import GPT2LMHeadModel
+
+    from benchmark.shapes import gpt2_config
+    from lm_human_preference_details import decoding_graph, distributed, sharded
+    from lm_human_preference_details.modeling import PolicyWithValueHead, sample
+    from lm_human_preference_details.optim import make_optimizer
+
+    on_gpu = plan.device == "cuda"
+    device = torch.device("cuda", 0) if on_gpu else torch.device("cpu")
+    backend = "nccl" if on_gpu else "gloo"
+    with socket.socket() as free:
+        free.bind(("127.0.0.1", 0))
+        address = f"tcp://127.0.0.1:{free.getsockname()[1]}"
+    device_id = {"device_id": device} if on_gpu else {}
+    torch.distributed.init_process_group(backend, init_method=address, rank=0, world_size=1, **device_id)
+    captures = [0]
+    new_step_graph = decoding_graph.new_step_graph
+
+    def counted(step_device):
+        graph = new_step_graph(step_device)
+        capture = graph.capture
+
+        def counting(step):
+            captures[0] += 1
+            return capture(step)
+
+        graph.capture = counting
+        return graph
+
+    decoding_graph.new_step_graph = counted
+    try:
+        torch.manual_seed(0)
+
+        def new_policy() -> PolicyWithValueHead:
+            torch.manual_seed(0)
+            return PolicyWithValueHead(GPT2LMHeadModel(gpt2_config(plan.model))).to(device).eval()
+
+        policy = new_policy()
+        trained = distributed.data_parallel(policy, TwoProcesses(device), fsdp=True)
+        distributed.hold_gathered_weights(trained, policy)
+        optimizer = make_optimizer(list(policy.parameters()), 1e-5, True)
+        contexts = torch.randint(0, 50000, (plan.batch, plan.query_length), device=device)
+        generator = torch.Generator(device).manual_seed(0)
+        for _ in range(3):
+            with distributed.gathered(trained):
+                responses, _, _ = sample(policy, contexts, plan.response_length, 0.7, 50257, generator, compile=True)
+            logits, values = trained(torch.cat([contexts, responses], 1), plan.query_length, 50257, 0.7)
+            (logits.logsumexp(-1).mean() + values.square().mean()).backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        # DCP: the shards of the weights and Adam moments saved, then loaded into a fresh sharded policy
+        directory = os.path.join(work_dir, "dcp")
+        sharded.save(directory, policy, optimizer)
+        loaded = new_policy()
+        distributed.data_parallel(loaded, TwoProcesses(device), fsdp=True)
+        loaded_optimizer = make_optimizer(list(loaded.parameters()), 1e-5, True)
+        sharded.load(directory, loaded, loaded_optimizer)
+        weights_equal = all(
+            torch.equal(a.full_tensor(), b.full_tensor()) for a, b in zip(policy.parameters(), loaded.parameters())
+        )
+        moments = [
+            torch.equal(a[key].full_tensor(), b[key].full_tensor())
+            for a, b in zip(optimizer.state.values(), loaded_optimizer.state.values())
+            for key in ("exp_avg", "exp_avg_sq")
+        ]
+        # DDP: one step's gradients through it equal those without it (a group of one averages nothing)
+        plain, wrapped = new_policy().train(), new_policy().train()
+        ddp = distributed.data_parallel(wrapped, TwoProcesses(device))
+        for module in (plain, ddp):
+            logits, values = module(torch.cat([contexts, responses], 1), plan.query_length, 50257, 0.7)
+            (logits.logsumexp(-1).mean() + values.square().mean()).backward()
+        ddp_difference = max(
+            (a.grad - b.grad).abs().max().item() for a, b in zip(plain.parameters(), wrapped.parameters())
+        )
+    finally:
+        decoding_graph.new_step_graph = new_step_graph
+        torch.distributed.destroy_process_group()
+    figures = {
+        "backend": backend,
+        "captures_over_3_updates": captures[0],
+        "dcp_weights_equal": weights_equal,
+        "dcp_adam_moments_equal": bool(moments) and all(moments),
+        "ddp_max_gradient_difference": ddp_difference,
+    }
+    if captures[0] != 1 or not weights_equal or not figures["dcp_adam_moments_equal"] or ddp_difference > 1e-6:
+        raise CheckFailed(json.dumps(figures), figures)
+    return figures, f"{backend}: 1 capture over 3 --fsdp updates, DCP round trip equal, DDP gradients equal"
+
+
 def sft_step(plan: Plan, work_dir: str) -> tuple[dict, str]:
     """train_sft.py (the successor recipe's supervised stage) on the policy's shape: 2 steps of 8 prompt/completion
     rows, its loss finite and its model saved."""
@@ -620,7 +742,7 @@ def run_step(name: str, plan: Plan, work_dir: str):
     if name in FLAG_SETS:
         return ppo_step(plan, work_dir, name)
     steps = {"environment": environment_step, "decoding": decoding_step, "sft": sft_step, "profile": profile_step}
-    return {**steps, "resume": resume_step}[name](plan, work_dir)
+    return {**steps, "distributed": distributed_step, "resume": resume_step}[name](plan, work_dir)
 
 
 # ---------------------------------------------------------------------------------------------------- worker

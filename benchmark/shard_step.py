@@ -11,6 +11,7 @@ waits for when it is the longer; this CPU benchmark also counts the arithmetic.
 """
 
 import os
+import socket
 import statistics
 import sys
 import time
@@ -24,7 +25,13 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmark.shapes import gpt2_config  # noqa: E402
 from lm_human_preference_details import cli, distributed, optim, validation  # noqa: E402
 from lm_human_preference_details.modeling import PolicyWithValueHead  # noqa: E402
-from tests.planted import free_port  # noqa: E402
+
+
+def free_port() -> int:
+    """A TCP port of 127.0.0.1 that was free a moment ago."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 @dataclass

@@ -50,6 +50,11 @@ def test_quick_check_on_cpu_reports_every_row_and_a_failing_step_without_stoppin
     for name in PPO_STEPS:  # counted by HostSyncCounter on CPU: the statistics copy alone
         assert 1 <= rows[name]["figures"]["syncs_per_update"] <= HOST_SYNC_BUDGET, rows[name]["figures"]
     assert rows["sft"]["figures"]["steps"] == 2 and math.isfinite(rows["sft"]["figures"]["loss"])
+    group = rows["distributed"]["figures"]  # gloo on CPU, the decoding graph's eager stand-in
+    assert group["backend"] == "gloo" and group["captures_over_3_updates"] == 1
+    assert (
+        group["dcp_weights_equal"] and group["dcp_adam_moments_equal"] and group["ddp_max_gradient_difference"] <= 1e-6
+    )
     # the profile of one update: the matrix multiplies' share of the operators' time, and the top ones as a table
     profile = rows["profile"]["figures"]
     assert 0 < profile["matmul_share"] < 1 and 0 < len(profile["top_kernels"]) <= 10
