@@ -676,7 +676,8 @@ def print_profile(console: Console, report: dict) -> None:
             continue
         figures = row["figures"]
         title = f"one PPO update, {figures['measured']}: matrix multiplies {figures['matmul_share']:.1%} of the total"
-        table = Table(title=title, title_justify="left")
+        console.print(title, markup=False)  # a line of its own: a table's title wraps at the table's width
+        table = Table()
         for column in ("kernel", "ms", "share"):
             table.add_column(column, justify="left" if column == "kernel" else "right")
         for kernel in figures["top_kernels"]:
