@@ -522,11 +522,12 @@ def ppo_update(
     ppo: PpoHParams,
     temperature: float,
     pad_id: int,
+    fused_checks: bool = False,
 ) -> "PPOStats":
     """One optimizer step per minibatch of `indices` (noptepochs, nminibatches, minibatch), each over `accum`
     micro-batches with gradients averaged over processes; -> the update's PPO statistics.
 
-    `policy`: the module the training forwards run through (`Models.trained`)."""
+    `policy`: the module the training forwards run through (`Models.trained`); `fused_checks`: --fused_checks."""
     params = list(policy.parameters())
     responses = rollout.query_responses[:, rollout.context_length :]  # (B, L)
     stats = PPOStats(rollout.values.device, ppo.noptepochs * ppo.nminibatches)
@@ -590,7 +591,8 @@ def ppo_update(
                 stats.add_micro(losses, new_entropy, 1 / accum, first=epoch == 0 and k == 0)
             # the gradients averaged over processes, then one Adam step
             # https://github.com/openai/lm-human-preferences/blob/cbfd210bb8b08f6bc5c26878c10984b90f516c66/lm_human_preferences/utils/core.py#L485-L489
-            stats.nonfinite_gradients += validation.nonfinite_tensors(p.grad for p in params if p.grad is not None)
+            grads = [p.grad for p in params if p.grad is not None]
+            stats.nonfinite_gradients += validation.nonfinite_tensors(grads, fused_checks)
             optimizer.step()
             distributed.clear_gradients(optimizer, policy)
     return stats
@@ -801,12 +803,19 @@ def main(args: Args) -> list[dict[str, float]]:
         ppo_plumbing.shard_frozen_models(accelerator, reference, reward)  # the frozen models sharded too
     # the module PPO's forwards run through: DDP averages its gradients over processes, or --fsdp shards it (spec O4)
     trained = distributed.data_parallel(learner, accelerator, args.run.fsdp)
+    if args.run.fsdp and args.run.compile_sampler:  # the captured decoding step reads the gathered weights in place
+        distributed.hold_gathered_weights(trained, policy)
     models = Models(policy, critic, learner, trained, reference, reward, gold_labeler)
     # read after sharding: --fsdp replaces the parameters with their shards (DTensors)
     critic_params = list(critic.parameters()) if critic is not None else []  # one optimizer for both (nplus N16)
     params = list(policy.parameters())
     optimizer = optim.make_optimizer(
-        params + critic_params, ppo.lr, args.use_tensorflow_adam, args.weight_decay, args.eps
+        params + critic_params,
+        ppo.lr,
+        args.use_tensorflow_adam,
+        args.weight_decay,
+        args.eps,
+        fused=args.run.fused_adam,
     )
     params += critic_params  # the non-finite weights guard covers the critic too
     kl_ctl = make_kl_controller(args.rewards)
@@ -869,7 +878,9 @@ def main(args: Args) -> list[dict[str, float]]:
             lr_now = ppo.lr * (1 - update / sizes.nupdates)
             for group in optimizer.param_groups:
                 group["lr"] = lr_now
-            ppo_stats = ppo_update(trained, optimizer, episodes, indices, sizes, ppo, task.temperature, pad_id)
+            ppo_stats = ppo_update(
+                trained, optimizer, episodes, indices, sizes, ppo, task.temperature, pad_id, args.run.fused_checks
+            )
             timer.mark()
 
             # 6. statistics of all processes, one device-to-host copy, with the run's guards: non-finite counts (the
@@ -878,7 +889,7 @@ def main(args: Args) -> list[dict[str, float]]:
             local_stats = {
                 **episodes.stats,
                 **ppo_stats.local(),
-                "nonfinite/weights": validation.nonfinite_tensors(params),
+                "nonfinite/weights": validation.nonfinite_tensors(params, args.run.fused_checks),
                 "stop/signal": loop.stop.flag(device),  # a signal to any process stops all after this update
             }
             stats = reduce_stats(local_stats, accelerator)

@@ -277,14 +277,19 @@ def evaluate_labels(
 
 
 def nonfinite_stats(
-    rewards: torch.Tensor, loss: torch.Tensor, gradients: torch.Tensor, params: list[torch.Tensor]
+    rewards: torch.Tensor,
+    loss: torch.Tensor,
+    gradients: torch.Tensor,
+    params: list[torch.Tensor],
+    fused_checks: bool = False,
 ) -> dict[str, torch.Tensor]:
-    """Device-side counts of one step's NaN/infinite rewards, loss, gradients (counted before the step) and weights."""
+    """Device-side counts of one step's NaN/infinite rewards, loss, gradients (counted before the step) and weights;
+    `fused_checks`: --fused_checks."""
     return {
         "nonfinite/rewards": validation.nonfinite_count([rewards]),
         "nonfinite/loss": validation.nonfinite_count([loss]),
         "nonfinite/gradients": gradients,
-        "nonfinite/weights": validation.nonfinite_tensors(params),
+        "nonfinite/weights": validation.nonfinite_tensors(params, fused_checks),
     }
 
 
@@ -341,7 +346,7 @@ def main(args: Args) -> dict:
     # --fsdp shards it
     trained = distributed.data_parallel(reward_model, accelerator, args.run.fsdp)
     params = list(reward_model.parameters())
-    optimizer = make_optimizer(params, args.lr, args.use_tensorflow_adam, args.weight_decay)
+    optimizer = make_optimizer(params, args.lr, args.use_tensorflow_adam, args.weight_decay, fused=args.run.fused_adam)
     texts = load_texts(args.task.query_dataset, args.task.query_split)
     query_stream = QueryStream(texts, tokenizer, args.task, rank, world, args.data_seed)
     affixes = encode_context_affixes(tokenizer, args.task)
@@ -424,7 +429,8 @@ def main(args: Args) -> dict:
                     (loss / accum).backward()
                 step_rewards.append(rewards.detach())
             # the gradients averaged over processes, then one Adam step (spec O4)
-            nonfinite_gradients = validation.nonfinite_tensors(p.grad for p in params if p.grad is not None)
+            grads = [p.grad for p in params if p.grad is not None]
+            nonfinite_gradients = validation.nonfinite_tensors(grads, args.run.fused_checks)
             optimizer.step()
             distributed.clear_gradients(optimizer, trained)
             # OAI's statistics of the label type on this process's labels (best-of-N: loss = error, the cross-entropy),
@@ -435,7 +441,9 @@ def main(args: Args) -> dict:
             local_stats = {f"train_reward/minibatch/{k}": v for k, v in oai_stats.items()}
             if label_type.label_field == "best":
                 local_stats["debug/accuracy"] = (step_rewards.argmax(1) == label).float().mean()
-            local_stats.update(nonfinite_stats(step_rewards, oai_stats["loss"], nonfinite_gradients, params))
+            local_stats.update(
+                nonfinite_stats(step_rewards, oai_stats["loss"], nonfinite_gradients, params, args.run.fused_checks)
+            )
             local_stats["stop/signal"] = loop.stop.flag(accelerator.device)  # a signal to any process stops all
             values = accelerator.reduce(torch.stack(list(local_stats.values())), reduction="mean").tolist()
             stats = dict(zip(local_stats, values))

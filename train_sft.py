@@ -132,9 +132,10 @@ class NextTokenLoss(torch.nn.Module):
 
 
 def make_optimizer(model: PreTrainedModel, args: Args) -> torch.optim.Optimizer:
-    """torch's AdamW, betas (0.9, 0.999), with --eps and --weight_decay (nplus N8)."""
+    """torch's AdamW, betas (0.9, 0.999), with --eps and --weight_decay (nplus N8); --fused_adam: its fused kernel."""
     # https://github.com/vwxyzjn/summarize_from_feedback_details/blob/ee77a9abc31f5338365ee087945c5bcafac7f1ca/summarize_from_feedback_details/sft.py#L347-L356
-    return torch.optim.AdamW(model.parameters(), lr=args.lr, eps=args.eps, weight_decay=args.weight_decay)
+    fused = args.run.fused_adam or None  # None: torch's default (foreach)
+    return torch.optim.AdamW(model.parameters(), lr=args.lr, eps=args.eps, weight_decay=args.weight_decay, fused=fused)
 
 
 def data_order(num_rows: int, seed: int) -> torch.Tensor:
@@ -277,14 +278,15 @@ def main(args: Args) -> dict:
                     # the processes' gradients are averaged: world x this process's share of the global token mean
                     (micro_sum * (world / counted)).backward()
                 loss_sum += micro_sum.detach()
-            nonfinite_gradients = validation.nonfinite_tensors(p.grad for p in params if p.grad is not None)
+            grads = [p.grad for p in params if p.grad is not None]
+            nonfinite_gradients = validation.nonfinite_tensors(grads, args.run.fused_checks)
             optimizer.step()
             distributed.clear_gradients(optimizer, trained)
             local_stats = {
                 "train/loss": loss_sum * (world / counted),  # averaged over processes: the global token mean
                 "nonfinite/loss": validation.nonfinite_count([loss_sum]),
                 "nonfinite/gradients": nonfinite_gradients,
-                "nonfinite/weights": validation.nonfinite_tensors(params),
+                "nonfinite/weights": validation.nonfinite_tensors(params, args.run.fused_checks),
                 "stop/signal": loop.stop.flag(accelerator.device),  # a signal to any process stops all
             }
             values = accelerator.reduce(torch.stack([v.float() for v in local_stats.values()]), reduction="mean")

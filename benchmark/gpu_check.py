@@ -15,6 +15,15 @@ as such and the others still run:
 - fp32, tf32, tf32 + compile_sampler, bf16: the real `train_policy.main` (benchmark/policy_throughput.py's setup) with
   those flags: seconds per PPO update, response tokens/s (OAI's `elapsed/fps`), peak memory, syncs per update (the
   CUDA runtime's sync debug mode on a GPU, `HostSyncCounter` on CPU), every logged statistic finite;
+- fused: the same with the opt-in speed flags --fused_adam --fused_checks;
+- successor: the same with the successor recipe's rollout: responses that end at EOS, a critic of its own (from the
+  reward model), the k3 KL estimator;
+- sft: train_sft.py, 2 steps of the successor recipe's supervised stage on the policy's shape;
+- distributed: a process group of this one process (NCCL on a GPU, gloo on CPU): the policy sharded as --fsdp shards
+  it, the decoding step compiled and captured once over 3 updates, a torch.distributed.checkpoint save and load of
+  the sharded weights and Adam state (equal after), one step through DDP (its gradients equal those without);
+- profile: one PPO update under torch.profiler: the matrix multiplies' share of the device time and the top kernels,
+  printed as a table (on CPU: the operators' host time);
 - resume: train_policy.py run whole, then run again, SIGKILLed after its checkpoint 2 and resumed with `--resume
   auto`: its logged scalars and final weights must equal the uninterrupted run's.
 
@@ -32,6 +41,7 @@ import os
 import resource
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -49,14 +59,42 @@ from rich.table import Table
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
-StepName = Literal["environment", "decoding", "fp32", "tf32", "tf32_compile", "bf16", "resume"]
-STEPS: tuple[StepName, ...] = ("environment", "decoding", "fp32", "tf32", "tf32_compile", "bf16", "resume")
+StepName = Literal[
+    "environment",
+    "decoding",
+    "fp32",
+    "tf32",
+    "tf32_compile",
+    "bf16",
+    "fused",
+    "successor",
+    "sft",
+    "distributed",
+    "profile",
+    "resume",
+]
+STEPS: tuple[StepName, ...] = (
+    "environment",
+    "decoding",
+    "fp32",
+    "tf32",
+    "tf32_compile",
+    "bf16",
+    "fused",
+    "successor",
+    "sft",
+    "distributed",
+    "profile",
+    "resume",
+)
 
 FLAG_SETS: dict[str, tuple[str, ...]] = {
     "fp32": (),
     "tf32": ("--tf32",),
     "tf32_compile": ("--tf32", "--compile_sampler"),
     "bf16": ("--bf16",),
+    "fused": ("--fused_adam", "--fused_checks"),
+    "successor": ("--task.end_at_eos", "--rewards.kl_estimator k3", "--ppo.value_model reward"),
 }
 """the PPO steps: train_policy.py flags of each"""
 
@@ -64,6 +102,9 @@ STEP_TITLES = {
     "environment": "environment",
     "decoding": "decoding: compiled = eager",
     **{name: "PPO " + (" ".join(flags) or "fp32") for name, flags in FLAG_SETS.items()},
+    "sft": "train_sft.py",
+    "distributed": "one-process group: FSDP, DDP, DCP",
+    "profile": "profile: one PPO update",
     "resume": "kill + --resume auto = whole",
 }
 
@@ -74,6 +115,11 @@ STEP_LIMITS_S = {
     "tf32": 90,
     "tf32_compile": 150,
     "bf16": 90,
+    "fused": 90,
+    "successor": 90,
+    "sft": 60,
+    "distributed": 120,
+    "profile": 90,
     "resume": 180,
 }
 """each step's time limit in seconds (on a GPU; the overall --budget caps them)"""
@@ -411,7 +457,15 @@ def ppo_step(plan: Plan, work_dir: str, name: str) -> tuple[dict, str]:
     )
     run_dir = os.path.join(work_dir, f"ppo-{name}")
     args = policy_throughput.policy_args(bench, run_dir, policy_dir, reward_dir, corpus)
-    args = settings.with_run(args, overwrite_output_dir=True)
+    fused = {"fused_adam": "--fused_adam" in flags, "fused_checks": "--fused_checks" in flags}
+    args = settings.with_run(args, overwrite_output_dir=True, **fused)
+    if name == "successor":  # responses that end at EOS, a critic of its own (from the reward model), k3
+        task = dataclasses.replace(args.task, end_at_eos=True, truncate_text=None, truncate_token=None)
+        rewards = dataclasses.replace(args.rewards, kl_estimator="k3", allow_task_mismatch=True)
+        ppo = dataclasses.replace(args.ppo, value_model="reward")
+        args = dataclasses.replace(
+            args, task=dataclasses.replace(task, penalty_mode="subtract"), rewards=rewards, ppo=ppo
+        )
     counter, counted_by = sync_counter(plan.device, flags)
     memory = PeakMemory(plan.device)
     probe = policy_throughput.UpdateProbe(plan.device, True, counter)
@@ -439,6 +493,196 @@ def ppo_step(plan: Plan, work_dir: str, name: str) -> tuple[dict, str]:
         raise CheckFailed(f"{len(history)} updates logged; statistics not finite: {bad[:5]}", figures)
     phases = ", ".join(f"{phase} {figures[f'{phase}_s']:.2f}" for phase in PHASES)
     return figures, f"s per phase: {phases}"
+
+
+class TwoProcesses:
+    """The accelerator of a run on 2 processes as `distributed.data_parallel` reads it, in a group of one: FSDP2
+    shards into one shard with the hooks, DTensors and gathers of several, DDP reduces over the group."""
+
+    num_processes = 2
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+
+
+def distributed_step(plan: Plan, work_dir: str) -> tuple[dict, str]:
+    """A process group of this one process (NCCL on a GPU, gloo on CPU): the policy sharded as --fsdp shards it, 3
+    updates with the decoding step compiled (a CUDA graph on a GPU), which must be captured once over them; the
+    sharded weights and Adam state saved and loaded through torch.distributed.checkpoint, equal after; one step
+    through DDP (`distributed.data_parallel`), equal to the same step without it."""
+    from transformers import GPT2LMHeadModel
+
+    from benchmark.shapes import gpt2_config
+    from lm_human_preference_details import decoding_graph, distributed, sharded
+    from lm_human_preference_details.modeling import PolicyWithValueHead, sample
+    from lm_human_preference_details.optim import make_optimizer
+
+    on_gpu = plan.device == "cuda"
+    device = torch.device("cuda", 0) if on_gpu else torch.device("cpu")
+    backend = "nccl" if on_gpu else "gloo"
+    with socket.socket() as free:
+        free.bind(("127.0.0.1", 0))
+        address = f"tcp://127.0.0.1:{free.getsockname()[1]}"
+    device_id = {"device_id": device} if on_gpu else {}
+    torch.distributed.init_process_group(backend, init_method=address, rank=0, world_size=1, **device_id)
+    captures = [0]
+    new_step_graph = decoding_graph.new_step_graph
+
+    def counted(step_device):
+        graph = new_step_graph(step_device)
+        capture = graph.capture
+
+        def counting(step):
+            captures[0] += 1
+            return capture(step)
+
+        graph.capture = counting
+        return graph
+
+    decoding_graph.new_step_graph = counted
+    try:
+        torch.manual_seed(0)
+
+        def new_policy() -> PolicyWithValueHead:
+            torch.manual_seed(0)
+            return PolicyWithValueHead(GPT2LMHeadModel(gpt2_config(plan.model))).to(device).eval()
+
+        policy = new_policy()
+        trained = distributed.data_parallel(policy, TwoProcesses(device), fsdp=True)
+        distributed.hold_gathered_weights(trained, policy)
+        optimizer = make_optimizer(list(policy.parameters()), 1e-5, True)
+        contexts = torch.randint(0, 50000, (plan.batch, plan.query_length), device=device)
+        generator = torch.Generator(device).manual_seed(0)
+        for _ in range(3):
+            with distributed.gathered(trained):
+                responses, _, _ = sample(policy, contexts, plan.response_length, 0.7, 50257, generator, compile=True)
+            logits, values = trained(torch.cat([contexts, responses], 1), plan.query_length, 50257, 0.7)
+            (logits.logsumexp(-1).mean() + values.square().mean()).backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        # DCP: the shards of the weights and Adam moments saved, then loaded into a fresh sharded policy
+        directory = os.path.join(work_dir, "dcp")
+        sharded.save(directory, policy, optimizer)
+        loaded = new_policy()
+        distributed.data_parallel(loaded, TwoProcesses(device), fsdp=True)
+        loaded_optimizer = make_optimizer(list(loaded.parameters()), 1e-5, True)
+        sharded.load(directory, loaded, loaded_optimizer)
+        weights_equal = all(
+            torch.equal(a.full_tensor(), b.full_tensor()) for a, b in zip(policy.parameters(), loaded.parameters())
+        )
+        moments = [
+            torch.equal(a[key].full_tensor(), b[key].full_tensor())
+            for a, b in zip(optimizer.state.values(), loaded_optimizer.state.values())
+            for key in ("exp_avg", "exp_avg_sq")
+        ]
+        # DDP: one step's gradients through it equal those without it (a group of one averages nothing)
+        plain, wrapped = new_policy().train(), new_policy().train()
+        ddp = distributed.data_parallel(wrapped, TwoProcesses(device))
+        for module in (plain, ddp):
+            logits, values = module(torch.cat([contexts, responses], 1), plan.query_length, 50257, 0.7)
+            (logits.logsumexp(-1).mean() + values.square().mean()).backward()
+        ddp_difference = max(
+            (a.grad - b.grad).abs().max().item() for a, b in zip(plain.parameters(), wrapped.parameters())
+        )
+    finally:
+        decoding_graph.new_step_graph = new_step_graph
+        torch.distributed.destroy_process_group()
+    figures = {
+        "backend": backend,
+        "captures_over_3_updates": captures[0],
+        "dcp_weights_equal": weights_equal,
+        "dcp_adam_moments_equal": bool(moments) and all(moments),
+        "ddp_max_gradient_difference": ddp_difference,
+    }
+    if captures[0] != 1 or not weights_equal or not figures["dcp_adam_moments_equal"] or ddp_difference > 1e-6:
+        raise CheckFailed(json.dumps(figures), figures)
+    return figures, f"{backend}: 1 capture over 3 --fsdp updates, DCP round trip equal, DDP gradients equal"
+
+
+def sft_step(plan: Plan, work_dir: str) -> tuple[dict, str]:
+    """train_sft.py (the successor recipe's supervised stage) on the policy's shape: 2 steps of 8 prompt/completion
+    rows, its loss finite and its model saved."""
+    import train_sft
+
+    policy_dir, _, _ = prepared_inputs(work_dir, plan.model)
+    pairs = os.path.join(work_dir, "sft_pairs.jsonl")
+    with open(pairs, "w", encoding="utf-8") as f:
+        for i in range(16):
+            f.write(json.dumps({"prompt": f"Count to {i}: ", "completion": " ".join(str(k) for k in range(i % 5 + 1))}))
+            f.write("\n")
+    output_dir = os.path.join(work_dir, "sft")
+    flags = ["--base_model", policy_dir, "--dataset", pairs, "--batch_size", "8", "--lr", "1e-4"]
+    start = time.time()
+    losses = train_sft.main(train_sft.parse([*flags, "--output_dir", output_dir, "--overwrite_output_dir"]))
+    figures = {"steps": losses["steps"], "loss": losses["train_last"], "seconds": time.time() - start}
+    if not math.isfinite(figures["loss"]) or not os.path.exists(os.path.join(output_dir, "config.json")):
+        raise CheckFailed(f"loss {figures['loss']}; saved model: {os.listdir(output_dir)}", figures)
+    return figures, f"{figures['steps']} steps, last loss {figures['loss']:.3f}"
+
+
+MATMUL_NAMES = ("gemm", "mm", "matmul", "xmma", "cutlass")
+"""parts of the names of matrix-multiply kernels (cuBLAS, CUTLASS) and operators (aten::mm, addmm, bmm)"""
+
+
+def profile_step(plan: Plan, work_dir: str) -> tuple[dict, str]:
+    """One PPO update of the real train_policy.main (fp32, OAI's flags) under torch.profiler: the share of the device
+    time (on CPU: of the operators' own host time) spent in matrix multiplies, and the top kernels."""
+    from torch.profiler import ProfilerActivity, profile
+
+    import train_policy
+    from benchmark import policy_throughput
+    from lm_human_preference_details import settings
+
+    policy_dir, reward_dir, corpus = prepared_inputs(work_dir, plan.model)
+    bench = policy_throughput.Args(
+        model=plan.model,
+        updates=1,
+        warmup=0,
+        batch=plan.batch,
+        query_length=plan.query_length,
+        response_length=plan.response_length,
+        noptepochs=plan.noptepochs,
+        count_syncs=False,
+    )
+    args = policy_throughput.policy_args(bench, os.path.join(work_dir, "ppo-profile"), policy_dir, reward_dir, corpus)
+    args = settings.with_run(args, overwrite_output_dir=True)
+    on_gpu = plan.device == "cuda"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_gpu else [])
+    with torch_precision_restored(), profile(activities=activities) as profiler:
+        train_policy.main(args)
+    events = profiler.key_averages()
+    if on_gpu:  # the kernels: events with device time of their own
+        times = {e.key: e.self_device_time_total for e in events if e.self_device_time_total > 0}
+    else:  # the operators' own host time (aten::*)
+        times = {e.key: e.self_cpu_time_total for e in events if e.key.startswith("aten::")}
+    total = sum(times.values())
+    matmul = sum(t for name, t in times.items() if any(part in name.lower() for part in MATMUL_NAMES))
+    top = sorted(times.items(), key=lambda item: -item[1])[:10]
+    figures = {
+        "measured": "device time of each kernel" if on_gpu else "host time of each operator (CPU)",
+        "total_ms": total / 1e3,
+        "matmul_share": matmul / total if total else float("nan"),
+        "top_kernels": [{"name": name[:70], "ms": t / 1e3, "share": t / total} for name, t in top],
+    }
+    if not total or not math.isfinite(figures["matmul_share"]):
+        raise CheckFailed("the profiler recorded no time", figures)
+    return figures, f"matrix multiplies {figures['matmul_share']:.0%} of {figures['measured']}"
+
+
+def print_profile(console: Console, report: dict) -> None:
+    """The profile step's top kernels, as a table of their own."""
+    for row in report["steps"]:
+        if row["step"] != "profile" or "top_kernels" not in row["figures"]:
+            continue
+        figures = row["figures"]
+        title = f"one PPO update, {figures['measured']}: matrix multiplies {figures['matmul_share']:.1%} of the total"
+        console.print(title, markup=False)  # a line of its own: a table's title wraps at the table's width
+        table = Table()
+        for column in ("kernel", "ms", "share"):
+            table.add_column(column, justify="left" if column == "kernel" else "right")
+        for kernel in figures["top_kernels"]:
+            table.add_row(kernel["name"], f"{kernel['ms']:.1f}", f"{kernel['share']:.1%}")
+        console.print(table)
 
 
 def resume_step(plan: Plan, work_dir: str) -> tuple[dict, str]:
@@ -498,7 +742,8 @@ def run_step(name: str, plan: Plan, work_dir: str):
     """The step `name`'s function applied to the plan."""
     if name in FLAG_SETS:
         return ppo_step(plan, work_dir, name)
-    return {"environment": environment_step, "decoding": decoding_step, "resume": resume_step}[name](plan, work_dir)
+    steps = {"environment": environment_step, "decoding": decoding_step, "sft": sft_step, "profile": profile_step}
+    return {**steps, "distributed": distributed_step, "resume": resume_step}[name](plan, work_dir)
 
 
 # ---------------------------------------------------------------------------------------------------- worker
@@ -668,6 +913,7 @@ def check(args: Args, work_dir: str) -> dict:
         "steps": rows,
     }
     print_table(console, report)
+    print_profile(console, report)
     if args.json:
         write_json(args.json, report)
         console.print(f"results written to {args.json}", markup=False)

@@ -7,11 +7,14 @@ checkpoints whole and never a mixed one. It holds:
 - checkpoint.json: the step, the run settings (args and world size), the run name and wandb id (rank 0);
 - state.pt: weights, optimizer state and the script's other counters (rank 0; identical on every process);
 - sharded/ (--fsdp runs, instead of the weights and optimizer state in state.pt): torch.distributed.checkpoint's files,
-  every process's shards, written synchronously (not DCP's async_save), readable by any number of processes;
+  every process's shards, written synchronously (not DCP's async_save, docs/gpu.md), readable by any number of
+  processes;
 - rng_rank{r}.pt: process r's query-stream position and RNG states (Python, NumPy, torch, the CUDA generator of
   process r's own GPU, the sampler's generator, extra NumPy RandomStates).
 checkpoint.json also lists the size and SHA-256 of every other file, so that --resume finds a truncated or altered file
 before it loads it; a damaged checkpoint names itself, and --resume auto moves it aside and takes the newest intact one.
+Each process hashes the files it wrote (its rng_rank file and its DCP shard files) on its background thread, all at
+once, and hands the digests to the main process, which hashes the rest (state.pt, DCP's .metadata) and records them.
 """
 
 import contextlib
@@ -22,6 +25,7 @@ import os
 import re
 import shutil
 import threading
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -29,14 +33,25 @@ from typing import Any
 import torch
 from torch.overrides import TorchFunctionMode
 
-from lm_human_preference_details.files import failed_write, fsync_dir, publish_directory, temporary_sibling
-from lm_human_preference_details.sharded import is_sharded_checkpoint
+from lm_human_preference_details.files import (
+    failed_write,
+    fsync_dir,
+    publish_directory,
+    temporary_sibling,
+    write_json_atomic,
+)
+from lm_human_preference_details.sharded import SHARDED_DIR, is_sharded_checkpoint
 
 STATE_DIR = "training_state"
 """subdirectory of OUTPUT_DIR that holds the training-state checkpoints"""
 META_FILE = "checkpoint.json"
 SHARED_FILE = "state.pt"
 RANK_FILE = "rng_rank{rank}.pt"
+DIGESTS_FILE = ".digests_rank{rank}.json"
+"""the digests of the files process r wrote, which it hands to the main process (removed before the checkpoint is
+published)"""
+DIGESTS_TIMEOUT_S = 1800.0
+"""how long the main process's writer waits for another process's digests (that process died) before it fails"""
 DAMAGED_SUFFIX = ".damaged"
 """a damaged checkpoint step{N} is moved aside to step{N}.damaged by --resume auto"""
 _STEP_DIR = re.compile(r"^step(\d+)$")
@@ -89,14 +104,27 @@ def prune_checkpoints(output_dir: str, keep: int) -> None:
 
 
 def to_host(obj: Any) -> Any:
-    """`obj` (nested dicts, lists, tuples) with every tensor replaced by a copy in host memory."""
-    if isinstance(obj, torch.Tensor):
-        return obj.detach().to("cpu", copy=True)
-    if isinstance(obj, dict):
-        return {key: to_host(value) for key, value in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(to_host(value) for value in obj)
-    return obj
+    """`obj` (nested dicts, lists, tuples) with every tensor replaced by a copy in host memory: pinned when CUDA is
+    there, the copies from the GPU asynchronous (a pageable copy is staged through a pinned buffer and waits for each
+    tensor), with one wait at the end."""
+    copies: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def copied(value: Any) -> Any:
+        if isinstance(value, torch.Tensor):
+            copies.append((_host_tensor(value), value.detach()))
+            return copies[-1][0]
+        if isinstance(value, dict):
+            return {key: copied(item) for key, item in value.items()}
+        if isinstance(value, (list, tuple)):
+            return type(value)(copied(item) for item in value)
+        return value
+
+    host = copied(obj)
+    for target, source in copies:
+        target.copy_(source, non_blocking=True)
+    if any(source.is_cuda for _, source in copies):
+        torch.cuda.current_stream().synchronize()  # the copies are in host memory before a write reads them
+    return host
 
 
 def save_torch(obj: Any, path: str) -> None:
@@ -215,9 +243,11 @@ def save_training_state(
     `write_shards(directory)`: what every process writes into the checkpoint besides (an --fsdp run's shards of
     the weights and optimizer state), synchronously, before the files' digests are taken.
 
-    With `saves`, the main process writes `shared` (which must then be host copies, see `to_host`), publishes and
-    runs `then` on the background thread, and the call returns once every process's `local` is written; without,
-    it returns when everything is on disk. -> the checkpoint directory."""
+    Each process hashes its own files (`own_files`) and hands their digests to the main process, which hashes the
+    rest. With `saves`, that hashing runs on each process's background thread, where the main process also writes
+    `shared` (which must then be host copies, see `to_host`), publishes and runs `then`, and the call returns once
+    every process's files are written; without, it returns when everything is on disk. -> the checkpoint
+    directory."""
     path = step_dir(output_dir, step)
     tmp = temporary_sibling(path, "partial")
     # a failed write (disk full) removes the temporary directory and raises WriteFailed naming the checkpoint
@@ -229,32 +259,58 @@ def save_training_state(
         with _checkpoint_write(what, output_dir, tmp):
             os.makedirs(tmp)
     accelerator.wait_for_everyone()
+    rank = accelerator.process_index
     with _checkpoint_write(what, output_dir, tmp):
         os.makedirs(tmp, exist_ok=True)
-        save_torch(local, os.path.join(tmp, RANK_FILE.format(rank=accelerator.process_index)))
+        save_torch(local, os.path.join(tmp, RANK_FILE.format(rank=rank)))
         if write_shards is not None:
             write_shards(tmp)
-    accelerator.wait_for_everyone()  # every process's file is in tmp
+    accelerator.wait_for_everyone()  # every process's files are in tmp
     if accelerator.is_main_process:
         meta = {**meta, "step": step, "world_size": accelerator.num_processes}
 
         def write() -> None:
             with _checkpoint_write(what, output_dir, tmp):
                 save_torch(shared, os.path.join(tmp, SHARED_FILE))
+                digests = file_digests(tmp, own_files(tmp, rank))  # while the other processes hash theirs
+                for other in range(1, accelerator.num_processes):
+                    digests.update(_handed_digests(tmp, other))
+                rest = [name for name in _files(tmp) if name not in digests]  # state.pt, DCP's .metadata
+                digests.update(file_digests(tmp, rest))
                 with open(os.path.join(tmp, META_FILE), "w", encoding="utf-8") as f:
-                    json.dump({**meta, "files": file_digests(tmp)}, f, indent=2)
+                    json.dump({**meta, "files": dict(sorted(digests.items()))}, f, indent=2)
                 publish_directory(tmp, path)
             prune_checkpoints(output_dir, keep)
             if then is not None:
                 then()
 
-        if saves is None:
-            write()
-        else:
-            saves.start(write)
+    else:
+
+        def write() -> None:  # this process's files hashed, the digests handed to the main process
+            with failed_write(what, output_dir, tmp):  # the main process removes tmp when its digests never come
+                digests = file_digests(tmp, own_files(tmp, rank))
+                write_json_atomic(os.path.join(tmp, DIGESTS_FILE.format(rank=rank)), digests)
+
     if saves is None:
+        write()
         accelerator.wait_for_everyone()
+    else:
+        saves.start(write)
     return path
+
+
+def _handed_digests(directory: str, rank: int, timeout_s: float = DIGESTS_TIMEOUT_S) -> dict[str, dict[str, Any]]:
+    """The digests process `rank` hands over in `directory` (its DIGESTS_FILE, then removed), once it is there."""
+    path = os.path.join(directory, DIGESTS_FILE.format(rank=rank))
+    deadline = time.monotonic() + timeout_s
+    while not os.path.exists(path):
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"process {rank} did not hash its checkpoint files into '{path}' in {timeout_s:.0f} s")
+        time.sleep(0.05)
+    with open(path, encoding="utf-8") as f:
+        digests = json.load(f)
+    os.remove(path)
+    return digests
 
 
 def _sha256(path: str) -> str:
@@ -266,15 +322,27 @@ def _sha256(path: str) -> str:
     return digest.hexdigest()
 
 
-def file_digests(directory: str) -> dict[str, dict[str, Any]]:
-    """{name: {"bytes", "sha256"}} of every file in a checkpoint directory but checkpoint.json, which records them;
-    a file in a subdirectory (the sharded weights of an --fsdp run) is named by its relative path."""
-    paths = {
-        os.path.relpath(os.path.join(root, name), directory): os.path.join(root, name)
-        for root, _, names in os.walk(directory)
-        for name in names
-    }
-    paths.pop(META_FILE, None)
+def _files(directory: str) -> list[str]:
+    """Every file in a checkpoint directory but checkpoint.json, which records them, by its relative path (a file in
+    a subdirectory: the sharded weights of an --fsdp run)."""
+    paths = [
+        os.path.relpath(os.path.join(root, name), directory) for root, _, names in os.walk(directory) for name in names
+    ]
+    return sorted(path for path in paths if path != META_FILE)
+
+
+def own_files(directory: str, rank: int) -> list[str]:
+    """The files of a checkpoint directory that process `rank` wrote: its rng_rank file and its shard files of DCP's
+    writer (sharded/__{rank}_{n}.distcp); DCP's .metadata is the main process's."""
+    shards = os.path.join(directory, SHARDED_DIR)
+    names = sorted(os.listdir(shards)) if os.path.isdir(shards) else []
+    return [RANK_FILE.format(rank=rank)] + [f"{SHARDED_DIR}/{name}" for name in names if name.startswith(f"__{rank}_")]
+
+
+def file_digests(directory: str, names: list[str] | None = None) -> dict[str, dict[str, Any]]:
+    """{name: {"bytes", "sha256"}} of `names` (relative paths) in a checkpoint directory; None: every file but
+    checkpoint.json."""
+    paths = {name: os.path.join(directory, name) for name in (_files(directory) if names is None else names)}
     return {name: {"bytes": os.path.getsize(paths[name]), "sha256": _sha256(paths[name])} for name in sorted(paths)}
 
 

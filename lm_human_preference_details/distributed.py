@@ -179,22 +179,73 @@ def clear_gradients(optimizer: torch.optim.Optimizer, trained: torch.nn.Module) 
     optimizer.zero_grad(set_to_none=not isinstance(trained, DistributedDataParallel))
 
 
+def _fsdp_units(module: torch.nn.Module) -> list[torch.nn.Module]:
+    """The FSDP2 units inside `module` (its transformer blocks and itself when sharded), in module order."""
+    return [m for m in module.modules() if isinstance(m, FSDPModule)]
+
+
 @contextlib.contextmanager
-def gathered(module: torch.nn.Module) -> Iterator[None]:
-    """Inside, an FSDP2-sharded `module` holds every weight whole: each unit all-gathered once, not again at every
-    forward (a rollout's decoding steps call the trunk once per token), then sharded again; otherwise nothing."""
-    units = [m for m in module.modules() if isinstance(m, FSDPModule)]
+def _fsdp_hooks_detached(units: list[torch.nn.Module]) -> Iterator[None]:
+    """Inside, the forward hooks that FSDP2 registered on `units` are detached (the units' other hooks stay): a forward
+    runs the module's own code only. FSDP2's pre-forward hook would otherwise gather the unit again and, as no root
+    forward ran, act as the iteration's root and make its all-gather streams wait on the current stream, which inside
+    a CUDA graph capture forks them into the capture without a join (cudaErrorStreamCaptureUnjoined)."""
+    detached = []
     for unit in units:
-        unit.unshard()
-        if unit is not module:
-            unit.set_reshard_after_forward(False, recurse=False)
+        state = fully_shard.state(unit)
+        for name in ("_forward_pre_hooks", "_forward_hooks"):
+            hooks = getattr(unit, name)
+            kept = type(hooks)(
+                (key, hook) for key, hook in hooks.items() if getattr(hook, "__self__", None) is not state
+            )
+            setattr(unit, name, kept)
+            detached.append((unit, name, hooks))
     try:
         yield
     finally:
+        for unit, name, hooks in detached:
+            setattr(unit, name, hooks)
+
+
+@contextlib.contextmanager
+def gathered(module: torch.nn.Module) -> Iterator[None]:
+    """Inside, an FSDP2-sharded `module` holds every weight whole and runs as a plain module: each unit all-gathered
+    once, not again at every forward (a rollout's decoding steps call the trunk once per token), with FSDP2's forward
+    hooks detached, so that no FSDP2 code runs in its forwards (nor in a decoding step captured as a CUDA graph); then
+    sharded again. Forwards inside record no gradients (the shards would not receive them). Unsharded: `no_grad`."""
+    units = _fsdp_units(module)
+    for unit in units:
+        unit.unshard()
+    try:
+        with torch.no_grad(), _fsdp_hooks_detached(units):
+            yield
+    finally:
         for unit in units:
-            if unit is not module:
-                unit.set_reshard_after_forward(True, recurse=False)
             unit.reshard()
+
+
+def hold_gathered_weights(trained: torch.nn.Module, module: torch.nn.Module) -> int:
+    """Keep the gathered (whole) weights of `module`'s parameters, sharded inside `trained` by FSDP2, allocated for
+    the rest of the run; -> their bytes. FSDP2 frees a unit's gathered weights whenever it shards it again and
+    allocates them anew at its next gather, elsewhere in memory: a decoding step captured as a CUDA graph on them
+    (--compile_sampler) would then be captured again at every update (a new KV cache, warm-up steps, a capture and a
+    device sync each). Held, every gather writes the same addresses and the graph replays on the new weights. The
+    cost: 4 bytes per parameter of `module` (float32), held while the run trains rather than during the rollout and,
+    in the PPO passes, a unit at a time."""
+    wanted = {id(p) for p in module.parameters()}
+    held = 0
+    for unit in _fsdp_units(trained):
+        for group in fully_shard.state(unit)._fsdp_param_groups:
+            for fsdp_param in group.fsdp_params:
+                if id(fsdp_param.sharded_param) in wanted:
+                    # FSDP2 frees the gathered storage through this method only (to_sharded, to_sharded_post_forward)
+                    fsdp_param.free_unsharded_param = _keep_gathered_storage
+                    held += fsdp_param.sharded_param.numel() * fsdp_param.sharded_param.element_size()  # whole
+    return held
+
+
+def _keep_gathered_storage() -> None:
+    """`hold_gathered_weights`'s stand-in for an FSDP2 parameter's `free_unsharded_param`: the storage stays."""
 
 
 def broadcast_parameters(module: torch.nn.Module, accelerator: Any) -> None:

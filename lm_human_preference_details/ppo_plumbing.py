@@ -75,7 +75,7 @@ def print_setup(console, args: PolicyArgs, sizes: Sizes, tf32: str, task_changes
             "reward model": args.rewards.trained_model,
             **({"critic (--ppo.value_model)": args.ppo.value_model} if args.ppo.value_model else {}),
             **({"LoRA": lora.describe(args.lora)} if args.lora.rank else {}),
-            **({"FSDP (--fsdp)": describe_fsdp(sizes.world)} if args.run.fsdp else {}),
+            **({"FSDP (--fsdp)": describe_fsdp(sizes.world, args.run.compile_sampler)} if args.run.fsdp else {}),
             "TF32": tf32,
             "deterministic": devices.describe_deterministic(),
             **({"task from the reward model": "; ".join(task_changes)} if task_changes else {}),
@@ -557,16 +557,17 @@ def check_fsdp_flags(args: PolicyArgs) -> None:
         )
 
 
-def describe_fsdp(processes: int) -> str:
-    """--fsdp in the start-up table: what is sharded over how many processes."""
+def describe_fsdp(processes: int, compile_sampler: bool = False) -> str:
+    """--fsdp in the start-up table: what is sharded over how many processes, and where the gathered policy lives."""
     if processes == 1:
         return (
             "one process: nothing to shard, the model stays whole; checkpoints are sharded ones, which a run on "
             "several processes continues"
         )
+    held = "; its gathered weights held for the run, where the captured decoding step reads them"
     return (
         f"the policy (and a critic), the reference policy and a reward model sharded over {processes} processes; the "
-        "policy gathered once per rollout"
+        f"policy gathered once per rollout{held if compile_sampler else ''}"
     )
 
 

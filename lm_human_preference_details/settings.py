@@ -65,6 +65,17 @@ class RunSettings:
     tf32: bool = False
     """run float32 matmuls on TF32 tensor cores (NVIDIA Ampere or newer: A100, H100): GEMMs ~5-7x faster, with
     relative errors up to ~1e-3 (docs/gpu.md); off: full float32, as OAI trained"""
+    fused_adam: bool = False
+    """each optimizer step as one fused kernel per device and dtype (torch's fused Adam; TF-style Adam's update is
+    rewritten in its form, eps / sqrt(1 - b2^t) in the place of torch's eps) instead of a few foreach kernels per 64 MiB
+    bucket: the same update up to float32 rounding (measured on CPU: up to 5e-7 of the largest entry of a step's
+    update, docs/gpu.md), so runs drift apart as two float32 runs with other kernels do; off: the update as OAI
+    writes it (TF-style Adam: bit-identical to its float64 closed form rounded per operation)"""
+    fused_checks: bool = False
+    """count the non-finite weights and gradients of each step with one foreach operator over all tensors (sums of
+    absolute values: a few kernels on a GPU instead of one per tensor): the same counts, no rounding involved, except
+    that such a sum overflows float32 (|entries| ~ 1e38 / numel) where a plain sum whose entries cancel may not; off:
+    one sum per tensor"""
     deterministic: bool = False
     """use torch's deterministic algorithms (CUBLAS_WORKSPACE_CONFIG=:4096:8, no cuDNN benchmarking): on the same GPU
     model and software, a killed and resumed run equals the uninterrupted one bit for bit (docs/reliability.md), with

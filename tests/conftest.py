@@ -207,6 +207,25 @@ def single_thread():
         yield
 
 
+@pytest.fixture
+def gloo_process_group():
+    """A process group of this one process (gloo): FSDP2 shards a module into one shard there, with the hooks, DTensors
+    and gathered storage of a run on several processes (`distributed.data_parallel(..., SeveralProcesses(), True)`)."""
+    from tests.planted import free_port
+
+    torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+class SeveralProcesses:
+    """The accelerator of a run on 2 processes, as `distributed.data_parallel` reads it (the group may have fewer)."""
+
+    num_processes = 2
+
+
 QUERY_TEXTS = [
     "The old man walked slowly down the road, thinking about the letter he had received that morning.",
     "She opened the window and the cold air rushed into the small room.",

@@ -154,3 +154,108 @@ def test_the_next_background_save_waits_for_the_previous_one_and_errors_reach_th
     with pytest.raises(OSError, match="No space left"):
         saves.start(lambda: None)  # the next save raises it too
     saves.wait()
+
+
+# ---------------------------------------------------------------- each process hashes its own files
+
+
+class ThreadProcess:
+    """One of `world` processes played by a thread: the accelerator's part that save_training_state uses."""
+
+    def __init__(self, rank: int, world: int, barrier: threading.Barrier):
+        self.process_index, self.num_processes, self.is_main_process = rank, world, rank == 0
+        self.barrier = barrier
+
+    def wait_for_everyone(self) -> None:
+        self.barrier.wait(timeout=60)
+
+
+def fake_shards(directory: str, rank: int) -> None:
+    """What DCP's writer leaves of process `rank` (two shard files; the main process writes .metadata)."""
+    shards = os.path.join(directory, "sharded")
+    os.makedirs(shards, exist_ok=True)
+    for n in range(2):
+        with open(os.path.join(shards, f"__{rank}_{n}.distcp"), "wb") as f:
+            f.write(os.urandom(1000 + rank))
+    if rank == 0:
+        with open(os.path.join(shards, ".metadata"), "wb") as f:
+            f.write(b"metadata")
+
+
+@pytest.mark.parametrize("background", [False, True])
+def test_each_process_hashes_the_files_it_wrote_and_the_main_process_records_all(tmp_path, monkeypatch, background):
+    world = 3
+    hashed_by: dict[str, list[int]] = {}
+    process = threading.local()
+    sha256 = checkpoint._sha256
+
+    def recording(path: str) -> str:
+        if hasattr(process, "rank"):  # a save's hashing, not the check below
+            name = os.path.relpath(path, checkpoint.temporary_sibling(checkpoint.step_dir(str(tmp_path), 2), "partial"))
+            hashed_by.setdefault(name, []).append(process.rank)
+        return sha256(path)
+
+    monkeypatch.setattr(checkpoint, "_sha256", recording)
+    barrier = threading.Barrier(world)
+    errors = []
+
+    def run(rank: int) -> None:
+        process.rank = rank
+        accelerator = ThreadProcess(rank, world, barrier)
+        saves = checkpoint.BackgroundSaves() if background else None
+        if saves is not None:  # the background thread hashes as the process it belongs to
+            start = saves.start
+            saves.start = lambda write: start(lambda: (setattr(process, "rank", rank), write()))
+        try:
+            shared = {"x": torch.ones(3)} if rank == 0 else None
+            checkpoint.save_training_state(
+                str(tmp_path),
+                2,
+                accelerator,
+                {},
+                shared,
+                {"rank": rank},
+                2,
+                saves,
+                write_shards=lambda d: fake_shards(d, rank),
+            )
+            if saves is not None:
+                saves.wait()
+        except BaseException as e:
+            errors.append(e)
+
+    threads = [threading.Thread(target=run, args=(rank,)) for rank in range(world)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert not errors, errors
+    path = checkpoint.step_dir(str(tmp_path), 2)
+    meta = checkpoint.read_meta(path)
+    expected = {f"rng_rank{r}.pt": [r] for r in range(world)}
+    expected.update({f"sharded/__{r}_{n}.distcp": [r] for r in range(world) for n in range(2)})
+    expected.update({"state.pt": [0], "sharded/.metadata": [0]})
+    assert hashed_by == expected  # each file hashed once, by the process that wrote it (the rest by process 0)
+    assert set(meta["files"]) == set(expected) and sorted(os.listdir(path)) == [
+        "checkpoint.json",
+        "rng_rank0.pt",
+        "rng_rank1.pt",
+        "rng_rank2.pt",
+        "sharded",
+        "state.pt",
+    ]
+    assert checkpoint.find_damage(path) is None  # the recorded digests are those of the files
+
+
+def test_to_host_copies_every_tensor_through_the_pinned_host_buffers(monkeypatch):
+    # the non-sharded save's Adam moments: host tensors pinned where CUDA is (_host_tensor), not pageable copies
+    made = []
+    host_tensor = checkpoint._host_tensor
+    monkeypatch.setattr(checkpoint, "_host_tensor", lambda t: made.append(t.shape) or host_tensor(t))
+    moments = {"exp_avg": torch.randn(3, 2), "exp_avg_sq": torch.rand(3, 2).t(), "step": torch.tensor(2.0)}
+    state = {"state": {0: moments}, "param_groups": [{"lr": 1e-3, "params": [0]}], "order": (torch.arange(4),)}
+    host = checkpoint.to_host(state)
+    assert len(made) == 4 and host["param_groups"] == state["param_groups"]
+    for name, tensor in moments.items():
+        assert torch.equal(host["state"][0][name], tensor) and host["state"][0][name].data_ptr() != tensor.data_ptr()
+    assert isinstance(host["order"], tuple) and torch.equal(host["order"][0], torch.arange(4))

@@ -17,7 +17,7 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from transformers import AutoModelForCausalLM
 
 import train_policy
-from lm_human_preference_details import checkpoint, sharded
+from lm_human_preference_details import checkpoint, decoding_graph, sharded
 from lm_human_preference_details.data import QueryStream, load_texts
 from lm_human_preference_details.resume_check import max_metric_difference, scalars, start_and_kill
 from lm_human_preference_details.tokenizer import load_tokenizer
@@ -290,7 +290,10 @@ def test_one_process_fsdp_run_writes_sharded_checkpoints_and_resumes_from_them(w
     ]
     assert states[0].keys() == states[1].keys() and any(k.endswith("exp_avg") for k in states[1])
     assert all(torch.equal(states[0][k], states[1][k]) for k in states[1])
-    # a run without --fsdp cannot read those checkpoints: one line naming the flag
+    # a run without --fsdp cannot read those checkpoints: one line naming the flag (of a run cut before its end: a
+    # finished run refuses any other setting first)
+    shutil.rmtree(checkpoint.step_dir(str(resumed), UPDATES))
+    (resumed / "summary.json").unlink()
     with pytest.raises(ValueError, match=r"written with --fsdp .*resume with the checkpoint's --fsdp"):
         train_policy.main(train_policy.parse([*flags[:-3], "--output_dir", str(resumed), "--resume", "auto",
                                               "--allow_resume_changes"]))  # fmt: skip
@@ -358,3 +361,63 @@ def test_fsdp_reduce_scatters_every_micro_batch_so_no_whole_gradient_accumulates
                 torch.testing.assert_close(gradients[name], p.grad, rtol=1e-5, atol=1e-7)
     finally:
         torch.distributed.destroy_process_group()
+
+
+COUNTING_LAUNCHER = """
+import sys
+sys.path.insert(0, {repo!r})
+import torch
+import torch.distributed as dist
+from torch.distributed.fsdp._fully_shard._fsdp_state import FSDPState
+import train_policy
+from lm_human_preference_details import cli, decoding_graph
+
+torch.set_num_threads(1)
+counts = dict(captures=0, bodies=0, hooks_inside=0)
+inside = [False]
+for name in ("_pre_forward", "_post_forward"):
+    original = getattr(FSDPState, name)
+
+    def counted(state, *args, _original=original, **kwargs):
+        counts["hooks_inside"] += inside[0]
+        return _original(state, *args, **kwargs)
+
+    setattr(FSDPState, name, counted)
+
+
+class BodyGraph(decoding_graph.EagerStepGraph):
+    def capture(self, step):
+        counts["captures"] += 1
+
+        def body():
+            inside[0] = True
+            counts["bodies"] += 1
+            try:
+                step()
+            finally:
+                inside[0] = False
+
+        super().capture(body)
+
+
+decoding_graph.new_step_graph = BodyGraph
+cli.run(train_policy.main, train_policy.parse, sys.argv[2:])
+torch.save(counts, sys.argv[1] + f"/counts{{dist.get_rank() if dist.is_initialized() else 0}}.pt")
+"""
+
+
+@pytest.mark.slow
+def test_fsdp_compile_sampler_captures_once_over_the_run_and_runs_no_fsdp_hook_inside(world, tmp_path):
+    launcher = tmp_path / "counting.py"
+    launcher.write_text(COUNTING_LAUNCHER.format(repo=str(REPO)))
+    flags = [*run_flags(world, "gpt2", ["--fsdp", "--compile_sampler"]), "--output_dir", str(tmp_path / "out")]
+    codes, outputs, _ = run_all([torchrun(2, str(launcher), str(tmp_path), *flags)], 600, tmp_path)
+    assert codes == [0], outputs[0][-5000:]
+    assert "gathered weights held for the run" in outputs[0]
+    for rank in range(2):
+        counts = torch.load(tmp_path / f"counts{rank}.pt")
+        # one capture for the UPDATES rollouts of 8 tokens (7 decoding steps after the prefill's token): the first
+        # rollout's 3 warm-up steps run eagerly, each later step replays the captured body (the eager stand-in runs it)
+        assert counts["captures"] == 1, counts
+        assert counts["bodies"] == UPDATES * 7 - decoding_graph.WARM_UP_STEPS, counts
+        assert counts["hooks_inside"] == 0, counts

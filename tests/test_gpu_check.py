@@ -17,7 +17,7 @@ SPEC = importlib.util.spec_from_file_location("gpu_check", REPO / "benchmark" / 
 gpu_check = importlib.util.module_from_spec(SPEC)
 SPEC.loader.exec_module(gpu_check)
 
-PPO_STEPS = ("fp32", "tf32_compile", "bf16")
+PPO_STEPS = ("fp32", "tf32_compile", "bf16", "fused", "successor")
 
 
 @pytest.mark.slow
@@ -47,8 +47,20 @@ def test_quick_check_on_cpu_reports_every_row_and_a_failing_step_without_stoppin
             assert math.isfinite(figures[key]) and figures[key] > 0, (name, key, figures[key])
         # OAI's elapsed/fps: 8 episodes x 24 response tokens over the update's wall seconds
         assert figures["tokens_per_s"] == pytest.approx(8 * 24 / figures["seconds_per_update"], rel=0.05)
-    for name in ("fp32", "tf32_compile", "bf16"):  # counted by HostSyncCounter on CPU: the statistics copy alone
+    for name in PPO_STEPS:  # counted by HostSyncCounter on CPU: the statistics copy alone
         assert 1 <= rows[name]["figures"]["syncs_per_update"] <= HOST_SYNC_BUDGET, rows[name]["figures"]
+    assert rows["sft"]["figures"]["steps"] == 2 and math.isfinite(rows["sft"]["figures"]["loss"])
+    group = rows["distributed"]["figures"]  # gloo on CPU, the decoding graph's eager stand-in
+    assert group["backend"] == "gloo" and group["captures_over_3_updates"] == 1
+    assert (
+        group["dcp_weights_equal"] and group["dcp_adam_moments_equal"] and group["ddp_max_gradient_difference"] <= 1e-6
+    )
+    # the profile of one update: the matrix multiplies' share of the operators' time, and the top ones as a table
+    profile = rows["profile"]["figures"]
+    assert 0 < profile["matmul_share"] < 1 and 0 < len(profile["top_kernels"]) <= 10
+    assert sum(kernel["share"] for kernel in profile["top_kernels"]) <= 1 + 1e-9
+    assert any(kernel["name"] in ("aten::mm", "aten::addmm") for kernel in profile["top_kernels"])
+    assert "one PPO update, host time of each operator (CPU): matrix multiplies" in done.stdout
     resume = rows["resume"]["figures"]
     assert resume["resumed_from_update"] == 2 and resume["checkpoints"] == [2, 4]
     assert resume["max_metric_difference"] <= 1e-6 and resume["max_weight_difference"] <= 1e-6

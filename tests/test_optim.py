@@ -134,6 +134,66 @@ def test_adam_tf_style_state_dict_roundtrip_continues_identically():
     np.testing.assert_array_equal(param.detach().numpy(), full)
 
 
+def test_fused_adam_tf_style_is_tf1s_update_in_float64_and_within_float32_rounding():
+    # --fused_adam: TF1's update in torch's fused Adam kernel (eps / sqrt(1 - b2^t) in the place of torch's eps); the
+    # same update in exact arithmetic, other float32 roundings
+    grads = grad_schedule()
+    p0 = np.random.default_rng(6).normal(size=16)
+    lrs = [1e-3, 5e-4, 0.0, 2e-3, *[1e-3] * (NUM_STEPS - 4)]
+    fused = run_optimizer(AdamTensorFlowStyle, p0, grads, lrs, torch.float64, fused=True)
+    expected = tf1_adam_reference(p0, grads, lrs)
+    np.testing.assert_allclose(fused - p0, expected - p0, rtol=1e-10, atol=0)
+    p0 = p0.astype(np.float32).astype(np.float64)
+    fused = run_optimizer(AdamTensorFlowStyle, p0, grads.astype(np.float32), lrs, torch.float32, fused=True)
+    expected = tf1_adam_reference(p0, grads.astype(np.float32).astype(np.float64), lrs)
+    np.testing.assert_allclose(fused, expected, rtol=0, atol=1e-6)  # the default's tolerance
+
+
+def test_fused_adam_one_step_differs_from_the_default_by_float32_rounding():
+    # the figure of docs/gpu.md: one step from the same state, the largest difference of the two updates relative to
+    # the update's largest entry
+    generator = torch.Generator().manual_seed(0)
+    worst = 0.0
+    for scale in (1.0, 1e-3, 1e-7):
+        params = [torch.nn.Parameter(torch.zeros(4096)) for _ in range(2)]
+        optimizers = [make_optimizer([p], 1e-3, True, fused=fused) for p, fused in zip(params, (False, True))]
+        for _ in range(5):
+            grad = torch.randn(4096, generator=generator) * scale
+            before = params[0].detach().clone()
+            for p, optimizer in zip(params, optimizers):
+                p.grad = grad.clone()
+                optimizer.step()
+            update = (params[0] - before).abs().max()
+            worst = max(worst, ((params[0] - params[1]).abs().max() / update).item())
+            params[1].data.copy_(params[0].data)
+            for key in ("exp_avg", "exp_avg_sq"):
+                optimizers[1].state[params[1]][key].copy_(optimizers[0].state[params[0]][key])
+    assert 0 < worst < 1e-6
+
+
+@pytest.mark.parametrize("use_tensorflow_adam", [True, False])
+def test_fused_adam_checkpoints_resume_with_or_without_it(use_tensorflow_adam):
+    # the flag is not in the optimizer's state dict: a checkpoint of a fused run resumes without the flag and the other
+    # way round, with the same state
+    grads = grad_schedule(6)
+    p0 = np.random.default_rng(7).normal(size=16)
+    after_three, fused = make_optimizer_run(p0, grads[:3], 1e-3, use_tensorflow_adam=use_tensorflow_adam, fused=True)
+    _, plain = make_optimizer_run(p0, grads[:3], 1e-3, use_tensorflow_adam=use_tensorflow_adam)
+    saved, expected = fused.state_dict(), plain.state_dict()
+    assert saved["param_groups"] == expected["param_groups"] or not use_tensorflow_adam
+    assert saved["state"].keys() == expected["state"].keys()
+    for name in expected["state"][0]:
+        np.testing.assert_allclose(np.asarray(saved["state"][0][name]), np.asarray(expected["state"][0][name]))
+    param = torch.nn.Parameter(torch.tensor(after_three))
+    resumed = make_optimizer([param], 1e-3, use_tensorflow_adam)
+    resumed.load_state_dict(saved)
+    for g in grads[3:]:
+        param.grad = torch.tensor(g)
+        resumed.step()
+    whole, _ = make_optimizer_run(p0, grads, 1e-3, use_tensorflow_adam=use_tensorflow_adam)
+    np.testing.assert_allclose(param.detach().numpy(), whole, rtol=0, atol=1e-12)
+
+
 @pytest.mark.parametrize("kwargs", [dict(lr=-1.0), dict(betas=(1.0, 0.999)), dict(eps=-1e-5)])
 def test_adam_tf_style_rejects_bad_hyperparameters(kwargs):
     with pytest.raises(ValueError, match="invalid"):

@@ -364,3 +364,17 @@ def test_docs_bad_input_table_names_existing_tests():
     for row in rows:
         names = re.findall(r"`(test_\w+)`", row.split("|")[-2])
         assert names and all(name in tests for name in names), row
+
+
+@pytest.mark.parametrize("foreach", [False, True])
+def test_nonfinite_tensors_counts_the_tensors_holding_a_nan_or_an_infinity(foreach):
+    # --fused_checks (foreach) counts what the sums count: tensors, not entries; of any dtype, empty ones finite
+    tensors = [torch.randn(40, 3), torch.randn(7, dtype=torch.float64), torch.zeros(0), torch.randn(5)]
+    assert validation.nonfinite_tensors(tensors, foreach).item() == 0
+    tensors[0][3, 1], tensors[0][5, 0] = float("nan"), float("inf")
+    tensors[1][2] = -float("inf")
+    assert validation.nonfinite_tensors(tensors, foreach).item() == 2
+    assert validation.nonfinite_tensors([], foreach).item() == 0
+    # entries that cancel: the plain sum is finite where the sum of absolute values overflows float32
+    cancelling = torch.tensor([3e38, -3e38, 3e38, -3e38])
+    assert validation.nonfinite_tensors([cancelling], foreach).item() == int(foreach)
