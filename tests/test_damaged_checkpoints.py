@@ -9,17 +9,19 @@ import pytest
 import torch
 
 import train_policy
-from lm_human_preference_details import checkpoint
+from lm_human_preference_details import checkpoint, resumable
 from tests.test_resume import finished_run, max_weight_difference, policy_world  # noqa: F401 (fixtures)
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
 
 def copy_run(finished_run, tmp_path, name: str = "run") -> tuple[str, list[str]]:  # noqa: F811
-    """A copy of the finished 2-update run (checkpoints step1 and step2); -> its directory and its flags."""
+    """A copy of the 2-update run (checkpoints step1 and step2) as a kill after its last checkpoint left it, before its
+    summary.json (a finished run is kept as it is: its checkpoints are never resumed); -> its directory and flags."""
     output_dir, flags = finished_run
     run_dir = tmp_path / name
     shutil.copytree(output_dir, run_dir)
+    (run_dir / resumable.SUMMARY_FILE).unlink()
     return str(run_dir), [*flags[:-2], "--output_dir", str(run_dir)]
 
 
