@@ -426,18 +426,13 @@ def minibatch_advantages(
     """(Whitened) rewards, whitened GAE advantages and returns of one minibatch, each virtual rank's rows apart."""
     # reward whitening and GAE run per minibatch, inside OAI's loss (spec P5, P6), on each rank's own rows (D4)
     # https://github.com/openai/lm-human-preferences/blob/cbfd210bb8b08f6bc5c26878c10984b90f516c66/lm_human_preferences/train_policy.py#L324-L339
-    correction = whiten_correction(ppo)
+    # --ppo.whiten_variance unbiased divides by n - 1, as TRL's masked_whiten
+    # https://github.com/huggingface/trl/blob/617406a4e69551c115c145114497999618d24f3c/trl/experimental/ppo/ppo_trainer.py#L254-L270
+    correction = int(ppo.whiten_variance == "unbiased")  # 0: OAI's population variance
     if ppo.whiten_rewards:
         rewards = whiten(rewards, shift_mean=False, group_size=whiten_group, correction=correction)
     advantages, returns = compute_advantages(rewards, values, ppo.gamma, ppo.lam)
     return rewards, whiten(advantages, group_size=whiten_group, correction=correction), returns
-
-
-def whiten_correction(ppo: PpoHParams) -> int:
-    """What the whitening variance subtracts from the element count (--ppo.whiten_variance): 0 for the population
-    variance (OAI), 1 for the unbiased one (TRL's masked_whiten)."""
-    # https://github.com/huggingface/trl/blob/617406a4e69551c115c145114497999618d24f3c/trl/experimental/ppo/ppo_trainer.py#L254-L270
-    return 1 if ppo.whiten_variance == "unbiased" else 0
 
 
 def ppo_losses(
@@ -547,7 +542,7 @@ def ppo_update(
                     ppo.lam,
                     sizes.whiten_group,
                     compute_advantages,
-                    whiten_correction(ppo),
+                    correction=int(ppo.whiten_variance == "unbiased"),
                 )
             stats.add_minibatch(mb_returns, mb_values, mb_advantages, sizes.virtual_ranks)
             for micro_start in range(0, sizes.minibatch, sizes.micro):
