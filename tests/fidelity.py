@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from lm_human_preference_details import distributed
+from lm_human_preference_details import checkpoint, distributed
 from tests.conftest import cpu_accelerator
 
 # ---------------------------------------------------------------- a pretended second process
@@ -170,10 +170,12 @@ def patch_collectives(monkeypatch, recorder: Recorder, modules) -> None:
 
 
 def fake_world(monkeypatch, modules, rank: int, other=None) -> None:
-    """Scripts in `modules` get a FakeWorld accelerator."""
+    """Scripts in `modules` get a FakeWorld accelerator; the pretended other process writes no checkpoint files, so it
+    hands over no digests of them."""
     patch_everywhere(
         monkeypatch, "make_accelerator", lambda fn: lambda *_: FakeWorld(rank, 2, other), [distributed, *modules]
     )
+    monkeypatch.setattr(checkpoint, "_handed_digests", lambda directory, rank: {})
 
 
 def state_copy(module: torch.nn.Module) -> dict[str, torch.Tensor]:
