@@ -1,11 +1,94 @@
-"""The suite's disk budget (pyproject.toml): a passing test's temporary directory is removed when it ends."""
+"""The suite's time and disk budget (tests/conftest.py, pyproject.toml): `--dist loadfile` hands out the longest test
+files first, the processes of the tests keep large freed blocks in the heap instead of page-faulting them in again, and
+a passing test's temporary directory is removed when it ends."""
 
+import ctypes
+import os
 import subprocess
 import sys
 import textwrap
 from pathlib import Path
+from types import SimpleNamespace
 
+import pytest
+
+from tests import conftest
 from tests.planted import REPO
+
+PROBE = """
+import ctypes, resource
+BLOCK = 64 * 2**20  # over glibc's default mmap threshold (32 MiB at most), under the suite's KEPT_BLOCKS
+libc = ctypes.CDLL(None)
+libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
+libc.free.argtypes = [ctypes.c_void_p]
+first = libc.malloc(BLOCK)
+ctypes.memset(first, 1, BLOCK)
+libc.free(first)
+before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+second = libc.malloc(BLOCK)
+ctypes.memset(second, 2, BLOCK)
+faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+libc.free(second)
+print(faults, BLOCK // resource.getpagesize())
+"""
+"""prints the page faults of writing a freshly allocated 64 MiB block after one of the same size was written and freed,
+and the pages of the block"""
+
+
+class FakeWorker:
+    """What xdist's scheduler uses of a worker: its name and the test indices it is sent."""
+
+    def __init__(self, name: str) -> None:
+        self.gateway, self.shutting_down, self.sent = SimpleNamespace(id=name), False, []
+
+    def send_runtest_some(self, indices: list[int]) -> None:
+        self.sent.append(indices)
+
+    def shutdown(self) -> None:
+        self.shutting_down = True
+
+
+def test_every_file_named_slowest_exists_once():
+    assert len(set(conftest.SLOWEST_FILES)) == len(conftest.SLOWEST_FILES) >= 10
+    missing = [name for name in conftest.SLOWEST_FILES if not (REPO / "tests" / name).is_file()]
+    assert not missing, missing
+
+
+def test_loadfile_hands_out_the_slowest_files_first_then_xdists_order():
+    config = SimpleNamespace(
+        getoption=lambda name: {"dist": "loadfile"}[name],
+        getvalue=lambda name: {"tx": ["2*popen"]}[name],
+        option=SimpleNamespace(loadscopereorder=True),
+    )
+    slowest, second = (f"tests/{name}" for name in conftest.SLOWEST_FILES[:2])
+    # xdist alone hands out the files with the most tests first: here the two unlisted ones
+    collection = [f"tests/test_many.py::t{i}" for i in range(9)] + [f"tests/test_some.py::t{i}" for i in range(6)]
+    collection += [f"{second}::t{i}" for i in range(3)] + [f"{slowest}::t{i}" for i in range(2)]
+    scheduler = conftest.pytest_xdist_make_scheduler(config, None)
+    workers = [FakeWorker("gw0"), FakeWorker("gw1")]
+    for worker in workers:
+        scheduler.add_node(worker)
+        scheduler.add_node_collection(worker, collection)
+    scheduler.schedule()
+    files = [[collection[indices[0]].split("::")[0] for indices in worker.sent] for worker in workers]
+    # each worker starts on one of the slowest files; then the others come in xdist's order (the most tests first)
+    assert files == [[slowest, "tests/test_many.py"], [second]]  # the first holds 2 tests, the second 3
+    assert list(scheduler.workqueue) == ["tests/test_some.py"]
+    assert conftest.pytest_xdist_make_scheduler(SimpleNamespace(getoption=lambda name: "load"), None) is None
+
+
+@pytest.mark.skipif(not hasattr(ctypes.CDLL(None), "mallopt"), reason="glibc's malloc only")
+def test_the_tests_and_the_processes_they_start_reuse_a_freed_large_block(capsys):
+    exec(PROBE, {})  # this process (mallopt)
+    faults, pages = map(int, capsys.readouterr().out.split())
+    assert faults < pages // 10, (faults, pages)
+    started = subprocess.run([sys.executable, "-c", PROBE], capture_output=True, text=True, check=True)
+    faults, pages = map(int, started.stdout.split())
+    assert faults < pages // 10, (faults, pages)  # a process the tests start (the environment)
+    default = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}
+    started = subprocess.run([sys.executable, "-c", PROBE], env=default, capture_output=True, text=True, check=True)
+    faults, pages = map(int, started.stdout.split())
+    assert faults >= pages // 2, (faults, pages)  # glibc's default: the block is mapped and faulted in again
 
 
 def test_a_passing_tests_temporary_directory_is_removed_and_a_failing_ones_kept(tmp_path):
