@@ -109,3 +109,10 @@ def test_a_passing_tests_temporary_directory_is_removed_and_a_failing_ones_kept(
     assert run.returncode == 1, run.stdout[-2000:]
     left = sorted(path.parent.name for path in Path(basetemp).rglob("written"))
     assert left == ["test_fails0"], left
+
+
+def test_ci_lists_the_slowest_tests_of_make_test_only():
+    lines = [line for line in (REPO / ".ci" / "run").read_text().splitlines() if line and not line.startswith("#")]
+    at = lines.index("make test")  # README.md's command, as it gives it
+    assert lines[at - 1].startswith("export PYTEST_ADDOPTS=") and "--durations=30" in lines[at - 1]
+    assert lines[at + 1] == "unset PYTEST_ADDOPTS"  # not the floor tests' run nor the mutation check's
