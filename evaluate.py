@@ -52,7 +52,7 @@ from lm_human_preference_details.evaluation import (
     summarize,
     write_text_atomic,
 )
-from lm_human_preference_details.labelers import load_labeler
+from lm_human_preference_details.labelers import judge_task_mismatch, load_labeler
 from lm_human_preference_details.modeling import PolicyWithValueHead, load_causal_lm, saved_kind
 from lm_human_preference_details.rewards import (
     attach_conversations,
@@ -92,7 +92,8 @@ class Args:
     """gold judge, never trained on: reward_model:DIR | classifier:NAME_OR_DIR[#LABEL] | vader (label_generation's
     syntax); None: no gold score"""
     num_queries: int = 256
-    """evaluation queries; each policy samples one response per query"""
+    """evaluation queries, each from another text of the query dataset; each policy samples one response per query. A
+    dataset whose texts give fewer distinct queries stops the run with one line (its stream would repeat them)"""
     batch_size: int = 64
     """queries per sampling batch"""
     seed: int = 1
@@ -259,13 +260,22 @@ def main(args: Args) -> dict:
         raise FileNotFoundError(f"--policy directory '{args.policy}' does not exist; pass the --output_dir of a run")
     check_reward_input(args.reward_model, runs)
     if args.dry_run:
+        with cli.unchecked_when_offline(console.print, "the context lengths"):
+            check_context(args, load_tokenizer(args.base_model), checkpoints)
         return {}
 
     # 1. models and judges, all loaded before anything is written
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     tokenizer = load_tokenizer(args.base_model)
     args = dataclasses.replace(args, task=resolve_truncation(args.task, tokenizer))  # the truncation token's id
+    check_context(args, tokenizer, checkpoints)
     pad_id = tokenizer.pad_token_id
+    # the held-out queries, the same for every policy, drawn (and checked) before any model is loaded
+    texts = load_texts(args.task.query_dataset, args.split)
+    queries, wrapped, conversation_of, distinct = heldout_queries(
+        texts, tokenizer, args.task, args.data_seed, skip, args.num_queries
+    )
+    check_distinct_queries(args, len(texts), distinct)
     reward = load_reward(args.reward_model, tokenizer, pad_id, device, flag="--reward_model")
     if reward.metadata is not None:  # a reward-model directory, not a programmatic reward
         check_same_tokenizer(
@@ -279,13 +289,20 @@ def main(args: Args) -> dict:
     judges = {GOLD: load_labeler(args.gold, tokenizer, pad_id, device, flag="--gold")} if args.gold else {}
     if any(judge.interactive for judge in judges.values()):
         raise ValueError("--gold human is interactive; pass reward_model:DIR, classifier:NAME_OR_DIR[#LABEL] or vader")
+    # a judge of another thing than the run's task (vader on a descriptiveness policy): said, and in the report
+    warnings = [
+        warning
+        for measures, name, flag in (
+            (reward.measures, args.reward_model, "--reward_model"),
+            *((judge.measures, args.gold, "--gold") for judge in judges.values()),
+        )
+        if (warning := judge_task_mismatch(measures, name, args.task_id, flag))
+    ]
+    for warning in warnings:
+        console.print(f"warning: {warning}", style="bold yellow", markup=False)
     base = PolicyWithValueHead(load_causal_lm(args.base_model)).to(device).eval().requires_grad_(False)
 
-    # 2. the held-out queries, the same for every policy
-    texts = load_texts(args.task.query_dataset, args.split)
-    queries, wrapped, conversation_of = heldout_queries(
-        texts, tokenizer, args.task, args.data_seed, skip, args.num_queries
-    )
+    # 2. the held-out queries' chats for the scorers; whether a training run drew them
     attach_conversations(conversation_of, reward, *judges.values())  # chats for a reward model with its own template
     unseen = held_out(args, known_runs, skip, wrapped)
     if unseen is False:
@@ -312,6 +329,7 @@ def main(args: Args) -> dict:
         "seed": args.seed,
         "task_id": args.task_id,
         "task": dataclasses.asdict(args.task),
+        "warnings": warnings,
         "queries": {
             "dataset": args.task.query_dataset,
             "split": args.split,
@@ -349,6 +367,22 @@ def main(args: Args) -> dict:
     return report
 
 
+def check_distinct_queries(args: Args, num_texts: int, distinct: int) -> None:
+    """ValueError when the --num_queries queries come from fewer distinct texts: the stream repeats its texts, so the
+    report would count a text sampled k times as k independent queries (n and the standard errors overstated)."""
+    if distinct >= args.num_queries:
+        return
+    gives = f"its {num_texts} texts give {distinct} distinct queries"
+    if distinct == num_texts:
+        gives = f"it holds {num_texts} texts"
+    raise ValueError(
+        f"--num_queries {args.num_queries} is more queries than --task.query_dataset '{args.task.query_dataset}' "
+        f"({args.split}) has: {gives}, so the stream would repeat each about {args.num_queries / distinct:.1f} "
+        "times and the report would count every repeat as another query (its standard errors too small); pass "
+        f"--num_queries {distinct} or fewer, or a query dataset with more texts."
+    )
+
+
 def run_normalization(reward: str, runs: dict[str, dict | None]) -> dict | None:
     """The normalization (args.json rewards.normalization: gain, bias, mean, std, samples) of the first run trained
     against `reward`, with the args.json it came from; None when that run used raw scores or no run trained on it."""
@@ -382,6 +416,14 @@ def check_base_model(base_model: str, runs: dict[str, dict | None], allow: bool)
             "with it anyway."
         )
     return mismatch
+
+
+def check_context(args: Args, tokenizer, checkpoints: list[str]) -> None:
+    """ValueError in one line when the task's tokens exceed the context of the base model, a policy, the reward model
+    or a reward-model gold judge (`validation.check_evaluate_context`)."""
+    policies = [("--policy", args.policy)] if args.policy else []
+    policies += [("--checkpoints", directory) for directory in checkpoints]
+    validation.check_evaluate_context(args.task, tokenizer, args.base_model, policies, args.reward_model, args.gold)
 
 
 def same_model(a: str, b: str) -> bool:

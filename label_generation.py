@@ -41,7 +41,7 @@ from transformers import PreTrainedTokenizerBase
 from lm_human_preference_details import cli, devices, text_prefs, validation
 from lm_human_preference_details.data import QueryStream, load_texts
 from lm_human_preference_details.hub import HubUnavailableError
-from lm_human_preference_details.labelers import LabelingStopped, decode_without_pad, load_labeler
+from lm_human_preference_details.labelers import LabelingStopped, decode_without_pad, judge_task_mismatch, load_labeler
 from lm_human_preference_details.labeling.agreement import agreement_report, format_figure
 from lm_human_preference_details.labeling.labelstore import (
     TASK_INSTRUCTIONS,
@@ -449,16 +449,21 @@ def generate(args: Generate) -> dict:
     tokenizer = load_tokenizer(args.base_model)
     args = dataclasses.replace(args, task=resolve_truncation(args.task, tokenizer))
     task = args.task
+    validation.check_sampling_context(task, tokenizer, args.base_model, args.labeler)  # the dry run's verdict too
     pad_id = tokenizer.pad_token_id
     file_pad_id = OAI_PAD_TOKEN if oai_pad_compatible(tokenizer) else pad_id
     labeler = load_labeler(args.labeler, tokenizer, pad_id, device)
     if labeler.interactive and label_type.label_field != "best":
         raise ValueError(f"the {args.labeler} labeler only picks the best response; use --label_type best_of_N.")
+    # a labeler of another thing than the task (vader labelling descriptiveness): said, and its measure recorded
+    if warning := judge_task_mismatch(labeler.measures, labeler.name, args.task_id, "--labeler"):
+        console.print(f"warning: {warning}", style="bold yellow", markup=False)
     meta = {
         "format": f"{label_type.name} labels in OAI's schema: {', '.join(label_type.fields)}",
         "label_type": label_type.name,
         "labeler": labeler.name,
         "labeler_spec": args.labeler,
+        "labeler_measures": labeler.measures,
         "base_model": args.base_model,
         "tokenizer_fingerprint": tokenizer_fingerprint(tokenizer),
         "tokenizer_pad_token_id": pad_id,
@@ -826,6 +831,7 @@ def sample_candidates(args: Sample) -> dict:
     console = cli.make_console()
     tokenizer = load_tokenizer(args.base_model)
     args = dataclasses.replace(args, task=resolve_truncation(args.task, tokenizer))  # the truncation token's id
+    validation.check_sampling_context(args.task, tokenizer, args.base_model)
     pad_id = tokenizer.pad_token_id
     file_pad_id = OAI_PAD_TOKEN if oai_pad_compatible(tokenizer) else pad_id
     sampler = start_sampler(args, tokenizer, device, None)

@@ -26,13 +26,14 @@ import json
 import os
 import shlex
 import sys
+import typing
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import train_policy
 import train_reward
 import train_sft
-from lm_human_preference_details import checkpoint, cli
+from lm_human_preference_details import checkpoint, cli, files, resumable, settings
 from lm_human_preference_details.modeling import REWARD_CONFIG_FILE
 
 STAGES = ("reward_stage", "policy_stage")
@@ -62,13 +63,15 @@ class Pipeline:
 
 
 def flag_names(args_type: type, prefix: str = "") -> set[str]:
-    """Every `--flag` name a script's Args dataclass takes (nested groups dotted, booleans also as no_NAME)."""
-    names = set()
+    """Every `--flag` name a script's Args dataclass takes (nested groups dotted, the run group's plain, booleans also
+    as no_NAME)."""
+    names, hints = set(), typing.get_type_hints(args_type, include_extras=True)
     for field in dataclasses.fields(args_type):
         name = f"{prefix}{field.name}"
         default = field.default_factory() if field.default_factory is not dataclasses.MISSING else field.default
         if dataclasses.is_dataclass(default):
-            names |= flag_names(type(default), f"{name}.")
+            unprefixed = any(getattr(m, "name", None) == "" for m in getattr(hints[field.name], "__metadata__", ()))
+            names |= flag_names(type(default), prefix if unprefixed else f"{name}.")
         else:
             names |= {name, f"{prefix}no_{field.name}"}
     return names
@@ -158,37 +161,35 @@ def parse(argv: list[str] | None = None) -> Pipeline:
 
 
 def sft_finished(args: train_sft.Args) -> bool:
-    """Whether args.output_dir holds the model that these settings fine-tune: its final save (the model, then
+    """Whether args.run.output_dir holds the model that these settings fine-tune: its final save (the model, then
     args.json) is complete and args.json records these settings."""
-    args_path = os.path.join(args.output_dir, "args.json")
-    if not os.path.isfile(args_path) or os.path.exists(os.path.join(args.output_dir, checkpoint.SAVING_MARKER)):
+    args_path = os.path.join(args.run.output_dir, "args.json")
+    if not os.path.isfile(args_path) or os.path.exists(os.path.join(args.run.output_dir, files.SAVING_MARKER)):
         return False
     try:
         with open(args_path, encoding="utf-8") as f:
             saved = json.load(f)
     except (OSError, ValueError):
         return False  # cut short: the stage's --resume auto continues from its newest checkpoint
-    settings = json.loads(json.dumps(dataclasses.asdict(args)))
-    return not checkpoint.setting_differences(saved, settings, train_sft.RESUME_IGNORED)
+    current = json.loads(json.dumps(settings.recorded(args)))
+    return not resumable.setting_differences(saved, current, train_sft.RESUME_IGNORED)
 
 
 def reward_model_finished(args: train_reward.Args) -> bool:
-    """Whether args.output_dir holds the reward model that these settings train: its final save is complete and its
+    """Whether args.run.output_dir holds the reward model that these settings train: its final save is complete and its
     newest checkpoint is its last step, written with these settings."""
-    saved = checkpoint.list_checkpoints(args.output_dir)
-    if not saved or not os.path.isfile(os.path.join(args.output_dir, REWARD_CONFIG_FILE)):
+    saved = checkpoint.list_checkpoints(args.run.output_dir)
+    if not saved or not os.path.isfile(os.path.join(args.run.output_dir, REWARD_CONFIG_FILE)):
         return False
-    if os.path.exists(os.path.join(args.output_dir, checkpoint.SAVING_MARKER)):
+    if os.path.exists(os.path.join(args.run.output_dir, files.SAVING_MARKER)):
         return False
     step, path = saved[-1]
     try:
         meta = checkpoint.read_meta(path)
     except (checkpoint.CheckpointDamaged, FileNotFoundError):
         return False  # the reward stage's --resume auto moves it aside and continues from an intact one
-    settings = json.loads(
-        json.dumps({**dataclasses.asdict(args), "world_size": int(os.environ.get("WORLD_SIZE", "1"))})
-    )
-    differences = checkpoint.setting_differences(meta["settings"], settings, checkpoint.RESUME_IGNORED)
+    current = json.loads(json.dumps({**settings.recorded(args), "world_size": int(os.environ.get("WORLD_SIZE", "1"))}))
+    differences = resumable.setting_differences(meta["settings"], current, resumable.RESUME_IGNORED)
     return step == args.labels.num_train // args.batch_size and not differences
 
 
@@ -202,30 +203,32 @@ def main(pipeline: Pipeline) -> dict:
     results = {}
     # 0. with --sft_dataset: the SFT model, kept when finished with these settings, else trained or continued
     if sft is not None:
-        if sft.dry_run or not sft_finished(sft):
-            sft = dataclasses.replace(sft, resume="auto")
+        if sft.run.dry_run or not sft_finished(sft):
+            sft = settings.with_run(sft, resume="auto")
             results["sft"] = {k: v for k, v in train_sft.main(sft).items() if k != "model"}
         elif main_process:
-            print(f"SFT model: {sft.output_dir} is finished with these settings; kept")
-        if sft.dry_run and not os.path.isfile(os.path.join(sft.output_dir, "args.json")):
+            print(f"SFT model: {sft.run.output_dir} is finished with these settings; kept")
+        if sft.run.dry_run and not os.path.isfile(os.path.join(sft.run.output_dir, "args.json")):
             if main_process:
-                print(f"reward model and policy: their dry runs read the SFT model, which {sft.output_dir} lacks yet")
+                print(
+                    f"reward model and policy: their dry runs read the SFT model, which {sft.run.output_dir} lacks yet"
+                )
             return results
     # 1. the reward model: kept when finished with these settings, else trained or continued from its checkpoint
-    if reward.dry_run or not reward_model_finished(reward):
-        reward = dataclasses.replace(reward, resume="auto")
+    if reward.run.dry_run or not reward_model_finished(reward):
+        reward = settings.with_run(reward, resume="auto")
         results["reward"] = {k: v for k, v in train_reward.main(reward).items() if k != "model"}
     elif main_process:
-        print(f"reward model: {reward.output_dir} is finished with these settings; kept")
+        print(f"reward model: {reward.run.output_dir} is finished with these settings; kept")
     # 2. the policy against it, with the same task settings (its own check refuses any other); a finished policy run
     # resumed writes its policy again (a kill may have cut that save)
-    if policy.dry_run and not os.path.isfile(os.path.join(reward.output_dir, REWARD_CONFIG_FILE)):
+    if policy.run.dry_run and not os.path.isfile(os.path.join(reward.run.output_dir, REWARD_CONFIG_FILE)):
         if main_process:
-            print(f"policy: its dry run checks the reward model, which {reward.output_dir} does not hold yet")
+            print(f"policy: its dry run checks the reward model, which {reward.run.output_dir} does not hold yet")
         return results
-    results["policy"] = train_policy.main(dataclasses.replace(policy, resume="auto"))
-    if main_process and not policy.dry_run:
-        print(f"pipeline done: reward model {reward.output_dir}, policy {policy.output_dir}")
+    results["policy"] = train_policy.main(settings.with_run(policy, resume="auto"))
+    if main_process and not policy.run.dry_run:
+        print(f"pipeline done: reward model {reward.run.output_dir}, policy {policy.run.output_dir}")
     return results
 
 

@@ -17,46 +17,43 @@ docs/implementation-details.md#p5 (a numbered one, spec §4.1, is that document'
 
 import dataclasses
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Annotated, Literal
 
 import numpy as np
 import torch
 import tyro
 from accelerate import Accelerator
+from transformers import PreTrainedTokenizerBase
 
-from lm_human_preference_details import checkpoint, cli, devices, distributed, lora, ppo_plumbing, validation
+from lm_human_preference_details import (
+    cli,
+    data,
+    devices,
+    distributed,
+    kernels,
+    labelers,
+    lora,
+    modeling,
+    optim,
+    ppo_plumbing,
+    presets,
+    resumable,
+    rewards,
+    settings,
+    tasks,
+    validation,
+)
 from lm_human_preference_details import sizes as sizing
-from lm_human_preference_details.data import QueryStream, load_texts
-from lm_human_preference_details.devices import to_device
-from lm_human_preference_details.kernels import logprobs_and_entropy_from_logits, logprobs_from_logits
-from lm_human_preference_details.labelers import load_labeler
-from lm_human_preference_details.modeling import (
-    PolicyWithValueHead,
-    load_causal_lm,
-    reduce_training_memory,
-    sample,
-    training_logprobs_and_values,
-)
 from lm_human_preference_details.nplus import critic as nplus_critic
-from lm_human_preference_details.optim import make_optimizer
-from lm_human_preference_details.rewards import attach_conversations, load_reward, normalize_from_initial_policy
-from lm_human_preference_details.tasks import (
-    NPLUS_TASKS,
-    TASKS,
-    TaskHParams,
-    encode_context_affixes,
-    format_contexts,
-    passes_filter,
-    resolve_truncation,
-    response_ends,
-    truncate_response,
-)
+from lm_human_preference_details.nplus import end_at_eos
 from lm_human_preference_details.tokenizer import load_tokenizer
 
 # ---------------------------------------------------------------------------------------------------- hyperparameters
 # Group and field names follow OAI's HParams, so `--ppo.lr` is OAI's `bind('ppo.lr', ...)`. Defaults are launch.py's
-# sentiment experiment; `--task` picks another experiment (oai_presets below).
+# sentiment experiment; `--task` picks another experiment (presets.py, OAI's launch.py). How the run writes, logs,
+# saves and resumes is `run` (settings.py: --output_dir, --track, --resume, ...), as OAI's run group.
 # https://github.com/openai/lm-human-preferences/blob/cbfd210bb8b08f6bc5c26878c10984b90f516c66/lm_human_preferences/train_policy.py#L25-L58
 
 
@@ -137,24 +134,8 @@ class PpoHParams:
     (OUTPUT_DIR/critic). The critic is saved to OUTPUT_DIR/critic (docs/nplus.md#critic)"""
 
 
-@dataclass
-class LoraHParams:
-    rank: int = 0
-    """rank R of the LoRA adapters (peft) on the policy's trunk: the trunk's base weights stay frozen and the
-    reference policy is the policy with its adapters disabled (no second copy); 0: every weight trains, as OAI"""
-    alpha: float = 16.0
-    """LoRA scaling: an adapter adds (alpha / rank) B A to its layer's weight (peft's lora_alpha)"""
-    dropout: float = 0.0
-    """dropout on the adapters' input in the PPO loss's forward passes (never in sampling or scoring)"""
-    target_modules: tuple[str, ...] = ()
-    """names of the layers that get adapters, e.g. c_attn c_proj; empty: peft's default for the architecture
-    (gpt2: c_attn, gpt_neox: query_key_value, llama and qwen2: q_proj v_proj)"""
-
-
-@dataclass
+@dataclass(slots=True)  # a misspelt field is an AttributeError, not a new attribute
 class Args:
-    exp_name: str = "train_policy"
-    """experiment name, part of the run name"""
     seed: int = 1
     """run seed; process r seeds Python, NumPy, torch and the sampler with seed + 100003 * r (OAI
     utils/core.py#L108-L113)"""
@@ -164,157 +145,182 @@ class Args:
     base_model: str = "gpt2"
     """pretrained causal LM, hub id or local directory (OAI: GPT-2 124M): the policy and the reference policy start
     from it"""
-    output_dir: str = "models/policy"
-    """where the run writes the trained model with its tokenizer and args.json, its training states (training_state/),
-    TensorBoard logs (tb/) and wandb files"""
-    track: bool = False
-    """log to Weights & Biases (set WANDB_MODE=offline to log without network)"""
-    wandb_project_name: str = "lm_human_preference_details"
-    """Weights & Biases project"""
-    wandb_entity: str | None = None
-    """Weights & Biases entity (team or user); None = your default entity"""
-    dist_timeout: float = 1800.0
-    """seconds a process waits in an all-reduce or broadcast for the others before it stops with an error: bounds a
-    hang when a process or node stalls without exiting (one that exits stops the others at once); must exceed the
-    longest time one process works alone (rank 0 saving a checkpoint)"""
-    log_interval: int = 10
-    """print and log a table of samples every this many updates (OAI run.log_interval)"""
-    filter_warning_rate: float = 0.1
-    """warn on the console, every log_interval updates, while debug/filter_pass_rate (responses passing the task's
-    truncation filter; the others score the penalty) stays below this; 0: never warn"""
-    divergence_updates: int = 10
-    """report the run as diverged when, for this many updates in a row, objective/kl stays above --divergence_kl or
-    no response passes the truncation filter (debug/filter_pass_rate 0 after it was above 0): a line naming the
-    likely flags, `diverged` in OUTPUT_DIR/summary.json, and exit status 3 once everything is saved; detection only,
-    the run trains on as OAI's would; 0: never"""
-    divergence_kl: float | None = None
-    """objective/kl (nats per episode) above which an update counts towards divergence; None: 10 x
-    --rewards.adaptive_kl.target (60 nats for OAI's target 6, also with a fixed kl_coef)"""
-    allow_divergence: bool = False
-    """exit with status 0 even when the run diverged (it is still reported and recorded in summary.json)"""
-    save_interval: int = 50
-    """save the policy and a training-state checkpoint every this many updates, and always at the end (OAI
-    run.save_interval); 0 = only at the end"""
-    save_checkpoints: bool = False
-    """also keep each periodic save in OUTPUT_DIR/checkpoints/update{N} (N updates done), e.g. for evaluate.py's
-    gold-vs-KL curve; off: each save replaces the last"""
-    keep_checkpoints: int = 2
-    """training-state checkpoints kept in OUTPUT_DIR/training_state/step{N} (all that --resume needs: weights,
-    optimizer, data positions, every process's RNGs), the newest; older ones are deleted once a newer one is on disk;
-    0 keeps all"""
-    resume: str | None = None
-    """continue a killed run from a training-state checkpoint: its directory, or `auto` for the newest in
-    --output_dir (none there: start afresh); the run then logs and saves what the uninterrupted run would"""
-    allow_resume_changes: bool = False
-    """resume even though settings that change the run (sizes, task, models, data, seeds, processes) differ from the
-    checkpoint's; the differences are printed"""
-    overwrite_output_dir: bool = False
-    """start afresh in an --output_dir that holds another run: its training states, checkpoints/ and TensorBoard logs
-    are deleted, its model is replaced when this run saves its own"""
-    print_samples: int = 3
-    """rows of the sample table (OAI prints 3)"""
     use_tensorflow_adam: bool = True
     """TF1 Adam as OAI (epsilon added after bias correction); off: torch.optim.Adam with the same eps 1e-5"""
     weight_decay: float = 0.0
     """with --no_use_tensorflow_adam: torch.optim.AdamW's decoupled weight decay (the successor recipe uses AdamW's
     default 0.01, eps 1e-5); 0: no decay, as OAI (the TF1 Adam refuses any other value)"""
-    gradient_checkpointing: bool = False
-    """recompute each transformer block's activations in the backward instead of storing them: much less activation
-    memory (e.g. for gpt2-large/xl) for ~30% more compute, same updates; off: every activation is stored, as OAI"""
-    bf16: bool = False
-    """run the transformer of the training forward passes under bfloat16 autocast (weights, optimizer, heads, logits,
-    sampling and scoring stay float32): less memory, faster on GPUs with bf16; the rollout's log-probs and values that
-    PPO's ratio and value clipping use then come from one more forward with that arithmetic (the KL penalty keeps the
-    sampler's float32 ones); off: float32 throughout, as OAI"""
-    fsdp: bool = False
-    """shard the trained model (train_policy.py: the policy and a critic; train_reward.py: the reward model) over the
-    processes with FSDP2, each transformer block a unit: every process holds 1/N of its weights, gradients and Adam
-    moments, gathered once per rollout; train_policy.py shards its reference policy and reward model too
-    (docs/multiprocess.md); off: every process holds everything and DDP averages the gradients, as OAI's ranks"""
-    tf32: bool = False
-    """run float32 matmuls on TF32 tensor cores (NVIDIA Ampere or newer: A100, H100): GEMMs ~5-7x faster, with
-    relative errors up to ~1e-3 (docs/gpu.md); off: full float32, as OAI trained"""
-    deterministic: bool = False
-    """use torch's deterministic algorithms (CUBLAS_WORKSPACE_CONFIG=:4096:8, no cuDNN benchmarking): on the same GPU
-    model and software, a killed and resumed run equals the uninterrupted one bit for bit (docs/reliability.md), with
-    somewhat slower kernels; an operator without a deterministic kernel stops the run; CPU runs are deterministic
-    anyway"""
-    compile_sampler: bool = False
-    """replay each decoding step of the rollouts as one CUDA graph, captured at the first update (GPUs; on CPU the
-    same step runs eagerly), the same samples from the same seed: less Python and kernel-launch time per token; off:
-    eager decoding"""
-    rollout_micro_batch_size: int | None = None
-    """episodes per process that the rollout decodes and scores with the reference policy together (their KV cache
-    and logits scale with it; benchmark/memory_estimate.py tells what fits): smaller caps the rollout's memory, with
-    every episode's random numbers unchanged (with --compile_sampler pick a divisor of the process's batch: a last,
-    smaller chunk has another shape, captured anew at each update); None: the process's whole batch at once, as OAI"""
-    push_to_hub: bool = False
-    """upload output_dir (policy, value head, tokenizer, args) to the Hugging Face hub at the end"""
-    hf_repo_id: str | None = None
-    """hub repository for --push_to_hub; None = {exp_name}__{task}__seed{seed} in your namespace"""
-    dry_run: bool = False
-    """check every input (models, tokenizers, the reward model or label file and its task, a local query file), print
-    the settings and the derived per-process sizes, and exit without training"""
-    dry_run_processes: int | None = None
-    """with --dry_run: derive the sizes for this many processes (e.g. 8 GPUs) instead of this launch's"""
     task_id: tyro.conf.Suppress[str] = "sentiment"
     """name of the --task preset these settings started from (recorded in the run config)"""
-    task: TaskHParams = field(default_factory=lambda: dataclasses.replace(TASKS["sentiment"]))
+    task: tasks.TaskHParams = field(default_factory=lambda: dataclasses.replace(tasks.TASKS["sentiment"]))
     """query data, lengths, truncation and sampling temperature (OAI lm_tasks.TaskHParams)"""
     rewards: RewardHParams = field(default_factory=RewardHParams)
     """reward model and KL penalty"""
     ppo: PpoHParams = field(default_factory=PpoHParams)
     """PPO optimisation"""
-    lora: LoraHParams = field(default_factory=LoraHParams)
+    lora: "lora.LoraHParams" = field(default_factory=lora.LoraHParams)  # the field shadows the module in this body
     """LoRA adapters instead of full fine-tuning (docs/lora.md)"""
-
-
-def oai_presets() -> dict[str, Args]:
-    """OAI's launch.py policy experiments, one `Args` per `--task` name."""
-    # books: launch.py's _books_task, sentiment and descriptiveness (they differ only in the reward model's labels)
-    # https://github.com/openai/lm-human-preferences/blob/cbfd210bb8b08f6bc5c26878c10984b90f516c66/launch.py#L119-L151
-    books = ("sentiment", "descriptiveness")
-    presets = {name: Args(task_id=name, task=dataclasses.replace(TASKS[name])) for name in books}
-    # tldr / cnndm: fixed kl_coef (their adaptive_kl lines are commented out), batch 32, lr 2e-6. OAI binds
-    # `rewards.whiten=False`, a key that does not exist; the intent is ppo.whiten_rewards=False (spec H2), which the
-    # 4-episode per-process minibatch also requires (P17).
-    # https://github.com/openai/lm-human-preferences/blob/cbfd210bb8b08f6bc5c26878c10984b90f516c66/launch.py#L153-L187
-    for name, kl_coef in (("tldr", 0.03), ("cnndm", 0.01)):
-        presets[name] = Args(
-            task_id=name,
-            task=dataclasses.replace(TASKS[name]),
-            rewards=RewardHParams(kl_coef=kl_coef, adaptive_kl=AdaptiveKLParams(enabled=False)),
-            ppo=PpoHParams(batch_size=32, lr=2e-6, whiten_rewards=False),
-        )
-    return presets
-
-
-def nplus_presets() -> dict[str, Args]:
-    """The successor recipe's PPO run (docs/nplus.md#preset), one `Args` per `--task` name: the policy and the
-    reference from the SFT model, a critic from the reward model, responses that end at EOS, a fixed k1 KL penalty of
-    0.05, no reward whitening, torch AdamW (eps 1e-5, weight decay 0.01) at lr 3e-6, 512 episodes per update in one
-    minibatch, 4 epochs, 1e6 episodes (nplus N8, N16, N21, N22, N25)."""
-    # https://github.com/vwxyzjn/summarize_from_feedback_details/blob/ee77a9abc31f5338365ee087945c5bcafac7f1ca/sbatches/ppo.sbatch#L40-L57
-    return {
-        "nplus_tldr": Args(
-            task_id="nplus_tldr",
-            task=dataclasses.replace(NPLUS_TASKS["nplus_tldr"]),
-            base_model="models/sft",
-            rewards=RewardHParams(kl_coef=0.05, adaptive_kl=AdaptiveKLParams(enabled=False), kl_estimator="k1"),
-            ppo=PpoHParams(batch_size=512, lr=3e-6, whiten_rewards=False, value_model="reward"),
-            use_tensorflow_adam=False,
-            weight_decay=0.01,
-        )
-    }
+    run: Annotated[settings.PolicyRunSettings, tyro.conf.arg(name="")] = field(
+        default_factory=lambda: settings.PolicyRunSettings("train_policy", "models/policy", save_interval=50)
+    )
+    """where the run writes, how it logs, saves, resumes and speeds up (flags without a prefix: --output_dir, ...)"""
 
 
 # ---------------------------------------------------------------------------------------------------- algorithm
-# in the order one update runs them: per-token rewards (the reference policy's log-probs, the KL penalty and the score,
-# steps 2-4), whitening and GAE (per minibatch, as inside OAI's loss), the PPO losses, the update (its epochs'
-# minibatches and optimizer steps, step 5), statistics (step 6), the KL controller (step 7). The sizes are derived in
-# sizes.py, the plumbing (checks, tracking, checkpoints, saving) is in ppo_plumbing.py.
+# in the order one update runs them: the rollout (sampling, the reference policy's log-probs, the scores and the
+# per-token rewards with their KL penalty, steps 2-4), whitening and GAE (per minibatch, as inside OAI's loss), the PPO
+# losses, the update (its epochs' minibatches and optimizer steps, step 5), statistics (step 6), the KL controller
+# (step 7). The sizes are derived in sizes.py, the plumbing (checks, tracking, checkpoints, saving) is in
+# ppo_plumbing.py; responses that end at EOS (the successor recipe) are nplus/end_at_eos.py.
+@dataclass
+class Models:
+    """The models a PPO update runs, by the role each plays."""
+
+    policy: modeling.PolicyWithValueHead
+    """samples the responses; its value head (on the policy's trunk) is OAI's value function"""
+    critic: nplus_critic.Critic | None
+    """a value function with a trunk of its own (--ppo.value_model, nplus N16); None: the policy's value head"""
+    learner: torch.nn.Module
+    """what PPO trains: the policy, or the policy and the critic (nplus N16)"""
+    trained: torch.nn.Module
+    """the learner as PPO's forwards run it: under DDP (gradients averaged over processes) or sharded by --fsdp"""
+    reference: lora.ReferencePolicy
+    """the frozen initial policy that the KL penalty measures against"""
+    reward: rewards.Reward
+    """what the policy maximizes: a reward model or a programmatic reward"""
+    gold: labelers.Labeler | None
+    """a held-out judge of every rollout that never trains the policy (--rewards.gold_model)"""
+
+
+@dataclass
+class Rollout:
+    """One update's episodes as PPO trains on them: this process's batch, its rows grouped by virtual rank; and what
+    the update's logs report of them."""
+
+    query_responses: torch.Tensor
+    """(B, C + L) context (prefix + query + suffix) followed by the raw response"""
+    context_length: int
+    """C, the context tokens before each response"""
+    logprobs: torch.Tensor
+    """(B, L) tempered log-probs of the response tokens under the rollout policy, as PPO's ratio uses them"""
+    values: torch.Tensor
+    """(B, L) value predictions at the positions that predict each response token"""
+    rewards: torch.Tensor
+    """(B, L) per-token rewards: -kl_coef * kl, + score at the last token (at s + 1 under --task.end_at_eos)"""
+    masks: end_at_eos.ResponseMasks | None = None
+    """where each response ends (--task.end_at_eos, nplus N20); None: OAI's episodes, every token trains"""
+    stats: dict[str, torch.Tensor] = field(default_factory=dict)
+    """the rollout's statistics under OAI's names (spec §4.1, step 6) and the counts of its non-finite entries"""
+    samples: tuple[torch.Tensor, ...] = ()
+    """for the sample table (spec P19): the queries, the truncated responses, their scores and KL sums"""
+
+
+@torch.no_grad()
+def rollout(
+    models: Models,
+    queries: torch.Tensor,
+    affixes: tuple[torch.Tensor, torch.Tensor],
+    generator: torch.Generator,
+    kl_coef: float,
+    args: Args,
+    sizes: sizing.Sizes,
+    tokenizer: PreTrainedTokenizerBase,
+    timer: ppo_plumbing.PhaseTimer,
+) -> Rollout:
+    """Steps 2-4 of an update: responses to `queries` (B, Lq) sampled from the policy after the task's prefix and
+    suffix (`affixes`), their scores, and the per-token rewards; the timer marks the end of the sampling."""
+    task, pad_id = args.task, tokenizer.pad_token_id
+    # 2. rollout: responses, with logprobs and values from the sampling pass itself (spec P13); rows grouped by
+    # virtual rank, each holding the queries of the OAI rank it stands for (spec D3, D4)
+    contexts = tasks.format_contexts(queries, *affixes)  # (B, C): prefix + query + suffix (spec G4)
+    context_length = contexts.shape[1]
+    # DEVIATION (rollout-micro-batch): with --rollout_micro_batch_size only; OAI decodes a rank's episodes together;
+    # in chunks every episode keeps its random numbers and tokens, but log-probs and values move by float rounding (a
+    # matmul's kernel depends on its row count)
+    rows = args.run.rollout_micro_batch_size or sizes.batch  # episodes decoded and scored together
+    # --fsdp: the policy's (and critic's) weights gathered once for the whole rollout, not at every token
+    with distributed.gathered(models.trained):
+        # QueryStream's queries start with a real token, so the sampler and the reward model skip that check and its
+        # host sync: the update's only sync is the statistics copy in step 6
+        responses, logprobs, values = modeling.sample(
+            models.policy,
+            contexts,
+            task.response_length,
+            task.temperature,
+            pad_id,
+            generator,
+            check_first_token=False,
+            compile=args.run.compile_sampler,
+            max_rows=rows,
+        )  # (B, L) each
+        query_responses = torch.cat([contexts, responses], 1)  # (B, C + L)
+        ppo_logprobs, ppo_values = logprobs, values
+        if models.critic is not None and not args.run.bf16:  # the sampler's values are the policy head's (nplus N16)
+            ppo_values = nplus_critic.rollout_values(models.critic, query_responses, context_length, pad_id, rows)
+        if args.run.bf16:
+            # DEVIATION (bf16-ratio): OAI's ratio and value clipping use the sampling pass's log-probs and values
+            # (spec P13); under bf16 autocast of the PPO forward, float32 ones put the first minibatch's ratio ~1.5e-3
+            # off 1 and clipping fires on rounding noise, so PPO gets those of the loss forward's arithmetic (one more
+            # forward); the KL penalty keeps the float32 ones, like the reference's
+            ppo_logprobs, ppo_values = modeling.training_logprobs_and_values(
+                models.learner, query_responses, context_length, pad_id, task.temperature, sizes.micro
+            )
+    # the frozen reference policy's log-probs, --rollout_micro_batch_size rows per forward
+    with models.reference() as ref_policy:
+        ref_logprobs = reference_logprobs(ref_policy, query_responses, context_length, pad_id, task.temperature, rows)
+    timer.mark()
+
+    # 3. response processing: truncate -> score (raw query, no prefix/suffix, spec G4) -> filter penalty
+    # https://github.com/openai/lm-human-preferences/blob/cbfd210bb8b08f6bc5c26878c10984b90f516c66/lm_human_preferences/train_policy.py#L378-L390
+    postprocessed_responses = tasks.truncate_response(responses, task.truncate_token, task.truncate_after, pad_id)
+    scores = models.reward(queries, postprocessed_responses)  # (B,)
+    # responses without truncate_token at index >= truncate_after get a fixed score (spec P3)
+    passed = tasks.passes_filter(postprocessed_responses, task.truncate_token, task.truncate_after)  # (B,)
+    if task.penalty_mode == "subtract":  # TRL's missing_eos_penalty: added to the score (nplus N19)
+        # https://github.com/huggingface/trl/blob/14ef1aba152fddbc5a58f3a8a712b6e509e7e69d/trl/trainer/ppo_trainer.py#L414-L418
+        scores = torch.where(passed, scores, scores + task.penalty_reward_value)
+    else:
+        scores = torch.where(passed, scores, task.penalty_reward_value)
+    gold_stats = {}
+    if models.gold is not None:  # the gold judge sees what the reward model sees; it never trains the policy
+        gold_scores = models.gold.scores(queries, postprocessed_responses[:, None])[:, 0].to(scores.device)
+        gold_stats["objective/gold_score"] = gold_scores.mean()
+
+    # the score lands on the last token, even when the response was truncated earlier (spec P4)
+    masks, score_index = None, torch.full_like(passed, responses.shape[1] - 1, dtype=torch.long)  # (B,)
+    if task.end_at_eos:  # nothing after a response's first EOS trains the policy (nplus N20)
+        masks = end_at_eos.ResponseMasks.of(postprocessed_responses, task.truncate_token)
+        logprobs, ref_logprobs = masks.invalidate(logprobs), masks.invalidate(ref_logprobs)
+        ppo_logprobs, ppo_values = masks.invalidate(ppo_logprobs), masks.zero_values(ppo_values)
+        score_index = masks.score_index()  # s + 1, or s when that is the last token (nplus N21)
+
+    # 4. per-token rewards: -kl_coef * kl, + score at `score_index`
+    rewards, non_score_reward, kl = compute_rewards(
+        scores, logprobs, ref_logprobs, kl_coef, args.rewards.kl_estimator, score_index
+    )  # (B, L)
+
+    # statistics under OAI's names (step 6); with end_at_eos from the masked log-probs, as the successor recipe logs
+    # them (nplus N26): kl 0 and -logprob -1 after EOS
+    # https://github.com/openai/lm-human-preferences/blob/cbfd210bb8b08f6bc5c26878c10984b90f516c66/lm_human_preferences/train_policy.py#L199-L261
+    stats = {
+        "objective/kl": kl.sum(1).mean(),
+        "objective/entropy": (-logprobs).sum(1).mean(),
+        "objective/score": scores.mean(),
+        "objective/score_total": scores.mean() + non_score_reward.sum(1).mean(),
+        **gold_stats,
+        "debug/num_eos": (responses == tokenizer.eos_token_id).sum(1).float().mean(),
+        "debug/filter_pass_rate": passed.float().mean(),
+        "nonfinite/logprobs": validation.nonfinite_count([logprobs, ref_logprobs]),
+        "nonfinite/values": validation.nonfinite_count([ppo_values]),
+        "nonfinite/scores": validation.nonfinite_count([scores]),
+        "nonfinite/rewards": validation.nonfinite_count([rewards]),
+    }
+    samples = (queries, postprocessed_responses, scores, kl.sum(1))
+    return Rollout(query_responses, context_length, ppo_logprobs, ppo_values, rewards, masks, stats, samples)
+
+
 def reference_logprobs(
-    ref_policy: PolicyWithValueHead,
+    ref_policy: modeling.PolicyWithValueHead,
     query_responses: torch.Tensor,
     context_length: int,
     pad_id: int,
@@ -326,7 +332,7 @@ def reference_logprobs(
     responses = query_responses[:, context_length:]
     return torch.cat(
         [
-            logprobs_from_logits(ref_policy(chunk, context_length, pad_id, temperature)[0], chunk_responses)
+            kernels.logprobs_from_logits(ref_policy(chunk, context_length, pad_id, temperature)[0], chunk_responses)
             for chunk, chunk_responses in zip(query_responses.split(rows), responses.split(rows))
         ]
     )
@@ -347,21 +353,17 @@ def compute_rewards(
     logprobs: torch.Tensor,
     ref_logprobs: torch.Tensor,
     kl_coef: float,
-    kl_estimator: str = "k1",
-    score_index: torch.Tensor | None = None,
+    kl_estimator: str,
+    score_index: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Rewards -kl_coef * kl per token, + score at the last token (or at `score_index`, nplus N21); returns rewards,
-    non_score, kl."""
-    # the score always lands on the last position, even when the response was truncated earlier (spec P4)
+    """Rewards -kl_coef * kl per token, + each score at its response's `score_index` (OAI: the last token, spec P4;
+    the step after EOS under --task.end_at_eos, nplus N21); returns rewards, non_score, kl."""
     # https://github.com/openai/lm-human-preferences/blob/cbfd210bb8b08f6bc5c26878c10984b90f516c66/lm_human_preferences/train_policy.py#L149-L155
+    # https://github.com/vwxyzjn/summarize_from_feedback_details/blob/ee77a9abc31f5338365ee087945c5bcafac7f1ca/summarize_from_feedback_details/ppo.py#L680-L685
     kl = kl_estimate(logprobs, ref_logprobs, kl_estimator)  # (B, L)
     non_score_reward = -kl_coef * kl
     rewards = non_score_reward.clone()
-    if score_index is None:
-        rewards[:, -1] += scores
-    else:  # --task.end_at_eos: one step after the EOS (nplus N21)
-        # https://github.com/vwxyzjn/summarize_from_feedback_details/blob/ee77a9abc31f5338365ee087945c5bcafac7f1ca/summarize_from_feedback_details/ppo.py#L680-L685
-        rewards[torch.arange(rewards.shape[0], device=rewards.device), score_index] += scores
+    rewards[torch.arange(rewards.shape[0], device=rewards.device), score_index] += scores
     return rewards, non_score_reward, kl
 
 
@@ -376,15 +378,10 @@ def whiten(values: torch.Tensor, shift_mean: bool = True, group_size: int | None
     groups = values.reshape(-1, group_size or values.shape[0], *values.shape[1:])  # (G, group_size, ...)
     dims = tuple(range(1, groups.dim()))
     var, mean = torch.var_mean(groups, dim=dims, correction=0, keepdim=True)
-    return standardize(groups, mean, var, shift_mean).reshape(values.shape)
-
-
-def standardize(x: torch.Tensor, mean: torch.Tensor, var: torch.Tensor, shift_mean: bool) -> torch.Tensor:
-    """(x - mean) / sqrt(var + 1e-8), with the mean added back when shift_mean is False."""
-    whitened = (x - mean) * torch.rsqrt(var + 1e-8)
+    whitened = (groups - mean) * torch.rsqrt(var + 1e-8)
     if not shift_mean:
         whitened = whitened + mean
-    return whitened
+    return whitened.reshape(values.shape)
 
 
 def compute_advantages(
@@ -405,18 +402,11 @@ def compute_advantages(
 
 
 def minibatch_advantages(
-    rewards: torch.Tensor,
-    values: torch.Tensor,
-    ppo: PpoHParams,
-    whiten_group: int,
-    masks: "ResponseMasks | None" = None,
+    rewards: torch.Tensor, values: torch.Tensor, ppo: PpoHParams, whiten_group: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(Whitened) rewards, whitened GAE advantages and returns of one minibatch, each virtual rank's rows apart;
-    with `masks` (--task.end_at_eos) the whitening's moments and the results end with each response."""
+    """(Whitened) rewards, whitened GAE advantages and returns of one minibatch, each virtual rank's rows apart."""
     # reward whitening and GAE run per minibatch, inside OAI's loss (spec P5, P6), on each rank's own rows (D4)
     # https://github.com/openai/lm-human-preferences/blob/cbfd210bb8b08f6bc5c26878c10984b90f516c66/lm_human_preferences/train_policy.py#L324-L339
-    if masks is not None:
-        return masked_minibatch_advantages(rewards, values, ppo, whiten_group, masks)
     if ppo.whiten_rewards:
         rewards = whiten(rewards, shift_mean=False, group_size=whiten_group)
     advantages, returns = compute_advantages(rewards, values, ppo.gamma, ppo.lam)
@@ -433,34 +423,27 @@ def ppo_losses(
     cliprange: float,
     cliprange_value: float,
     vf_coef: float,
-    masks: "LossMasks | None" = None,
+    policy_mean: Callable[[torch.Tensor], torch.Tensor] = torch.mean,
+    value_mean: Callable[[torch.Tensor], torch.Tensor] = torch.mean,
 ) -> dict[str, torch.Tensor]:
-    """Clipped PPO policy loss + vf_coef * clipped value loss (means over all tokens, or over the `masks` tokens under
-    --task.end_at_eos), and stats under OAI names."""
+    """Clipped PPO policy loss + vf_coef * clipped value loss, and stats under OAI names. The losses and clip
+    fractions are means over every token (OAI), or `policy_mean` and `value_mean` (--task.end_at_eos: over each
+    response's tokens, nplus N24)."""
     # value loss: the prediction may move at most cliprange_value from the rollout value (spec P8)
     # https://github.com/openai/lm-human-preferences/blob/cbfd210bb8b08f6bc5c26878c10984b90f516c66/lm_human_preferences/train_policy.py#L343-L348
     vpredclipped = torch.clamp(vpred, values - cliprange_value, values + cliprange_value)
     vf_losses1 = (vpred - returns) ** 2
     vf_losses2 = (vpredclipped - returns) ** 2
-    if masks is None:
-        vf_loss = 0.5 * torch.max(vf_losses1, vf_losses2).mean()
-        vf_clipfrac = (vf_losses2 > vf_losses1).float().mean()
-    else:  # over t <= s + 1 (nplus N24)
-        # https://github.com/vwxyzjn/summarize_from_feedback_details/blob/ee77a9abc31f5338365ee087945c5bcafac7f1ca/summarize_from_feedback_details/ppo.py#L747-L755
-        vf_loss = 0.5 * masks.value_mean(torch.max(vf_losses1, vf_losses2))
-        vf_clipfrac = masks.value_mean((vf_losses2 > vf_losses1).float())
+    vf_loss = 0.5 * value_mean(torch.max(vf_losses1, vf_losses2))
+    vf_clipfrac = value_mean((vf_losses2 > vf_losses1).float())
     # policy loss (spec P9); no entropy bonus, the KL only enters through the rewards (spec P10)
     # https://github.com/openai/lm-human-preferences/blob/cbfd210bb8b08f6bc5c26878c10984b90f516c66/lm_human_preferences/train_policy.py#L350-L357
     logprob_diff = new_logprobs - logprobs
     ratio = torch.exp(logprob_diff)
     pg_losses = -advantages * ratio
     pg_losses2 = -advantages * torch.clamp(ratio, 1.0 - cliprange, 1.0 + cliprange)
-    if masks is None:
-        pg_loss = torch.max(pg_losses, pg_losses2).mean()
-        pg_clipfrac = (pg_losses2 > pg_losses).float().mean()
-    else:  # over t <= s (nplus N24)
-        pg_loss = masks.policy_mean(torch.max(pg_losses, pg_losses2))
-        pg_clipfrac = masks.policy_mean((pg_losses2 > pg_losses).float())
+    pg_loss = policy_mean(torch.max(pg_losses, pg_losses2))
+    pg_clipfrac = policy_mean((pg_losses2 > pg_losses).float())
     # approxkl = 0.5 * mean(dlogp^2), not the k1/k3 estimators (spec P11)
     # https://github.com/openai/lm-human-preferences/blob/cbfd210bb8b08f6bc5c26878c10984b90f516c66/lm_human_preferences/train_policy.py#L359-L371
     return {
@@ -503,26 +486,8 @@ def minibatch_indices(
     return chunks.transpose(0, 2, 1, 3).reshape(noptepochs, nminibatches, -1)  # (E, M, V*G/M)
 
 
-@dataclass
-class Rollout:
-    """One update's episodes as PPO trains on them: this process's batch, its rows grouped by virtual rank."""
-
-    query_responses: torch.Tensor
-    """(B, C + L) context (prefix + query + suffix) followed by the raw response"""
-    context_length: int
-    """C, the context tokens before each response"""
-    logprobs: torch.Tensor
-    """(B, L) tempered log-probs of the response tokens under the rollout policy"""
-    values: torch.Tensor
-    """(B, L) value predictions at the positions that predict each response token"""
-    rewards: torch.Tensor
-    """(B, L) per-token rewards: -kl_coef * kl, + score at the last token (at s + 1 under --task.end_at_eos)"""
-    masks: "ResponseMasks | None" = None
-    """where each response ends (--task.end_at_eos, nplus N20); None: OAI's episodes, every token trains"""
-
-
 def ppo_update(
-    policy: PolicyWithValueHead,
+    policy: torch.nn.Module,
     optimizer: torch.optim.Optimizer,
     rollout: Rollout,
     indices: torch.Tensor,
@@ -534,18 +499,27 @@ def ppo_update(
     """One optimizer step per minibatch of `indices` (noptepochs, nminibatches, minibatch), each over `accum`
     micro-batches with gradients averaged over processes; -> the update's PPO statistics.
 
-    `policy`: the module the training forwards run through (`distributed.data_parallel`'s)."""
+    `policy`: the module the training forwards run through (`Models.trained`)."""
     params = list(policy.parameters())
     responses = rollout.query_responses[:, rollout.context_length :]  # (B, L)
     stats = PPOStats(rollout.values.device, ppo.noptepochs * ppo.nminibatches)
     accum = ppo.gradient_accumulation_steps
     for epoch, epoch_indices in enumerate(indices):
         for k, mb_inds in enumerate(epoch_indices):
-            mb_values = rollout.values[mb_inds]
+            mb_values, mb_rewards = rollout.values[mb_inds], rollout.rewards[mb_inds]
             mb_masks = rollout.masks.rows(mb_inds) if rollout.masks is not None else None
-            _, mb_advantages, mb_returns = minibatch_advantages(
-                rollout.rewards[mb_inds], mb_values, ppo, sizes.whiten_group, mb_masks
-            )
+            if mb_masks is None:  # OAI's episodes: every token trains
+                _, mb_advantages, mb_returns = minibatch_advantages(mb_rewards, mb_values, ppo, sizes.whiten_group)
+            else:  # responses that end at EOS: whitened over their tokens, 0 after (nplus N22, N23)
+                _, mb_advantages, mb_returns = mb_masks.minibatch_advantages(
+                    mb_rewards,
+                    mb_values,
+                    ppo.whiten_rewards,
+                    ppo.gamma,
+                    ppo.lam,
+                    sizes.whiten_group,
+                    compute_advantages,
+                )
             stats.add_minibatch(mb_returns, mb_values, mb_advantages, sizes.virtual_ranks)
             for micro_start in range(0, sizes.minibatch, sizes.micro):
                 micro = slice(micro_start, micro_start + sizes.micro)
@@ -559,20 +533,17 @@ def ppo_update(
                         rollout.query_responses[micro_inds], rollout.context_length, pad_id, temperature
                     )  # (b, L, V), (b, L)
                     # the entropy statistic comes from the same pass over the (b, L, V) logits
-                    new_logprobs, new_entropy = logprobs_and_entropy_from_logits(new_logits, responses[micro_inds])
+                    new_logprobs, new_entropy = kernels.logprobs_and_entropy_from_logits(
+                        new_logits, responses[micro_inds]
+                    )
                     del new_logits  # no reference left: the (b, L, V) logits go with the graph after backward
-                    loss_masks = None
-                    # masked as the rollout's: log-probs after s, values after s + 1 (nplus N20)
-                    if mb_masks is not None:
+                    means = {}  # OAI: means over every token
+                    if mb_masks is not None:  # masked as the rollout's, the means over each response's tokens (N24)
                         # https://github.com/vwxyzjn/summarize_from_feedback_details/blob/ee77a9abc31f5338365ee087945c5bcafac7f1ca/summarize_from_feedback_details/ppo.py#L736-L738
                         micro_masks = mb_masks.rows(micro)
                         new_logprobs, vpred = micro_masks.invalidate(new_logprobs), micro_masks.zero_values(vpred)
-                        loss_masks = LossMasks(
-                            ~micro_masks.after_end,
-                            ~micro_masks.after_value_end,
-                            (~mb_masks.after_end).sum() / accum,
-                            (~mb_masks.after_value_end).sum() / accum,
-                        )
+                        loss_means = mb_masks.loss_means(micro, accum)
+                        means = {"policy_mean": loss_means.policy_mean, "value_mean": loss_means.value_mean}
                     losses = ppo_losses(
                         new_logprobs,
                         vpred,
@@ -583,7 +554,7 @@ def ppo_update(
                         ppo.cliprange,
                         ppo.cliprange_value,
                         ppo.vf_coef,
-                        loss_masks,
+                        **means,
                     )
                     # each micro loss is a mean over its rows; dividing by `accum` makes the summed gradient that of the
                     # minibatch mean, so accumulation does not change the update
@@ -721,144 +692,39 @@ def make_kl_controller(rewards: RewardHParams) -> FixedKLController | AdaptiveKL
     return FixedKLController(rewards.kl_coef)
 
 
-# ---------------------------------------------------------------------------------------------------- end at EOS
-# responses that end at EOS (--task.end_at_eos, nplus N20-N24): where each response ends, the whitening and the loss
-# means over its tokens only. OAI's recipe never builds them: its update reads the functions above as they are.
-INVALID_LOGPROB = 1.0
-"""the log-prob of every token after its response's EOS (nplus N20), in the rollout, the reference and the loss: the
-same on both sides of each difference, so the KL and the PPO ratio's log are 0 there"""
-
-
-@dataclass
-class ResponseMasks:
-    """Where each response ends under --task.end_at_eos (nplus N20): s = the index of its first EOS, L - 1 without
-    one. Nothing after s trains the policy; the value is trained up to s + 1, the position that reads the EOS."""
-
-    ends: torch.Tensor
-    """(B,) s of each response"""
-    after_end: torch.Tensor
-    """(B, L) t > s: log-probs INVALID_LOGPROB (no KL), advantages 0, outside the policy loss"""
-    after_value_end: torch.Tensor
-    """(B, L) t > s + 1: values 0, outside the value loss"""
-
-    @classmethod
-    def of(cls, truncated: torch.Tensor, eos_id: int) -> "ResponseMasks":
-        """The masks of (B, L) responses truncated after their first EOS."""
-        # padding_mask = t > s, padding_mask_p1 = t > s + 1 (nplus N20)
-        # https://github.com/vwxyzjn/summarize_from_feedback_details/blob/ee77a9abc31f5338365ee087945c5bcafac7f1ca/summarize_from_feedback_details/ppo.py#L670-L674
-        ends = response_ends(truncated, eos_id)  # (B,)
-        positions = torch.arange(truncated.shape[1], device=truncated.device)
-        return cls(ends, positions > ends[:, None], positions > ends[:, None] + 1)
-
-    def rows(self, indices: torch.Tensor) -> "ResponseMasks":
-        """The masks of the episodes `indices` (a minibatch or micro-batch)."""
-        return ResponseMasks(self.ends[indices], self.after_end[indices], self.after_value_end[indices])
-
-    def score_index(self) -> torch.Tensor:
-        """(B,) where the score is added: s + 1 (the step after EOS), or s when that is the last token (nplus N21)."""
-        # https://github.com/vwxyzjn/summarize_from_feedback_details/blob/ee77a9abc31f5338365ee087945c5bcafac7f1ca/summarize_from_feedback_details/ppo.py#L683-L685
-        length = self.after_end.shape[1]
-        return torch.where(self.ends + 1 < length, self.ends + 1, self.ends)
-
-    def invalidate(self, logprobs: torch.Tensor) -> torch.Tensor:
-        """(B, L) log-probs with INVALID_LOGPROB after each response's end (nplus N20)."""
-        # https://github.com/vwxyzjn/summarize_from_feedback_details/blob/ee77a9abc31f5338365ee087945c5bcafac7f1ca/summarize_from_feedback_details/ppo.py#L675-L676
-        return logprobs.masked_fill(self.after_end, INVALID_LOGPROB)
-
-    def zero_values(self, values: torch.Tensor) -> torch.Tensor:
-        """(B, L) values with 0 after s + 1 (nplus N20)."""
-        # https://github.com/vwxyzjn/summarize_from_feedback_details/blob/ee77a9abc31f5338365ee087945c5bcafac7f1ca/summarize_from_feedback_details/ppo.py#L677
-        return values.masked_fill(self.after_value_end, 0.0)
-
-
-def masked_whiten(
-    values: torch.Tensor, keep: torch.Tensor, shift_mean: bool = True, group_size: int | None = None
-) -> torch.Tensor:
-    """`whiten` with the moments over the `keep` elements of each group only (nplus N22, N23): population variance,
-    eps 1e-8; every element is transformed, those outside `keep` too."""
-    # https://github.com/vwxyzjn/summarize_from_feedback_details/blob/ee77a9abc31f5338365ee087945c5bcafac7f1ca/summarize_from_feedback_details/ppo.py#L235-L241
-    rows = group_size or values.shape[0]
-    groups = values.reshape(-1, rows, *values.shape[1:])  # (G, rows, ...)
-    weights = keep.reshape(groups.shape).to(values.dtype)
-    dims = tuple(range(1, groups.dim()))
-    count = weights.sum(dims, keepdim=True)
-    mean = (groups * weights).sum(dims, keepdim=True) / count
-    var = ((groups - mean) ** 2 * weights).sum(dims, keepdim=True) / count
-    return standardize(groups, mean, var, shift_mean).reshape(values.shape)
-
-
-def masked_minibatch_advantages(
-    rewards: torch.Tensor, values: torch.Tensor, ppo: PpoHParams, whiten_group: int, masks: ResponseMasks
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """`minibatch_advantages` of responses that end at EOS: rewards whitened over t <= s + 1 and 0 after (nplus N22);
-    GAE over all L positions (values are 0 after s + 1); advantages whitened over t <= s, mean shifted, and 0 after
-    (nplus N23); returns from the unwhitened advantages."""
-    # https://github.com/vwxyzjn/summarize_from_feedback_details/blob/ee77a9abc31f5338365ee087945c5bcafac7f1ca/summarize_from_feedback_details/ppo.py#L687-L704
-    if ppo.whiten_rewards:
-        rewards = masked_whiten(rewards, ~masks.after_value_end, shift_mean=False, group_size=whiten_group)
-        rewards = rewards.masked_fill(masks.after_value_end, 0.0)
-    advantages, returns = compute_advantages(rewards, values, ppo.gamma, ppo.lam)
-    advantages = masked_whiten(advantages, ~masks.after_end, group_size=whiten_group)
-    return rewards, advantages.masked_fill(masks.after_end, 0.0), returns
-
-
-@dataclass
-class LossMasks:
-    """The tokens a micro-batch's PPO losses and clip fractions average over (nplus N24): t <= s (policy) and t <= s + 1
-    (value), divided by the minibatch's count of them per micro-batch, so that the micro-batches' mean is the
-    minibatch's masked mean (the update does not depend on --ppo.gradient_accumulation_steps)."""
-
-    policy: torch.Tensor
-    """(b, L) bool, t <= s"""
-    value: torch.Tensor
-    """(b, L) bool, t <= s + 1"""
-    policy_tokens: torch.Tensor
-    """() the minibatch's t <= s tokens / its micro-batches"""
-    value_tokens: torch.Tensor
-    """() the minibatch's t <= s + 1 tokens / its micro-batches"""
-
-    def policy_mean(self, x: torch.Tensor) -> torch.Tensor:
-        """The micro-batch's share of the minibatch's mean of x over t <= s."""
-        return torch.where(self.policy, x, 0.0).sum() / self.policy_tokens
-
-    def value_mean(self, x: torch.Tensor) -> torch.Tensor:
-        """The micro-batch's share of the minibatch's mean of x over t <= s + 1."""
-        return torch.where(self.value, x, 0.0).sum() / self.value_tokens
-
-
 # ---------------------------------------------------------------------------------------------------- main
-# The plumbing calls name their module (checkpoint., cli., devices., distributed., ppo_plumbing., sizing., validation.):
-# skip them to read the algorithm.
-@checkpoint.one_run_per_output_dir
+# The plumbing calls name their module (cli., devices., distributed., ppo_plumbing., resumable., settings., sizing.,
+# validation.): skip them to read the algorithm.
+@resumable.one_run_per_output_dir
 def main(args: Args) -> list[dict[str, float]]:
     """Train the policy; returns the logged statistics of every update."""
     # 0. sizes: global as in OAI, split over the processes (spec D1); printed, then checked by --dry_run; seeds
     args, task_changes = ppo_plumbing.task_from_reward_model(args)
-    validation.check_policy_args(args)
-    lora.check_lora_args(args.lora)
-    ppo_plumbing.check_fsdp_flags(args)
+    ppo_plumbing.check_args(args)
     nplus_critic.check_value_model_flag(args.ppo.value_model, args.rewards.trained_model, args.lora.rank)
     cli.quiet_transformers()
-    accelerator = distributed.make_accelerator(args.dist_timeout)
-    tf32 = devices.use_tf32(args.tf32)
-    devices.use_deterministic(args.deterministic)
+    accelerator = distributed.make_accelerator(args.run.dist_timeout)
+    tf32 = devices.use_tf32(args.run.tf32)
+    devices.use_deterministic(args.run.deterministic)
     device, ppo = accelerator.device, args.ppo
-    sizes = sizing.derive_sizes(args, validation.dry_run_world(args, accelerator.num_processes))
+    sizes = sizing.derive_sizes(args, validation.dry_run_world(args.run, accelerator.num_processes))
     console = cli.make_console()
     if accelerator.is_main_process:
         ppo_plumbing.print_setup(console, args, sizes, tf32, task_changes, sizing.OAI_RANKS)
-    if args.dry_run:
+    if args.run.dry_run:
         return ppo_plumbing.dry_run(args, accelerator)
     ppo_plumbing.check_hub_for_push(args)
     # the truncation token's id in the base model's tokenizer, once: in args.json, the checkpoints and the task check
     tokenizer = load_tokenizer(args.base_model)
-    args = dataclasses.replace(args, task=resolve_truncation(args.task, tokenizer))
-    task = args.task
+    args = dataclasses.replace(args, task=tasks.resolve_truncation(args.task, tokenizer))
+    validation.check_policy_context(args, tokenizer)  # every model's context holds what it reads
+    task, pad_id = args.task, tokenizer.pad_token_id
     # a killed run continues from its checkpoint (--resume); a fresh one never writes into another run's output_dir
-    settings = {**dataclasses.asdict(args), "world_size": sizes.world}
-    # --fsdp: a checkpoint resumes on another number of processes (sharded weights; see TrainingState.restore)
-    ignored = (*ppo_plumbing.RESUME_IGNORED, *(("world_size",) if args.fsdp else ()))
-    loop = checkpoint.CheckpointedLoop(args, settings, ignored, accelerator, "update", sizes.nupdates)
+    loop = resumable.CheckpointedLoop(
+        args, sizes.world, ppo_plumbing.RESUME_IGNORED, accelerator, "update", sizes.nupdates
+    )
+    if loop.finished is not None:  # a finished run is a result: its summary shown, every file kept as it is
+        return ppo_plumbing.report_finished(console, args, loop.finished, accelerator)
 
     # per-process seed (spec D2); the query order uses data_seed instead (spec D3)
     # https://github.com/openai/lm-human-preferences/blob/cbfd210bb8b08f6bc5c26878c10984b90f516c66/lm_human_preferences/utils/core.py#L108-L113
@@ -870,12 +736,11 @@ def main(args: Args) -> list[dict[str, float]]:
 
     # 1. tokenizer (loaded above), policy (+ value head on the shared trunk), frozen reference policy and reward model,
     # optimizer, data
-    pad_id = tokenizer.pad_token_id
-    reward = load_reward(args.rewards.trained_model, tokenizer, pad_id, device)
+    reward = rewards.load_reward(args.rewards.trained_model, tokenizer, pad_id, device)
     if reward.metadata is not None:  # a reward-model directory, not a programmatic reward
         ppo_plumbing.check_reward_model(reward.metadata, tokenizer, args, accelerator.print)  # tokenizer, task, name
     # dropout is off everywhere: p=0 in the configs and eval mode (spec G7)
-    policy = PolicyWithValueHead(load_causal_lm(args.base_model)).to(device).eval()
+    policy = modeling.PolicyWithValueHead(modeling.load_causal_lm(args.base_model)).to(device).eval()
     if args.lora.rank:  # DEVIATION (lora): OAI fine-tunes every weight; LoRA trains adapters and the value head only
         lora.apply_lora(policy, args.lora, args.base_model)
     # every process starts from rank 0's weights (spec D6); DDP and FSDP2 then skip a broadcast of their own
@@ -889,42 +754,54 @@ def main(args: Args) -> list[dict[str, float]]:
         distributed.broadcast_parameters(critic, accelerator)
     # the frozen reference policy: a copy of the initial policy, or under LoRA the policy with its adapters disabled
     reference = lora.ReferencePolicy(policy)
-    reduce_training_memory(policy, args.gradient_checkpointing, args.bf16)  # the PPO forward only
+    modeling.reduce_training_memory(policy, args.run.gradient_checkpointing, args.run.bf16)  # the PPO forward only
     # what PPO trains: the policy with its value head, or the policy and the critic, its value head frozen (nplus N16)
     learner = policy
     if critic is not None:
-        reduce_training_memory(critic, args.gradient_checkpointing, args.bf16)
+        modeling.reduce_training_memory(critic, args.run.gradient_checkpointing, args.run.bf16)
         learner = nplus_critic.PolicyWithCritic(policy, critic)
     gold = args.rewards.gold_model  # a held-out judge of every rollout that never trains the policy
-    gold_labeler = load_labeler(gold, tokenizer, pad_id, device, flag="--rewards.gold_model") if gold else None
-    if args.fsdp:  # rank 0's host twins of the whole models for the saved directories, made before sharding
+    gold_labeler = labelers.load_labeler(gold, tokenizer, pad_id, device, flag="--rewards.gold_model") if gold else None
+    ppo_plumbing.check_judge_tasks(args, reward, gold_labeler, accelerator.print)  # vader judging descriptiveness
+    if args.run.fsdp:  # rank 0's host twins of the whole models for the saved directories, made before sharding
         ppo_plumbing.prepare_host_twins(loop.saves, accelerator, policy, *([critic] if critic is not None else []))
         ppo_plumbing.shard_frozen_models(accelerator, reference, reward)  # the frozen models sharded too
     # the module PPO's forwards run through: DDP averages its gradients over processes, or --fsdp shards it (spec O4)
-    trained = distributed.data_parallel(learner, accelerator, args.fsdp)
+    trained = distributed.data_parallel(learner, accelerator, args.run.fsdp)
+    models = Models(policy, critic, learner, trained, reference, reward, gold_labeler)
     # read after sharding: --fsdp replaces the parameters with their shards (DTensors)
     critic_params = list(critic.parameters()) if critic is not None else []  # one optimizer for both (nplus N16)
     params = list(policy.parameters())
-    optimizer = make_optimizer(params + critic_params, ppo.lr, args.use_tensorflow_adam, args.weight_decay)
+    optimizer = optim.make_optimizer(params + critic_params, ppo.lr, args.use_tensorflow_adam, args.weight_decay)
     params += critic_params  # the non-finite weights guard covers the critic too
     kl_ctl = make_kl_controller(args.rewards)
-    texts = load_texts(task.query_dataset, task.query_split)
-    query_stream = QueryStream(texts, tokenizer, task, accelerator.process_index, sizes.world, args.data_seed)
-    attach_conversations(query_stream.conversation_of, reward, gold_labeler)  # chats for a reward model's own template
-    affixes = encode_context_affixes(tokenizer, task)  # the task's prefix and suffix around each query
+    texts = data.load_texts(task.query_dataset, task.query_split)
+    query_stream = data.QueryStream(texts, tokenizer, task, accelerator.process_index, sizes.world, args.data_seed)
+    rewards.attach_conversations(query_stream.conversation_of, reward, gold_labeler)  # chats for a reward's template
+    affixes = tasks.encode_context_affixes(tokenizer, task)  # the task's prefix and suffix around each query
     # a programmatic reward's gain and bias (spec R4), in the run config, args.json and the training state
-    args.rewards.normalization = normalize_from_initial_policy(
-        reward, args.rewards, loop.resumed, reference, query_stream, affixes, task, local_seed, accelerator
+    args.rewards.normalization = rewards.normalize_from_initial_policy(
+        reward,
+        args.rewards.normalize_samples,
+        loop.resumed,
+        reference,
+        query_stream,
+        affixes,
+        task,
+        local_seed,
+        accelerator,
     )
 
     # plumbing: what a checkpoint saves and --resume restores, the tracker, the logs and progress, the clock
-    state = ppo_plumbing.TrainingState(
-        policy, optimizer, kl_ctl, query_stream, generator, order_rngs, critic, trained, args.fsdp
+    tracker, meta = ppo_plumbing.start_tracker(args, accelerator, loop, sizes.nupdates)
+    report = ppo_plumbing.RunReport(
+        args, accelerator, console, tracker, tokenizer, sizes.nupdates, loop.first_step, meta["run_name"]
     )
-    tracker, meta = ppo_plumbing.start_tracker(args, accelerator, loop.resumed, settings, sizes.nupdates)
+    state = ppo_plumbing.TrainingState(
+        policy, optimizer, kl_ctl, query_stream, generator, order_rngs, critic, trained, args.run.fsdp, report
+    )
     if loop.resumed is not None:
         state.restore(loop.resumed, accelerator, args.seed)
-    report = ppo_plumbing.RunReport(args, accelerator, console, tracker, tokenizer, sizes.nupdates, loop.first_step)
     last_time = time.time()
     start_time = last_time - (loop.resumed.shared["elapsed_time"] if loop.resumed else 0.0)
 
@@ -943,80 +820,12 @@ def main(args: Args) -> list[dict[str, float]]:
             # for step 5: each virtual rank's fresh permutation for each PPO epoch (spec P12, D4); host-to-device
             # copies go through pinned memory, so none waits for the kernels queued before it
             indices = minibatch_indices(order_rngs, sizes.group, ppo.nminibatches, ppo.noptepochs)
-            indices = to_device(torch.from_numpy(indices), device)  # (noptepochs, nminibatches, minibatch)
-            with torch.no_grad():
-                # 2. rollout: responses, with logprobs and values from the sampling pass itself (spec P13); rows
-                # grouped by virtual rank, each holding the queries of the OAI rank it stands for (spec D3, D4)
-                queries = to_device(query_stream.next_batch(sizes.batch, sizes.virtual_ranks), device)  # (B, Lq)
-                contexts = format_contexts(queries, *affixes)  # (B, C): prefix + query + suffix (spec G4)
-                context_length = contexts.shape[1]
-                # DEVIATION (rollout-micro-batch): with --rollout_micro_batch_size only; OAI decodes a rank's episodes
-                # together; in chunks every episode keeps its random numbers and tokens, but log-probs and values move
-                # by float rounding (a matmul's kernel depends on its row count)
-                rollout_rows = args.rollout_micro_batch_size or sizes.batch  # episodes decoded and scored together
-                # --fsdp: the policy's (and critic's) weights gathered once for the whole rollout, not at every token
-                with distributed.gathered(trained):
-                    # QueryStream's queries start with a real token, so the sampler and the reward model skip that check
-                    # and its host sync: the update's only sync is the statistics copy in step 6
-                    responses, logprobs, values = sample(
-                        policy,
-                        contexts,
-                        task.response_length,
-                        task.temperature,
-                        pad_id,
-                        generator,
-                        check_first_token=False,
-                        compile=args.compile_sampler,
-                        max_rows=rollout_rows,
-                    )  # (B, L) each
-                    query_responses = torch.cat([contexts, responses], 1)  # (B, C + L)
-                    ppo_logprobs, ppo_values = logprobs, values
-                    if critic is not None and not args.bf16:  # the sampler's values are the policy head's (nplus N16)
-                        ppo_values = nplus_critic.rollout_values(
-                            critic, query_responses, context_length, pad_id, rollout_rows
-                        )
-                    if args.bf16:
-                        # DEVIATION (bf16-ratio): OAI's ratio and value clipping use the sampling pass's log-probs
-                        # and values (spec P13); under bf16 autocast of the PPO forward, float32 ones put the first
-                        # minibatch's ratio ~1.5e-3 off 1 and clipping fires on rounding noise, so PPO gets those of
-                        # the loss forward's arithmetic (one more forward); the KL penalty keeps the float32 ones,
-                        # like the reference's
-                        ppo_logprobs, ppo_values = training_logprobs_and_values(
-                            learner, query_responses, context_length, pad_id, task.temperature, sizes.micro
-                        )
-                # the frozen reference policy's log-probs, --rollout_micro_batch_size rows per forward
-                with reference() as ref_policy:
-                    ref_logprobs = reference_logprobs(
-                        ref_policy, query_responses, context_length, pad_id, task.temperature, rollout_rows
-                    )  # (B, L)
-                timer.mark()
+            indices = devices.to_device(torch.from_numpy(indices), device)  # (noptepochs, nminibatches, minibatch)
 
-                # 3. response processing: truncate -> score (raw query, no prefix/suffix, spec G4) -> filter penalty
-                # https://github.com/openai/lm-human-preferences/blob/cbfd210bb8b08f6bc5c26878c10984b90f516c66/lm_human_preferences/train_policy.py#L378-L390
-                postprocessed_responses = truncate_response(responses, task.truncate_token, task.truncate_after, pad_id)
-                scores = reward(queries, postprocessed_responses)  # (B,)
-                # responses without truncate_token at index >= truncate_after get a fixed score (spec P3)
-                passed = passes_filter(postprocessed_responses, task.truncate_token, task.truncate_after)  # (B,)
-                if task.penalty_mode == "subtract":  # TRL's missing_eos_penalty: added to the score (nplus N19)
-                    # https://github.com/huggingface/trl/blob/14ef1aba152fddbc5a58f3a8a712b6e509e7e69d/trl/trainer/ppo_trainer.py#L414-L418
-                    scores = torch.where(passed, scores, scores + task.penalty_reward_value)
-                else:
-                    scores = torch.where(passed, scores, task.penalty_reward_value)
-                if gold_labeler is not None:  # the gold judge sees what the reward model sees; it never trains
-                    gold_scores = gold_labeler.scores(queries, postprocessed_responses[:, None])[:, 0].to(device)
-
-                masks = score_index = None
-                if task.end_at_eos:  # nothing after a response's first EOS trains the policy (nplus N20)
-                    masks = ResponseMasks.of(postprocessed_responses, task.truncate_token)
-                    logprobs, ref_logprobs = masks.invalidate(logprobs), masks.invalidate(ref_logprobs)
-                    ppo_logprobs, ppo_values = masks.invalidate(ppo_logprobs), masks.zero_values(ppo_values)
-                    score_index = masks.score_index()  # (B,) s + 1, or s when that is the last token (nplus N21)
-
-                # 4. per-token rewards: -kl_coef * kl, + score at the last token (at s + 1 with end_at_eos)
-                kl_coef = kl_ctl.value
-                rewards, non_score_reward, kl = compute_rewards(
-                    scores, logprobs, ref_logprobs, kl_coef, args.rewards.kl_estimator, score_index
-                )  # (B, L)
+            # 2-4. rollout: responses to the next queries, their scores and per-token rewards with the KL penalty
+            queries = devices.to_device(query_stream.next_batch(sizes.batch, sizes.virtual_ranks), device)  # (B, Lq)
+            kl_coef = kl_ctl.value
+            episodes = rollout(models, queries, affixes, generator, kl_coef, args, sizes, tokenizer, timer)
             timer.mark()
 
             # 5. PPO: noptepochs x nminibatches optimizer steps, each over `accum` micro-batches;
@@ -1025,34 +834,19 @@ def main(args: Args) -> list[dict[str, float]]:
             lr_now = ppo.lr * (1 - update / sizes.nupdates)
             for group in optimizer.param_groups:
                 group["lr"] = lr_now
-            # with --task.end_at_eos the rollout carries where each response ends (nplus N20)
-            rollout = Rollout(query_responses, context_length, ppo_logprobs, ppo_values, rewards, masks)
-            ppo_stats = ppo_update(trained, optimizer, rollout, indices, sizes, ppo, task.temperature, pad_id)
+            ppo_stats = ppo_update(trained, optimizer, episodes, indices, sizes, ppo, task.temperature, pad_id)
             timer.mark()
 
-            # 6. statistics under OAI's names (spec §4.1), all processes, one device-to-host copy; with end_at_eos
-            # from the masked log-probs, as the successor recipe logs them (nplus N26): kl 0 and -logprob -1 after EOS
+            # 6. statistics of all processes, one device-to-host copy, with the run's guards: non-finite counts (the
+            # first names the cause) and a stop signal
             # https://github.com/openai/lm-human-preferences/blob/cbfd210bb8b08f6bc5c26878c10984b90f516c66/lm_human_preferences/train_policy.py#L199-L261
             local_stats = {
-                "objective/kl": kl.sum(1).mean(),
-                "objective/entropy": (-logprobs).sum(1).mean(),
-                "objective/score": scores.mean(),
-                "objective/score_total": scores.mean() + non_score_reward.sum(1).mean(),
-                **({"objective/gold_score": gold_scores.mean()} if gold_labeler is not None else {}),
+                **episodes.stats,
                 **ppo_stats.local(),
-                "debug/num_eos": (responses == tokenizer.eos_token_id).sum(1).float().mean(),
-                "debug/filter_pass_rate": passed.float().mean(),
-            }
-            # reduced with them, the run's guards: non-finite counts (the first names the cause) and a stop signal
-            guards = {
-                "nonfinite/logprobs": validation.nonfinite_count([logprobs, ref_logprobs]),
-                "nonfinite/values": validation.nonfinite_count([ppo_values]),
-                "nonfinite/scores": validation.nonfinite_count([scores]),
-                "nonfinite/rewards": validation.nonfinite_count([rewards]),
                 "nonfinite/weights": validation.nonfinite_tensors(params),
                 "stop/signal": loop.stop.flag(device),  # a signal to any process stops all after this update
             }
-            stats = reduce_stats({**local_stats, **guards}, accelerator)
+            stats = reduce_stats(local_stats, accelerator)
             stopping = stats.pop("stop/signal") > 0
             validation.check_finite_stats(stats, f"update {update}", "Lower --ppo.lr or check the reward model.")
             add_elapsed_stats(stats, update, args, start_time, last_time)
@@ -1066,7 +860,7 @@ def main(args: Args) -> list[dict[str, float]]:
 
             # 8. logs, samples every log_interval updates, warnings, progress (P19); a checkpoint every save_interval
             # updates and at the end (P20), or now when a signal stops the run
-            report.update(stats, update, (queries, postprocessed_responses, scores, kl.sum(1)))
+            report.update(stats, update, episodes.samples)
             loop.step_done(update + 1, stopping)
         if loop.first_step == sizes.nupdates:  # a finished run resumed: write its policy again, a kill may have cut it
             save(loop.first_step)
@@ -1076,7 +870,12 @@ def main(args: Args) -> list[dict[str, float]]:
 
 def parse(argv: list[str] | None = None) -> Args:
     """Args from the command line, starting from the `--task` preset (default sentiment)."""
-    return cli.parse_args(Args, {**oai_presets(), **nplus_presets()}, "sentiment", __doc__, argv)[1]
+    return cli.parse_args(Args, task_presets(), "sentiment", __doc__, argv)[1]
+
+
+def task_presets() -> dict[str, Args]:
+    """One `Args` per `--task` name: OAI's launch.py experiments and the successor recipe's (presets.py)."""
+    return presets.build(Args, presets.POLICY)
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ docs/implementation-details.md#r4 (a numbered one, spec §4.2, is that document'
 
 import dataclasses
 from dataclasses import dataclass, field
+from typing import Annotated
 
 import numpy as np
 import torch
@@ -19,7 +20,17 @@ import torch.nn.functional as F
 import tyro
 from accelerate.utils import broadcast
 
-from lm_human_preference_details import checkpoint, cli, devices, distributed, labels, reward_plumbing, validation
+from lm_human_preference_details import (
+    cli,
+    devices,
+    distributed,
+    labels,
+    presets,
+    resumable,
+    reward_plumbing,
+    settings,
+    validation,
+)
 from lm_human_preference_details import sizes as sizing
 from lm_human_preference_details.data import QueryStream, load_texts
 from lm_human_preference_details.devices import to_device
@@ -41,7 +52,6 @@ from lm_human_preference_details.modeling import (
 )
 from lm_human_preference_details.optim import make_optimizer
 from lm_human_preference_details.tasks import (
-    NPLUS_TASKS,
     TASKS,
     TaskHParams,
     encode_context_affixes,
@@ -65,10 +75,8 @@ class LabelHParams:
     label file); the reward model records this run's --task. By default a mismatch stops the run"""
 
 
-@dataclass
+@dataclass(slots=True)  # a misspelt field is an AttributeError, not a new attribute
 class Args:
-    exp_name: str = "train_reward"
-    """experiment name, part of the run name"""
     seed: int = 1
     """run seed; process r seeds Python, NumPy, torch and the sampler with seed + 100003 * r (OAI
     utils/core.py#L108-L113)"""
@@ -107,119 +115,17 @@ class Args:
     weight_decay: float = 0.0
     """with --no_use_tensorflow_adam: torch.optim.AdamW's decoupled weight decay (the successor recipe uses AdamW's
     default 0.01, eps 1e-5); 0: no decay, as OAI (the TF1 Adam refuses any other value)"""
-    gradient_checkpointing: bool = False
-    """recompute each transformer block's activations in the backward instead of storing them: much less activation
-    memory (e.g. for gpt2-large/xl) for ~30% more compute, same updates; off: every activation is stored, as OAI"""
-    bf16: bool = False
-    """run the transformer of the training forward passes under bfloat16 autocast (weights, optimizer, heads, logits,
-    sampling and scoring stay float32): less memory, faster on GPUs with bf16; off: float32 throughout, as OAI"""
-    fsdp: bool = False
-    """shard the trained model (train_policy.py: the policy and a critic; train_reward.py: the reward model) over the
-    processes with FSDP2, each transformer block a unit: every process holds 1/N of its weights, gradients and Adam
-    moments, gathered once per rollout; train_policy.py shards its reference policy and reward model too
-    (docs/multiprocess.md); off: every process holds everything and DDP averages the gradients, as OAI's ranks"""
-    tf32: bool = False
-    """run float32 matmuls on TF32 tensor cores (NVIDIA Ampere or newer: A100, H100): GEMMs ~5-7x faster, with
-    relative errors up to ~1e-3 (docs/gpu.md); off: full float32, as OAI trained"""
-    deterministic: bool = False
-    """use torch's deterministic algorithms (CUBLAS_WORKSPACE_CONFIG=:4096:8, no cuDNN benchmarking): on the same GPU
-    model and software, a killed and resumed run equals the uninterrupted one bit for bit (docs/reliability.md), with
-    somewhat slower kernels; an operator without a deterministic kernel stops the run; CPU runs are deterministic
-    anyway"""
     eval_interval: int = 0
     """evaluate held-out accuracy every this many steps (0: only before and after training)"""
-    output_dir: str = "models/reward"
-    """where the run writes the trained model with its tokenizer and args.json, its training states (training_state/),
-    TensorBoard logs (tb/) and wandb files"""
-    save_interval: int = 100
-    """write a training-state checkpoint every this many steps, and always after the last one; 0 = only then"""
-    keep_checkpoints: int = 2
-    """training-state checkpoints kept in OUTPUT_DIR/training_state/step{N} (all that --resume needs: weights,
-    optimizer, data positions, every process's RNGs), the newest; older ones are deleted once a newer one is on disk;
-    0 keeps all"""
-    resume: str | None = None
-    """continue a killed run from a training-state checkpoint: its directory, or `auto` for the newest in
-    --output_dir (none there: start afresh); the run then logs and saves what the uninterrupted run would"""
-    allow_resume_changes: bool = False
-    """resume even though settings that change the run (sizes, task, models, data, seeds, processes) differ from the
-    checkpoint's; the differences are printed"""
-    overwrite_output_dir: bool = False
-    """start afresh in an --output_dir that holds another run: its training states, checkpoints/ and TensorBoard logs
-    are deleted, its model is replaced when this run saves its own"""
-    track: bool = False
-    """log to Weights & Biases (set WANDB_MODE=offline to log without network)"""
-    wandb_project_name: str = "lm_human_preference_details"
-    """Weights & Biases project"""
-    wandb_entity: str | None = None
-    """Weights & Biases entity (team or user); None = your default entity"""
-    dist_timeout: float = 1800.0
-    """seconds a process waits in an all-reduce or broadcast for the others before it stops with an error: bounds a
-    hang when a process or node stalls without exiting (one that exits stops the others at once); must exceed the
-    longest time one process works alone (rank 0 saving a checkpoint)"""
-    dry_run: bool = False
-    """check every input (models, tokenizers, the reward model or label file and its task, a local query file), print
-    the settings and the derived per-process sizes, and exit without training"""
-    dry_run_processes: int | None = None
-    """with --dry_run: derive the sizes for this many processes (e.g. 8 GPUs) instead of this launch's"""
     task_id: tyro.conf.Suppress[str] = "sentiment"
     """name of the --task preset these settings started from (recorded in the run config)"""
-
-
-def books_preset(label_file: str) -> Args:
-    """OAI's sentiment/descriptiveness reward training (launch.py#L49-L80)."""
-    task_id = label_file.split("/")[0]
-    return Args(label_dataset=label_file, task=dataclasses.replace(TASKS[task_id]), task_id=task_id)
-
-
-def summarization_preset(task: str) -> Args:
-    """OAI's tldr/cnndm reward training (launch.py#L82-L111): 46k online labels, batch 16, lr 2.5e-5, rollouts 128."""
-    return Args(
-        task_id=task,
-        label_dataset=f"{task}/online_45k.json",
-        task=dataclasses.replace(TASKS[task]),
-        labels=LabelHParams(num_train=46_000),
-        batch_size=16,
-        lr=2.5e-5,
-        rollout_batch_size=128,
+    run: Annotated[settings.RewardRunSettings, tyro.conf.arg(name="")] = field(
+        default_factory=lambda: settings.RewardRunSettings("train_reward", "models/reward")
     )
+    """where the run writes, how it logs, saves, resumes and speeds up (flags without a prefix: --output_dir, ...)"""
 
 
-def nplus_presets() -> dict[str, Args]:
-    """The successor recipe's reward model (docs/nplus.md#preset), one `Args` per `--task` name: from the SFT model,
-    on TL;DR preference pairs (chosen vs rejected, each response ending with EOS), 1450 batches of 64, torch
-    AdamW (eps 1e-5, weight decay 0.01) at lr 3e-6 (nplus N8, N11, N12)."""
-    # https://github.com/vwxyzjn/summarize_from_feedback_details/blob/ee77a9abc31f5338365ee087945c5bcafac7f1ca/summarize_from_feedback_details/reward.py#L78-L82
-    return {
-        "nplus_tldr": Args(
-            task_id="nplus_tldr",
-            task=dataclasses.replace(NPLUS_TASKS["nplus_tldr"]),
-            base_model="models/sft",
-            label_dataset="trl-lib/tldr-preference",
-            # SFD cuts the pairs to 92,832 and trains floor(92,832 / 64) = 1450 whole batches: the first 92,800 pairs
-            labels=LabelHParams(type="best_of_2", num_train=92_800),
-            batch_size=64,
-            lr=3e-6,
-            # DEVIATION (nplus-reward-normalization): N+ trains without a normalization and afterwards subtracts the
-            # mean score of the SFT data's reference summaries (nplus N14); here the reward model is normalized after
-            # training as OAI's is, to mean 0 and std 1 on the SFT policy's samples (cut at EOS)
-            normalize_before=False,
-            use_tensorflow_adam=False,
-            weight_decay=0.01,
-        )
-    }
-
-
-def oai_presets() -> dict[str, Args]:
-    """OAI's launch.py reward experiments, one `Args` per `--task` name."""
-    return {
-        "sentiment": books_preset("sentiment/offline_5k.json"),
-        "descriptiveness": books_preset("descriptiveness/offline_5k.json"),
-        "tldr": summarization_preset("tldr"),
-        "cnndm": summarization_preset("cnndm"),
-    }
-
-
-RESUME_IGNORED = (*checkpoint.RESUME_IGNORED, "labels.allow_task_mismatch")
+RESUME_IGNORED = (*resumable.RESUME_IGNORED, "labels.allow_task_mismatch")
 """settings that may change on --resume: they do not change what the run computes"""
 
 
@@ -383,24 +289,24 @@ def nonfinite_stats(
 
 
 # ---------------------------------------------------------------- main
-# The plumbing calls name their module (checkpoint., cli., devices., distributed., labels., reward_plumbing., sizing.,
-# validation.): skip them to read the algorithm.
-@checkpoint.one_run_per_output_dir
+# The plumbing calls name their module (cli., devices., distributed., labels., resumable., reward_plumbing., settings.,
+# sizing., validation.): skip them to read the algorithm.
+@resumable.one_run_per_output_dir
 def main(args: Args) -> dict:
     """Train and save a reward model; returns the final figures, this process's label indices and the model."""
     # 0. processes, derived sizes (spec D1), printed, then checked by --dry_run; seeds; --resume
     validation.check_reward_args(args)
-    label_task_warning = labels.check_label_task(args.label_dataset, args.task_id, args.labels.allow_task_mismatch)
+    label_warnings = labels.label_task_warnings(args.label_dataset, args.task_id, args.labels.allow_task_mismatch)
     cli.quiet_transformers()
-    accelerator = distributed.make_accelerator(args.dist_timeout)
-    tf32 = devices.use_tf32(args.tf32)
-    devices.use_deterministic(args.deterministic)
-    sizes = sizing.derive_reward_sizes(args, validation.dry_run_world(args, accelerator.num_processes))
+    accelerator = distributed.make_accelerator(args.run.dist_timeout)
+    tf32 = devices.use_tf32(args.run.tf32)
+    devices.use_deterministic(args.run.deterministic)
+    sizes = sizing.derive_reward_sizes(args, validation.dry_run_world(args.run, accelerator.num_processes))
     rank, world, accum = accelerator.process_index, sizes.world, args.gradient_accumulation_steps
     console = cli.make_console()
     if accelerator.is_main_process:
-        reward_plumbing.print_setup(console, args, sizes, tf32, label_task_warning)
-    if args.dry_run:
+        reward_plumbing.print_setup(console, args, sizes, tf32, label_warnings)
+    if args.run.dry_run:
         reward_plumbing.check_inputs(args, accelerator)
         return {}
     # per-process seeds; rank 0's NumPy RNG draws the label order
@@ -410,10 +316,11 @@ def main(args: Args) -> dict:
     # the truncation token's id in the base model's tokenizer, once: in args.json, the checkpoints and the reward model
     tokenizer = load_tokenizer(args.base_model)
     args = dataclasses.replace(args, task=resolve_truncation(args.task, tokenizer))
+    validation.check_reward_context(args, tokenizer)  # the reward model's and the policy's context hold their tokens
     # a killed run continues from its checkpoint (--resume); a fresh one never writes into another run's output_dir
-    settings = {**dataclasses.asdict(args), "world_size": world}
-    ignored = reward_plumbing.resume_ignored(RESUME_IGNORED, args.fsdp)
-    loop = checkpoint.CheckpointedLoop(args, settings, ignored, accelerator, "step", sizes.steps)
+    loop = resumable.CheckpointedLoop(args, world, RESUME_IGNORED, accelerator, "step", sizes.steps)
+    if loop.finished is not None:  # a finished run is a result: its summary shown, every file kept as it is
+        return reward_plumbing.report_finished(console, args, loop.finished, accelerator)
 
     # 1. labels (validated before any model is loaded), models, optimizer, query stream
     label_type = get_label_type(args.labels.type)
@@ -424,13 +331,15 @@ def main(args: Args) -> dict:
     reward_model = RewardModel.from_base(args.base_model, bos_token_id=added_bos_id(tokenizer)).to(accelerator.device)
     # rank 0's random head everywhere (OAI train_reward.py#L316-L318)
     distributed.broadcast_parameters(reward_model, accelerator)
-    reduce_training_memory(reward_model, args.gradient_checkpointing, args.bf16)  # the label loss's forward only
+    reduce_training_memory(
+        reward_model, args.run.gradient_checkpointing, args.run.bf16
+    )  # the label loss's forward only
     ref_policy = PolicyWithValueHead(load_causal_lm(args.base_model)).to(accelerator.device).requires_grad_(False)
     # gain and bias are trained too (their effect is reset by normalize_after)
     # https://github.com/openai/lm-human-preferences/blob/cbfd210bb8b08f6bc5c26878c10984b90f516c66/lm_human_preferences/rewards.py#L69-L71
     # the module the label loss's forwards run through: DDP averages its gradients over processes (spec O4), or
     # --fsdp shards it
-    trained = distributed.data_parallel(reward_model, accelerator, args.fsdp)
+    trained = distributed.data_parallel(reward_model, accelerator, args.run.fsdp)
     params = list(reward_model.parameters())
     optimizer = make_optimizer(params, args.lr, args.use_tensorflow_adam, args.weight_decay)
     texts = load_texts(args.task.query_dataset, args.task.query_split)
@@ -438,7 +347,7 @@ def main(args: Args) -> dict:
     affixes = encode_context_affixes(tokenizer, args.task)
 
     # plumbing: the tracker, the checkpoints' metadata
-    tracker, meta = reward_plumbing.start_tracker(args, accelerator, loop.resumed, settings)  # TensorBoard (and wandb)
+    tracker, meta = reward_plumbing.start_tracker(args, accelerator, loop)  # TensorBoard (and wandb)
 
     def normalize(when: str, step: int, target: tuple[float, float]) -> dict | None:
         """Normalize the reward on fresh samples to `target` (mean, std); log and print what was measured."""
@@ -552,9 +461,11 @@ def main(args: Args) -> dict:
         check_finite_weights(reward_model, "the trained reward model", "not saved; try a smaller --lr.")
     whole = reward_plumbing.whole_reward_model(reward_model)
     if accelerator.is_main_process:
-        reward_plumbing.save_reward_model(whole, tokenizer, args, label_type, (eval_before, eval_after))
         evals = (eval_before, eval_after)
-        reward_plumbing.print_summary(console, args, whole, label_type, len(heldout_labels), evals)
+        reward_plumbing.save_reward_model(whole, tokenizer, args, label_type, evals, label_warnings)
+        summary = reward_plumbing.run_summary(whole, label_type, len(heldout_labels), evals, norms)
+        resumable.write_summary(args.run.output_dir, meta["run_name"], summary)  # the result, after the model
+        reward_plumbing.print_summary(console, args, summary)
     loop.finish()  # every process past the save; the gradient hooks and the tracker closed
     return {
         "eval_before": eval_before,
@@ -569,7 +480,12 @@ def main(args: Args) -> dict:
 
 def parse(argv: list[str] | None = None) -> Args:
     """Args from the command line, starting from the `--task` preset (default sentiment)."""
-    return cli.parse_args(Args, {**oai_presets(), **nplus_presets()}, "sentiment", __doc__, argv)[1]
+    return cli.parse_args(Args, task_presets(), "sentiment", __doc__, argv)[1]
+
+
+def task_presets() -> dict[str, Args]:
+    """One `Args` per `--task` name: OAI's launch.py experiments and the successor recipe's (presets.py)."""
+    return presets.build(Args, presets.REWARD)
 
 
 if __name__ == "__main__":

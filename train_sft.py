@@ -12,14 +12,17 @@ train_policy.py takes. Batch sizes are global (summed over processes).
 `nplus NX` in the comments is docs/nplus-details.md#nx, the section on N+'s detail X.
 """
 
-from dataclasses import dataclass
-from typing import Literal
+import math
+from dataclasses import dataclass, field
+from typing import Annotated, Literal
 
 import torch
 import torch.nn.functional as F
+import tyro
 from transformers import PreTrainedModel
 
-from lm_human_preference_details import checkpoint, cli, devices, distributed, validation
+from lm_human_preference_details import cli, devices, distributed, resumable, settings, validation
+from lm_human_preference_details import sizes as sizing
 from lm_human_preference_details.devices import to_device
 from lm_human_preference_details.modeling import (
     check_finite_weights,
@@ -27,7 +30,7 @@ from lm_human_preference_details.modeling import (
     model_vocab_size,
     pad_invisible_hidden,
 )
-from lm_human_preference_details.nplus import sft
+from lm_human_preference_details.nplus import sft_data, sft_plumbing
 from lm_human_preference_details.tokenizer import load_tokenizer
 
 IGNORE_INDEX = -100
@@ -36,10 +39,8 @@ IGNORE_INDEX = -100
 
 # ---------------------------------------------------------------- hyperparameters
 # defaults are N+'s SFT stage (nplus §1, §4): batch 128, one epoch, AdamW lr 3e-6 eps 1e-5, cosine, loss on all tokens
-@dataclass
+@dataclass(slots=True)  # a misspelt field is an AttributeError, not a new attribute
 class Args:
-    exp_name: str = "train_sft"
-    """experiment name, part of the run name"""
     seed: int = 1
     """run seed: process r seeds Python, NumPy and torch with seed + 100003 * r, and the one shuffle of the pairs (the
     same on every process) is drawn from it (nplus N9)"""
@@ -74,50 +75,36 @@ class Args:
     """AdamW epsilon (nplus N8)"""
     weight_decay: float = 0.01
     """AdamW's decoupled weight decay (torch's default, which N+ kept, nplus N8)"""
-    bf16: bool = False
-    """run the transformer under bfloat16 autocast (weights, optimizer and logits stay float32); off: float32"""
-    tf32: bool = False
-    """run float32 matmuls on TF32 tensor cores (NVIDIA Ampere or newer), relative errors up to ~1e-3 (docs/gpu.md)"""
-    deterministic: bool = False
-    """use torch's deterministic algorithms: on the same GPU model and software a killed and resumed run equals the
-    uninterrupted one bit for bit (docs/reliability.md); CPU runs are deterministic anyway"""
     eval_interval: int = 0
     """evaluate the --eval_split loss every this many steps (0: only before and after training)"""
-    output_dir: str = "models/sft"
-    """where the run writes the fine-tuned model with its tokenizer and args.json, its training states
-    (training_state/) and TensorBoard logs (tb/)"""
-    save_interval: int = 100
-    """write a training-state checkpoint every this many steps, and always after the last one; 0 = only then"""
-    keep_checkpoints: int = 2
-    """training-state checkpoints kept in OUTPUT_DIR/training_state/step{N}, the newest; 0 keeps all"""
-    resume: str | None = None
-    """continue a killed run from a training-state checkpoint: its directory, or `auto` for the newest in
-    --output_dir (none there: start afresh); the run then logs and saves what the uninterrupted run would"""
-    allow_resume_changes: bool = False
-    """resume even though settings that change the run differ from the checkpoint's; the differences are printed"""
-    overwrite_output_dir: bool = False
-    """start afresh in an --output_dir that holds another run: its training states and TensorBoard logs are deleted,
-    its model is replaced when this run saves its own"""
-    track: bool = False
-    """log to Weights & Biases (set WANDB_MODE=offline to log without network)"""
-    wandb_project_name: str = "lm_human_preference_details"
-    """Weights & Biases project"""
-    wandb_entity: str | None = None
-    """Weights & Biases entity (team or user); None = your default entity"""
-    dist_timeout: float = 1800.0
-    """seconds a process waits in an all-reduce or broadcast for the others before it stops with an error"""
-    dry_run: bool = False
-    """check every input (model, tokenizer, dataset and its columns), print the settings, the data and the derived
-    per-process sizes, and exit without training"""
-    dry_run_processes: int | None = None
-    """with --dry_run: derive the sizes for this many processes (e.g. 8 GPUs) instead of this launch's"""
+    run: Annotated[settings.RunSettings, tyro.conf.arg(name="")] = field(
+        default_factory=lambda: settings.RunSettings("train_sft", "models/sft")
+    )
+    """where the run writes, how it logs, saves, resumes and speeds up (flags without a prefix: --output_dir, ...)"""
 
 
-RESUME_IGNORED = (*checkpoint.RESUME_IGNORED, "eval_interval")
+RESUME_IGNORED = (*resumable.RESUME_IGNORED, "eval_interval")
 """settings that may change on --resume: they do not change what the run computes"""
 
 
 # ---------------------------------------------------------------- algorithm
+def with_loss_mask(pairs: sft_data.TokenizedPairs, pad_id: int, loss_on: str) -> sft_data.SftData:
+    """The pairs and the tokens the next-token loss counts (nplus N10): every non-PAD token but the first (nothing
+    predicts it), or with --loss_on completion the completion's tokens and EOS. A row with none of them has nothing
+    to learn: it is dropped (counted in `empty`)."""
+    # SFD: labels = tokens with PAD -> -1 (ignored), shifted by one; the prompt is counted
+    # https://github.com/vwxyzjn/summarize_from_feedback_details/blob/ee77a9abc31f5338365ee087945c5bcafac7f1ca/summarize_from_feedback_details/sft.py#L389-L402
+    # the position of each row's first counted token: 1 (position 0 is predicted by nothing) or the prompt's length
+    first_counted = [p if loss_on == "completion" else 1 for p in pairs.prompt_tokens]
+    kept = [i for i, (length, first) in enumerate(zip(pairs.lengths, first_counted)) if length > max(first, 1)]
+    rows = pairs.select(kept)
+    first = torch.tensor([first_counted[i] for i in kept]).clamp_min(1)  # (N,)
+    positions = torch.arange(rows.tokens.shape[1])  # (T,)
+    loss_mask = (rows.tokens != pad_id) & (positions[None, :] >= first[:, None])  # (N, T)
+    empty = len(pairs.prompt_tokens) - len(kept)
+    return sft_data.SftData(rows.tokens, loss_mask, rows.lengths, loss_mask.sum(1).numpy(), pairs.too_long, empty)
+
+
 def next_token_loss_sum(
     model: PreTrainedModel, tokens: torch.Tensor, loss_mask: torch.Tensor, pad_id: int, bf16: bool = False
 ) -> torch.Tensor:
@@ -149,8 +136,24 @@ def make_optimizer(model: PreTrainedModel, args: Args) -> torch.optim.Optimizer:
     return torch.optim.AdamW(model.parameters(), lr=args.lr, eps=args.eps, weight_decay=args.weight_decay)
 
 
+def data_order(num_rows: int, seed: int) -> torch.Tensor:
+    """The one shuffle of the rows, the same on every process: the order in which torch's RandomSampler yields them
+    after `torch.manual_seed(seed)`, as SFD's DataLoader does (nplus N9)."""
+    # https://github.com/vwxyzjn/summarize_from_feedback_details/blob/ee77a9abc31f5338365ee087945c5bcafac7f1ca/summarize_from_feedback_details/ppo.py#L502-L507
+    # RandomSampler without a generator draws its seed from the global generator, then permutes with it
+    seed_draw = torch.empty((), dtype=torch.int64).random_(generator=torch.Generator().manual_seed(seed))
+    return torch.randperm(num_rows, generator=torch.Generator().manual_seed(int(seed_draw)))
+
+
+def cosine_factor(step: int, steps: int) -> float:
+    """The lr's factor at optimizer step `step` (0-based) of `steps`: transformers' get_cosine_schedule_with_warmup
+    with no warm-up, 0.5 (1 + cos(pi step / steps)), from 1 at the first step towards 0 after the last (nplus N8)."""
+    # transformers/optimization.py _get_cosine_schedule_with_warmup_lr_lambda (num_cycles 0.5, no warm-up)
+    return max(0.0, 0.5 * (1.0 + math.cos(math.pi * step / max(1, steps))))
+
+
 @torch.no_grad()
-def evaluate_loss(accelerator, model, data: sft.SftData, pad_id: int, micro: int, bf16: bool) -> float:
+def evaluate_loss(accelerator, model, data: sft_data.SftData, pad_id: int, micro: int, bf16: bool) -> float:
     """Mean next-token loss over every counted token of `data`; each process scores a rank-strided part."""
     rows = torch.arange(accelerator.process_index, len(data.tokens), accelerator.num_processes)
     total = torch.zeros((), device=accelerator.device)
@@ -163,87 +166,94 @@ def evaluate_loss(accelerator, model, data: sft.SftData, pad_id: int, micro: int
 
 
 # ---------------------------------------------------------------- main
-# The plumbing calls name their module (checkpoint., cli., devices., distributed., sft., validation.): skip
-# them to read the algorithm.
-@checkpoint.one_run_per_output_dir
+# The plumbing calls name their module (cli., devices., distributed., resumable., settings., sft_plumbing., sizing.,
+# validation.): skip them to read the algorithm.
+@resumable.one_run_per_output_dir
 def main(args: Args) -> dict:
     """Fine-tune and save a causal LM; returns the losses and the model."""
     # 0. processes, the pairs tokenized, derived sizes, printed, then --dry_run stops; seeds; --resume
-    sft.check_args(args)
+    sft_plumbing.check_args(args)
     cli.quiet_transformers()
-    accelerator = distributed.make_accelerator(args.dist_timeout)
-    tf32 = devices.use_tf32(args.tf32)
-    devices.use_deterministic(args.deterministic)
+    accelerator = distributed.make_accelerator(args.run.dist_timeout)
+    tf32 = devices.use_tf32(args.run.tf32)
+    devices.use_deterministic(args.run.deterministic)
     console = cli.make_console()
     tokenizer = load_tokenizer(args.base_model)  # a PAD distinct from EOS, right padding (nplus N3, N5)
     pad_id = tokenizer.pad_token_id
 
     # 1. the pairs: prompt.strip() ⊕ completion ⊕ EOS, right-padded, and the tokens the loss counts
-    data = sft.tokenize_pairs(sft.read_pairs(args, tokenizer), tokenizer, args.max_length, args.loss_on)
-    sft.check_usable(data, f"--dataset {args.dataset}", args.max_length)
+    pairs = sft_data.tokenize_pairs(sft_data.read_pairs(args, tokenizer), tokenizer, args.max_length)
+    data = with_loss_mask(pairs, pad_id, args.loss_on)
+    sft_plumbing.check_usable(data, f"--dataset {args.dataset}", args.max_length)
     eval_data = None
     if args.eval_split is not None:
-        eval_data = sft.tokenize_pairs(sft.read_pairs(args, tokenizer, True), tokenizer, args.max_length, args.loss_on)
-        sft.check_usable(eval_data, f"--eval_split {args.eval_split}", args.max_length)
-    sizes = sft.derive_sizes(args, validation.dry_run_world(args, accelerator.num_processes), len(data.tokens))
+        eval_pairs = sft_data.tokenize_pairs(sft_data.read_pairs(args, tokenizer, True), tokenizer, args.max_length)
+        eval_data = with_loss_mask(eval_pairs, pad_id, args.loss_on)
+        sft_plumbing.check_usable(eval_data, f"--eval_split {args.eval_split}", args.max_length)
+    sizes = sizing.derive_sft_sizes(
+        args, validation.dry_run_world(args.run, accelerator.num_processes), len(data.tokens)
+    )
     rank, world, accum = accelerator.process_index, sizes.world, args.gradient_accumulation_steps
     if accelerator.is_main_process:
-        sft.print_setup(console, args, sizes, data, tf32)
-    if args.dry_run:
-        sft.check_token_ids(data, model_vocab_size(args.base_model), pad_id, args.base_model)
+        sft_plumbing.print_setup(console, args, sizes, data, tf32)
+    if args.run.dry_run:
+        sft_plumbing.check_token_ids(data, model_vocab_size(args.base_model), pad_id, args.base_model)
         accelerator.print("dry run: every input checked; nothing written")
         return {}
     # per-process seeds (nplus N9)
     # https://github.com/vwxyzjn/summarize_from_feedback_details/blob/ee77a9abc31f5338365ee087945c5bcafac7f1ca/summarize_from_feedback_details/ppo.py#L421
     devices.set_seed(args.seed + rank * 100003)
     generator = torch.Generator().manual_seed(args.seed + rank * 100003)
-    settings = sft.settings_of(args, world)
-    loop = checkpoint.CheckpointedLoop(args, settings, RESUME_IGNORED, accelerator, "step", sizes.steps)
+    loop = resumable.CheckpointedLoop(args, world, RESUME_IGNORED, accelerator, "step", sizes.steps)
+    if loop.finished is not None:  # a finished run is a result: its summary shown, every file kept as it is
+        return sft_plumbing.report_finished(console, args, loop.finished, accelerator)
 
     # 2. the model (dropout off: load_causal_lm zeroes every dropout probability, nplus N6), rank 0's weights
     # everywhere, AdamW, the gradients averaged over processes
     model = load_causal_lm(args.base_model).to(accelerator.device)
-    sft.check_token_ids(data, model.config.vocab_size, pad_id, args.base_model)
+    sft_plumbing.check_token_ids(data, model.config.vocab_size, pad_id, args.base_model)
     distributed.broadcast_parameters(model, accelerator)
     trained = distributed.data_parallel(NextTokenLoss(model), accelerator)  # DDP: gradients averaged over processes
     optimizer = make_optimizer(model, args)
     params = [p for p in model.parameters() if p.requires_grad]
     # the one shuffle, the same on every process; a step trains on the next batch_size rows, process r on every
     # world-th of them (SFD's DataLoader with 1 pair per process and micro-batch gives the same split, nplus N9)
-    order = sft.data_order(len(data.tokens), args.seed)
-    tracker, meta = sft.start_tracker(args, accelerator, loop.resumed, settings)
+    order = data_order(len(data.tokens), args.seed)
+    tracker, meta = sft_plumbing.start_tracker(args, accelerator, loop)
 
     def log_eval(step: int) -> float | None:
         """The --eval_split loss, logged under eval/ (None without --eval_split)."""
         if eval_data is None:
             return None
-        loss = evaluate_loss(accelerator, model, eval_data, pad_id, sizes.micro, args.bf16)
+        loss = evaluate_loss(accelerator, model, eval_data, pad_id, sizes.micro, args.run.bf16)
         tracker.log({"eval/loss": loss}, step)
         return loss
 
     def save(steps: int) -> None:
         """The training state after `steps` steps, written in the background."""
         run_state = {"eval_before": eval_before, "train_first": train_first}
-        sft.save_checkpoint(args, accelerator, steps, model, optimizer, run_state, generator, tracker, meta, loop.saves)
+        sft_plumbing.save_checkpoint(
+            args, accelerator, steps, model, optimizer, run_state, generator, tracker, meta, loop.saves
+        )
 
     if loop.resumed is None:
         eval_before, train_first = log_eval(0), None
     else:
-        sft.restore(loop.resumed, model, optimizer, generator)
+        sft_plumbing.restore(loop.resumed, model, optimizer, generator)
         eval_before, train_first = loop.resumed.shared["eval_before"], loop.resumed.shared["train_first"]
         if args.eval_interval and loop.first_step % args.eval_interval == 0:
             log_eval(loop.first_step)  # logged before the checkpoint, hidden by the TensorBoard purge at first_step
 
     # 3. one epoch: next-token cross-entropy, mean over the counted tokens of the global batch; AdamW, lr on a cosine
     loss_value = None
-    progress = sft.progress_bar(console, accelerator)
+    progress = sft_plumbing.progress_bar(console, accelerator)
     # Ctrl-C or SIGTERM during training: the step in progress finishes, a checkpoint is saved, the run stops
     with progress, loop.saving(save, tracker.close):
         bar = progress.add_task("train", total=sizes.steps, stats="", completed=loop.first_step)
         for step in range(loop.first_step, sizes.steps):
             # cosine from lr to 0 over the run's steps, no warm-up, one value per optimizer step (nplus N8)
             # https://github.com/vwxyzjn/summarize_from_feedback_details/blob/ee77a9abc31f5338365ee087945c5bcafac7f1ca/summarize_from_feedback_details/sft.py#L405-L406
-            lr = args.lr * sft.cosine_factor(step, sizes.steps)
+            lr = args.lr * cosine_factor(step, sizes.steps)
             for group in optimizer.param_groups:
                 group["lr"] = lr
             rows = order[step * args.batch_size : (step + 1) * args.batch_size]
@@ -262,7 +272,7 @@ def main(args: Args) -> dict:
             ):
                 # the last micro-batch's backward averages the gradients over processes, overlapped with it
                 with distributed.averaging_gradients(trained, micro == accum - 1):
-                    micro_sum = trained(micro_tokens, micro_mask, pad_id, args.bf16)
+                    micro_sum = trained(micro_tokens, micro_mask, pad_id, args.run.bf16)
                     # the processes' gradients are averaged: world x this process's share of the global token mean
                     (micro_sum * (world / counted)).backward()
                 loss_sum += micro_sum.detach()
@@ -300,8 +310,9 @@ def main(args: Args) -> dict:
         "eval_after": eval_after,
     }
     if accelerator.is_main_process:
-        sft.save_model(model, tokenizer, args)
-        sft.print_summary(console, args, losses)
+        sft_plumbing.save_model(model, tokenizer, args)
+        resumable.write_summary(args.run.output_dir, meta["run_name"], {**losses, "steps": sizes.steps})
+        sft_plumbing.print_summary(console, args, losses)
     loop.finish()  # every process past the save; the gradient hooks and the tracker closed
     return {**losses, "steps": sizes.steps, "model": model}
 

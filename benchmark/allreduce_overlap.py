@@ -11,8 +11,8 @@ a TF-style Adam step: the shape of a PPO or reward optimizer step. `ddp`: the fo
 25 MiB (the first 1 MiB) start their asynchronous all-reduces while the backward runs, the gradients views of the
 buckets, zeroed in place after the step (`distributed.clear_gradients`); `after`: every gradient in one flat buffer,
 all-reduced once the backward has finished; `hand`: buckets of 25 MiB started from post-accumulate-grad hooks and waited
-for before the step. All give the mean of the processes' gradients (tests/test_allreduce.py, tests/test_core.py). On
-CPU the processes use gloo, on GPUs NCCL.
+for before the step. All give the mean of the processes' gradients (tests/test_allreduce.py,
+tests/test_distributed.py). On CPU the processes use gloo, on GPUs NCCL.
 """
 
 import os

@@ -393,6 +393,7 @@ def ppo_step(plan: Plan, work_dir: str, name: str) -> tuple[dict, str]:
 
     import train_policy
     from benchmark import policy_throughput
+    from lm_human_preference_details import settings
 
     flags = FLAG_SETS[name]
     policy_dir, reward_dir, corpus = prepared_inputs(work_dir, plan.model)
@@ -410,7 +411,7 @@ def ppo_step(plan: Plan, work_dir: str, name: str) -> tuple[dict, str]:
     )
     run_dir = os.path.join(work_dir, f"ppo-{name}")
     args = policy_throughput.policy_args(bench, run_dir, policy_dir, reward_dir, corpus)
-    args = dataclasses.replace(args, overwrite_output_dir=True)
+    args = settings.with_run(args, overwrite_output_dir=True)
     counter, counted_by = sync_counter(plan.device, flags)
     memory = PeakMemory(plan.device)
     probe = policy_throughput.UpdateProbe(plan.device, True, counter)

@@ -22,7 +22,6 @@ from rich.table import Table
 from transformers import AutoModelForCausalLM
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import train_policy  # noqa: E402
 from benchmark.shapes import model_config  # noqa: E402
 from lm_human_preference_details import cli, lora  # noqa: E402
 from lm_human_preference_details.modeling import PolicyWithValueHead  # noqa: E402
@@ -48,7 +47,7 @@ def count(params) -> int:
     return sum(p.numel() for p in {id(p): p for p in params}.values())
 
 
-def footprint(shape: str, lora_params: train_policy.LoraHParams | None) -> dict[str, int]:
+def footprint(shape: str, lora_params: lora.LoraHParams | None) -> dict[str, int]:
     """Floats held by the policy, its reference, its gradients and Adam's state, built as train_policy.py does, for a
     GPT-2 or Pythia shape (benchmark/shapes.py)."""
     with torch.device("meta"):
@@ -69,7 +68,7 @@ def footprint(shape: str, lora_params: train_policy.LoraHParams | None) -> dict[
 
 def main(args: Args) -> None:
     cli.quiet_transformers()
-    lora_params = train_policy.LoraHParams(rank=args.rank, alpha=args.alpha, target_modules=args.target_modules)
+    lora_params = lora.LoraHParams(rank=args.rank, alpha=args.alpha, target_modules=args.target_modules)
     lora.check_lora_args(lora_params)
     table = Table(title=f"policy memory, float32: full fine-tuning vs LoRA rank {args.rank} (per process)")
     for column in ("model", "setup", "trainable", "params held", "gradients", "Adam state", "total"):

@@ -53,7 +53,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import train_policy  # noqa: E402
 from benchmark.lora_memory import count, footprint  # noqa: E402
 from benchmark.shapes import PYTHIA_SHAPES, SHAPES, model_config  # noqa: E402
-from lm_human_preference_details import cli, optim, sizes  # noqa: E402
+from lm_human_preference_details import cli, lora, optim, sizes  # noqa: E402
 
 GIB = 2**30
 FLOAT = 4
@@ -116,7 +116,7 @@ class Args:
 @functools.cache
 def presets() -> dict[str, train_policy.Args]:
     """train_policy.py's --task presets: OAI's and the successor recipe's."""
-    return {**train_policy.oai_presets(), **train_policy.nplus_presets()}
+    return train_policy.task_presets()
 
 
 def activation_floats_per_token(width: int, layers: int, bf16: bool, checkpointing: bool) -> float:
@@ -140,7 +140,7 @@ def module_floats(shape: str, lora_rank: int) -> dict[str, int]:
     reference, trainable), the trunk alone (a reward model's or critic's), the largest parameter and, for FSDP2's
     shards, the largest block, all blocks and the rest of the language model."""
     config = model_config(shape)
-    floats = footprint(shape, train_policy.LoraHParams(rank=lora_rank) if lora_rank else None)
+    floats = footprint(shape, lora.LoraHParams(rank=lora_rank) if lora_rank else None)
     with torch.device("meta"):
         lm, trunk = AutoModelForCausalLM.from_config(config), AutoModel.from_config(config)
     block, blocks, root = block_and_root_floats(lm)
@@ -171,10 +171,15 @@ def estimate(args: Args, shape: str, rollout_rows: int | None) -> dict[str, floa
     layers, width, vocab = config.num_hidden_layers, config.hidden_size, config.vocab_size
     preset = presets()[args.task]
     task = preset.task
-    batch_size = args.batch_size or preset.ppo.batch_size
-    batch = sizes.exact_div(batch_size, args.processes, "--batch_size / --processes")
-    minibatch = sizes.exact_div(batch, args.nminibatches, "episodes per process / --nminibatches")
-    micro = sizes.exact_div(minibatch, args.gradient_accumulation_steps, "minibatch / --gradient_accumulation_steps")
+    ppo = replace(
+        preset.ppo,
+        batch_size=args.batch_size or preset.ppo.batch_size,
+        nminibatches=args.nminibatches,
+        gradient_accumulation_steps=args.gradient_accumulation_steps,
+    )
+    # the per-process episodes and PPO micro-batch, as train_policy.py derives them (its error when one does not divide)
+    derived = sizes.derive_sizes(replace(preset, ppo=ppo), args.processes)
+    batch, micro = derived.batch, derived.micro
     rows = min(rollout_rows or batch, batch)
     length, tokens = task.response_length, task.query_length + task.response_length
     value_model = args.value_model or preset.ppo.value_model

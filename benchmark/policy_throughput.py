@@ -130,7 +130,7 @@ def policy_args(args: Args, work_dir: str, policy_dir: str, reward_dir: str, cor
     """train_policy.Args for warmup + updates PPO updates at the benchmark's shapes; nothing logged or printed."""
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     batch_size = args.batch * world_size
-    base = train_policy.oai_presets()["sentiment"]
+    base = train_policy.task_presets()["sentiment"]
     task = dataclasses.replace(
         base.task,
         query_dataset=corpus,
@@ -149,9 +149,8 @@ def policy_args(args: Args, work_dir: str, policy_dir: str, reward_dir: str, cor
     )
     # a random reward model trained for no task: skip the task check
     rewards = dataclasses.replace(base.rewards, trained_model=reward_dir, allow_task_mismatch=True)
-    return dataclasses.replace(
-        base,
-        base_model=policy_dir,
+    run = dataclasses.replace(
+        base.run,
         output_dir=os.path.join(work_dir, "policy"),
         log_interval=10**9,
         save_interval=0,
@@ -160,10 +159,8 @@ def policy_args(args: Args, work_dir: str, policy_dir: str, reward_dir: str, cor
         bf16=args.bf16,
         tf32=args.tf32,
         compile_sampler=args.compile_sampler,
-        task=task,
-        rewards=rewards,
-        ppo=ppo,
     )
+    return dataclasses.replace(base, base_model=policy_dir, task=task, rewards=rewards, ppo=ppo, run=run)
 
 
 # ---------------------------------------------------------------- lower bound: unavoidable matmul FLOPs / GEMM speed

@@ -23,7 +23,7 @@ from transformers import GPT2LMHeadModel
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import train_policy  # noqa: E402
 from benchmark.shapes import gpt2_config  # noqa: E402
-from lm_human_preference_details import checkpoint, cli, ppo_plumbing  # noqa: E402
+from lm_human_preference_details import checkpoint, cli, devices, ppo_plumbing  # noqa: E402
 from lm_human_preference_details.modeling import PolicyWithValueHead  # noqa: E402
 from lm_human_preference_details.tokenizer import gpt2_tokenizer_offline  # noqa: E402
 
@@ -61,7 +61,7 @@ def main(args: Args) -> None:
     size = sum(p.numel() * p.element_size() for p in policy.parameters()) / 1e9
     print(f"{args.model}: {size:.2f} GB of weights, {2 * size:.2f} GB of Adam moments, torch {torch.__version__}")
     with tempfile.TemporaryDirectory(dir=args.output_dir) as root:
-        local = {"rng": checkpoint.rng_states(torch.Generator())}
+        local = {"rng": devices.rng_states(torch.Generator())}
         for mode in ("blocking", "background"):
             output_dir = os.path.join(root, mode)
             saves = checkpoint.BackgroundSaves() if mode == "background" else None

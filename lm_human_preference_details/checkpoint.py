@@ -1,4 +1,5 @@
-"""Resumable runs: atomic checkpoint directories, every process's training state, checks of the run settings.
+"""Training-state checkpoints: every process's state, written atomically and in the background, read back with
+their digests checked; a damaged one names itself and is moved aside.
 
 A training-state checkpoint is OUTPUT_DIR/training_state/step{N} (N = updates or reward steps done). It is written in
 a temporary sibling directory, fsync'ed, then renamed into place, so a kill at any moment leaves the previous
@@ -11,210 +12,34 @@ checkpoints whole and never a mixed one. It holds:
   process r's own GPU, the sampler's generator, extra NumPy RandomStates).
 checkpoint.json also lists the size and SHA-256 of every other file, so that --resume finds a truncated or altered file
 before it loads it; a damaged checkpoint names itself, and --resume auto moves it aside and takes the newest intact one.
-One run at a time writes an OUTPUT_DIR: process 0 holds an advisory lock on OUTPUT_DIR/.lock for the whole run.
-The final model at the top of OUTPUT_DIR keeps its usual layout; its files are written aside and each moved into place
-by a rename, under a marker file that the project's loaders refuse, so a half-replaced model is never loaded silently.
 """
 
-import contextlib
 import copy
-import dataclasses
-import datetime
-import errno
-import functools
 import hashlib
 import json
 import os
-import random
 import re
 import shutil
-import socket
-import sys
 import threading
-import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Protocol, TypeVar
+from typing import Any
 
-import numpy as np
 import torch
-import torch.distributed as dist
-from accelerate.utils import broadcast_object_list
 from torch.overrides import TorchFunctionMode
 
-from lm_human_preference_details import cli
-from lm_human_preference_details.sharded import SHARDED_DIR
-from lm_human_preference_details.tracking import Tracker, run_name
-
-try:
-    import fcntl
-except ImportError:  # Windows: no advisory lock on the output directory
-    fcntl = None
+from lm_human_preference_details.files import fsync_dir, publish_directory, temporary_sibling
+from lm_human_preference_details.sharded import is_sharded_checkpoint
 
 STATE_DIR = "training_state"
 """subdirectory of OUTPUT_DIR that holds the training-state checkpoints"""
 META_FILE = "checkpoint.json"
 SHARED_FILE = "state.pt"
 RANK_FILE = "rng_rank{rank}.pt"
-SAVING_MARKER = ".saving"
-"""present in a model directory while its files are being replaced; the project's loaders refuse such a directory"""
-MODEL_MARKERS = ("config.json", "model.safetensors", "reward_model.json", "value_head.safetensors")
-"""files that show a directory already holds a saved model"""
-RESUME_IGNORED = (
-    "exp_name",
-    "output_dir",
-    "track",
-    "wandb_project_name",
-    "wandb_entity",
-    "dist_timeout",
-    "save_interval",
-    "keep_checkpoints",
-    "dry_run",
-    "resume",
-    "allow_resume_changes",
-    "overwrite_output_dir",
-    # the truncation token's name: the settings hold its resolved id, task.truncate_token, which is compared (and
-    # checkpoints written before truncate_text record the id alone)
-    "task.truncate_text",
-)
-"""settings of both scripts that may change on --resume: naming, logging, saving and waiting, not what is computed"""
-LOCK_FILE = ".lock"
-"""in OUTPUT_DIR while a run writes there: process 0 holds an advisory lock on it and records who it is"""
 DAMAGED_SUFFIX = ".damaged"
 """a damaged checkpoint step{N} is moved aside to step{N}.damaged by --resume auto"""
 _STEP_DIR = re.compile(r"^step(\d+)$")
 _INTERRUPTED_SAVE = re.compile(r"^\.(step\d+)\.(partial|old)$")
-T = TypeVar("T")
-
-
-# ---------------------------------------------------------------- atomic writes
-
-
-def fsync_tree(path: str) -> None:
-    """fsync every file and directory under `path` (and `path` itself), so a rename after it publishes whole files."""
-    for root, _dirs, files in os.walk(path):
-        for name in files:
-            with open(os.path.join(root, name), "rb") as f:
-                os.fsync(f.fileno())
-        _fsync_dir(root)
-
-
-def _fsync_dir(path: str) -> None:
-    """fsync a directory's entries (no-op where directories cannot be opened)."""
-    with contextlib.suppress(OSError):
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-
-
-def _temporary_sibling(path: str, tag: str) -> str:
-    """`.NAME.TAG` beside `path`: on the same filesystem, so that a rename moves it into place atomically."""
-    parent, name = os.path.split(os.path.abspath(path))
-    return os.path.join(parent, f".{name}.{tag}")
-
-
-def publish_directory(tmp: str, path: str) -> None:
-    """fsync `tmp`, then rename it to `path` (an existing `path` is moved aside first and deleted after)."""
-    fsync_tree(tmp)
-    old = _temporary_sibling(path, "old")
-    if os.path.exists(path):
-        shutil.rmtree(old, ignore_errors=True)
-        os.replace(path, old)
-    os.replace(tmp, path)
-    _fsync_dir(os.path.dirname(os.path.abspath(path)))
-    shutil.rmtree(old, ignore_errors=True)
-
-
-@contextlib.contextmanager
-def atomic_files(output_dir: str) -> Iterator[str]:
-    """Yield a temporary directory; its entries then replace those of `output_dir` one rename each, under
-    SAVING_MARKER, so no file is ever half written and a kill between two renames leaves a marked directory; on an
-    error in the block the temporary directory is deleted and `output_dir` is left as it was."""
-    os.makedirs(output_dir, exist_ok=True)
-    tmp = os.path.join(output_dir, ".partial-save")
-    shutil.rmtree(tmp, ignore_errors=True)
-    os.makedirs(tmp)
-    try:
-        yield tmp
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    fsync_tree(tmp)
-    marker = os.path.join(output_dir, SAVING_MARKER)
-    with open(marker, "w", encoding="utf-8") as f:
-        f.write("a save of this model was interrupted; its files may come from two saves\n")
-        os.fsync(f.fileno())
-    _fsync_dir(output_dir)
-    for name in sorted(os.listdir(tmp)):
-        source, target = os.path.join(tmp, name), os.path.join(output_dir, name)
-        if os.path.isdir(source):
-            publish_directory(source, target)
-        else:
-            os.replace(source, target)
-    _fsync_dir(output_dir)
-    os.remove(marker)
-    _fsync_dir(output_dir)
-    shutil.rmtree(tmp, ignore_errors=True)
-
-
-def check_complete_save(directory: str, flag: str) -> None:
-    """ValueError when `directory` holds a model whose save was interrupted (SAVING_MARKER is present)."""
-    if os.path.exists(os.path.join(directory, SAVING_MARKER)):
-        raise ValueError(
-            f"'{directory}' ({flag}) holds a model whose save was interrupted, so its files may come from two saves; "
-            f"rerun the training script with --resume auto to write it again, or use a checkpoint of "
-            f"{os.path.join(directory, STATE_DIR)}."
-        )
-
-
-# ---------------------------------------------------------------- RNG states
-
-
-def _numpy_state(state: tuple) -> tuple:
-    """A NumPy legacy RNG state with its key array as a tensor (loadable with torch.load(weights_only=True))."""
-    name, keys, pos, has_gauss, cached = state
-    return name, torch.from_numpy(keys.astype(np.int64)), int(pos), int(has_gauss), float(cached)
-
-
-def _numpy_state_back(state: Sequence) -> tuple:
-    """Inverse of `_numpy_state`."""
-    name, keys, pos, has_gauss, cached = state
-    return name, keys.numpy().astype(np.uint32), pos, has_gauss, cached
-
-
-def rng_states(generator: torch.Generator, numpy_rngs: Sequence[np.random.RandomState] = ()) -> dict[str, Any]:
-    """This process's RNG states: Python, NumPy global, torch CPU, its own GPU's (the current device; None without
-    CUDA), the sampling generator, `numpy_rngs`."""
-    # only this process's GPU: a run saved with 8 GPUs visible to each process resumes where each sees 1 (a scheduler)
-    return {
-        "python": random.getstate(),
-        "numpy": _numpy_state(np.random.get_state()),
-        "torch": torch.get_rng_state(),
-        "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None,
-        "generator": generator.get_state(),
-        "numpy_rngs": [_numpy_state(rng.get_state()) for rng in numpy_rngs],
-    }
-
-
-def restore_rng_states(
-    states: dict[str, Any], generator: torch.Generator, numpy_rngs: Sequence[np.random.RandomState] = ()
-) -> None:
-    """Set every RNG back to `states` (from `rng_states`); the number of `numpy_rngs` must match."""
-    if len(states["numpy_rngs"]) != len(numpy_rngs):
-        raise ValueError(
-            f"the checkpoint holds {len(states['numpy_rngs'])} NumPy RNG streams, this run has {len(numpy_rngs)}; "
-            "resume with the checkpoint's batch sizes and number of processes."
-        )
-    random.setstate(states["python"])
-    np.random.set_state(_numpy_state_back(states["numpy"]))
-    torch.set_rng_state(states["torch"])
-    if isinstance(states["cuda"], torch.Tensor) and torch.cuda.is_available():
-        torch.cuda.set_rng_state(states["cuda"])  # onto the current device, whichever index it has now
-    generator.set_state(states["generator"])
-    for rng, state in zip(numpy_rngs, states["numpy_rngs"]):
-        rng.set_state(_numpy_state_back(state))
 
 
 # ---------------------------------------------------------------- training-state checkpoints
@@ -366,7 +191,7 @@ def save_training_state(
     runs `then` on the background thread, and the call returns once every process's `local` is written; without,
     it returns when everything is on disk. -> the checkpoint directory."""
     path = step_dir(output_dir, step)
-    tmp = _temporary_sibling(path, "partial")
+    tmp = temporary_sibling(path, "partial")
     if accelerator.is_main_process:
         if saves is not None:
             saves.wait()  # the previous checkpoint is whole before this one starts
@@ -418,6 +243,9 @@ def file_digests(directory: str) -> dict[str, dict[str, Any]]:
     }
     paths.pop(META_FILE, None)
     return {name: {"bytes": os.path.getsize(paths[name]), "sha256": _sha256(paths[name])} for name in sorted(paths)}
+
+
+# ---------------------------------------------------------------- reading one back, and damage
 
 
 @dataclass
@@ -544,12 +372,6 @@ def load_training_state(path: str, rank: int, hashed: bool = True) -> Resumed:
     return Resumed(path, int(meta["step"]), meta, shared, local)
 
 
-def is_sharded_checkpoint(meta: dict[str, Any]) -> bool:
-    """Whether a checkpoint (its checkpoint.json) holds its weights as an --fsdp run's shards, which a run with any
-    number of processes reads back."""
-    return any(name.startswith(SHARDED_DIR + "/") for name in meta.get("files") or {})
-
-
 def load_process_state(resumed: Resumed, rank: int) -> dict[str, Any]:
     """rng_rank{rank}.pt of a loaded checkpoint: another process's query-stream position and RNG states."""
     return _load_torch_file(resumed.path, RANK_FILE.format(rank=rank), resumed.meta, hashed=False)
@@ -614,7 +436,7 @@ def set_aside(damage: CheckpointDamaged) -> str:
         os.replace(damage.path, target)
     except OSError as e:
         return f"it stays where it is ({e.strerror})"
-    _fsync_dir(os.path.dirname(os.path.abspath(target)))
+    fsync_dir(os.path.dirname(os.path.abspath(target)))
     return f"moved it aside to '{os.path.basename(target)}'"
 
 
@@ -642,127 +464,7 @@ def newest_intact_checkpoint(output_dir: str, damage: CheckpointDamaged | None =
     return None
 
 
-# ---------------------------------------------------------------- one run per output directory
-
-
-@dataclass
-class _HeldLock:
-    """This process's lock on an output directory."""
-
-    path: str
-    """OUTPUT_DIR/.lock"""
-    fd: int
-    created: str | None
-    """OUTPUT_DIR when the lock created it (removed again at release when the run left it empty)"""
-
-
-_held_locks: dict[str, _HeldLock] = {}
-"""the output directories this process holds, by real path"""
-_unlocked_dirs: set[str] = set()
-"""output directories on filesystems without file locks, already warned about"""
-_NO_LOCK_ERRNOS = {errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOTSUP, errno.ENOSYS, errno.EINVAL}
-"""what flock raises on a filesystem without (cluster) file locks: Lustre mounted without -o flock, some FUSE ones"""
-
-
-def _holder(fd: int) -> str:
-    """Who holds the lock, from the lock file's record (waits a moment for a holder that is still writing it)."""
-    for _ in range(20):
-        try:
-            record = json.loads(os.pread(fd, 4096, 0).decode("utf-8"))
-            return f"{record['script']}, pid {record['pid']} on host {record['host']}, started {record['started']}"
-        except (ValueError, KeyError, OSError):
-            time.sleep(0.05)
-    return "its process did not say who it is"
-
-
-def lock_output_dir(output_dir: str) -> bool:
-    """Take the advisory lock on OUTPUT_DIR/.lock for this process (held until `release_output_dir_locks` or the
-    process ends: the OS releases the lock of a killed process, so a crash never leaves it stuck). ValueError
-    naming the holder when another run holds it; a warning, once, where the filesystem has no file locks.
-    -> whether this process holds the lock (False without file locks)."""
-    key = os.path.realpath(output_dir)
-    if key in _held_locks:
-        return True
-    if fcntl is None:
-        return False
-    created = None if os.path.isdir(output_dir) else output_dir
-    path = os.path.join(output_dir, LOCK_FILE)
-    while True:
-        os.makedirs(output_dir, exist_ok=True)
-        try:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-        except FileNotFoundError:  # the directory was removed by a run releasing it: create it again
-            continue
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = _holder(fd)
-            os.close(fd)
-            raise ValueError(
-                f"another run ({holder}) holds --output_dir '{output_dir}' (its {LOCK_FILE} is locked); wait for it "
-                "to end, or choose another --output_dir."
-            ) from None
-        except OSError as e:
-            os.close(fd)
-            if e.errno not in _NO_LOCK_ERRNOS:
-                raise
-            if key not in _unlocked_dirs:
-                _unlocked_dirs.add(key)
-                _warn_no_locks(output_dir, e)
-            return False
-        # a run releasing the lock unlinks the file: holding an unlinked file's lock excludes nobody, so try again
-        with contextlib.suppress(OSError):
-            if os.fstat(fd).st_ino == os.stat(path).st_ino:
-                break
-        os.close(fd)
-    record = {
-        "script": os.path.basename(sys.argv[0]) or "python",
-        "pid": os.getpid(),
-        "host": socket.gethostname(),
-        "started": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC"),
-    }
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, (json.dumps(record) + "\n").encode("utf-8"), 0)
-    _held_locks[key] = _HeldLock(path, fd, created)
-    return True
-
-
-def _warn_no_locks(output_dir: str, error: OSError) -> None:
-    """Say that nothing keeps a second run out of `output_dir`."""
-    print(
-        f"warning: --output_dir '{output_dir}' is on a filesystem without file locks ({error.strerror}), so nothing "
-        "stops a second run from writing there at the same time; give each run its own --output_dir (see "
-        "docs/reliability.md)",
-        file=sys.stderr,
-        flush=True,
-    )
-
-
-def release_output_dir_locks() -> None:
-    """Release every output-directory lock this process holds: the lock file is unlinked, then unlocked, and an
-    output directory that the lock created and the run left empty is removed."""
-    for key in list(_held_locks):
-        held = _held_locks.pop(key)
-        with contextlib.suppress(OSError):
-            os.unlink(held.path)
-        os.close(held.fd)
-        if held.created is not None:
-            with contextlib.suppress(OSError):
-                os.rmdir(held.created)
-
-
-def one_run_per_output_dir(main: Callable[..., T]) -> Callable[..., T]:
-    """Decorate a script's `main`: the output-directory lock that `start_or_resume` takes is released when `main`
-    returns or raises (a process that calls `main` again, a test or a notebook, can then take it again)."""
-
-    @functools.wraps(main)
-    def locked_main(*args, **kwargs) -> T:
-        try:
-            return main(*args, **kwargs)
-        finally:
-            release_output_dir_locks()
-
-    return locked_main
+# ---------------------------------------------------------------- what an interrupted write left
 
 
 def clean_interrupted_saves(output_dir: str) -> str | None:
@@ -792,314 +494,3 @@ def clean_interrupted_saves(output_dir: str) -> str | None:
     if restored:
         done.append(f"restored {', '.join(restored)} from its .old copy")
     return f"{root}: {'; '.join(done)}, left by a run stopped while it saved a checkpoint"
-
-
-# ---------------------------------------------------------------- run settings and the output directory
-
-
-def _flatten(settings: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-    """Nested settings as {"group.field": value}."""
-    flat = {}
-    for key, value in settings.items():
-        if isinstance(value, dict):
-            flat.update(_flatten(value, f"{prefix}{key}."))
-        else:
-            flat[f"{prefix}{key}"] = value
-    return flat
-
-
-def setting_differences(
-    saved: dict[str, Any], current: dict[str, Any], ignored: Sequence[str], defaults: dict[str, Any] | None = None
-) -> dict[str, tuple]:
-    """{name: (saved, current)} of every setting that differs, except those in `ignored` (dotted names) and those the
-    saved settings predate (absent there) that `current` leaves at their value in `defaults`."""
-    saved, current, defaults = _flatten(saved), _flatten(current), _flatten(defaults or {})
-    missing = object()
-    names = [k for k in dict.fromkeys([*saved, *current]) if k not in ignored]
-    names = [k for k in names if k in saved or current.get(k) != defaults.get(k, missing)]
-    # JSON turns tuples into lists: compare through it
-    return {k: (saved.get(k), current.get(k)) for k in names if json.loads(json.dumps(saved.get(k))) != current.get(k)}
-
-
-def check_resume_settings(
-    resumed: Resumed,
-    current: dict[str, Any],
-    ignored: Sequence[str],
-    allow: bool,
-    defaults: dict[str, Any] | None = None,
-) -> str | None:
-    """ValueError listing the settings that differ from the checkpoint's, unless `allow`; -> the list (None: none).
-    A setting newer than the checkpoint passes when the run leaves it at its value in `defaults` (what the code that
-    wrote the checkpoint did)."""
-    current, defaults = json.loads(json.dumps(current)), json.loads(json.dumps(defaults or {}))
-    differences = setting_differences(resumed.meta["settings"], current, ignored, defaults)
-    if not differences:
-        return None
-    listed = "; ".join(f"{name}: checkpoint {old!r}, now {new!r}" for name, (old, new) in differences.items())
-    if not allow:
-        raise ValueError(
-            f"checkpoint '{resumed.path}' was written with other settings, so the run would not continue as it "
-            f"started: {listed}. Pass the checkpoint's settings (see {os.path.join(resumed.path, META_FILE)}), or "
-            "--allow_resume_changes to continue anyway."
-        )
-    return listed
-
-
-def previous_run(output_dir: str) -> list[str]:
-    """What in `output_dir` shows an earlier run: checkpoints, a saved model, TensorBoard logs."""
-    found = [STATE_DIR] if list_checkpoints(output_dir) else []
-    found += [name for name in (*MODEL_MARKERS, "tb") if os.path.exists(os.path.join(output_dir, name))]
-    return found
-
-
-def resolve_resume(output_dir: str, resume: str | None, overwrite: bool) -> str | None:
-    """The checkpoint directory to continue (--resume PATH, or `auto`: the newest intact one in output_dir, damaged
-    newer ones moved aside), None for a fresh start; ValueError when a fresh run would overwrite another run's
-    output_dir without `overwrite`, or when --resume PATH names a damaged checkpoint."""
-    if resume == "auto":
-        resume = newest_intact_checkpoint(output_dir)
-        if resume is None and set(previous_run(output_dir)) - {"tb"}:
-            raise ValueError(
-                f"--resume auto: '{output_dir}' holds a run ({', '.join(previous_run(output_dir))}) but no checkpoint "
-                f"in {STATE_DIR}/; pass --overwrite_output_dir to start again there, or choose another --output_dir."
-            )
-        return resume
-    if resume is not None:
-        if not os.path.isfile(os.path.join(resume, META_FILE)):
-            raise FileNotFoundError(
-                f"--resume '{resume}' is not a checkpoint ('{META_FILE}' is missing); pass a directory of "
-                f"OUTPUT_DIR/{STATE_DIR}/ or --resume auto."
-            )
-        if (damage := find_damage(resume)) is not None:
-            raise ValueError(damaged_message(damage))
-        return resume
-    found = previous_run(output_dir)
-    if found and not overwrite:
-        raise ValueError(
-            f"--output_dir '{output_dir}' already holds another run ({', '.join(found)}); pass --resume auto to "
-            "continue it, --overwrite_output_dir to replace it, or choose another --output_dir."
-        )
-    return None
-
-
-def claim_output_dir(output_dir: str, resume: str | None, overwrite: bool) -> str | None:
-    """Process 0's start in `output_dir`: take its lock (one run at a time), tidy what an interrupted checkpoint write
-    left (only under the lock: without one, a live run may be writing it), then `resolve_resume`."""
-    if lock_output_dir(output_dir) and (tidied := clean_interrupted_saves(output_dir)):
-        print(tidied, flush=True)
-    return resolve_resume(output_dir, resume, overwrite)
-
-
-def _distributed(accelerator: Any) -> bool:
-    """Whether several processes share a process group (one process, or a test's pretended world: no)."""
-    return accelerator.num_processes > 1 and dist.is_available() and dist.is_initialized()
-
-
-def _decided_by_main_process(accelerator: Any, decide: Callable[[], T]) -> T:
-    """`decide()` on process 0 only, its result given to every process; its ValueError or OSError is raised again
-    on every process, so that all stop with the same line."""
-    if not _distributed(accelerator):
-        return decide()
-    outcome: list[Any] = [None]
-    if accelerator.is_main_process:
-        try:
-            outcome = [(True, decide())]
-        except (ValueError, OSError) as e:
-            outcome = [(False, str(e))]
-    broadcast_object_list(outcome)
-    decided, value = outcome[0]
-    if not decided:
-        raise ValueError(value)
-    return value
-
-
-def _load_on_every_process(path: str, accelerator: Any) -> Resumed:
-    """Every process reads checkpoint `path` (chosen, and its files' digests verified, by process 0); when any cannot,
-    every process raises one error (CheckpointDamaged when a file is damaged), so no process goes on alone (its
-    collectives would wait for the others until --dist_timeout)."""
-    rank = accelerator.process_index
-    resumed, error = None, None
-    if not os.path.isfile(os.path.join(path, META_FILE)):
-        error = ("unseen",)
-    else:
-        try:
-            resumed = load_training_state(path, rank, hashed=False)
-        except CheckpointDamaged as e:
-            error = ("damaged", e.path, e.name, e.problem)
-        except (ValueError, OSError) as e:
-            error = ("error", str(e))
-    errors = [error]
-    if _distributed(accelerator):
-        errors = [None] * accelerator.num_processes
-        dist.all_gather_object(errors, error)
-    unseen = [r for r, e in enumerate(errors) if e is not None and e[0] == "unseen"]
-    if unseen:
-        raise ValueError(
-            f"process {', '.join(map(str, unseen))} of {accelerator.num_processes} cannot see checkpoint '{path}', "
-            "which process 0 resumes from: --output_dir must be on a filesystem that every node sees (the same path "
-            "on a shared or network filesystem); rerun with such an --output_dir."
-        )
-    if failed := next((e for e in errors if e is not None), None):
-        raise CheckpointDamaged(*failed[1:]) if failed[0] == "damaged" else ValueError(failed[1])
-    return resumed
-
-
-class ResumeFlags(Protocol):
-    """What `start_or_resume` reads of a training script's Args."""
-
-    output_dir: str
-    resume: str | None
-    overwrite_output_dir: bool
-    allow_resume_changes: bool
-
-
-def start_or_resume(
-    args: ResumeFlags, settings: dict[str, Any], ignored: Sequence[str], accelerator: Any, total: str
-) -> Resumed | None:
-    """Take --output_dir for this run (its lock, held until `main` ends: see `one_run_per_output_dir`), then the
-    checkpoint that --resume names, its settings checked against `settings` (printed when --allow_resume_changes
-    lets differences pass), or None for a fresh start; `total`: how far the run goes.
-
-    Process 0 chooses (every process then resumes the same step, or none does); each process then reads it. A
-    checkpoint that turns out damaged while it loads stops the run (--resume PATH), or is moved aside for the newest
-    intact one (--resume auto)."""
-    path = _decided_by_main_process(
-        accelerator, lambda: claim_output_dir(args.output_dir, args.resume, args.overwrite_output_dir)
-    )
-    if path is None:
-        if args.resume == "auto":
-            accelerator.print(
-                f"warning: --resume auto found no checkpoint in '{state_dir(args.output_dir)}': the run starts fresh "
-                "(check --output_dir if you meant to continue a run)"
-            )
-        return None
-    while True:
-        try:
-            resumed = _load_on_every_process(path, accelerator)
-            break
-        except CheckpointDamaged as damage:
-            if args.resume != "auto":
-                raise ValueError(_decided_by_main_process(accelerator, lambda d=damage: damaged_message(d))) from None
-            path = _decided_by_main_process(accelerator, lambda d=damage: newest_intact_checkpoint(args.output_dir, d))
-    defaults = dataclasses.asdict(type(args)()) if dataclasses.is_dataclass(args) else None
-    changes = check_resume_settings(resumed, settings, ignored, args.allow_resume_changes, defaults)
-    if changes:
-        accelerator.print(f"warning: --allow_resume_changes: the checkpoint's settings differ: {changes}")
-    accelerator.print(f"resuming from {resumed.path} after {resumed.step} of {total}")
-    return resumed
-
-
-class LoopFlags(ResumeFlags, Protocol):
-    """What `CheckpointedLoop` reads of a training script's Args."""
-
-    save_interval: int
-    dist_timeout: float
-
-
-class CheckpointedLoop:
-    """The protocol around a training loop of `total` steps (a policy's updates, a reward model's steps) that both
-    scripts share: start where a killed run's checkpoint left off (--resume), write a checkpoint in the background
-    every --save_interval steps and after the last one, and on Ctrl-C or SIGTERM stop after the checkpoint of the
-    step in progress.
-
-        loop = CheckpointedLoop(args, settings, ignored, accelerator, "update", total)  # loop.resumed: None or ...
-        with loop.saving(save, tracker.close):  # save(steps): the checkpoint after `steps` steps, into loop.saves
-            for step in range(loop.first_step, total):
-                ...  # the step reduces loop.stop.flag(device) with its statistics: `stopping`, the same everywhere
-                loop.step_done(step + 1, stopping)
-        loop.finish()
-    """
-
-    def __init__(
-        self,
-        args: LoopFlags,
-        settings: dict[str, Any],
-        ignored: Sequence[str],
-        accelerator: Any,
-        unit: str,
-        total: int,
-    ):
-        self.output_dir, self.save_interval = args.output_dir, args.save_interval
-        self.accelerator, self.unit, self.total = accelerator, unit, total
-        # the checkpoint this run continues from (None: a fresh start) and the first step it takes
-        self.resumed = start_or_resume(args, settings, ignored, accelerator, f"{total} {unit}s")
-        self.first_step = self.resumed.step if self.resumed is not None else 0
-        self.saves = BackgroundSaves()
-        self.stop = cli.StopSignal(unit, args.output_dir, accelerator.is_main_process, args.dist_timeout)
-        self._save: Callable[[int], None] = lambda steps: None
-        self._close: tuple[Callable[[], None], ...] = ()
-
-    @contextlib.contextmanager
-    def saving(self, save: Callable[[int], None], *close: Callable[[], None]) -> Iterator["CheckpointedLoop"]:
-        """Catch Ctrl-C and SIGTERM while the loop runs; `save(steps)` writes the checkpoint after `steps` steps
-        (through `saves`), `close` ends what the run opened (tracker, hooks) when it stops or finishes."""
-        self._save, self._close = save, close
-        with self.stop:
-            yield self
-
-    def step_done(self, steps: int, stopping: bool) -> None:
-        """After `steps` steps: raise a failed background save's error, write the checkpoint when it is due (every
-        --save_interval steps, after the last step, on a stop); on a stop, cli.Stopped once that checkpoint is on
-        disk and the run's trackers are closed."""
-        self.saves.raise_error()  # a failed background save stops the run at the next step
-        last = steps == self.total
-        if last or stopping or (self.save_interval and steps % self.save_interval == 0):
-            self._save(steps)
-        if stopping and not last:
-            self.saves.wait()  # the checkpoint the message names is on disk before the run stops
-            for close in self._close:
-                close()
-            done = f"{self.unit} {steps} of {self.total}"
-            raise self.stop.stopped(done, step_dir(self.output_dir, steps), self.accelerator.is_main_process)
-
-    def wait(self) -> None:
-        """Until the last checkpoint is on disk (its write's error raised)."""
-        self.saves.wait()
-
-    def finish(self) -> None:
-        """The last checkpoint on disk, every process past it, then what the run opened closed."""
-        self.saves.wait()
-        self.accelerator.wait_for_everyone()
-        for close in self._close:
-            close()
-
-
-def clear_previous_run(output_dir: str) -> None:
-    """Delete an earlier run's checkpoints, policy snapshots and TensorBoard logs (for --overwrite_output_dir)."""
-    for name in (STATE_DIR, "checkpoints", "tb"):
-        shutil.rmtree(os.path.join(output_dir, name), ignore_errors=True)
-
-
-class TrackedRunArgs(Protocol):
-    """The flags `start_tracker` reads, which every training script has."""
-
-    output_dir: str
-    overwrite_output_dir: bool
-    track: bool
-    wandb_project_name: str
-    wandb_entity: str | None
-    exp_name: str
-    seed: int
-
-
-def start_tracker(
-    args: TrackedRunArgs, accelerator, resumed: "Resumed | None", kind: str, config: dict
-) -> tuple[Tracker, str]:
-    """TensorBoard (and wandb) for a run, continuing a resumed run's (its name, wandb id and step); a fresh run with
-    --overwrite_output_dir first clears the previous run's outputs. `kind` names the run (its task, or `sft`),
-    `config` is what the tracker records; -> the tracker and the run's name."""
-    name = resumed.meta["run_name"] if resumed else run_name(accelerator, kind, args.exp_name, args.seed)
-    if resumed is None and args.overwrite_output_dir and accelerator.is_main_process:
-        clear_previous_run(args.output_dir)  # every input has loaded: the old run's outputs can go
-    tracker = Tracker(
-        args.output_dir,
-        args.track,
-        args.wandb_project_name,
-        args.wandb_entity,
-        name,
-        config,
-        accelerator.is_main_process,
-        purge_step=resumed.step if resumed else 0,
-        wandb_id=resumed.meta["wandb_id"] if resumed else None,
-    )
-    return tracker, name

@@ -132,6 +132,7 @@ class QueryStream:
         self._cursor = 0  # next position in the repeated permuted stream to tokenize
         self._num_valid = 0  # valid queries (all ranks) before _cursor
         self._consumed = (0, 0)  # (_cursor, _num_valid) just after the last query handed out
+        self._last_texts: list[int] = []  # indices into `texts` of the last batch's queries
         self._buffer: deque[tuple[list[int], int, int]] = deque()
         self._logged = False
 
@@ -225,10 +226,16 @@ class QueryStream:
             self._fill()
         rows = [self._buffer.popleft() for _ in range(batch_size)]
         self._consumed = rows[-1][1:]
+        self._last_texts = [int(self.order[(row[1] - 1) % len(self.texts)]) for row in rows]
         queries = torch.tensor([row[0] for row in rows], dtype=torch.long)  # (B, Lq)
         # this rank's i-th query is the stream's valid query rank + world_size * i; of world_size * V ranks, rank
         # rank + world_size * g gets those with i = g (mod V), so column g of the (G, V) grid of rows
         return queries.view(-1, virtual_ranks, self.query_length).transpose(0, 1).reshape(batch_size, -1)
+
+    def last_batch_texts(self) -> list[int]:
+        """The indices into `texts` of the texts the last `next_batch`'s queries were built from, in stream order
+        (before any virtual-rank grouping): a stream that wrapped around within the batch repeats an index."""
+        return list(self._last_texts)
 
     def conversation_of(self, query_tokens: Sequence[int]) -> list[dict[str, str]] | None:
         """The chat messages of the prompt whose encoded tokens (no PAD) are `query_tokens`, for a reward model with a

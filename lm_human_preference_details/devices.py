@@ -3,6 +3,8 @@ generators, and host-to-device copies that do not wait for the device."""
 
 import os
 import random
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -63,6 +65,63 @@ def set_seed(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)
+
+
+def _numpy_state(state: tuple) -> tuple:
+    """A NumPy legacy RNG state with its key array as a tensor (loadable with torch.load(weights_only=True))."""
+    name, keys, pos, has_gauss, cached = state
+    return name, torch.from_numpy(keys.astype(np.int64)), int(pos), int(has_gauss), float(cached)
+
+
+def _numpy_state_back(state: Sequence) -> tuple:
+    """Inverse of `_numpy_state`."""
+    name, keys, pos, has_gauss, cached = state
+    return name, keys.numpy().astype(np.uint32), pos, has_gauss, cached
+
+
+def rng_states(generator: torch.Generator, numpy_rngs: Sequence[np.random.RandomState] = ()) -> dict[str, Any]:
+    """This process's RNG states: Python, NumPy global, torch CPU, its own GPU's (the current device; None without
+    CUDA), the sampling generator, `numpy_rngs`."""
+    # only this process's GPU: a run saved with 8 GPUs visible to each process resumes where each sees 1 (a scheduler)
+    return {
+        "python": random.getstate(),
+        "numpy": _numpy_state(np.random.get_state()),
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None,
+        "generator": generator.get_state(),
+        "numpy_rngs": [_numpy_state(rng.get_state()) for rng in numpy_rngs],
+    }
+
+
+def restore_rng_states(
+    states: dict[str, Any], generator: torch.Generator, numpy_rngs: Sequence[np.random.RandomState] = ()
+) -> None:
+    """Set every RNG back to `states` (from `rng_states`); the number of `numpy_rngs` must match."""
+    if len(states["numpy_rngs"]) != len(numpy_rngs):
+        raise ValueError(
+            f"the checkpoint holds {len(states['numpy_rngs'])} NumPy RNG streams, this run has {len(numpy_rngs)}; "
+            "resume with the checkpoint's batch sizes and number of processes."
+        )
+    random.setstate(states["python"])
+    np.random.set_state(_numpy_state_back(states["numpy"]))
+    torch.set_rng_state(states["torch"])
+    if isinstance(states["cuda"], torch.Tensor) and torch.cuda.is_available():
+        torch.cuda.set_rng_state(states["cuda"])  # onto the current device, whichever index it has now
+    generator.set_state(states["generator"])
+    for rng, state in zip(numpy_rngs, states["numpy_rngs"]):
+        rng.set_state(_numpy_state_back(state))
+
+
+def reseed_rngs(
+    seed: int, rank: int, step: int, generator: torch.Generator, numpy_rngs: Sequence[np.random.RandomState] = ()
+) -> None:
+    """Seed Python's, NumPy's and torch's global RNGs, `generator` and `numpy_rngs` from (seed, rank, step): for a
+    process that continues a checkpoint of another number of processes, whose RNG states cannot be divided among it."""
+    seeds = np.random.SeedSequence([seed, rank, step]).generate_state(3 + len(numpy_rngs))
+    set_seed(int(seeds[0]))
+    generator.manual_seed(int(seeds[1]) << 32 | int(seeds[2]))
+    for rng, rng_seed in zip(numpy_rngs, seeds[3:]):
+        rng.seed(int(rng_seed))
 
 
 def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:

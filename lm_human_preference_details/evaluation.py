@@ -70,17 +70,20 @@ class Episodes:
 
 def heldout_queries(
     texts, tokenizer: PreTrainedTokenizerBase, task: TaskHParams, data_seed: int, skip: int, n: int
-) -> tuple[torch.Tensor, bool, Callable]:
+) -> tuple[torch.Tensor, bool, Callable, int]:
     """Queries skip .. skip+n-1 of the task's query stream (n, Lq), whether the stream wrapped around before or
-    inside them (then they repeat earlier queries of the stream, e.g. those a training run consumed), and the stream's
-    `conversation_of` (a query's chat messages, for a reward model with its own chat template)."""
+    inside them (then they repeat earlier queries of the stream, e.g. those a training run consumed), the stream's
+    `conversation_of` (a query's chat messages, for a reward model with its own chat template), and how many distinct
+    texts the n queries come from (fewer than n when the texts that give a query are fewer than n: the stream then
+    repeats them within the n)."""
     # one process reads the stream in OAI's global order: the training run's ranks together drew its first
     # nupdates * batch_size queries (spec D3)
     stream = QueryStream(texts, tokenizer, task, 0, 1, data_seed)
     for start in range(0, skip, 1024):
         stream.next_batch(min(1024, skip - start))
     queries = stream.next_batch(n)
-    return queries, stream.state_dict()["cursor"] > len(texts), stream.conversation_of
+    distinct = len(set(stream.last_batch_texts()))
+    return queries, stream.state_dict()["cursor"] > len(texts), stream.conversation_of, distinct
 
 
 @torch.no_grad()
@@ -254,6 +257,7 @@ def markdown(report: dict) -> str:
         f"{report['task']['temperature']}. Mean ± standard error over queries; win rate = fraction of queries where "
         "the trained policy's response scores higher than the base model's (ties count 1/2).",
     ]
+    lines += [line for warning in report.get("warnings", []) for line in ("", f"**Warning:** {warning}")]
     if note := normalization_note(report):
         lines += ["", note]
     if report.get("metrics"):
@@ -299,6 +303,8 @@ def print_report(console: Console, report: dict) -> None:
         console.print(table)
     if note := normalization_note(report):
         console.print(note)
+    for warning in report.get("warnings", []):
+        console.print(f"warning: {warning}", style="bold yellow", markup=False)
     if report.get("curve"):
         curve = Table(title="gold score vs KL", title_justify="left")
         for column in ("run", "policy", "sqrt(KL)", "score", "gold score"):

@@ -24,6 +24,7 @@ from transformers import (
 
 from lm_human_preference_details.hub import HubUnavailableError, check_available
 from lm_human_preference_details.modeling import load_reward_model, score_label_rows
+from lm_human_preference_details.tasks import TASK_GOALS
 from lm_human_preference_details.tokenizer import TOKENIZER_FILES, check_same_tokenizer
 
 LABELER_FORMS = (
@@ -46,6 +47,8 @@ class Labeler(ABC):
     name: str
     interactive: bool = False
     """True when every row needs a person's answer (label one row at a time and save after each)"""
+    measures: str | None = None
+    """what its scores measure, in the words of tasks.TASK_GOALS (VADER: positive sentiment); None: not known"""
 
     @abstractmethod
     def scores(self, queries: torch.Tensor, responses: torch.Tensor) -> torch.Tensor:
@@ -63,6 +66,28 @@ def _check_shapes(queries: torch.Tensor, responses: torch.Tensor) -> None:
             f"expected queries (B, Lq) and responses (B, N, L), got {tuple(queries.shape)} and "
             f"{tuple(responses.shape)}; add the N axis with responses[:, None] for one response per query."
         )
+
+
+def judge_task_mismatch(measures: str | None, judge: str, task_id: str, flag: str) -> str | None:
+    """One warning line when a judge that measures one thing (VADER: positive sentiment) judges a run or labels of a
+    --task about another (descriptiveness): its scores then say nothing about the task. None when they agree or
+    either is not known."""
+    goal = TASK_GOALS.get(task_id)
+    if measures is None or goal is None or measures == goal:
+        return None
+    return (
+        f"{flag} {judge} measures {measures}, but --task {task_id} is about {goal}, so its scores do not judge this "
+        f"task; pass a {flag} of {goal}, such as reward_model:DIR of a train_reward.py --task {task_id} run."
+    )
+
+
+def sentiment_measured(id2label: dict, label_index: int) -> str | None:
+    """What a classifier's label measures when its labels are sentiments (POSITIVE, NEGATIVE and perhaps NEUTRAL, as
+    the SST-2 and IMDB classifiers name them): "positive sentiment" for POSITIVE; None for other classifiers."""
+    names = {int(i): str(n).lower() for i, n in id2label.items()}
+    if not {"positive", "negative"} <= set(names.values()) <= {"positive", "negative", "neutral"}:
+        return None
+    return f"{names[label_index]} sentiment"
 
 
 def decode_without_pad(tokenizer: PreTrainedTokenizerBase, tokens: torch.Tensor, pad_id: int) -> list[str]:
@@ -91,6 +116,7 @@ class RewardModelLabeler(Labeler):
             f"the labelled tokens come from tokenizer '{tokenizer.name_or_path}'",
         )
         self.name = f"reward_model:{directory}"
+        self.measures = TASK_GOALS.get(metadata.get("task_name"))
         self.model = model.to(device).eval().requires_grad_(False)
         self.pad_id = pad_id
         self.device = device
@@ -109,7 +135,12 @@ class RewardModelLabeler(Labeler):
 
 
 class ClassifierLabeler(Labeler):
-    """Log-probability of one label of an HF sequence classifier (or the logit of a 1-output regressor) on the text."""
+    """Log-probability of one label of an HF sequence classifier (or the logit of a 1-output regressor) on the text.
+
+    A response longer than the classifier takes (the smaller of its tokenizer's model_max_length and its position
+    embeddings) is cut to its first max_length tokens of the classifier's tokenizer, special tokens kept (the
+    tokenizer's own truncation); the run says so once, on stderr.
+    """
 
     def __init__(
         self,
@@ -160,12 +191,28 @@ class ClassifierLabeler(Labeler):
         self.tokenizer, self.pad_id, self.device, self.batch_size = tokenizer, pad_id, device, batch_size
         label_name = model.config.id2label.get(self.label_index, str(self.label_index))
         self.name = f"classifier:{name_or_dir}#{label_name}"
+        self.measures = sentiment_measured(model.config.id2label, self.label_index)
+        self.warned_cut = False
+
+    def warn_if_cut(self, texts: list[str]) -> None:
+        """Say once per run that a text longer than the classifier takes is cut (its end is not scored)."""
+        if self.warned_cut:
+            return
+        lengths = [len(ids) for ids in self.classifier_tokenizer(texts, verbose=False)["input_ids"]]
+        if any(length > self.max_length for length in lengths):
+            self.warned_cut = True
+            print(
+                f"warning: {self.name}: a response longer than the classifier's {self.max_length} tokens is cut to "
+                "its first ones, and the rest is not scored (said once per run)",
+                file=sys.stderr,
+            )
 
     @torch.no_grad()
     def scores(self, queries: torch.Tensor, responses: torch.Tensor) -> torch.Tensor:
         """log p(label | response text) (B, N), in batches of the classifier's own tokens."""
         _check_shapes(queries, responses)
         texts = decode_without_pad(self.tokenizer, responses, self.pad_id)
+        self.warn_if_cut(texts)
         out = []
         for start in range(0, len(texts), self.batch_size):
             inputs = self.classifier_tokenizer(
@@ -458,6 +505,7 @@ class VaderLabeler(Labeler):
         self.analyzer = SentimentIntensityAnalyzer()
         self.tokenizer, self.pad_id = tokenizer, pad_id
         self.name = "vader"
+        self.measures = TASK_GOALS["sentiment"]
 
     def scores(self, queries: torch.Tensor, responses: torch.Tensor) -> torch.Tensor:
         """Compound sentiment (B, N) of each response text."""

@@ -19,6 +19,7 @@ import numpy as np
 import torch
 from transformers import PreTrainedTokenizerBase
 
+from lm_human_preference_details import presets
 from lm_human_preference_details.files import write_atomic, write_json_atomic
 from lm_human_preference_details.hub import HubUnavailableError, check_available
 from lm_human_preference_details.sources import (
@@ -29,6 +30,7 @@ from lm_human_preference_details.sources import (
     oai_url,
     read_utf8,
 )
+from lm_human_preference_details.tasks import TASK_GOALS
 
 # OAI's padding token: len(encoder) + 2, outside GPT-2's 50257-token vocabulary; label files use it
 # https://github.com/openai/lm-human-preferences/blob/cbfd210bb8b08f6bc5c26878c10984b90f516c66/lm_human_preferences/language/encodings.py#L56
@@ -406,28 +408,50 @@ def load_labels(
 
 def label_file_task(source: str) -> tuple[str | None, str]:
     """The --task a label file was made for and where that is recorded: the `task_id` of a local file's
-    `<file>.meta.json` (label_generation.py generate and the label server write it), or the folder of one of OAI's
-    label files (descriptiveness/offline_5k.json); (None, "") when neither tells."""
+    `<file>.meta.json` (label_generation.py generate and the label server write it), the folder of one of OAI's label
+    files (descriptiveness/offline_5k.json), or the label file of a --task preset (presets.REWARD); (None, why nothing
+    tells) otherwise."""
     if os.path.isfile(source):
         meta_path = labels_meta_path(source)
+        name = os.path.basename(meta_path)
         try:
             with open(meta_path, encoding="utf-8") as f:
                 task = json.load(f).get("task_id")
+        except FileNotFoundError:
+            return None, f"it has no {name} beside it, which label_generation.py writes"
         except (OSError, ValueError, AttributeError):
-            return None, ""  # no metadata, or unreadable: label_file_pad_id names a broken one
+            return None, f"its {name} cannot be read"  # label_file_pad_id names a broken one
         if not isinstance(task, str):
-            return None, ""
-        return task, f"its {os.path.basename(meta_path)} records task_id {task!r}"
+            return None, f"its {name} records no task_id"
+        return task, f"its {name} records task_id {task!r}"
     folder = source.removeprefix(OAI_LABELS_URL).split("/")[0]
-    return (folder, f"one of OAI's {folder} label files") if folder in OAI_LABEL_FOLDERS else (None, "")
+    if folder in OAI_LABEL_FOLDERS:
+        return folder, f"one of OAI's {folder} label files"
+    for task, settings in presets.REWARD.items():
+        if settings.get("label_dataset") == source:
+            return task, f"the label file of the --task {task} preset"
+    return None, "it is neither a local file with a .meta.json nor one of OAI's label files"
 
 
 def check_label_task(label_dataset: str, task_id: str, allow: bool) -> str | None:
     """ValueError when the label file was made for another --task than `task_id` (sentiment and descriptiveness share
     every task setting: the reward model would be recorded as trained for the wrong one and pass the policy's task
-    check), unless `allow`; -> a warning, or None when they agree or the file does not tell."""
+    check), unless `allow`; -> a warning when nothing tells the file's task (a user's file without its .meta.json:
+    the reward model is recorded as a `task_id` model unchecked) or when `allow` let a mismatch through; None when they
+    agree."""
     task, where = label_file_task(label_dataset)
-    if task is None or task == task_id:
+    if task is None:
+        fix = f"make sure they are --task {task_id} labels"
+        if os.path.isfile(label_dataset):
+            meta_path = labels_meta_path(label_dataset)
+            entry = json.dumps({"task_id": task_id})
+            write = f"add {entry[1:-1]} to" if os.path.isfile(meta_path) else f"write {entry} to"
+            fix = f"if they are --task {task_id} labels, {write} {meta_path} to have it checked"
+        return (
+            f"--label_dataset '{label_dataset}': nothing tells which task its labels judge ({where}), so their task "
+            f"was not checked and the reward model is recorded as a --task {task_id} model on trust; {fix}."
+        )
+    if task == task_id:
         return None
     mismatch = f"--label_dataset '{label_dataset}' holds labels for --task {task} ({where})"
     mismatch += f", but this run is --task {task_id}"
@@ -437,6 +461,34 @@ def check_label_task(label_dataset: str, task_id: str, allow: bool) -> str | Non
             "--labels.allow_task_mismatch to train on them anyway."
         )
     return f"--labels.allow_task_mismatch: {mismatch}; the reward model records --task {task_id}"
+
+
+def label_task_warnings(label_dataset: str, task_id: str, allow: bool) -> list[str]:
+    """The warnings about the task of a label file's rows, each one line: a task mismatch let through by `allow`
+    (check_label_task, which stops the run without it), a labeler of another thing than the task
+    (label_file_labeler_warning)."""
+    warnings = (check_label_task(label_dataset, task_id, allow), label_file_labeler_warning(label_dataset, task_id))
+    return [warning for warning in warnings if warning]
+
+
+def label_file_labeler_warning(source: str, task_id: str) -> str | None:
+    """One warning line when a local label file's `<file>.meta.json` records a labeler that measures another thing than
+    --task `task_id` is about (vader labelling descriptiveness rows: the reward model would learn sentiment); None
+    otherwise."""
+    try:
+        with open(labels_meta_path(source), encoding="utf-8") as f:
+            meta = json.load(f)
+    except (OSError, ValueError):
+        return None  # no metadata, or unreadable: label_file_pad_id names a broken one
+    measures = meta.get("labeler_measures") if isinstance(meta, dict) else None
+    if not isinstance(measures, str) or TASK_GOALS.get(task_id) in (None, measures):
+        return None
+    return (
+        f"--label_dataset '{source}' was labelled by {meta.get('labeler')}, which measures {measures} (its "
+        f"{os.path.basename(labels_meta_path(source))}), but this run is --task {task_id}, which is about "
+        f"{TASK_GOALS[task_id]}: the reward model would learn {measures}; label the rows with a labeler of "
+        f"{TASK_GOALS[task_id]}."
+    )
 
 
 def check_label_tokenizer(source: str, fingerprint: str, tokenizer_name: str, flag: str = "--label_dataset") -> None:

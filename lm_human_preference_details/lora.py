@@ -13,7 +13,7 @@ import shutil
 import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any
+from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
@@ -46,7 +46,23 @@ def _quiet_peft() -> Iterator[None]:
 # ---------------------------------------------------------------- flags
 
 
-def check_lora_args(lora: Any) -> None:
+@dataclass
+class LoraHParams:
+    """train_policy.py's --lora.* group: LoRA adapters instead of full fine-tuning (docs/lora.md)."""
+
+    rank: int = 0
+    """rank R of the LoRA adapters (peft) on the policy's trunk: the trunk's base weights stay frozen and the
+    reference policy is the policy with its adapters disabled (no second copy); 0: every weight trains, as OAI"""
+    alpha: float = 16.0
+    """LoRA scaling: an adapter adds (alpha / rank) B A to its layer's weight (peft's lora_alpha)"""
+    dropout: float = 0.0
+    """dropout on the adapters' input in the PPO loss's forward passes (never in sampling or scoring)"""
+    target_modules: tuple[str, ...] = ()
+    """names of the layers that get adapters, e.g. c_attn c_proj; empty: peft's default for the architecture
+    (gpt2: c_attn, gpt_neox: query_key_value, llama and qwen2: q_proj v_proj)"""
+
+
+def check_lora_args(lora: LoraHParams) -> None:
     """ValueError for a --lora.* value that cannot work (before any model loads)."""
     if lora.rank < 0:
         raise ValueError(f"--lora.rank must be >= 0, got {lora.rank}; pass e.g. --lora.rank 8, or 0 for no LoRA.")
@@ -58,7 +74,7 @@ def check_lora_args(lora: Any) -> None:
         raise ValueError("--lora.target_modules needs LoRA on: pass --lora.rank R (e.g. 8) too, or drop it.")
 
 
-def describe(lora: Any) -> str:
+def describe(lora: LoraHParams) -> str:
     """The --lora.* settings in one line for the start-up table."""
     targets = " ".join(lora.target_modules) or "peft's default for the architecture"
     return f"rank {lora.rank}, alpha {lora.alpha:g}, dropout {lora.dropout:g}, on {targets}"
@@ -108,7 +124,7 @@ class GradientDropout(nn.Dropout):
         return F.dropout(x, self.p, training=torch.is_grad_enabled())
 
 
-def apply_lora(policy: nn.Module, lora: Any, base_model: str) -> None:
+def apply_lora(policy: nn.Module, lora: LoraHParams, base_model: str) -> None:
     """Wrap `policy.lm` with peft LoRA adapters in place (B = 0: the policy is unchanged); only the adapters and the
     value head keep requires_grad. `base_model` (the --base_model) is recorded in the saved adapter config."""
     try:

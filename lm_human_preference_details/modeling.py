@@ -26,7 +26,7 @@ from transformers import (
 from transformers.modeling_layers import GradientCheckpointingLayer
 
 from lm_human_preference_details import decoding_graph, lora
-from lm_human_preference_details.checkpoint import check_complete_save
+from lm_human_preference_details.files import check_complete_save
 from lm_human_preference_details.hub import check_available
 from lm_human_preference_details.kernels import (
     categorical_uniforms,
@@ -46,6 +46,11 @@ REWARD_HEAD_FILE = "reward_head.safetensors"
 REWARD_CONFIG_FILE = "reward_model.json"
 REWARD_TRUNK_DIR = "trunk"
 REWARD_MODEL_FLAG = "--rewards.trained_model"
+CRITIC_DIR = "critic"
+"""OUTPUT_DIR/critic of train_policy.py: a separate critic (--ppo.value_model), saved beside the policy"""
+CRITIC_CONFIG_FILE = "critic.json"
+CRITIC_TRUNK_DIR = "trunk"
+"""a saved critic's files (nplus/critic.py): its metadata, and its trunk's save_pretrained directory"""
 # trunks whose reward model is saved as a standard `*ForSequenceClassification` checkpoint (a bias-free `score`
 # layer): model type -> the final LayerNorm, whose bias absorbs the reward's constant term. Llama and Qwen2 end in an
 # RMSNorm without bias, so no weight of their classifiers can hold the constant: they keep the trunk format.

@@ -1,7 +1,6 @@
 """The plumbing around train_policy.py's algorithm: input checks, the start-up table, tracking, the sample table,
 progress, checkpoints, the policy's save and its upload. Nothing here changes what a PPO update computes."""
 
-import contextlib
 import dataclasses
 import os
 import shlex
@@ -23,102 +22,21 @@ from lm_human_preference_details import (
     devices,
     distributed,
     files,
+    labelers,
     lora,
+    resumable,
     sharded,
     tracking,
     validation,
 )
 from lm_human_preference_details.data import QueryStream, load_texts
 from lm_human_preference_details.hub import HubUnavailableError, hub_reachable
-from lm_human_preference_details.modeling import PolicyWithValueHead, read_reward_metadata
+from lm_human_preference_details.modeling import CRITIC_DIR, PolicyWithValueHead, read_reward_metadata
 from lm_human_preference_details.rewards import Reward, RewardModelReward, reward_model_dir
+from lm_human_preference_details.settings import PolicyArgs, PolicyRewardFlags, recorded
 from lm_human_preference_details.sizes import Sizes
 from lm_human_preference_details.tasks import PassRateAlarm, TaskHParams, resolve_truncation, task_differences
 from lm_human_preference_details.tokenizer import check_same_tokenizer, load_tokenizer
-
-# ---------------------------------------------------------------- what the plumbing reads of train_policy.Args
-
-
-class AdaptiveKLFlags(Protocol):
-    """--rewards.adaptive_kl.*"""
-
-    enabled: bool
-    target: float
-    horizon: int
-
-
-class RewardFlags(Protocol):
-    """The --rewards.* flags the plumbing reads."""
-
-    trained_model: str
-    kl_coef: float
-    gold_model: str | None
-    task_from_reward_model: bool
-    allow_task_mismatch: bool
-    normalization: dict[str, float] | None
-
-    @property
-    def adaptive_kl(self) -> AdaptiveKLFlags: ...
-
-
-class PpoFlags(Protocol):
-    """The --ppo.* flags the plumbing reads."""
-
-    lr: float
-    batch_size: int
-    nminibatches: int
-    noptepochs: int
-    gradient_accumulation_steps: int
-    value_model: str | None
-
-
-class LoraFlags(Protocol):
-    """--lora.*"""
-
-    rank: int
-    alpha: float
-    dropout: float
-    target_modules: tuple[str, ...]
-
-
-class PolicyArgs(Protocol):
-    """What the plumbing reads of train_policy.Args: a typed view, so a reader sees which flags each helper uses."""
-
-    exp_name: str
-    seed: int
-    data_seed: int
-    base_model: str
-    output_dir: str
-    track: bool
-    wandb_project_name: str
-    wandb_entity: str | None
-    log_interval: int
-    filter_warning_rate: float
-    divergence_updates: int
-    divergence_kl: float | None
-    allow_divergence: bool
-    save_checkpoints: bool
-    keep_checkpoints: int
-    overwrite_output_dir: bool
-    print_samples: int
-    push_to_hub: bool
-    hf_repo_id: str | None
-    dry_run: bool
-    task_id: str
-    fsdp: bool
-
-    @property
-    def task(self) -> TaskHParams: ...
-
-    @property
-    def rewards(self) -> RewardFlags: ...
-
-    @property
-    def ppo(self) -> PpoFlags: ...
-
-    @property
-    def lora(self) -> LoraFlags: ...
-
 
 A = TypeVar("A", bound=PolicyArgs)
 
@@ -129,7 +47,7 @@ def print_setup(console, args: PolicyArgs, sizes: Sizes, tf32: str, task_changes
     ppo, task, kl = args.ppo, args.task, args.rewards.adaptive_kl
     cli.print_table(
         console,
-        "policy training (train_policy.py)" + (" - dry run" if args.dry_run else ""),
+        "policy training (train_policy.py)" + (" - dry run" if args.run.dry_run else ""),
         {
             "task": args.task_id,
             "base model": args.base_model,
@@ -150,11 +68,11 @@ def print_setup(console, args: PolicyArgs, sizes: Sizes, tf32: str, task_changes
             "reward model": args.rewards.trained_model,
             **({"critic (--ppo.value_model)": args.ppo.value_model} if args.ppo.value_model else {}),
             **({"LoRA": lora.describe(args.lora)} if args.lora.rank else {}),
-            **({"FSDP (--fsdp)": describe_fsdp(sizes.world)} if args.fsdp else {}),
+            **({"FSDP (--fsdp)": describe_fsdp(sizes.world)} if args.run.fsdp else {}),
             "TF32": tf32,
             "deterministic": devices.describe_deterministic(),
             **({"task from the reward model": "; ".join(task_changes)} if task_changes else {}),
-            "output dir": args.output_dir,
+            "output dir": args.run.output_dir,
         },
     )
     if sizes.not_oai_ranks:
@@ -179,21 +97,40 @@ def check_reward_model(rm_metadata: dict, tokenizer, args: PolicyArgs, print_fn)
         print_fn(f"warning: --rewards.allow_task_mismatch: the reward model's task differs: {mismatch}")
     if warning := check_reward_model_task_name(rm_metadata, args.task_id, args.rewards):
         print_fn(f"warning: {warning}")
+    for warning in label_warnings(rm_metadata, args.rewards.trained_model):
+        print_fn(f"warning: {warning}")
+
+
+def label_warnings(rm_metadata: dict, trained_model: str) -> list[str]:
+    """The warnings train_reward.py gave about the reward model's labels (a task nobody checked, a labeler of another
+    thing), each one line naming the reward model."""
+    warnings = rm_metadata.get("label_warnings") or []
+    return [f"the reward model '{trained_model}' was trained with a warning: {warning}" for warning in warnings]
+
+
+def check_judge_tasks(args: PolicyArgs, reward: Reward, gold: labelers.Labeler | None, print_fn) -> None:
+    """One warning line for each judge that measures another thing than the run's --task is about: a programmatic
+    reward or the gold judge (vader on a descriptiveness run); a reward model's task is checked by
+    check_reward_model."""
+    judges = [(gold.measures, args.rewards.gold_model, "--rewards.gold_model")] if gold is not None else []
+    if reward.metadata is None:
+        judges.insert(0, (reward.measures, args.rewards.trained_model, "--rewards.trained_model"))
+    for measures, name, flag in judges:
+        if warning := labelers.judge_task_mismatch(measures, name, args.task_id, flag):
+            print_fn(f"warning: {warning}")
 
 
 def start_tracker(
-    args: PolicyArgs, accelerator: Accelerator, resumed: checkpoint.Resumed | None, settings: dict, nupdates: int
+    args: PolicyArgs, accelerator: Accelerator, loop: resumable.CheckpointedLoop, nupdates: int
 ) -> tuple[tracking.Tracker, dict]:
-    """TensorBoard (and wandb) for this run, continuing a resumed run's; clears a previous run's outputs with
-    --overwrite_output_dir; -> the tracker and the metadata every checkpoint records."""
-    if resumed is None and args.overwrite_output_dir and accelerator.is_main_process:
+    """TensorBoard (and wandb) for this run, continuing a resumed run's (`loop.resumed`); clears a previous run's
+    outputs with --overwrite_output_dir; -> the tracker and the metadata every checkpoint records."""
+    resumed, settings = loop.resumed, loop.settings
+    if resumed is None and args.run.overwrite_output_dir and accelerator.is_main_process:
         # the previous run's critic, which a run without one would leave beside a policy it does not belong to
-        shutil.rmtree(os.path.join(args.output_dir, CRITIC_DIR), ignore_errors=True)
-    if accelerator.is_main_process:  # a run that starts or continues makes the summary of its last end stale
-        with contextlib.suppress(FileNotFoundError):
-            os.remove(os.path.join(args.output_dir, SUMMARY_FILE))
-    config = {**dataclasses.asdict(args), "world_size": settings["world_size"], "nupdates": nupdates}
-    tracker, run_name = checkpoint.start_tracker(args, accelerator, resumed, args.task_id, config)
+        shutil.rmtree(os.path.join(args.run.output_dir, CRITIC_DIR), ignore_errors=True)
+    config = {**recorded(args), "world_size": settings["world_size"], "nupdates": nupdates}
+    tracker, run_name = resumable.start_tracker(args.run, args.seed, accelerator, resumed, args.task_id, config)
     meta = {"settings": settings, "run_name": run_name, "wandb_id": tracker.wandb_id}
     meta["reward_normalization"] = args.rewards.normalization
     return tracker, meta
@@ -206,7 +143,7 @@ def progress_bar(console, accelerator: Accelerator, nupdates: int, first_update:
     return progress, progress.add_task("PPO updates", total=nupdates, completed=first_update)
 
 
-def check_reward_model_task(rm_metadata: dict, task: TaskHParams, rewards: RewardFlags) -> str | None:
+def check_reward_model_task(rm_metadata: dict, task: TaskHParams, rewards: PolicyRewardFlags) -> str | None:
     """ValueError listing where the reward model's task settings differ from the policy's, unless
     --rewards.allow_task_mismatch; -> the differences (None when equal)."""
     # OAI asserts that the reward model's task hyperparameters equal the policy's, every field
@@ -227,7 +164,7 @@ def check_reward_model_task(rm_metadata: dict, task: TaskHParams, rewards: Rewar
     return listed
 
 
-def check_reward_model_task_name(rm_metadata: dict, task_id: str, rewards: RewardFlags) -> str | None:
+def check_reward_model_task_name(rm_metadata: dict, task_id: str, rewards: PolicyRewardFlags) -> str | None:
     """ValueError when the reward model was trained for another --task (sentiment and descriptiveness have equal task
     settings, only their labels differ), unless --rewards.allow_task_mismatch; -> a warning, or None when they agree."""
     saved = rm_metadata.get("task_name")
@@ -251,29 +188,34 @@ def check_reward_model_task_name(rm_metadata: dict, task_id: str, rewards: Rewar
 
 def check_policy_inputs(args: PolicyArgs, accelerator: Accelerator) -> None:
     """What --dry_run checks beyond the flags: the reward model's files and task, a local query file, a gold reward
-    model's directory, then the tokenizers (from the hub: not checked when it is unreachable); errors name the flag."""
+    model's directory, then the tokenizers and every model's context (from the hub: not checked when it is
+    unreachable); errors name the flag."""
     if args.task.query_dataset.lower().endswith((".txt", ".jsonl")):
         load_texts(args.task.query_dataset)
     gold = args.rewards.gold_model or ""
     if gold.startswith("reward_model:") and validation.labeler_path(gold) is None:
         raise FileNotFoundError(f"--rewards.gold_model '{gold}': no such directory; pass reward_model:DIR.")
-    if (reward_dir := reward_model_dir(args.rewards.trained_model)) is None:
-        return  # a programmatic reward: its spec was checked with the flags
-    rm_metadata = read_reward_metadata(reward_dir)
-    checkpoint.check_complete_save(reward_dir, "--rewards.trained_model")
-    if mismatch := check_reward_model_task(rm_metadata, args.task, args.rewards):
-        accelerator.print(f"warning: --rewards.allow_task_mismatch: the reward model's task differs: {mismatch}")
-    if warning := check_reward_model_task_name(rm_metadata, args.task_id, args.rewards):
-        accelerator.print(f"warning: {warning}")
-    with cli.unchecked_when_offline(accelerator.print, "the tokenizers"):
+    rm_metadata = None  # a programmatic reward: its spec was checked with the flags
+    if (reward_dir := reward_model_dir(args.rewards.trained_model)) is not None:
+        rm_metadata = read_reward_metadata(reward_dir)
+        files.check_complete_save(reward_dir, "--rewards.trained_model")
+        if mismatch := check_reward_model_task(rm_metadata, args.task, args.rewards):
+            accelerator.print(f"warning: --rewards.allow_task_mismatch: the reward model's task differs: {mismatch}")
+        if warning := check_reward_model_task_name(rm_metadata, args.task_id, args.rewards):
+            accelerator.print(f"warning: {warning}")
+        for warning in label_warnings(rm_metadata, args.rewards.trained_model):
+            accelerator.print(f"warning: {warning}")
+    with cli.unchecked_when_offline(accelerator.print, "the tokenizers and context lengths"):
         tokenizer = load_tokenizer(args.base_model)
-        resolve_truncation(args.task, tokenizer)  # --task.truncate_text is one token of it, the id agrees
-        check_same_tokenizer(
-            rm_metadata,
-            tokenizer,
-            f"the reward model '{args.rewards.trained_model}' (--rewards.trained_model)",
-            f"the policy uses tokenizer '{args.base_model}'",
-        )
+        task = resolve_truncation(args.task, tokenizer)  # --task.truncate_text is one token of it, the id agrees
+        if rm_metadata is not None:
+            check_same_tokenizer(
+                rm_metadata,
+                tokenizer,
+                f"the reward model '{args.rewards.trained_model}' (--rewards.trained_model)",
+                f"the policy uses tokenizer '{args.base_model}'",
+            )
+        validation.check_policy_context(dataclasses.replace(args, task=task), tokenizer)
 
 
 def dry_run(args: PolicyArgs, accelerator: Accelerator) -> list:
@@ -285,7 +227,7 @@ def dry_run(args: PolicyArgs, accelerator: Accelerator) -> list:
 
 def check_hub_for_push(args: PolicyArgs) -> None:
     """HubUnavailableError before training when --push_to_hub could not upload at the end."""
-    if args.push_to_hub and not hub_reachable():
+    if args.run.push_to_hub and not hub_reachable():
         raise HubUnavailableError("--push_to_hub needs the Hugging Face hub, which is unreachable; drop the flag")
 
 
@@ -329,10 +271,10 @@ class DivergenceWatch:
     the statistics the run logs and changes nothing the run computes. `diverged` holds the first detection."""
 
     def __init__(self, args: PolicyArgs):
-        self.patience = args.divergence_updates
+        self.patience = args.run.divergence_updates
         target = args.rewards.adaptive_kl.target
-        self.kl_limit = args.divergence_kl if args.divergence_kl is not None else 10 * target
-        self.kl_source = "--divergence_kl" if args.divergence_kl is not None else f"10 x the KL target {target:g}"
+        self.kl_limit = args.run.divergence_kl if args.run.divergence_kl is not None else 10 * target
+        self.kl_source = "--divergence_kl" if args.run.divergence_kl is not None else f"10 x the KL target {target:g}"
         self.lr, self.kl_coef, self.penalty = args.ppo.lr, args.rewards.kl_coef, args.task.penalty_reward_value
         self.high_kl = self.no_pass = 0
         self.passed: tuple[float, int] | None = None  # the highest filter pass rate so far, and its update
@@ -367,6 +309,15 @@ class DivergenceWatch:
             f"books, 2e-6 for tldr and cnndm), --rewards.kl_coef {self.kl_coef:g}. The run trains on; it ends with "
             f"exit status {cli.DIVERGED_EXIT_CODE} (--allow_divergence: 0)."
         )
+
+    def state_dict(self) -> dict[str, Any]:
+        """What carries over to the next update: the counts in a row, the best pass rate, the first detection."""
+        return {"high_kl": self.high_kl, "no_pass": self.no_pass, "passed": self.passed, "diverged": self.diverged}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """The watch as a checkpoint saved it: a resumed run reports the divergence the run had before the kill."""
+        self.high_kl, self.no_pass, self.diverged = state["high_kl"], state["no_pass"], state["diverged"]
+        self.passed = tuple(state["passed"]) if state["passed"] is not None else None
 
 
 class PhaseTimer:
@@ -440,10 +391,6 @@ class SavedCritic(Protocol):
     def save(self, directory: str) -> None: ...
 
 
-CRITIC_DIR = "critic"
-"""OUTPUT_DIR/critic: a separate critic (--ppo.value_model), saved beside the policy"""
-
-
 def save_policy(
     policy: PolicyWithValueHead,
     tokenizer: PreTrainedTokenizerBase,
@@ -468,7 +415,7 @@ def save_policy(
 
 
 RESUME_IGNORED = (
-    *checkpoint.RESUME_IGNORED,
+    *resumable.RESUME_IGNORED,
     "log_interval",
     "filter_warning_rate",
     "divergence_updates",
@@ -501,6 +448,8 @@ class TrainingState:
     fsdp: bool = False
     """--fsdp: checkpoints hold `trained`'s weights and Adam state as every process's shards (`sharded`), not in
     state.pt, and resume on any number of processes"""
+    report: "RunReport | None" = None
+    """the run's report, whose divergence watch and summary carry over"""
 
     def restore(self, resumed: checkpoint.Resumed, accelerator: Accelerator, seed: int) -> None:
         """Weights, Adam moments and step, kl_coef, query position and every RNG as the checkpoint holds them (an
@@ -514,7 +463,7 @@ class TrainingState:
                 + ("one" if self.critic is not None else "none")
                 + "; resume with the checkpoint's --ppo.value_model."
             )
-        if self.fsdp != checkpoint.is_sharded_checkpoint(resumed.meta):
+        if self.fsdp != sharded.is_sharded_checkpoint(resumed.meta):
             flags = ("without", "whole in state.pt", "with"), ("with", "sharded", "without")
             written, weights, run = flags[0] if self.fsdp else flags[1]
             raise ValueError(
@@ -529,11 +478,13 @@ class TrainingState:
                 self.critic.load_state_dict(resumed.shared["critic"])
             self.optimizer.load_state_dict(resumed.shared["optimizer"])
         self.kl_ctl.value = resumed.shared["kl_coef"]
+        if self.report is not None:
+            self.report.load_state_dict(resumed.shared.get("report"))
         if self.fsdp and resumed.meta["world_size"] != accelerator.num_processes:
             self.restore_other_layout(resumed, accelerator, seed)
             return
         self.query_stream.load_state_dict(resumed.local["query_stream"])
-        checkpoint.restore_rng_states(resumed.local["rng"], self.generator, self.order_rngs)
+        devices.restore_rng_states(resumed.local["rng"], self.generator, self.order_rngs)
 
     def restore_other_layout(self, resumed: checkpoint.Resumed, accelerator: Accelerator, seed: int) -> None:
         """The per-process state of an --fsdp checkpoint that another number of processes wrote: the query stream
@@ -544,12 +495,7 @@ class TrainingState:
         last = checkpoint.load_process_state(resumed, written - 1)["query_stream"]
         stream = self.query_stream
         self.query_stream.load_state_dict({**last, "rank": stream.rank, "world_size": stream.world_size})
-        rank = accelerator.process_index
-        seeds = np.random.SeedSequence([seed, rank, resumed.step]).generate_state(3 + len(self.order_rngs))
-        devices.set_seed(int(seeds[0]))
-        self.generator.manual_seed(int(seeds[1]) << 32 | int(seeds[2]))
-        for rng, rng_seed in zip(self.order_rngs, seeds[3:]):
-            rng.seed(int(rng_seed))
+        devices.reseed_rngs(seed, accelerator.process_index, resumed.step, self.generator, self.order_rngs)
         accelerator.print(
             f"warning: checkpoint '{resumed.path}' was written by {written} processes, this run has "
             f"{accelerator.num_processes}: the weights, Adam moments, kl_coef and query position carry over, but every "
@@ -558,9 +504,17 @@ class TrainingState:
         )
 
 
+def check_args(args: PolicyArgs) -> None:
+    """Every flag checked before anything loads (`validation.check_policy_args`, the LoRA and --fsdp flags): one
+    ValueError line naming the flag."""
+    validation.check_policy_args(args)
+    lora.check_lora_args(args.lora)
+    check_fsdp_flags(args)
+
+
 def check_fsdp_flags(args: PolicyArgs) -> None:
     """ValueError in one line for a flag that --fsdp cannot run with."""
-    if args.fsdp and args.lora.rank:
+    if args.run.fsdp and args.lora.rank:
         raise ValueError(
             f"--fsdp with --lora.rank {args.lora.rank}: the LoRA adapters on a frozen trunk are not sharded (their "
             "gradients and Adam moments are small anyway); drop one of the two flags."
@@ -634,7 +588,7 @@ def save_checkpoint(
     async_save is not used), and the whole weights are gathered onto the main process for the policy's directory."""
     local = {
         "query_stream": state.query_stream.state_dict(),
-        "rng": checkpoint.rng_states(state.generator, state.order_rngs),
+        "rng": devices.rng_states(state.generator, state.order_rngs),
     }
     tracker.flush()
     # every process takes part in the gathering of a sharded module's whole weights (None elsewhere)
@@ -653,12 +607,14 @@ def save_checkpoint(
                 "optimizer": checkpoint.to_host(state.optimizer.state_dict()),
             }
         shared = {**weights, "kl_coef": state.kl_ctl.value, "elapsed_time": time.time() - start_time}
-        snapshot = args.save_checkpoints and updates < nupdates
+        if state.report is not None:
+            shared["report"] = state.report.state_dict(state.kl_ctl.value)
+        snapshot = args.run.save_checkpoints and updates < nupdates
 
         def write_policies() -> None:
-            save_policy(policy, tokenizer, args, args.output_dir, critic)
+            save_policy(policy, tokenizer, args, args.run.output_dir, critic)
             if snapshot:
-                snapshot_dir = os.path.join(args.output_dir, "checkpoints", f"update{updates}")
+                snapshot_dir = os.path.join(args.run.output_dir, "checkpoints", f"update{updates}")
                 save_policy(policy, tokenizer, args, snapshot_dir, critic)
 
     write_shards = None
@@ -668,13 +624,13 @@ def save_checkpoint(
             sharded.save(directory, state.trained, state.optimizer)
 
     checkpoint.save_training_state(
-        args.output_dir,
+        args.run.output_dir,
         updates,
         accelerator,
         meta,
         shared,
         local,
-        args.keep_checkpoints,
+        args.run.keep_checkpoints,
         saves,
         write_policies,
         write_shards,
@@ -686,8 +642,9 @@ def push_to_hub(args: PolicyArgs) -> str:
     from huggingface_hub import HfApi
 
     api = HfApi()
-    repo_id = api.create_repo(args.hf_repo_id or f"{args.exp_name}__{args.task_id}__seed{args.seed}", exist_ok=True)
-    api.upload_folder(folder_path=args.output_dir, repo_id=repo_id.repo_id, ignore_patterns=["tb/*", "wandb/*"])
+    name = args.run.hf_repo_id or f"{args.run.exp_name}__{args.task_id}__seed{args.seed}"
+    repo_id = api.create_repo(name, exist_ok=True)
+    api.upload_folder(folder_path=args.run.output_dir, repo_id=repo_id.repo_id, ignore_patterns=["tb/*", "wandb/*"])
     return repo_id.repo_id
 
 
@@ -697,10 +654,6 @@ def progress_text(stats: dict[str, float]) -> str:
     if "objective/gold_score" in stats:
         text += f" gold {cli.number(stats['objective/gold_score'])}"
     return text
-
-
-SUMMARY_FILE = "summary.json"
-"""OUTPUT_DIR/summary.json: what the closing table shows, written when a run ends (removed when one starts)"""
 
 
 def run_summary(
@@ -722,12 +675,9 @@ def run_summary(
     }
 
 
-def write_summary(output_dir: str, summary: dict) -> None:
-    """OUTPUT_DIR/summary.json, atomically."""
-    files.write_json_atomic(os.path.join(output_dir, SUMMARY_FILE), summary)
-
-
-def print_summary(console, args: PolicyArgs, summary: dict, hub: str | None) -> None:
+def print_summary(
+    console, args: PolicyArgs, summary: dict, hub: str | None, title: str = "policy training done"
+) -> None:
     """The closing table: updates run, score and KL at this run's first and last update, kl_coef from its first
     update to after its last (a resumed run's start values are the resume point's), the divergence, where the outputs
     went."""
@@ -749,13 +699,13 @@ def print_summary(console, args: PolicyArgs, summary: dict, hub: str | None) -> 
             if summary["diverged"]
             else {}
         ),
-        "policy, value head, tokenizer": args.output_dir,
-        **({"critic": os.path.join(args.output_dir, CRITIC_DIR)} if args.ppo.value_model else {}),
-        "TensorBoard": f"{args.output_dir}/tb",
-        "summary": os.path.join(args.output_dir, SUMMARY_FILE),
+        "policy, value head, tokenizer": args.run.output_dir,
+        **({"critic": os.path.join(args.run.output_dir, CRITIC_DIR)} if args.ppo.value_model else {}),
+        "TensorBoard": f"{args.run.output_dir}/tb",
+        "summary": os.path.join(args.run.output_dir, resumable.SUMMARY_FILE),
         **({"hub": hub} if hub else {}),
     }
-    cli.print_table(console, "policy training done", table)
+    cli.print_table(console, title, table)
 
 
 class RunReport:
@@ -772,14 +722,31 @@ class RunReport:
         tokenizer: PreTrainedTokenizerBase,
         nupdates: int,
         first_update: int,
+        run_name: str,
     ):
         self.args, self.accelerator, self.console = args, accelerator, console
         self.tracker, self.tokenizer = tracker, tokenizer
-        self.nupdates, self.first_update = nupdates, first_update
+        self.nupdates, self.first_update, self.run_name = nupdates, first_update, run_name
         self.progress, self.bar = progress_bar(console, accelerator, nupdates, first_update)
-        self.pass_rate_alarm = PassRateAlarm(args.filter_warning_rate, args.log_interval)
+        self.pass_rate_alarm = PassRateAlarm(args.run.filter_warning_rate, args.run.log_interval)
         self.divergence = DivergenceWatch(args)  # detection only: reads the reduced statistics
         self.history: list[dict[str, float]] = []
+        self.summary: dict | None = None  # the run's summary once its last update is in (or its checkpoint's)
+
+    def state_dict(self, kl_coef: float) -> dict[str, Any]:
+        """What a checkpoint keeps of the report: the divergence watch, and after the last update the summary that
+        summary.json gets (a kill before that file is written leaves it in the last checkpoint)."""
+        if self.history and self.first_update + len(self.history) == self.nupdates:
+            self.summary = run_summary(
+                self.history, self.first_update, self.nupdates, kl_coef, self.divergence.diverged
+            )
+        return {"divergence": self.divergence.state_dict(), "summary": self.summary}
+
+    def load_state_dict(self, state: dict[str, Any] | None) -> None:
+        """The report as a checkpoint kept it (None: a checkpoint written before reports were kept)."""
+        if state is not None:
+            self.divergence.load_state_dict(state["divergence"])
+            self.summary = state["summary"]
 
     def __enter__(self) -> "RunReport":
         self.progress.__enter__()
@@ -798,9 +765,9 @@ class RunReport:
         self.tracker.log(stats, step=update)
         self.history.append(stats)
         args = self.args
-        if update % args.log_interval == 0 and self.accelerator.is_main_process:
+        if update % args.run.log_interval == 0 and self.accelerator.is_main_process:
             pad_id = self.tokenizer.pad_token_id
-            rows = sample_table_rows(self.tokenizer, pad_id, *samples, args.rewards.kl_coef, args.print_samples)
+            rows = sample_table_rows(self.tokenizer, pad_id, *samples, args.rewards.kl_coef, args.run.print_samples)
             print_samples(self.console, self.tracker, rows, update)
         self._warn(self.pass_rate_alarm.update(stats["debug/filter_pass_rate"], update, args.task))
         self._warn(self.divergence.update(stats, update))
@@ -809,20 +776,41 @@ class RunReport:
     def finish(self, kl_coef: float) -> list[dict[str, float]]:
         """OUTPUT_DIR/summary.json and the closing table, the upload with --push_to_hub; cli.Stopped with the
         divergence's exit status when the run diverged (unless --allow_divergence); -> the history."""
-        args, diverged = self.args, self.divergence.diverged
-        failed = diverged is not None and not args.allow_divergence
-        if self.accelerator.is_main_process and self.history:
-            summary = run_summary(self.history, self.first_update, self.nupdates, kl_coef, diverged)
-            write_summary(args.output_dir, summary)
-            hub = None
-            if args.push_to_hub:  # a diverged policy is not published
-                hub = "not uploaded: the run diverged" if failed else push_to_hub(args)
-            print_summary(self.console, args, summary, hub)
-        if failed:
-            message = (
-                f"the run diverged at update {diverged['update']} (see the line then and "
-                f"{args.output_dir}/summary.json); its policy and checkpoints are saved, from the diverged run. Lower "
-                "the flag it names and train again, or pass --allow_divergence to end with status 0."
+        args = self.args
+        if self.history:
+            self.summary = run_summary(
+                self.history, self.first_update, self.nupdates, kl_coef, self.divergence.diverged
             )
-            raise cli.Stopped(message if self.accelerator.is_main_process else "", cli.DIVERGED_EXIT_CODE)
+        if self.summary is None:  # a run that trained nothing and whose checkpoint keeps no summary
+            return self.history
+        failed = self.summary["diverged"] is not None and not args.run.allow_divergence
+        if self.accelerator.is_main_process:
+            resumable.write_summary(args.run.output_dir, self.run_name, self.summary)
+            hub = None
+            if args.run.push_to_hub:  # a diverged policy is not published
+                hub = "not uploaded: the run diverged" if failed else push_to_hub(args)
+            print_summary(self.console, args, self.summary, hub)
+        stop_if_diverged(args, self.summary, self.accelerator.is_main_process)
         return self.history
+
+
+def stop_if_diverged(args: PolicyArgs, summary: dict, main_process: bool) -> None:
+    """cli.Stopped with the divergence's exit status when the run `summary` tells diverged (unless
+    --allow_divergence)."""
+    diverged = summary["diverged"]
+    if diverged is not None and not args.run.allow_divergence:
+        message = (
+            f"the run diverged at update {diverged['update']} (see the line then and "
+            f"{args.run.output_dir}/{resumable.SUMMARY_FILE}); its policy and checkpoints are saved, from the diverged "
+            "run. Lower the flag it names and train again, or pass --allow_divergence to end with status 0."
+        )
+        raise cli.Stopped(message if main_process else "", cli.DIVERGED_EXIT_CODE)
+
+
+def report_finished(console, args: PolicyArgs, summary: dict, accelerator: Accelerator) -> list:
+    """A finished run, rerun: its closing table from summary.json, every file kept as it is, and the exit status it
+    ended with; -> main's empty history (nothing trained)."""
+    if accelerator.is_main_process:
+        print_summary(console, args, summary, None, "policy training already finished: kept as it is")
+    stop_if_diverged(args, summary, accelerator.is_main_process)
+    return []

@@ -3,15 +3,14 @@ checkpoints and the reward model's save. Nothing here changes what a training st
 
 import dataclasses
 import functools
-from typing import Protocol
+import os
 
-import numpy as np
 import torch
 from accelerate import Accelerator
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 from transformers import AutoModel
 
-from lm_human_preference_details import checkpoint, cli, devices, sharded, validation
+from lm_human_preference_details import checkpoint, cli, devices, resumable, sharded, validation
 from lm_human_preference_details.data import QueryStream, load_texts
 from lm_human_preference_details.labels import (
     Labels,
@@ -19,59 +18,24 @@ from lm_human_preference_details.labels import (
     check_label_tokenizer,
     check_label_tokens,
     get_label_type,
+    label_file_task,
 )
 from lm_human_preference_details.modeling import RewardModel, model_vocab_size
+from lm_human_preference_details.settings import RewardArgs, recorded
 from lm_human_preference_details.sizes import RewardSizes, ceil_div
-from lm_human_preference_details.tasks import TaskHParams, resolve_truncation
+from lm_human_preference_details.tasks import resolve_truncation
 from lm_human_preference_details.text_prefs import load_labels_or_pairs
 from lm_human_preference_details.tokenizer import load_tokenizer, tokenizer_fingerprint
 from lm_human_preference_details.tracking import Tracker, save_args
 
 
-class LabelFlags(Protocol):
-    """The --labels.* flags the plumbing reads (train_reward.LabelHParams)."""
-
-    type: str
-    num_train: int
-
-
-class RewardArgs(Protocol):
-    """What the plumbing reads of train_reward.Args: a typed view, so a reader sees which flags each helper uses."""
-
-    exp_name: str
-    seed: int
-    data_seed: int
-    base_model: str
-    label_dataset: str
-    batch_size: int
-    gradient_accumulation_steps: int
-    lr: float
-    rollout_batch_size: int
-    normalize_samples: int
-    fsdp: bool
-    output_dir: str
-    keep_checkpoints: int
-    overwrite_output_dir: bool
-    track: bool
-    wandb_project_name: str
-    wandb_entity: str | None
-    dry_run: bool
-    task_id: str
-
-    @property
-    def task(self) -> TaskHParams: ...
-
-    @property
-    def labels(self) -> LabelFlags: ...
-
-
-def print_setup(console, args: RewardArgs, sizes: RewardSizes, tf32: str, label_task_warning: str | None) -> None:
-    """The start-up table of resolved settings and per-process sizes, and the label file's task warning (main process
-    only)."""
+def print_setup(console, args: RewardArgs, sizes: RewardSizes, tf32: str, label_warnings: list[str]) -> None:
+    """The start-up table of resolved settings and per-process sizes, and the warnings about the label file's task
+    (main process only)."""
     normalize_batches = ceil_div(args.normalize_samples, args.rollout_batch_size)
     cli.print_table(
         console,
-        "reward training (train_reward.py)" + (" - dry run" if args.dry_run else ""),
+        "reward training (train_reward.py)" + (" - dry run" if args.run.dry_run else ""),
         {
             "task": args.task_id,
             "base model": args.base_model,
@@ -90,20 +54,22 @@ def print_setup(console, args: RewardArgs, sizes: RewardSizes, tf32: str, label_
             "label file": args.label_dataset,
             "TF32": tf32,
             "deterministic": devices.describe_deterministic(),
-            "output dir": args.output_dir,
+            "output dir": args.run.output_dir,
         },
     )
-    if label_task_warning:
-        console.print(f"warning: {label_task_warning}", style="bold red", markup=False)
+    for warning in label_warnings:
+        console.print(f"warning: {warning}", style="bold red", markup=False)
 
 
 def check_inputs(args: RewardArgs, accelerator: Accelerator) -> None:
-    """What --dry_run checks beyond the flags: a local query file and the label file (when it can be read)."""
+    """What --dry_run checks beyond the flags: a local query file, the models' context and the label file (when it
+    can be read)."""
     if args.task.query_dataset.lower().endswith((".txt", ".jsonl")):
         load_texts(args.task.query_dataset)
-    with cli.unchecked_when_offline(accelerator.print, "the label file"):
+    with cli.unchecked_when_offline(accelerator.print, "the context lengths and the label file"):
         tokenizer = load_tokenizer(args.base_model)
-        resolve_truncation(args.task, tokenizer)  # --task.truncate_text is one token of it, the id agrees
+        task = resolve_truncation(args.task, tokenizer)  # --task.truncate_text is one token of it, the id agrees
+        validation.check_reward_context(dataclasses.replace(args, task=task), tokenizer)
         rows = len(read_labels(args, tokenizer))
         accelerator.print(f"dry run: every input checked ({rows} label rows); nothing written")
 
@@ -127,14 +93,12 @@ def read_labels(args: RewardArgs, tokenizer=None) -> Labels:
     return labels
 
 
-def start_tracker(
-    args: RewardArgs, accelerator: Accelerator, resumed: checkpoint.Resumed | None, settings: dict
-) -> tuple[Tracker, dict]:
-    """TensorBoard (and wandb) for this run (`checkpoint.start_tracker`); -> the tracker and the metadata every
-    checkpoint records."""
-    config = {**dataclasses.asdict(args), "world_size": settings["world_size"]}
-    tracker, name = checkpoint.start_tracker(args, accelerator, resumed, args.task_id, config)
-    return tracker, {"settings": settings, "run_name": name, "wandb_id": tracker.wandb_id}
+def start_tracker(args: RewardArgs, accelerator: Accelerator, loop: resumable.CheckpointedLoop) -> tuple[Tracker, dict]:
+    """TensorBoard (and wandb) for this run, continuing a resumed run's (`loop.resumed`); -> the tracker and the
+    metadata every checkpoint records."""
+    config = {**recorded(args), "world_size": loop.settings["world_size"]}
+    tracker, name = resumable.start_tracker(args.run, args.seed, accelerator, loop.resumed, args.task_id, config)
+    return tracker, {"settings": loop.settings, "run_name": name, "wandb_id": tracker.wandb_id}
 
 
 def print_normalization(print_fn, when: str, result: dict, target: tuple[float, float], debug: bool) -> None:
@@ -146,12 +110,6 @@ def print_normalization(print_fn, when: str, result: dict, target: tuple[float, 
     if debug:
         check = f"{cli.number(result['debug_mean'], 4)} +- {cli.number(result['debug_std'], 4)}"
         print_fn(f"normalize {when}: after normalize {check}")
-
-
-def resume_ignored(ignored: tuple[str, ...], fsdp: bool) -> tuple[str, ...]:
-    """The settings that may change on --resume: `ignored`, and under --fsdp the number of processes (its sharded
-    checkpoints load on any number; see `restore`)."""
-    return (*ignored, "world_size") if fsdp else ignored
 
 
 def restore(
@@ -166,10 +124,10 @@ def restore(
     """Weights, Adam moments and step, query position and RNGs as the checkpoint holds them; under --fsdp the weights
     and moments from its shards (`sharded.load`), also on another number of processes (`query_stream_state`; each
     process's RNGs are then reseeded, with a warning)."""
-    if checkpoint.is_sharded_checkpoint(resumed.meta) != args.fsdp:
-        written = "with" if not args.fsdp else "without"
+    if sharded.is_sharded_checkpoint(resumed.meta) != args.run.fsdp:
+        written = "with" if not args.run.fsdp else "without"
         raise ValueError(f"checkpoint '{resumed.path}' was written {written} --fsdp: resume it {written} --fsdp.")
-    if args.fsdp:
+    if args.run.fsdp:
         sharded.load(resumed.path, reward_model, optimizer)
     else:
         reward_model.load_state_dict(resumed.shared["model"])
@@ -177,12 +135,10 @@ def restore(
     query_stream.load_state_dict(query_stream_state(resumed, query_stream))
     written = int(resumed.meta["world_size"])
     if written == accelerator.num_processes:
-        checkpoint.restore_rng_states(resumed.local["rng"], generator)
+        devices.restore_rng_states(resumed.local["rng"], generator)
         return
     # the RNGs of the processes that wrote it cannot be divided among another number of processes
-    seeds = np.random.SeedSequence([args.seed, accelerator.process_index, resumed.step]).generate_state(3)
-    devices.set_seed(int(seeds[0]))
-    generator.manual_seed(int(seeds[1]) << 32 | int(seeds[2]))
+    devices.reseed_rngs(args.seed, accelerator.process_index, resumed.step, generator)
     accelerator.print(
         f"warning: checkpoint '{resumed.path}' was written by {written} processes, this run has "
         f"{accelerator.num_processes}: the weights, Adam moments, label order and query position carry over, but every "
@@ -236,18 +192,19 @@ def save_checkpoint(
     if accelerator.is_main_process:
         saves.wait()  # the twin below is still read by the previous write until it ends
         shared = {}  # under --fsdp the weights and Adam moments are in the shards
-        if not args.fsdp:
+        if not args.run.fsdp:
             shared["model"] = saves.host_copy(reward_model).state_dict()
             shared["optimizer"] = checkpoint.to_host(optimizer.state_dict())
         shared["permutation"] = checkpoint.to_host(run_state["permutation"])
         shared["normalization"] = checkpoint.to_host(run_state["normalization"])
         shared["eval_before"] = run_state["eval_before"]
-    local = {"query_stream": query_stream.state_dict(), "rng": checkpoint.rng_states(generator)}
+    local = {"query_stream": query_stream.state_dict(), "rng": devices.rng_states(generator)}
     tracker.flush()
     # under --fsdp every process writes its shards of the weights and Adam moments
-    shards = functools.partial(sharded.save, module=reward_model, optimizer=optimizer) if args.fsdp else None
+    shards = functools.partial(sharded.save, module=reward_model, optimizer=optimizer) if args.run.fsdp else None
+    run = args.run
     checkpoint.save_training_state(
-        args.output_dir, steps, accelerator, meta, shared, local, args.keep_checkpoints, saves, write_shards=shards
+        run.output_dir, steps, accelerator, meta, shared, local, run.keep_checkpoints, saves, write_shards=shards
     )
 
 
@@ -272,9 +229,10 @@ def save_reward_model(
     args: RewardArgs,
     label_type: LabelType,
     evals: tuple[dict | None, dict | None],
+    label_warnings: list[str],
 ) -> None:
-    """The reward model with its metadata (tokenizer, task name and settings, label file, held-out figures), its
-    tokenizer and args.json in OUTPUT_DIR, atomically."""
+    """The reward model with its metadata (tokenizer, task name and settings, label file and the warnings about its
+    task, held-out figures), its tokenizer and args.json in OUTPUT_DIR, atomically."""
     eval_before, eval_after = evals
     metadata = {
         "base_model": args.base_model,
@@ -285,6 +243,8 @@ def save_reward_model(
         "task": dataclasses.asdict(args.task),
         "label_dataset": args.label_dataset,
         "label_type": label_type.name,
+        "label_task_checked": label_file_task(args.label_dataset)[0] is not None,
+        "label_warnings": label_warnings,
         "num_train": args.labels.num_train,
         "eval_before": eval_before,
         "eval_after": eval_after,
@@ -295,25 +255,48 @@ def save_reward_model(
         tokenizer.save_pretrained(output_dir)
         save_args(args, output_dir)
 
-    validation.save_atomically(args.output_dir, write)
+    validation.save_atomically(args.run.output_dir, write)
 
 
-def print_summary(
-    console, args: RewardArgs, reward_model: RewardModel, label_type: LabelType, heldout: int, evals
-) -> None:
-    """The closing table: held-out rows and figure before -> after training, gain and bias, where the outputs went."""
+def run_summary(reward_model: RewardModel, label_type: LabelType, heldout: int, evals, norms: dict) -> dict:
+    """What a finished reward run shows and summary.json keeps: held-out rows and figures before and after training,
+    the normalizations, gain and bias."""
     eval_before, eval_after = evals
-    held_out = "accuracy" if label_type.label_field == "best" else "loss"
+    return {
+        "label_type": label_type.name,
+        "heldout_rows": heldout,
+        "eval_before": eval_before,
+        "eval_after": eval_after,
+        "normalization": norms,
+        "gain": reward_model.gain.item(),
+        "bias": reward_model.bias.item(),
+    }
+
+
+def print_summary(console, args: RewardArgs, summary: dict, title: str = "reward training done") -> None:
+    """The closing table: held-out rows and figure before -> after training, gain and bias, where the outputs went."""
+    eval_before, eval_after = summary["eval_before"], summary["eval_after"]
+    held_out = "accuracy" if get_label_type(summary["label_type"]).label_field == "best" else "loss"
     cli.print_table(
         console,
-        "reward training done",
+        title,
         {
-            "held-out rows": heldout,
+            "held-out rows": summary["heldout_rows"],
             f"held-out {held_out}": f"{cli.number(eval_before[held_out])} -> {cli.number(eval_after[held_out])}"
             if eval_after
             else "-",
-            "gain, bias": f"{cli.number(reward_model.gain.item(), 4)}, {cli.number(reward_model.bias.item(), 4)}",
-            "reward model, tokenizer": args.output_dir,
-            "TensorBoard": f"{args.output_dir}/tb",
+            "gain, bias": f"{cli.number(summary['gain'], 4)}, {cli.number(summary['bias'], 4)}",
+            "reward model, tokenizer": args.run.output_dir,
+            "TensorBoard": f"{args.run.output_dir}/tb",
+            "summary": os.path.join(args.run.output_dir, resumable.SUMMARY_FILE),
         },
     )
+
+
+def report_finished(console, args: RewardArgs, summary: dict, accelerator: Accelerator) -> dict:
+    """A finished run, rerun: its closing table from summary.json, every file kept as it is; -> main's figures (no
+    model: nothing was loaded)."""
+    if accelerator.is_main_process:
+        print_summary(console, args, summary, "reward training already finished: kept as it is")
+    keys = ("eval_before", "eval_after", "normalization", "gain", "bias")
+    return {**{key: summary[key] for key in keys}, "label_indices": None, "model": None}

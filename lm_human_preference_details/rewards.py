@@ -16,7 +16,6 @@ import os
 import sys
 from collections.abc import Callable
 from contextlib import AbstractContextManager
-from typing import Protocol
 
 import torch
 from transformers import PreTrainedTokenizerBase
@@ -35,7 +34,13 @@ from lm_human_preference_details.labelers import (
 )
 from lm_human_preference_details.modeling import RewardModel, load_reward_model, sample
 from lm_human_preference_details.sizes import ceil_div
-from lm_human_preference_details.tasks import TaskHParams, check_truncation_resolved, format_contexts, truncate_response
+from lm_human_preference_details.tasks import (
+    TASK_GOALS,
+    TaskHParams,
+    check_truncation_resolved,
+    format_contexts,
+    truncate_response,
+)
 
 FLAG = "--rewards.trained_model"
 REWARD_FORMS = (
@@ -99,6 +104,8 @@ class Reward:
     name: str
     metadata: dict | None = None
     """the reward model's saved metadata (tokenizer, task); None for a programmatic reward"""
+    measures: str | None = None
+    """what the scores measure, in the words of tasks.TASK_GOALS (vader: positive sentiment); None: not known"""
     gain: float = 1.0
     bias: float = 0.0
 
@@ -117,6 +124,7 @@ class RewardModelReward(Reward):
     def __init__(self, model: RewardModel, pad_id: int, name: str = "reward model", metadata: dict | None = None):
         self.model = model.eval().requires_grad_(False)
         self.pad_id, self.name, self.metadata = pad_id, name, metadata
+        self.measures = TASK_GOALS.get((metadata or {}).get("task_name"))
 
     def raw(self, queries: torch.Tensor, responses: torch.Tensor) -> torch.Tensor:
         """One forward; the rollout's queries start with a real token, so the check and its host sync are skipped."""
@@ -131,6 +139,7 @@ class LabelerReward(Reward):
 
     def __init__(self, labeler: Labeler, device: torch.device):
         self.labeler, self.device, self.name = labeler, device, labeler.name
+        self.measures = labeler.measures
 
     def raw(self, queries: torch.Tensor, responses: torch.Tensor) -> torch.Tensor:
         """The labeler's score of each episode as one response per query."""
@@ -313,15 +322,9 @@ def normalize_reward(
     return {"gain": 1.0 / std, "bias": -mean / std, "mean": mean, "std": std, "samples": count}
 
 
-class NormalizationFlags(Protocol):
-    """What `normalize_from_initial_policy` reads of train_policy.py's --rewards.* flags."""
-
-    normalize_samples: int
-
-
 def normalize_from_initial_policy(
     reward: Reward,
-    flags: NormalizationFlags,
+    samples: int,
     resumed: Resumed | None,
     reference: Callable[[], AbstractContextManager],
     query_stream,
@@ -334,16 +337,14 @@ def normalize_from_initial_policy(
     the initial policy (`reference()` lends it) on the queries the first updates draw (a copy of `query_stream`: the
     stream itself does not move), or take a resumed run's own; print them; -> them, for the run config, args.json
     and the training state (None: 0 samples, raw scores)."""
-    if not flags.normalize_samples:
+    if not samples:
         return None
     normalization = resumed.meta.get("reward_normalization") if resumed else None
     if not normalization:
         # an --fsdp run's sharded reference gathered once for all the sampling steps
         with reference() as ref_policy, gathered(ref_policy):
             stream = copy.deepcopy(query_stream)
-            normalization = normalize_reward(
-                reward, ref_policy, stream, affixes, task, flags.normalize_samples, seed, accelerator
-            )
+            normalization = normalize_reward(reward, ref_policy, stream, affixes, task, samples, seed, accelerator)
     reward.gain, reward.bias = normalization["gain"], normalization["bias"]
     accelerator.print(describe_normalization(normalization))
     return normalization

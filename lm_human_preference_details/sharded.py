@@ -3,6 +3,7 @@ shards of the weights and optimizer moments into one directory, and a run with a
 back (DCP reshards on load); the whole weights, gathered onto process 0, for a Hugging Face directory."""
 
 import os
+from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -47,3 +48,9 @@ def full_state_dict(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     """`module`'s whole weights in host memory on process 0 (an empty dict elsewhere), under the names of the
     unsharded module's state_dict; every process must call it (each unit is gathered in turn)."""
     return get_model_state_dict(module, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
+def is_sharded_checkpoint(meta: dict[str, Any]) -> bool:
+    """Whether a checkpoint (its checkpoint.json) holds its weights as an --fsdp run's shards, which a run with any
+    number of processes reads back."""
+    return any(name.startswith(SHARDED_DIR + "/") for name in meta.get("files") or {})

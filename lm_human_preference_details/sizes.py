@@ -3,11 +3,13 @@ the error that names the flag to change (OAI derives every per-rank size with `e
 
 train_policy.py: episodes per process, minibatch and micro-batch, the virtual ranks that whiten and permute as OAI's 8
 ranks did (spec D4), and the number of updates. train_reward.py: labels per process and step, micro-batch, steps, and
-queries per process of a normalization batch.
+queries per process of a normalization batch. train_sft.py: pairs per process and step, micro-batch, steps (one epoch in
+whole batches).
 """
 
 from dataclasses import dataclass
-from typing import Protocol
+
+from lm_human_preference_details.settings import PolicyArgs, PpoFlags, RewardArgs, SftArgs
 
 OAI_RANKS = 8
 """processes of OAI's runs (launch.py runs every experiment with mpi=8): by default virtual ranks make any number of
@@ -57,24 +59,6 @@ def per_process(total: int, world: int, flag: str, fix: str) -> int:
 # ---------------------------------------------------------------- train_policy.py
 
 
-class PpoSizeFlags(Protocol):
-    """The --ppo.* flags that the policy's sizes derive from (train_policy.PpoHParams)."""
-
-    total_episodes: int
-    batch_size: int
-    nminibatches: int
-    gradient_accumulation_steps: int
-    whiten_rewards: bool
-    whiten_group_size: int | None
-
-
-class PolicySizeArgs(Protocol):
-    """What `derive_sizes` reads of train_policy.Args."""
-
-    @property
-    def ppo(self) -> PpoSizeFlags: ...
-
-
 @dataclass
 class Sizes:
     """Per-process sizes derived from the global ones (spec D1)."""
@@ -99,7 +83,7 @@ class Sizes:
     """why the default virtual ranks could not stand for OAI's 8 ranks (None: they do, or sizes were chosen)"""
 
 
-def derive_sizes(args: PolicySizeArgs, world: int) -> Sizes:
+def derive_sizes(args: PolicyArgs, world: int) -> Sizes:
     """Split the global batch over processes, minibatches and micro-batches; ValueError naming the flag of a size
     that does not divide."""
     # https://github.com/openai/lm-human-preferences/blob/cbfd210bb8b08f6bc5c26878c10984b90f516c66/lm_human_preferences/train_policy.py#L157-L159
@@ -129,7 +113,7 @@ def derive_sizes(args: PolicySizeArgs, world: int) -> Sizes:
     return Sizes(world, batch, minibatch, micro, group, virtual_ranks, whiten_group, nupdates, not_oai_ranks)
 
 
-def virtual_rank_size(ppo: PpoSizeFlags, batch: int, world: int) -> tuple[int, str | None]:
+def virtual_rank_size(ppo: PpoFlags, batch: int, world: int) -> tuple[int, str | None]:
     """Episodes per virtual rank: --ppo.whiten_group_size (0: the process's `batch`), else OAI's rank share
     batch_size / 8; -> that size and, when the sizes rule OAI's 8 ranks out, the process's batch and the reason."""
     if ppo.whiten_group_size is not None:
@@ -151,23 +135,6 @@ def virtual_rank_size(ppo: PpoSizeFlags, batch: int, world: int) -> tuple[int, s
 # ---------------------------------------------------------------- train_reward.py
 
 
-class LabelSizeFlags(Protocol):
-    """The --labels.* flag that the reward training's sizes read (train_reward.LabelHParams)."""
-
-    num_train: int
-
-
-class RewardSizeArgs(Protocol):
-    """What `derive_reward_sizes` reads of train_reward.Args."""
-
-    batch_size: int
-    gradient_accumulation_steps: int
-    rollout_batch_size: int
-
-    @property
-    def labels(self) -> LabelSizeFlags: ...
-
-
 @dataclass
 class RewardSizes:
     """train_reward.py's per-process sizes (spec D1, D7)."""
@@ -184,7 +151,7 @@ class RewardSizes:
     """queries per process and normalization batch"""
 
 
-def derive_reward_sizes(args: RewardSizeArgs, world: int) -> RewardSizes:
+def derive_reward_sizes(args: RewardArgs, world: int) -> RewardSizes:
     """Split the label batch and the normalization's rollout batch over processes and micro-batches, the labels into
     whole steps; ValueError naming the flag of a size that does not divide."""
     # https://github.com/openai/lm-human-preferences/blob/cbfd210bb8b08f6bc5c26878c10984b90f516c66/lm_human_preferences/train_reward.py#L56-L58
@@ -199,3 +166,36 @@ def derive_reward_sizes(args: RewardSizeArgs, world: int) -> RewardSizes:
     steps = split(num_train, args.batch_size, "--batch_size", "--labels.num_train", fix)
     rollout_batch = per_process(args.rollout_batch_size, world, "--rollout_batch_size", f"pass a multiple of {world}")
     return RewardSizes(world, batch, micro, steps, rollout_batch)
+
+
+# ---------------------------------------------------------------- train_sft.py
+
+
+@dataclass
+class SftSizes:
+    """train_sft.py's per-process sizes."""
+
+    world: int
+    """processes"""
+    batch: int
+    """pairs per process and optimizer step"""
+    micro: int
+    """pairs per backward pass"""
+    steps: int
+    """optimizer steps: one epoch in whole batches"""
+    left_over: int
+    """pairs of the last, partial batch, not trained on"""
+
+
+def derive_sft_sizes(args: SftArgs, world: int, rows: int) -> SftSizes:
+    """Split the batch over processes and micro-batches and the rows into whole batches (SFD: total // batch, nplus
+    N8); ValueError naming the flag of a size that does not divide."""
+    batch = per_process(args.batch_size, world, "--batch_size", f"pass a multiple of {world}")
+    where = f"the pairs per process and step (--batch_size {args.batch_size} over {world} processes)"
+    micro = split(batch, args.gradient_accumulation_steps, "--gradient_accumulation_steps", where)
+    if rows < args.batch_size:
+        raise ValueError(
+            f"--batch_size {args.batch_size} is more than the {rows} usable pairs of --dataset; pass at most {rows} "
+            f"(e.g. one of {divisors(rows)})."
+        )
+    return SftSizes(world, batch, micro, rows // args.batch_size, rows % args.batch_size)

@@ -115,6 +115,17 @@ NPLUS_TASKS: dict[str, TaskHParams] = {
     ),
 }
 
+TASK_GOALS: dict[str, str] = {
+    "sentiment": "positive sentiment",
+    "descriptiveness": "physical descriptiveness",
+    "tldr": "summary quality",
+    "cnndm": "summary quality",
+    "nplus_tldr": "summary quality",
+}
+"""what the judges of each --task measure: continuations of positive sentiment or of physically descriptive language,
+summaries of Reddit posts or news articles (Ziegler et al. 2019, arXiv:1909.08593, sections 3.1 and 3.2); a judge that
+measures another thing (VADER: sentiment) says nothing about how well a run does its task"""
+
 
 FLOAT32_EXP_UNDERFLOW = -math.log(torch.finfo(torch.float32).tiny)
 """87.34: exp(-x) of a larger x is below float32's smallest normal number, so a softmax term that far below the top

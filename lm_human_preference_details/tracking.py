@@ -1,6 +1,5 @@
 """A run's record: its name, its settings (args.json), and its logs (TensorBoard, Weights & Biases)."""
 
-import dataclasses
 import os
 import time
 from collections.abc import Sequence
@@ -12,6 +11,7 @@ from accelerate.utils import broadcast_object_list
 from torch.utils.tensorboard import SummaryWriter
 
 from lm_human_preference_details.files import write_json_atomic
+from lm_human_preference_details.settings import recorded
 
 
 def run_name(accelerator: Accelerator, *parts: Any) -> str:
@@ -21,8 +21,9 @@ def run_name(accelerator: Accelerator, *parts: Any) -> str:
 
 
 def save_args(args: Any, output_dir: str) -> None:
-    """The run's settings (a dataclass) as `output_dir/args.json`."""
-    write_json_atomic(os.path.join(output_dir, "args.json"), dataclasses.asdict(args))
+    """The run's settings (a dataclass) as `output_dir/args.json`, its run group's at the top level as their flags
+    are named (`settings.recorded`)."""
+    write_json_atomic(os.path.join(output_dir, "args.json"), recorded(args))
 
 
 def _markdown_table(columns: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:

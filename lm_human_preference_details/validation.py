@@ -6,26 +6,43 @@ in `main`; the training loops count non-finite entries on the device into the st
 per step, and `check_finite_stats` names the tensor that went bad.
 """
 
+import dataclasses
 import errno
 import json
 import math
 import os
 import tempfile
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
 from torch.distributed.tensor import DTensor
+from transformers import AutoConfig, PreTrainedTokenizerBase
 
-from lm_human_preference_details import checkpoint
+from lm_human_preference_details import files, lora
 from lm_human_preference_details.files import OutputError
+from lm_human_preference_details.hub import check_available
 from lm_human_preference_details.labelers import check_labeler_source
-from lm_human_preference_details.modeling import REWARD_CONFIG_FILE, check_model_dir
+from lm_human_preference_details.modeling import (
+    CRITIC_CONFIG_FILE,
+    CRITIC_TRUNK_DIR,
+    REWARD_CONFIG_FILE,
+    REWARD_TRUNK_DIR,
+    check_model_dir,
+)
 from lm_human_preference_details.optim import check_weight_decay
 from lm_human_preference_details.prompts import query_dataset_path
-from lm_human_preference_details.rewards import check_reward_source, reward_input_path
+from lm_human_preference_details.rewards import (
+    check_reward_source,
+    is_programmatic,
+    reward_input_path,
+    reward_model_dir,
+)
+from lm_human_preference_details.settings import PolicyArgs, RewardArgs, RunSettings
 from lm_human_preference_details.sizes import divisors
-from lm_human_preference_details.tasks import TaskHParams, check_task
+from lm_human_preference_details.tasks import TaskHParams, check_task, encode_context_affixes
+from lm_human_preference_details.tokenizer import added_bos_id
 
 NONFINITE_ORDER = ("logprobs", "values", "scores", "rewards", "advantages", "loss", "gradients", "weights")
 """Order in which a training step computes the tensors whose non-finite entries are counted (the first is the cause)."""
@@ -140,10 +157,10 @@ def check_writable_dir(directory: str, flag: str) -> None:
 
 def save_atomically(output_dir: str, write: Callable[[str], Any], flag: str = "--output_dir") -> None:
     """Run `write(tmp)` into a fresh directory beside the outputs, then move its files into `output_dir`
-    (`checkpoint.atomic_files`): a failure (e.g. disk full) leaves `output_dir` as it was, with no partial file, and
+    (`files.atomic_files`): a failure (e.g. disk full) leaves `output_dir` as it was, with no partial file, and
     raises OutputError naming `flag`."""
     try:
-        with checkpoint.atomic_files(output_dir) as tmp:
+        with files.atomic_files(output_dir) as tmp:
             write(tmp)
     except OSError as e:
         full = e.errno == errno.ENOSPC
@@ -182,104 +199,7 @@ def check_not_reward_model(base_model: str) -> None:
         )
 
 
-# ---------------------------------------------------------------- what the checks read of the scripts' Args
-
-
-class PpoFlags(Protocol):
-    """The --ppo.* flags `check_policy_args` reads (train_policy.PpoHParams)."""
-
-    total_episodes: int
-    batch_size: int
-    nminibatches: int
-    noptepochs: int
-    gradient_accumulation_steps: int
-    whiten_group_size: int | None
-    lr: float
-    cliprange: float
-    cliprange_value: float
-    vf_coef: float
-    gamma: float
-    lam: float
-
-
-class AdaptiveKLFlags(Protocol):
-    """--rewards.adaptive_kl.*"""
-
-    enabled: bool
-    target: float
-    horizon: int
-
-
-class PolicyRewardFlags(Protocol):
-    """The --rewards.* flags `check_policy_args` reads (train_policy.RewardHParams)."""
-
-    trained_model: str
-    normalize_samples: int
-    kl_coef: float
-    gold_model: str | None
-
-    @property
-    def adaptive_kl(self) -> AdaptiveKLFlags: ...
-
-
-class PolicyFlags(Protocol):
-    """What `check_policy_args` reads of train_policy.Args."""
-
-    base_model: str
-    output_dir: str
-    log_interval: int
-    divergence_updates: int
-    divergence_kl: float | None
-    save_interval: int
-    print_samples: int
-    rollout_micro_batch_size: int | None
-    use_tensorflow_adam: bool
-    weight_decay: float
-
-    @property
-    def task(self) -> TaskHParams: ...
-
-    @property
-    def ppo(self) -> PpoFlags: ...
-
-    @property
-    def rewards(self) -> PolicyRewardFlags: ...
-
-
-class LabelFlags(Protocol):
-    """--labels.num_train"""
-
-    num_train: int
-
-
-class RewardFlags(Protocol):
-    """What `check_reward_args` reads of train_reward.Args."""
-
-    base_model: str
-    label_dataset: str
-    output_dir: str
-    batch_size: int
-    gradient_accumulation_steps: int
-    lr: float
-    rollout_batch_size: int
-    normalize_samples: int
-    debug_normalize: int
-    eval_interval: int
-    use_tensorflow_adam: bool
-    weight_decay: float
-
-    @property
-    def task(self) -> TaskHParams: ...
-
-    @property
-    def labels(self) -> LabelFlags: ...
-
-
-class DryRunFlags(Protocol):
-    """--dry_run and --dry_run_processes, of either training script."""
-
-    dry_run: bool
-    dry_run_processes: int | None
+# ---------------------------------------------------------------- what the checks read of label_generation.py
 
 
 class GenerateFlags(Protocol):
@@ -302,7 +222,7 @@ class ConvertFlags(Protocol):
     output: str
 
 
-def check_policy_args(args: PolicyFlags) -> None:
+def check_policy_args(args: PolicyArgs) -> None:
     """Every train_policy.py flag whose value makes the run fail late or mean nothing, and its output directory."""
     ppo, rewards = args.ppo, args.rewards
     check_task(args.task)
@@ -334,25 +254,25 @@ def check_policy_args(args: PolicyFlags) -> None:
         check_at_least(rewards.adaptive_kl.horizon, 1, "--rewards.adaptive_kl.horizon", "OAI uses 10000")
     check_reward_source(rewards.trained_model, rewards.normalize_samples)
     check_labeler_source(rewards.gold_model, "--rewards.gold_model")
-    check_at_least(args.log_interval, 1, "--log_interval", "e.g. 10")
-    check_at_least(args.divergence_updates, 0, "--divergence_updates", "0 never reports divergence")
-    if args.divergence_kl is not None:
-        check_positive(args.divergence_kl, "--divergence_kl", "e.g. 60 (nats), or None for 10 x the KL target")
-    check_at_least(args.save_interval, 0, "--save_interval", "0 saves only at the end")
-    check_at_least(args.print_samples, 0, "--print_samples")
-    if args.rollout_micro_batch_size is not None:
+    check_at_least(args.run.log_interval, 1, "--log_interval", "e.g. 10")
+    check_at_least(args.run.divergence_updates, 0, "--divergence_updates", "0 never reports divergence")
+    if args.run.divergence_kl is not None:
+        check_positive(args.run.divergence_kl, "--divergence_kl", "e.g. 60 (nats), or None for 10 x the KL target")
+    check_at_least(args.run.save_interval, 0, "--save_interval", "0 saves only at the end")
+    check_at_least(args.run.print_samples, 0, "--print_samples")
+    if args.run.rollout_micro_batch_size is not None:
         fix = "omit it to decode the whole batch at once"
-        check_at_least(args.rollout_micro_batch_size, 1, "--rollout_micro_batch_size", fix)
+        check_at_least(args.run.rollout_micro_batch_size, 1, "--rollout_micro_batch_size", fix)
     inputs = {
         "--base_model": args.base_model,
         "--rewards.trained_model": reward_input_path(rewards.trained_model),
         "--rewards.gold_model": labeler_path(rewards.gold_model),
         "--task.query_dataset": query_dataset_path(args.task.query_dataset),
     }
-    check_output_dir(args.output_dir, inputs)
+    check_output_dir(args.run.output_dir, inputs)
 
 
-def check_reward_args(args: RewardFlags) -> None:
+def check_reward_args(args: RewardArgs) -> None:
     """Every train_reward.py flag whose value makes the run fail late or mean nothing, and its output directory."""
     check_task(args.task, response_filter=False)
     check_model_dir(args.base_model, "--base_model", tokenizer=True)
@@ -377,17 +297,17 @@ def check_reward_args(args: RewardFlags) -> None:
         "--label_dataset": args.label_dataset,
         "--task.query_dataset": query_dataset_path(args.task.query_dataset),
     }
-    check_output_dir(args.output_dir, inputs)
+    check_output_dir(args.run.output_dir, inputs)
 
 
-def dry_run_world(args: DryRunFlags, world: int) -> int:
+def dry_run_world(run: RunSettings, world: int) -> int:
     """The process count to derive sizes for: --dry_run_processes (which needs --dry_run), else this launch's."""
-    if args.dry_run_processes is None:
+    if run.dry_run_processes is None:
         return world
-    check_at_least(args.dry_run_processes, 1, "--dry_run_processes", "e.g. 8 for 8 GPUs")
-    if not args.dry_run:
+    check_at_least(run.dry_run_processes, 1, "--dry_run_processes", "e.g. 8 for 8 GPUs")
+    if not run.dry_run:
         raise ValueError("--dry_run_processes only sizes a dry run; add --dry_run (or drop --dry_run_processes).")
-    return args.dry_run_processes
+    return run.dry_run_processes
 
 
 def check_generate_args(args: GenerateFlags) -> None:
@@ -407,6 +327,211 @@ def check_convert_args(args: ConvertFlags) -> None:
     """label_generation.py convert: an --output that overwrites no input."""
     inputs = {"--input": args.input, "--base_model": args.base_model, "--source_tokenizer": args.source_tokenizer}
     check_output_file(args.output, inputs)
+
+
+# ---------------------------------------------------------------- context lengths
+
+CONTEXT_FIELDS = ("n_positions", "max_position_embeddings")
+"""config.json fields that give a model's context, the most positions it reads (GPT-2; GPT-NeoX, Llama, Qwen2)"""
+
+
+@dataclass(frozen=True)
+class ContextReader:
+    """A model that reads the task's tokens: which of them, and where its config is.
+
+    `reads`: "context", the policy's prefix ⊕ query ⊕ suffix ⊕ response but its last token (sampling feeds every
+    sampled token but the last, and the training forward reads the same: spec G4, P7); "critic", the same with the
+    critic's own BOS in front (nplus N16); "episode", the raw query ⊕ response with the scorer's own BOS in front (a
+    reward model of train_reward.py, spec G4, R1).
+    """
+
+    who: str
+    """the model as a message names it, e.g. "the policy" """
+    flag: str
+    """the flag that names the model"""
+    source: str
+    """the flag and its value as a message names them, e.g. "--base_model 'gpt2'" """
+    config_dir: str
+    """the directory (or hub id) of the config.json that gives its context"""
+    reads: str
+    bos: bool = False
+    """a BOS of the reader's own in front ("critic", "episode")"""
+
+
+def model_context(name_or_dir: str, flag: str) -> tuple[int, str] | None:
+    """The most positions a model reads and the config field that says so (e.g. 1024, "n_positions"), from its
+    config.json (a peft adapter directory: its base model's; a hub id: cached or fetched); None when the config is
+    unreadable here or sets neither field (the loader names an unreadable one)."""
+    path = os.path.expanduser(name_or_dir)
+    if lora.is_adapter_dir(path):
+        return model_context(lora.adapter_base_model(path, flag), flag)
+    if os.path.isdir(path):
+        try:
+            with open(os.path.join(path, "config.json"), encoding="utf-8") as f:
+                config = json.load(f)
+        except (OSError, ValueError):
+            return None
+    elif os.path.exists(path):
+        return None
+    else:
+        check_available(name_or_dir, flag)
+        config = AutoConfig.from_pretrained(name_or_dir).to_dict()
+    if not isinstance(config, dict):
+        return None
+    for key in CONTEXT_FIELDS:
+        value = config.get(key)
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return value, key
+    return None
+
+
+def policy_reader(flag: str, name: str, who: str = "the policy") -> ContextReader:
+    """A causal LM that samples or scores the policy's tokens (the policy, its reference, a base model)."""
+    return ContextReader(who, flag, f"{flag} '{name}'", name, "context")
+
+
+def reward_model_reader(flag: str, spec: str | None, who: str) -> ContextReader | None:
+    """A reward model of train_reward.py that `spec` names (DIR, reward_model:DIR) on the raw query ⊕ response, its
+    BOS from reward_model.json; None for any other scorer (vader, python:, and classifier: and sequence_classifier:,
+    which cut text too long for them: labelers.py) or a directory without reward_model.json (its loader names it)."""
+    if not spec or is_programmatic(spec) or spec == "human":
+        return None
+    directory = os.path.expanduser(spec.removeprefix("reward_model:"))
+    metadata = _json_file(os.path.join(directory, REWARD_CONFIG_FILE))
+    if metadata is None:
+        return None
+    # a classifier checkpoint has its config at the top, a trunk checkpoint in trunk/ (modeling.RewardModel.save)
+    classifier = os.path.isfile(os.path.join(directory, "config.json"))
+    trunk = directory if classifier else os.path.join(directory, REWARD_TRUNK_DIR)
+    return ContextReader(who, flag, f"{flag} '{spec}'", trunk, "episode", metadata.get("bos_token_id") is not None)
+
+
+def labeler_reader(flag: str, spec: str | None, who: str) -> ContextReader | None:
+    """The labeler or judge that `spec` names when it is a reward model (reward_model:DIR); None otherwise."""
+    return reward_model_reader(flag, spec, who) if spec and spec.startswith("reward_model:") else None
+
+
+def critic_reader(value_model: str | None, trained_model: str) -> ContextReader | None:
+    """The separate critic that --ppo.value_model names, on the policy's tokens with its own BOS: a reward model's
+    trunk or a saved critic's (OUTPUT_DIR/critic); None without one, or for `policy` (a copy of the policy's trunk,
+    whose context the policy's check covers)."""
+    if value_model is None or value_model == "policy":
+        return None
+    directory = reward_model_dir(trained_model) if value_model == "reward" else value_model
+    if directory is None:
+        return None
+    directory = os.path.expanduser(directory)
+    source = (
+        f"--ppo.value_model '{directory}'" if value_model != "reward" else f"--ppo.value_model reward: '{directory}'"
+    )
+    critic = _json_file(os.path.join(directory, CRITIC_CONFIG_FILE))
+    if critic is not None:
+        trunk, bos = os.path.join(directory, CRITIC_TRUNK_DIR), critic.get("bos_token_id") is not None
+        return ContextReader("the critic", "--ppo.value_model", source, trunk, "critic", bos)
+    reward = reward_model_reader("--ppo.value_model", directory, "the critic")
+    return dataclasses.replace(reward, source=source, reads="critic") if reward is not None else None
+
+
+def _json_file(path: str) -> dict | None:
+    """A JSON object file's content; None when it is missing or not a JSON object."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            content = json.load(f)
+    except (OSError, ValueError):
+        return None
+    return content if isinstance(content, dict) else None
+
+
+def check_context_lengths(
+    readers: Iterable[ContextReader | None], task: TaskHParams, tokenizer: PreTrainedTokenizerBase
+) -> None:
+    """ValueError in one line for the first of `readers` (None: skipped) whose tokens exceed its context: the
+    sum, each term named by its flag, the model and its config field, and the flags to change."""
+    # a GPT-2 reads positions 0..n_positions-1 (a learned embedding each: one more is an IndexError); RoPE models
+    # (GPT-NeoX, Llama, Qwen2) compute any position but were trained on max_position_embeddings of them
+    bos = added_bos_id(tokenizer)
+    prefix, suffix = encode_context_affixes(tokenizer, task)
+    terms = [(f"--task.query_length {task.query_length}", task.query_length)]
+    terms.append((f"--task.response_length {task.response_length}", task.response_length))
+    prefix_tokens = len(prefix) - (bos is not None)  # the context's prefix starts with the tokenizer's BOS
+    affixes = [("1 BOS of the tokenizer", 1)] if bos is not None else []
+    if prefix_tokens:
+        affixes.append((f"{prefix_tokens} tokens of --task.query_prefix", prefix_tokens))
+    if suffix:
+        affixes.append((f"{len(suffix)} tokens of --task.query_suffix", len(suffix)))
+    for reader in readers:
+        if reader is None or (context := model_context(reader.config_dir, reader.flag)) is None:
+            continue
+        limit, field = context
+        parts = list(terms)
+        if reader.reads in ("context", "critic"):
+            parts += affixes + [("the last response token, which no forward reads", -1)]
+        if reader.bos and reader.reads != "context":
+            parts.append((f"1 BOS of {reader.who}", 1))
+        total = sum(count for _, count in parts)
+        if total <= limit:
+            continue
+        expression = parts[0][0] + "".join(f" + {text}" if count > 0 else f" - 1 ({text})" for text, count in parts[1:])
+        shortened = reader.reads != "episode" and (prefix_tokens or suffix)
+        shorten = " (or shorten --task.query_prefix / --task.query_suffix)" if shortened else ""
+        excess = f"{total - limit} token{'s' if total - limit > 1 else ''}"
+        raise ValueError(
+            f"{expression} = {total} tokens exceed the context of {reader.who} ({reader.source}: {field} {limit}); "
+            f"lower --task.query_length or --task.response_length{shorten} by {excess} in all, or pass {reader.flag} a "
+            "model with a longer context."
+        )
+
+
+def check_policy_context(args: PolicyArgs, tokenizer: PreTrainedTokenizerBase) -> None:
+    """train_policy.py: the policy (its reference policy is a copy), a separate critic, the reward model and a gold
+    reward model, each against its own context."""
+    rewards = args.rewards
+    readers = [
+        policy_reader("--base_model", args.base_model),
+        reward_model_reader("--rewards.trained_model", rewards.trained_model, "the reward model"),
+        critic_reader(args.ppo.value_model, rewards.trained_model),
+        labeler_reader("--rewards.gold_model", rewards.gold_model, "the gold judge"),
+    ]
+    check_context_lengths(readers, args.task, tokenizer)
+
+
+def check_reward_context(args: RewardArgs, tokenizer: PreTrainedTokenizerBase) -> None:
+    """train_reward.py: the reward model on each label row's query ⊕ sample (with the BOS its tokenizer adds), and the
+    policy that samples for the normalization (when it normalizes)."""
+    bos = added_bos_id(tokenizer) is not None
+    source = f"--base_model '{args.base_model}'"
+    reward = ContextReader("the reward model", "--base_model", source, args.base_model, "episode", bos)
+    normalizes = args.normalize_samples > 0 and (args.normalize_before or args.normalize_after)
+    who = "the policy that samples for --normalize_samples"
+    policy = policy_reader("--base_model", args.base_model, who) if normalizes else None
+    check_context_lengths([reward, policy], args.task, tokenizer)
+
+
+def check_sampling_context(
+    task: TaskHParams, tokenizer: PreTrainedTokenizerBase, base_model: str, labeler: str | None = None
+) -> None:
+    """label_generation.py: the base model that samples, and a reward-model labeler (`labeler`, --labeler)."""
+    readers = [
+        policy_reader("--base_model", base_model, "the base model"),
+        labeler_reader("--labeler", labeler, "the labeler"),
+    ]
+    check_context_lengths(readers, task, tokenizer)
+
+
+def check_evaluate_context(
+    task: TaskHParams,
+    tokenizer: PreTrainedTokenizerBase,
+    base_model: str,
+    policies: Iterable[tuple[str, str]],
+    reward_model: str,
+    gold: str | None,
+) -> None:
+    """evaluate.py: the base model, every policy (flag, directory), the reward model and a reward-model gold judge."""
+    readers = [policy_reader("--base_model", base_model, "the base model")]
+    readers += [policy_reader(flag, directory) for flag, directory in policies]
+    readers.append(reward_model_reader("--reward_model", reward_model, "the reward model"))
+    readers.append(labeler_reader("--gold", gold, "the gold judge"))
+    check_context_lengths(readers, task, tokenizer)
 
 
 # ---------------------------------------------------------------- non-finite values

@@ -1,6 +1,7 @@
 """Small offline worlds for end-to-end tests: a query corpus and label files with a planted preference."""
 
 import dataclasses
+import hashlib
 import json
 import os
 import random
@@ -10,7 +11,7 @@ import sys
 from collections.abc import Mapping
 from pathlib import Path
 
-from lm_human_preference_details import checkpoint
+from lm_human_preference_details import checkpoint, output_claim
 from lm_human_preference_details.labels import OAI_PAD_TOKEN
 from lm_human_preference_details.tasks import TASKS, TaskHParams
 
@@ -59,8 +60,10 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_script(script: str, *flags: str, timeout: int = 600, cwd: Path = REPO) -> subprocess.CompletedProcess:
-    """Run one of the project's scripts as a user would; raise with its output when it fails."""
+def run_script(
+    script: str, *flags: str, timeout: int = 600, cwd: Path = REPO, check: bool = True
+) -> subprocess.CompletedProcess:
+    """Run one of the project's scripts as a user would; raise with its output when it fails (`check`)."""
     result = subprocess.run(
         [sys.executable, str(REPO / script), *flags],
         cwd=cwd,
@@ -69,7 +72,7 @@ def run_script(script: str, *flags: str, timeout: int = 600, cwd: Path = REPO) -
         text=True,
         timeout=timeout,
     )
-    if result.returncode != 0:
+    if check and result.returncode != 0:
         raise AssertionError(
             f"{script} failed ({result.returncode}):\n{result.stdout[-3000:]}\n{result.stderr[-5000:]}"
         )
@@ -79,7 +82,7 @@ def run_script(script: str, *flags: str, timeout: int = 600, cwd: Path = REPO) -
 def lock_record(output_dir) -> dict | None:
     """What the lock file of `output_dir` says about its holder (None while it says nothing)."""
     try:
-        return json.loads(open(os.path.join(output_dir, checkpoint.LOCK_FILE)).read())
+        return json.loads(open(os.path.join(output_dir, output_claim.LOCK_FILE)).read())
     except (OSError, ValueError):
         return None
 
@@ -137,3 +140,13 @@ def write_policy_planted_labels(
     ]
     path.write_text(json.dumps(rows))
     return path
+
+
+def file_digests(directory: Path) -> dict[str, str]:
+    """Every file below `directory` (relative path -> SHA-256 of its bytes): what a run left, to compare byte for
+    byte."""
+    return {
+        str(path.relative_to(directory)): hashlib.sha256(path.read_bytes()).hexdigest()
+        for path in sorted(Path(directory).rglob("*"))
+        if path.is_file()
+    }

@@ -113,10 +113,11 @@ for accum in (1, 2):
     tp.ppo_update(trained, optimizer, rollout, indices, sizes, args.ppo, 0.7, 50257)
     runs.append(("train_policy", accum, first, len(records)))
     # train_reward.py: 2 steps of 2 labels per process
-    args = tr.Args(base_model=model_dir, label_dataset=labels, output_dir=f"{{out}}/rm{{accum}}",
+    args = tr.Args(base_model=model_dir, label_dataset=labels,
                    task=books_task(query_dataset=corpus, query_length=8, response_length=4),
                    labels=tr.LabelHParams(num_train=8), batch_size=4, gradient_accumulation_steps=accum, lr=1e-3,
                    rollout_batch_size=2, normalize_samples=0)
+    args.run.output_dir = f"{{out}}/rm{{accum}}"
     first = len(records)
     tr.main(args)
     runs.append(("train_reward", accum, first, len(records)))

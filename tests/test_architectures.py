@@ -23,6 +23,7 @@ from lm_human_preference_details.modeling import (
     sample,
     score_label_rows,
 )
+from lm_human_preference_details.settings import with_run
 from lm_human_preference_details.tasks import (
     TASKS,
     encode_context_affixes,
@@ -208,14 +209,13 @@ def test_train_reward_on_llama_records_its_bos_and_truncation_id(family_dirs, tm
     args = train_reward.Args(
         base_model=base,
         label_dataset=str(labels),
-        output_dir=str(tmp_path / "reward"),
         task=task,
         labels=train_reward.LabelHParams(num_train=8),
         batch_size=4,
         rollout_batch_size=4,
         normalize_samples=4,
     )
-    train_reward.main(args)
+    train_reward.main(with_run(args, output_dir=str(tmp_path / "reward")))
     metadata = json.loads((tmp_path / "reward" / "reward_model.json").read_text())
     assert metadata["bos_token_id"] == added_bos_id(tokenizer) == 0
     assert (metadata["task"]["truncate_text"], metadata["task"]["truncate_token"]) == (".", 15)

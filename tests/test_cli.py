@@ -1,7 +1,9 @@
 """The scripts' shared command line and console: presets, --dry_run, one-line errors, --debug, tables, numbers."""
 
+import importlib
 import io
 import os
+import re
 import subprocess
 import sys
 
@@ -66,8 +68,8 @@ def test_piped_console_is_wide():
 
 
 def test_every_script_uses_the_same_task_presets():
-    for presets in (train_policy.oai_presets(), train_reward.oai_presets()):
-        assert list(presets) == ["sentiment", "descriptiveness", "tldr", "cnndm"]
+    for presets in (train_policy.task_presets(), train_reward.task_presets()):
+        assert list(presets) == ["sentiment", "descriptiveness", "tldr", "cnndm", "nplus_tldr"]
         assert all(args.task_id == name for name, args in presets.items())
     # the successor recipe's preset: the same task in both training scripts, so its reward model fits its policy
     policy, reward = train_policy.parse(["--task", "nplus_tldr"]), train_reward.parse(["--task", "nplus_tldr"])
@@ -112,7 +114,7 @@ def test_help_keeps_the_usage_lines_and_lists_task_among_the_options(module, cap
         assert any(line.startswith("python train_policy.py --task sentiment --ppo.gradient") for line in lines)
     options = lines[next(i for i, line in enumerate(lines) if line.startswith("-h, --help")) :]
     flags = [line.split()[0] for line in options if line.startswith("--")]
-    assert flags[:3] == ["--task", "--debug", "--exp_name"], flags[:3]
+    assert flags[:3] == ["--task", "--debug", "--seed"], flags[:3]
     tasks = "--task {sentiment,descriptiveness,tldr,cnndm,nplus_tldr}"  # OAI's experiments, then the successor recipe's
     assert tasks in options and "(default: sentiment)" in " ".join(options)
 
@@ -256,3 +258,29 @@ def test_a_run_that_ends_well_leaves_the_process_group_and_one_that_fails_does_n
     with pytest.raises(SystemExit):  # the others may be gone: leaving the group could wait for them
         cli.run(failing, lambda argv: argv, [])
     assert left == [True] and at_exit == []
+
+
+HELP_FLAGS = REPO / "tests" / "help_flags"
+"""each training script's flags as its --help listed them before the run group (settings.py) moved its engineering
+flags into one nested group: a user's command lines must keep working"""
+
+
+def listed_flags(help_text: str) -> set[str]:
+    """The option names of a tyro --help text: the `--flag` (and `--no_flag`) that starts a cell of its boxes."""
+    flags = set()
+    for line in help_text.splitlines():
+        for cell in (cell.strip() for cell in line.split("│")):
+            if cell.startswith("--"):
+                names = [part.split(" ")[0] for part in re.split(r"\s{2,}", cell)[0].split(", ")]
+                flags |= {name for name in names if re.fullmatch(r"--[a-z0-9_.]+", name)}
+    return flags
+
+
+@pytest.mark.parametrize("script", ["train_policy", "train_reward", "train_sft"])
+def test_help_lists_every_flag_it_listed_before_the_run_group(script, monkeypatch, capsys):
+    monkeypatch.setenv("COLUMNS", "100")  # one box per row: a wider terminal puts boxes side by side and cuts cells
+    module = importlib.import_module(script)
+    with pytest.raises(SystemExit):
+        module.parse(["--help"])
+    before = set((HELP_FLAGS / f"{script}.txt").read_text(encoding="utf-8").split())
+    assert listed_flags(capsys.readouterr().out) == before

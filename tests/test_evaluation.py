@@ -5,6 +5,7 @@ import dataclasses
 import json
 import math
 import os
+import shutil
 
 import numpy as np
 import pytest
@@ -30,6 +31,7 @@ from lm_human_preference_details.evaluation import (
 from lm_human_preference_details.labelers import Labeler
 from lm_human_preference_details.modeling import PolicyWithValueHead, RewardModel, load_causal_lm
 from lm_human_preference_details.rewards import RewardModelReward
+from lm_human_preference_details.settings import with_run
 from lm_human_preference_details.tasks import TaskHParams
 from lm_human_preference_details.tokenizer import load_tokenizer, tokenizer_fingerprint
 from tests.conftest import small_vocab_gpt2, tiny_gpt2
@@ -261,10 +263,34 @@ def test_heldout_queries_continue_the_training_stream(tmp_path, tokenizer):
     settings = TaskHParams(query_length=16, query_dataset="q.txt", response_length=4, start_text=None)
     stream = QueryStream(texts, tokenizer, settings, 0, 1, data_seed=3)
     expected = stream.next_batch(30)[25:]
-    queries, wrapped, _ = heldout_queries(texts, tokenizer, settings, data_seed=3, skip=25, n=5)
-    assert torch.equal(queries, expected) and not wrapped
-    _, wrapped, _ = heldout_queries(texts, tokenizer, settings, data_seed=3, skip=25, n=20)
-    assert wrapped  # 45 queries of 40 texts
+    queries, wrapped, _, distinct = heldout_queries(texts, tokenizer, settings, data_seed=3, skip=25, n=5)
+    assert torch.equal(queries, expected) and not wrapped and distinct == 5
+    _, wrapped, _, distinct = heldout_queries(texts, tokenizer, settings, data_seed=3, skip=25, n=20)
+    assert wrapped and distinct == 20  # 45 queries of 40 texts: the 20 past query 25 are still 20 texts
+    _, _, _, distinct = heldout_queries(texts, tokenizer, settings, data_seed=3, skip=25, n=50)
+    assert distinct == 40  # 50 queries of 40 texts repeat 10 of them
+
+
+@pytest.mark.slow
+def test_more_queries_than_the_query_file_has_texts_is_refused_before_the_evaluation(tiny_run, tmp_path):
+    # 64 queries of 10 texts: each text sampled 6-7 times, reported as "64 queries" with standard errors over n = 64
+    _, policy, _, _ = tiny_run
+    ten = write_query_file(tmp_path / "ten.txt", n=10)
+    out = tmp_path / "eval"
+    flags = ["--policy", policy, "--task.query_dataset", str(ten), "--batch_size", "8", "--output_dir", str(out)]
+    result = run_script("evaluate.py", *flags, "--num_queries", "64", check=False)
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
+    assert result.stderr.splitlines()[0] == (
+        f"error: --num_queries 64 is more queries than --task.query_dataset '{ten}' (train) has: it holds 10 texts, "
+        "so the stream would repeat each about 6.4 times and the report would count every repeat as another query "
+        "(its standard errors too small); pass --num_queries 10 or fewer, or a query dataset with more texts."
+    )
+    assert not out.exists()  # refused before anything was sampled or written
+    # the fix it names: every text once
+    run_script("evaluate.py", *flags, "--num_queries", "10")
+    report = json.loads((out / "results.json").read_text())
+    assert report["queries"]["num"] == 10 and report["queries"]["held_out"] is True
+    assert "10 queries of" in (out / "results.md").read_text()
 
 
 def test_query_offset_skips_what_the_run_consumed():
@@ -301,7 +327,7 @@ def save_tiny_run(
         model.transformer.ln_f.bias.mul_(SHARPNESS)
     PolicyWithValueHead(model).save(str(path))
     tokenizer.save_pretrained(str(path))
-    args = PolicyArgs(base_model=model_dir, output_dir=str(run_dir or path), data_seed=0)
+    args = with_run(PolicyArgs(base_model=model_dir, data_seed=0), output_dir=str(run_dir or path))
     args.task = dataclasses.replace(
         args.task, query_dataset=query_file, query_length=16, response_length=8, truncate_after=2
     )
@@ -378,6 +404,7 @@ def test_evaluate_command_writes_results_and_the_gold_vs_kl_plot(tiny_run, tiny_
         "held_out": True,
     }
     assert report["gold"] == "vader" and report["base_model"] == tiny_model_dir and len(report["examples"]) == 8
+    assert report["task_id"] == "sentiment" and report["warnings"] == []  # vader judges sentiment
     # the base model's point, the run's checkpoints in natural order (one line: their args.json names the run
     # kl_run), then the policy
     curve = report["curve"]
@@ -389,6 +416,28 @@ def test_evaluate_command_writes_results_and_the_gold_vs_kl_plot(tiny_run, tiny_
     text = (out / "results.md").read_text()
     assert "win rate (trained > base)" in text and "## Gold score vs KL" in text
     assert "reward-model score" in result.stdout and "gold score vs KL" in result.stdout
+
+
+@pytest.mark.slow
+def test_a_gold_judge_of_another_thing_than_the_policys_task_is_said_and_reported(tiny_run, tmp_path):
+    # vader scored a descriptiveness policy without a word that VADER measures sentiment
+    _, policy, _, _ = tiny_run
+    descriptive = tmp_path / "policy"
+    shutil.copytree(policy, descriptive)
+    run = json.loads((descriptive / "args.json").read_text())
+    (descriptive / "args.json").write_text(json.dumps({**run, "task_id": "descriptiveness"}))
+    out = tmp_path / "eval"
+    flags = ["--policy", str(descriptive), "--num_queries", "4", "--batch_size", "4", "--output_dir", str(out)]
+    result = run_script("evaluate.py", *flags)  # --gold vader: the run's gold judge, from its args.json
+    warning = (
+        "--gold vader measures positive sentiment, but --task descriptiveness is about physical descriptiveness, so "
+        "its scores do not judge this task; pass a --gold of physical descriptiveness, such as reward_model:DIR of a "
+        "train_reward.py --task descriptiveness run."
+    )
+    assert result.stdout.splitlines().count(f"warning: {warning}") == 2  # at the start and under the results
+    report = json.loads((out / "results.json").read_text())
+    assert report["task_id"] == "descriptiveness" and report["gold"] == "vader" and report["warnings"] == [warning]
+    assert f"**Warning:** {warning}" in (out / "results.md").read_text().splitlines()
 
 
 def crowded_curve() -> list[dict]:
@@ -427,8 +476,8 @@ def test_gold_vs_kl_plot_labels_every_point_apart_and_explains_the_error_bars(tm
 
 def test_train_policy_save_checkpoints_keeps_every_periodic_save(tmp_path, tiny_run, tiny_model_dir):
     _, _, query_file, reward_dir = tiny_run
-    args = PolicyArgs(base_model=tiny_model_dir, output_dir=str(tmp_path / "run"), save_interval=1, print_samples=1)
-    args.save_checkpoints, args.log_interval = True, 10
+    args = PolicyArgs(base_model=tiny_model_dir)
+    args = with_run(args, output_dir=str(tmp_path / "run"), save_interval=1, print_samples=1, save_checkpoints=True)
     args.task = dataclasses.replace(
         args.task,
         query_dataset=query_file,
@@ -481,7 +530,7 @@ def save_small_vocab_run(path, model_dir: str, query_file: str, spec: str, norma
     """A policy directory as train_policy.py writes it after training against `spec` (with `normalization`): the
     small-vocabulary model, whose responses are words, and a task that truncates after ' the'."""
     PolicyWithValueHead(load_causal_lm(model_dir)).save(str(path), load_tokenizer(model_dir))
-    args = PolicyArgs(base_model=model_dir, output_dir=str(path), data_seed=0)
+    args = with_run(PolicyArgs(base_model=model_dir, data_seed=0), output_dir=str(path))
     args.task = dataclasses.replace(tiny_task(query_file), truncate_token=the)
     args.rewards.trained_model, args.rewards.normalization = spec, normalization
     args.ppo.total_episodes, args.ppo.batch_size = 8, 8

@@ -86,9 +86,9 @@ def run(tmp_path_factory, tokenizer) -> Run:
     corpus = write_corpus(root / "queries.txt")
     model_dir = word_sampler_dir(root / "model", tokenizer)
     the = tokenizer.encode(" the")[0]  # sampled often: about 1 in 3 responses passes the filter
-    args = train_policy.oai_presets()["sentiment"]
-    args.base_model, args.output_dir = model_dir, str(root / "policy")
-    args.log_interval, args.save_interval, args.print_samples = 1, 0, 3
+    args = train_policy.task_presets()["sentiment"]
+    args.base_model, args.run.output_dir = model_dir, str(root / "policy")
+    args.run.log_interval, args.run.save_interval, args.run.print_samples = 1, 0, 3
     args.task = dataclasses.replace(
         args.task,
         query_dataset=corpus,
@@ -152,7 +152,8 @@ def record_policy_calls(mp: pytest.MonkeyPatch, events: Recorder) -> None:
 
     extra = {"sample": sampling_weights}
     for name in ("sample", "compute_rewards", "compute_advantages", "ppo_losses", "sample_table_rows"):
-        patch_everywhere(mp, name, lambda fn, n=name: events.wrap(n, fn, extra.get(n)), [train_policy, ppo_plumbing])
+        modules = [train_policy, ppo_plumbing, modeling]
+        patch_everywhere(mp, name, lambda fn, n=name: events.wrap(n, fn, extra.get(n)), modules)
     forward = events.wrap("forward", modeling.PolicyWithValueHead.forward, grad_mode, loss_forward_entropy)
     mp.setattr(modeling.PolicyWithValueHead, "forward", forward)
     mp.setattr(modeling.RewardModel, "forward", events.wrap("reward", modeling.RewardModel.forward))

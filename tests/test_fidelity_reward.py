@@ -115,8 +115,8 @@ def run(tmp_path_factory, tokenizer) -> Run:
         lr=LR,
         rollout_batch_size=ROLLOUT_BATCH,
         normalize_samples=NORMALIZE_SAMPLES,
-        output_dir=str(root / "rm"),
     )
+    args.run.output_dir = str(root / "rm")
     events, local_permutation = Recorder(), []
 
     def rank_zero_broadcast(tensor, from_process=0):

@@ -21,10 +21,11 @@ import torch
 from safetensors.torch import load_file
 
 import train_reward
-from lm_human_preference_details import checkpoint, reward_plumbing
+from lm_human_preference_details import checkpoint, resumable, reward_plumbing
 from lm_human_preference_details.data import QueryStream, load_texts
 from lm_human_preference_details.modeling import load_reward_model
 from lm_human_preference_details.resume_check import scalars
+from lm_human_preference_details.settings import RewardRunSettings
 from lm_human_preference_details.tokenizer import load_tokenizer
 from tests import archs
 from tests.planted import (
@@ -262,8 +263,15 @@ def test_another_process_count_resumes_only_under_fsdp():
     resumed = checkpoint.Resumed("ckpt", 2, {"settings": settings}, {}, {})
     on_two = {**settings, "world_size": 2}
     with pytest.raises(ValueError, match="world_size: checkpoint 4, now 2"):
-        checkpoint.check_resume_settings(resumed, on_two, reward_plumbing.resume_ignored((), False), False)
-    assert checkpoint.check_resume_settings(resumed, on_two, reward_plumbing.resume_ignored((), True), False) is None
+        resumable.check_resume_settings(
+            resumed, on_two, resumable.resume_ignored(RewardRunSettings(fsdp=False), ()), False
+        )
+    assert (
+        resumable.check_resume_settings(
+            resumed, on_two, resumable.resume_ignored(RewardRunSettings(fsdp=True), ()), False
+        )
+        is None
+    )
 
 
 def test_query_stream_on_fewer_processes_continues_where_a_run_with_as_many_would(tmp_path, tokenizer):

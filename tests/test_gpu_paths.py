@@ -26,6 +26,7 @@ from lm_human_preference_details.modeling import (
     training_logprobs_and_values,
 )
 from lm_human_preference_details.optim import make_optimizer
+from lm_human_preference_details.settings import with_run
 from lm_human_preference_details.tasks import TASKS, PassRateAlarm
 from tests.conftest import tiny_gpt2, write_queries
 from tests.planted import books_task, write_query_file
@@ -134,7 +135,7 @@ def test_ppo_update_stays_within_the_host_sync_budget(monkeypatch, tmp_path, tin
     reward_model_dir = save_reward_model(tmp_path / "reward", tiny_model_dir, tiny_task(str(query_file)))
     args = tiny_args(tmp_path / "policy", tiny_model_dir, reward_model_dir, str(query_file), total_episodes=16)
     # the flags' code paths include the plain one's; the sample table is printed at update 0 only
-    args = dataclasses.replace(args, log_interval=1000, gradient_checkpointing=True, bf16=True)
+    args = with_run(args, log_interval=1000, gradient_checkpointing=True, bf16=True)
     # marked after each update's sample table
     per_update = syncs_between_calls(monkeypatch, PassRateAlarm, "update", lambda: train_policy.main(args))
     # measured: 14 per update before the 4-D masks (12 attention-mask tests, 1 in the prefill, 1 statistics copy),
@@ -154,8 +155,7 @@ def test_successor_recipe_update_stays_within_the_host_sync_budget(monkeypatch, 
         args.task, end_at_eos=True, truncate_text=None, truncate_token=None, penalty_mode="subtract"
     )
     args = dataclasses.replace(
-        args,
-        log_interval=1000,
+        with_run(args, log_interval=1000),
         task=task,
         rewards=dataclasses.replace(args.rewards, kl_estimator="k3", allow_task_mismatch=True),
         ppo=dataclasses.replace(args.ppo, value_model="reward"),
@@ -178,7 +178,6 @@ def test_reward_step_stays_within_the_host_sync_budget(monkeypatch, tmp_path, ti
     args = train_reward.Args(
         base_model=tiny_model_dir,
         label_dataset=str(tmp_path / "labels.json"),
-        output_dir=str(tmp_path / "rm"),
         task=task,
         labels=train_reward.LabelHParams(num_train=24),
         batch_size=8,
@@ -186,8 +185,8 @@ def test_reward_step_stays_within_the_host_sync_budget(monkeypatch, tmp_path, ti
         normalize_samples=8,
         normalize_before=False,
         normalize_after=False,
-        **flags,
     )
+    args = with_run(args, output_dir=str(tmp_path / "rm"), **flags)
     # logged: the held-out evaluation, steps 0, 1 and 2, the evaluation after training
     per_step = syncs_between_calls(monkeypatch, tracking.Tracker, "log", lambda: train_reward.main(args))[1:-1]
     # measured: 3 per step before (the attention-mask test, 2 when a row holds a PAD; the leading-PAD check; both per

@@ -17,7 +17,13 @@ import label_generation
 from lm_human_preference_details import cli
 from lm_human_preference_details.data import QueryStream, load_texts
 from lm_human_preference_details.labelers import VaderLabeler
-from lm_human_preference_details.labels import OAI_PAD_TOKEN, load_labels, read_label_rows
+from lm_human_preference_details.labels import (
+    OAI_PAD_TOKEN,
+    check_label_task,
+    label_file_task,
+    load_labels,
+    read_label_rows,
+)
 from lm_human_preference_details.modeling import (
     PolicyWithValueHead,
     load_causal_lm,
@@ -243,6 +249,82 @@ def test_generated_labels_train_a_reward_model(vader_labels, world, tmp_path):
     )
     _, metadata = load_reward_model(str(rm_dir))
     assert metadata["label_dataset"] == str(output) and metadata["num_train"] == 16
+
+
+@pytest.mark.slow
+def test_a_sentiment_labeler_of_descriptiveness_rows_is_said_at_every_step(world, tmp_path):
+    # vader's best-of-4 picks on --task descriptiveness rows teach a reward model sentiment, which train_reward.py
+    # recorded as a descriptiveness model without a word; train_policy.py scored a descriptiveness run with vader too
+    output = tmp_path / "labels.json"
+    flags = generate_flags(world, output, "--task", "descriptiveness", "--labeler", "vader", "--num_queries", "16")
+    result = run_script("label_generation.py", *flags, timeout=300)
+    measured = "measures positive sentiment, but --task descriptiveness is about physical descriptiveness, so its"
+    assert f"warning: --labeler vader {measured} scores do not judge this task; pass a --labeler of physical " in (
+        result.stdout
+    )
+    meta = read_meta(output)
+    assert (meta["task_id"], meta["labeler_measures"]) == ("descriptiveness", "positive sentiment")
+    task = ["--task.query_dataset", world["corpus"], "--task.query_length", str(QUERY_LENGTH)]
+    task += ["--task.response_length", str(RESPONSE_LENGTH), "--task.truncate_after", str(TRUNCATE_AFTER)]
+    reward = ["--task", "descriptiveness", "--base_model", world["model"], "--label_dataset", str(output), *task]
+    reward += ["--labels.num_train", "16", "--batch_size", "8", "--rollout_batch_size", "8"]
+    result = run_script("train_reward.py", *reward, "--normalize_samples", "8", "--output_dir", str(tmp_path / "rm"))
+    warning = (
+        f"--label_dataset '{output}' was labelled by vader, which measures positive sentiment (its "
+        "labels.json.meta.json), but this run is --task descriptiveness, which is about physical descriptiveness: the "
+        "reward model would learn positive sentiment; label the rows with a labeler of physical descriptiveness."
+    )
+    assert f"warning: {warning}" in result.stdout.splitlines()
+    _, metadata = load_reward_model(str(tmp_path / "rm"))
+    assert metadata["task_name"] == "descriptiveness" and metadata["label_warnings"] == [warning]
+    policy = ["--task", "descriptiveness", "--base_model", world["model"], *task, "--output_dir", str(tmp_path / "p")]
+    policy += ["--rewards.trained_model", "vader", "--rewards.gold_model", "vader"]
+    result = run_script("train_policy.py", *policy, "--ppo.total_episodes", "8", "--ppo.batch_size", "8", timeout=300)
+    for flag in ("--rewards.trained_model", "--rewards.gold_model"):
+        assert (
+            f"warning: {flag} vader {measured} scores do not judge this task; pass a {flag} of physical "
+            "descriptiveness, such as reward_model:DIR of a train_reward.py --task descriptiveness run."
+        ) in result.stdout.splitlines()
+
+
+@pytest.mark.slow
+def test_labels_without_their_meta_train_a_reward_model_that_says_their_task_was_not_checked(
+    vader_labels, world, tmp_path
+):
+    # a user's label file without its .meta.json trained a reward model recorded as the run's --task, silently
+    labels = tmp_path / "mine.json"
+    shutil.copy(vader_labels[0], labels)
+    task = ["--task.query_dataset", world["corpus"], "--task.query_length", str(QUERY_LENGTH)]
+    task += ["--task.response_length", str(RESPONSE_LENGTH), "--task.truncate_after", str(TRUNCATE_AFTER)]
+    reward = ["--base_model", world["model"], "--label_dataset", str(labels), *task, "--labels.num_train", "16"]
+    reward += ["--batch_size", "8", "--rollout_batch_size", "8", "--normalize_samples", "8"]
+    rm_dir = tmp_path / "rm"
+    result = run_script("train_reward.py", *reward, "--output_dir", str(rm_dir))
+    warning = (
+        f"--label_dataset '{labels}': nothing tells which task its labels judge (it has no mine.json.meta.json beside "
+        "it, which label_generation.py writes), so their task was not checked and the reward model is recorded as a "
+        '--task sentiment model on trust; if they are --task sentiment labels, write {"task_id": "sentiment"} to '
+        f"{labels}.meta.json to have it checked."
+    )
+    assert f"warning: {warning}" in result.stdout.splitlines()
+    _, metadata = load_reward_model(str(rm_dir))
+    assert metadata["label_task_checked"] is False and metadata["label_warnings"] == [warning]
+    # a policy on that reward model says it again
+    policy = ["--base_model", world["model"], "--rewards.trained_model", str(rm_dir), *task, "--dry_run"]
+    result = run_script("train_policy.py", *policy, "--output_dir", str(tmp_path / "policy"))
+    assert f"warning: the reward model '{rm_dir}' was trained with a warning: {warning}" in result.stdout.splitlines()
+    # the fix it names: the file's task recorded, then checked
+    with open(f"{labels}.meta.json", "w", encoding="utf-8") as f:
+        json.dump({"task_id": "sentiment"}, f)
+    result = run_script("train_reward.py", *reward, "--dry_run", "--output_dir", str(tmp_path / "rm2"))
+    assert "warning" not in result.stdout
+    # OAI's files, and the successor preset's pairs, name their task without a .meta.json
+    assert label_file_task("sentiment/offline_5k.json") == ("sentiment", "one of OAI's sentiment label files")
+    assert label_file_task("trl-lib/tldr-preference") == (
+        "nplus_tldr",
+        "the label file of the --task nplus_tldr preset",
+    )
+    assert check_label_task("descriptiveness/offline_5k.json", "descriptiveness", False) is None
 
 
 def test_generate_reward_model_best_is_its_argmax(world, tiny_model_dir, tokenizer, tmp_path):

@@ -17,14 +17,20 @@ from lm_human_preference_details.labelers import (
     RewardModelLabeler,
     VaderLabeler,
     decode_without_pad,
+    judge_task_mismatch,
     load_labeler,
+    sentiment_measured,
 )
 from lm_human_preference_details.modeling import RewardModel
+from lm_human_preference_details.tasks import NPLUS_TASKS, TASK_GOALS, TASKS
 from lm_human_preference_details.tokenizer import gpt2_tokenizer_offline, tokenizer_fingerprint
 
 
-def make_reward_model_dir(path, model_dir: str, tokenizer, fingerprint: str | None = None) -> str:
-    """A reward model directory as train_reward.py writes it (random head), on the tiny trunk of `model_dir`."""
+def make_reward_model_dir(
+    path, model_dir: str, tokenizer, fingerprint: str | None = None, task_name: str | None = None
+) -> str:
+    """A reward model directory as train_reward.py writes it (random head), on the tiny trunk of `model_dir`, recording
+    `task_name` (None: none, as before train_reward.py recorded it)."""
     torch.manual_seed(0)
     model = RewardModel.from_base(model_dir)
     metadata = {
@@ -33,6 +39,7 @@ def make_reward_model_dir(path, model_dir: str, tokenizer, fingerprint: str | No
         "pad_token_id": tokenizer.pad_token_id,
         "tokenizer_fingerprint": fingerprint or tokenizer_fingerprint(tokenizer),
         "task": {},
+        **({"task_name": task_name} if task_name else {}),
     }
     model.save(str(path), metadata)
     tokenizer.save_pretrained(str(path))
@@ -153,6 +160,19 @@ def test_classifier_labeler_scores_log_prob_of_label(classifier_dir, tokenizer):
         assert torch.allclose(negative.exp() + scores.exp(), torch.ones(2, 2), atol=1e-5)
 
 
+def test_classifier_says_once_that_it_cuts_a_response_longer_than_it_takes(classifier_dir, tokenizer, capsys):
+    labeler = ClassifierLabeler(classifier_dir, "POSITIVE", tokenizer, tokenizer.pad_token_id, "cpu", "--labeler")
+    assert labeler.max_length == 64  # its n_positions
+    queries = torch.tensor([tokenizer.encode(" The old man walked")])
+    fine = tokenizer.encode(" fine")[0]
+    assert torch.isfinite(labeler.scores(queries, torch.full((1, 1, 64), fine))).all()  # fits: scored whole
+    assert "warning" not in capsys.readouterr().err
+    for _ in range(2):  # 192 tokens: the first 64 are scored
+        assert torch.isfinite(labeler.scores(queries, torch.full((1, 1, 192), fine))).all()
+    err = capsys.readouterr().err
+    assert err.count("a response longer than the classifier's 64 tokens is cut to its first ones") == 1, err
+
+
 def test_classifier_labeler_unknown_label_lists_labels(classifier_dir, tokenizer):
     with pytest.raises(ValueError) as error:
         load_labeler(f"classifier:{classifier_dir}#HAPPY", tokenizer, tokenizer.pad_token_id, "cpu")
@@ -209,3 +229,36 @@ def test_human_labeler_reasks_on_invalid_input_and_quits(tokenizer):
         labeler.best(queries, responses)
     labeler.stdin = io.StringIO("2\n1\n")
     assert labeler.scores(queries, responses).tolist() == [[0, 0, 1], [0, 1, 0]]
+
+
+def test_each_judge_says_what_it_measures_and_a_judge_of_another_task_is_named(
+    classifier_dir, tiny_model_dir, tokenizer, tmp_path
+):
+    # vader judging a descriptiveness policy scored it without a word that VADER measures sentiment
+    assert set(TASK_GOALS) == set(TASKS) | set(NPLUS_TASKS)  # every --task says what its judges measure
+    pad = tokenizer.pad_token_id
+    vader = load_labeler("vader", tokenizer, pad, "cpu")
+    positive = load_labeler(f"classifier:{classifier_dir}#POSITIVE", tokenizer, pad, "cpu")
+    negative = load_labeler(f"classifier:{classifier_dir}#NEGATIVE", tokenizer, pad, "cpu")
+    rm_dir = make_reward_model_dir(tmp_path / "rm", tiny_model_dir, tokenizer, task_name="descriptiveness")
+    descriptive = load_labeler(f"reward_model:{rm_dir}", tokenizer, pad, "cpu")
+    unknown = load_labeler(
+        f"reward_model:{make_reward_model_dir(tmp_path / 'old', tiny_model_dir, tokenizer)}", tokenizer, pad, "cpu"
+    )
+    assert vader.measures == positive.measures == "positive sentiment" and negative.measures == "negative sentiment"
+    assert descriptive.measures == "physical descriptiveness" and unknown.measures is None
+    assert judge_task_mismatch(vader.measures, "vader", "descriptiveness", "--gold") == (
+        "--gold vader measures positive sentiment, but --task descriptiveness is about physical descriptiveness, so "
+        "its scores do not judge this task; pass a --gold of physical descriptiveness, such as reward_model:DIR of a "
+        "train_reward.py --task descriptiveness run."
+    )
+    for task in ("tldr", "cnndm", "nplus_tldr"):
+        assert "is about summary quality" in judge_task_mismatch(vader.measures, "vader", task, "--labeler")
+    assert judge_task_mismatch(vader.measures, "vader", "sentiment", "--gold") is None
+    assert "measures negative sentiment" in judge_task_mismatch(negative.measures, negative.name, "sentiment", "--gold")
+    assert judge_task_mismatch(descriptive.measures, descriptive.name, "descriptiveness", "--gold") is None
+    assert judge_task_mismatch(descriptive.measures, descriptive.name, "sentiment", "--gold") is not None
+    # what is not known is not claimed: a reward model without a task name, a classifier of other labels
+    assert judge_task_mismatch(unknown.measures, unknown.name, "descriptiveness", "--gold") is None
+    assert sentiment_measured({0: "LABEL_0", 1: "LABEL_1"}, 1) is None
+    assert sentiment_measured({0: "negative", 1: "neutral", 2: "positive"}, 2) == "positive sentiment"

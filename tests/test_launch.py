@@ -206,9 +206,9 @@ def test_shell_file_flags_are_accepted_by_the_scripts(shell_file):
     task = "sentiment" if shell_file == "ablations.sh" else shell_file[len("oai_") : -len(".sh")]
     for env, script, flags in stages:
         args = parse_stage(script, flags)
-        assert args.track and args.wandb_project_name == "lm_human_preference_details"
-        assert env["WANDB_RUN_GROUP"] == args.exp_name and task in env["WANDB_TAGS"].split(",")
-        assert args.output_dir.startswith(f"models/{args.exp_name}/seed{args.seed}/")
+        assert args.run.track and args.run.wandb_project_name == "lm_human_preference_details"
+        assert env["WANDB_RUN_GROUP"] == args.run.exp_name and task in env["WANDB_TAGS"].split(",")
+        assert args.run.output_dir.startswith(f"models/{args.run.exp_name}/seed{args.seed}/")
         assert args.task == TASKS[task]  # OAI's task settings, unchanged
         if script == "train_policy.py":
             assert args.task_id == task
@@ -218,11 +218,11 @@ def test_shell_file_flags_are_accepted_by_the_scripts(shell_file):
 
 
 def test_ablations_change_only_what_they_name():
-    policies = {args.exp_name: args for env, script, flags in shell_stages("ablations.sh")
+    policies = {args.run.exp_name: args for env, script, flags in shell_stages("ablations.sh")
                 if script == "train_policy.py" for args in [parse_stage(script, flags)] if args.seed == 1}  # fmt: skip
-    rewards = {args.exp_name: args for env, script, flags in shell_stages("ablations.sh")
+    rewards = {args.run.exp_name: args for env, script, flags in shell_stages("ablations.sh")
                if script == "train_reward.py" for args in [parse_stage(script, flags)] if args.seed == 1}  # fmt: skip
-    baseline = train_policy.oai_presets()["sentiment"]
+    baseline = train_policy.task_presets()["sentiment"]
     assert baseline.use_tensorflow_adam and baseline.ppo.whiten_rewards and baseline.rewards.adaptive_kl.enabled
     assert not policies["ablation_torch_adam"].use_tensorflow_adam
     assert not rewards["ablation_torch_adam"].use_tensorflow_adam
@@ -230,7 +230,7 @@ def test_ablations_change_only_what_they_name():
     assert policies["ablation_no_whiten_rewards"].rewards.trained_model == "models/oai_sentiment/seed1/train_reward"
     fixed = policies["ablation_fixed_kl"]
     assert not fixed.rewards.adaptive_kl.enabled and fixed.rewards.kl_coef == baseline.rewards.kl_coef
-    assert fixed.output_dir == "models/ablation_fixed_kl/seed1/train_policy"
+    assert fixed.run.output_dir == "models/ablation_fixed_kl/seed1/train_policy"
     no_norm = rewards["ablation_no_reward_normalization"]
     assert not no_norm.normalize_before and not no_norm.normalize_after
     for name, args in policies.items():

@@ -1,10 +1,11 @@
 """The reader's guides stay true to the code: the spec named at the top of each training script, one list of the
 `# DEVIATION (key):` markers (docs/deviations.md), a docs/layout.md row for every module of the package, the same help
-for a flag both training scripts take, and the reading-path counts of tools/reading_path.py."""
+for a flag both training scripts take."""
 
 import ast
 import dataclasses
 import inspect
+import itertools
 import re
 import textwrap
 import typing
@@ -14,7 +15,7 @@ import pytest
 
 import train_policy
 import train_reward
-from tools import reading_path
+import train_sft
 
 REPO = Path(__file__).resolve().parents[1]
 PACKAGE = REPO / "lm_human_preference_details"
@@ -135,120 +136,72 @@ def test_layout_link_parser_reads_subpackages():
 
 
 # ---------------------------------------------------------------------------------------------------- shared flags
-# flags both scripts take whose help rightly differs, and why; every other shared flag has the same help in both
+# flags that two training scripts take whose help rightly differs, and why; every other shared flag has one help text
 SCRIPT_SPECIFIC_HELP = {
-    "base_model": "it becomes the policy and its reference in one script, the reward model's trunk in the other",
-    "save_interval": "PPO updates that also save the policy vs reward optimizer steps that save a training state",
-    "bf16": "train_policy.py also says how PPO's ratio gets log-probs of the bf16 arithmetic",
+    "base_model": "it becomes the policy and its reference, the reward model's trunk, or the model SFT fine-tunes",
+    "seed": "train_sft.py's seed also draws its one shuffle of the pairs; the others shuffle with --data_seed",
+    "batch_size": "labels per step in train_reward.py, pairs per step in train_sft.py",
+    "lr": "train_reward.py anneals linearly as OAI, train_sft.py on a cosine as N+",
+    "weight_decay": "train_sft.py's AdamW always decays; the others decay only with --no_use_tensorflow_adam",
+    "eval_interval": "held-out label accuracy vs the --eval_split loss",
 }
 
 
 def field_docs(cls: type) -> dict[str, str]:
-    """A dataclass's field docstrings (the string after each field, as tyro reads them), whitespace collapsed."""
-    body = ast.parse(textwrap.dedent(inspect.getsource(cls))).body[0].body
-    return {
-        field.target.id: " ".join(doc.value.value.split())
-        for field, doc in zip(body, body[1:])
-        if isinstance(field, ast.AnnAssign) and isinstance(doc, ast.Expr) and isinstance(doc.value, ast.Constant)
-    }
+    """A dataclass's field docstrings (the string after each field, as tyro reads them), whitespace collapsed; those of
+    the fields it inherits too."""
+    docs = {}
+    for base in reversed(cls.__mro__):
+        if not dataclasses.is_dataclass(base) or base is object:
+            continue
+        body = ast.parse(textwrap.dedent(inspect.getsource(base))).body[0].body
+        docs.update(
+            {
+                field.target.id: " ".join(doc.value.value.split())
+                for field, doc in zip(body, body[1:])
+                if isinstance(field, ast.AnnAssign)
+                and isinstance(doc, ast.Expr)
+                and isinstance(doc.value, ast.Constant)
+            }
+        )
+    return docs
 
 
 def flag_help(cls: type, prefix: str = "") -> dict[str, str | None]:
-    """--flag name (underscores, dotted groups) -> its help text, for every flag of an Args dataclass."""
+    """--flag name (underscores, dotted groups) -> its help text, for every flag of an Args dataclass; a group nested
+    without a prefix (tyro.conf.arg(name=""): the run group) gives its flags their plain names."""
     hints, docs, flags = typing.get_type_hints(cls, include_extras=True), field_docs(cls), {}
     for field in dataclasses.fields(cls):
         hint = hints[field.name]
-        if typing.get_origin(hint) is typing.Annotated and any("Suppress" in repr(m) for m in hint.__metadata__):
+        metadata = hint.__metadata__ if typing.get_origin(hint) is typing.Annotated else ()
+        if any("Suppress" in repr(m) for m in metadata):
             continue  # not a flag (tyro.conf.Suppress)
+        group = typing.get_args(hint)[0] if metadata else hint
+        if dataclasses.is_dataclass(group) and any(getattr(m, "name", None) == "" for m in metadata):
+            flags.update(flag_help(group, prefix))
+            continue
         flags[prefix + field.name] = docs.get(field.name)
-        if dataclasses.is_dataclass(hint):
-            flags.update(flag_help(hint, f"{prefix}{field.name}."))
+        if dataclasses.is_dataclass(group):
+            flags.update(flag_help(group, f"{prefix}{field.name}."))
     return flags
 
 
-def test_flags_of_both_training_scripts_have_the_same_help():
-    policy, reward = flag_help(train_policy.Args), flag_help(train_reward.Args)
-    shared = [name for name in policy if name in reward]
-    assert {"seed", "output_dir", "bf16", "task.query_length"} <= set(shared)
-    assert all(policy[name] and reward[name] for name in shared), "a shared flag has no help text"
-    differ = [name for name in shared if policy[name] != reward[name] and name not in SCRIPT_SPECIFIC_HELP]
+def test_flags_that_training_scripts_share_have_the_same_help():
+    helps = {module.__name__: flag_help(module.Args) for module in (train_policy, train_reward, train_sft)}
+    assert {"seed", "output_dir", "bf16", "task.query_length"} <= helps["train_policy"].keys() & helps["train_reward"]
+    assert {"output_dir", "resume", "track", "dry_run"} <= helps["train_sft"].keys() & helps["train_policy"].keys()
+    differ, differing = [], set()
+    for (one, first), (other, second) in itertools.combinations(helps.items(), 2):
+        for name in sorted(first.keys() & second.keys()):
+            assert first[name] and second[name], f"--{name} has no help text"
+            if first[name] != second[name]:
+                differing.add(name)
+                if name not in SCRIPT_SPECIFIC_HELP:
+                    differ.append(f"--{name}\n  {one}.py: {first[name]}\n  {other}.py: {second[name]}")
     assert not differ, (
-        "flags of both train_policy.py and train_reward.py with different help texts:\n"
-        + "\n".join(
-            f"--{name}\n  train_policy.py: {policy[name]}\n  train_reward.py: {reward[name]}" for name in differ
-        )
+        "flags of two training scripts with different help texts:\n"
+        + "\n".join(differ)
         + "\nword them the same (or, where the flag means another thing per script, add it to SCRIPT_SPECIFIC_HELP)"
     )
-    stale = [name for name in SCRIPT_SPECIFIC_HELP if name not in shared or policy[name] == reward[name]]
+    stale = sorted(set(SCRIPT_SPECIFIC_HELP) - differing)
     assert not stale, f"SCRIPT_SPECIFIC_HELP names flags that are not shared or whose help agrees: {stale}"
-
-
-# ---------------------------------------------------------------------------------------------------- reading path
-_TOY_SCRIPT = '''
-from dataclasses import dataclass, field
-import time
-from lm_human_preference_details import core
-from lm_human_preference_details.modeling import sample
-from lm_human_preference_details.ppo_plumbing import start_tracker
-
-
-@dataclass
-class Inner:
-    lr: float = 1.0
-
-
-@dataclass
-class Args:
-    seed: int = 1
-    inner: Inner = field(default_factory=Inner)
-
-
-LIMIT = 3
-
-
-def losses(x):
-    ratio = x.exp()
-    return ratio
-
-
-def main(args):
-    """Docstring."""
-    accelerator = core.make_accelerator(1.0)
-    tracker = start_tracker(args, accelerator)
-    # a comment
-    x = sample(args.seed, accelerator.device)
-    if accelerator.is_main_process:
-        print(x)
-    start = time.time()
-    y = losses(
-        x,
-    )
-    tracker.log({"y": y})
-    return y
-'''
-
-
-def test_reading_path_counts_a_script_by_its_documented_rules():
-    count = reading_path.count(_TOY_SCRIPT, "toy.py")
-    lines = _TOY_SCRIPT.splitlines()
-    assert count.total_lines == len(lines)
-    assert lines[count.anchor_line - 1].strip() == "ratio = x.exp()"
-    # imported from the package, then defined above the anchor line: dataclasses, a constant, the function holding it
-    assert count.concepts == ["core", "sample", "start_tracker", "Inner", "Args", "LIMIT", "losses"]
-    assert count.fields == ["Args.seed", "Args.inner", "Inner.lr"]
-    assert count.main_lines == lines.index("    return y") - lines.index("def main(args):") + 1
-    # algorithm: the sample call (it also reads the accelerator), the three lines of the losses call, the return;
-    # plumbing: the accelerator, the tracker and its log, the print and its `if`, the time
-    algorithm = [lines[line - 1].strip() for line in count.algorithm_lines]
-    assert algorithm == ["x = sample(args.seed, accelerator.device)", "y = losses(", "x,", ")", "return y"]
-    assert count.algorithm_statements == 3
-
-
-def test_reading_path_finds_the_first_ratio_and_the_reward_loss_of_the_scripts():
-    for script, anchor in (("train_policy.py", r"^\s*ratio\s*="), ("train_reward.py", r"^\s*loss\s*=")):
-        source = (REPO / script).read_text(encoding="utf-8")
-        count = reading_path.count(source, script)
-        first = next((i for i, line in enumerate(source.splitlines(), start=1) if re.search(anchor, line)), None)
-        assert first is not None, f"{script} has no line matching {anchor!r}: update tools/reading_path.py's ANCHORS"
-        assert count.anchor_line == first
-        assert "Args" in count.concepts and count.fields and 0 < len(count.algorithm_lines) < count.main_lines

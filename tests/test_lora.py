@@ -41,7 +41,7 @@ pytestmark = pytest.mark.usefixtures("single_thread")
 def lora_policy(rank: int = 4, **flags) -> PolicyWithValueHead:
     """The tiny GPT-2 policy with LoRA adapters as train_policy.py builds it."""
     policy = PolicyWithValueHead(tiny_gpt2(seed=0))
-    lora.apply_lora(policy, train_policy.LoraHParams(rank=rank, **flags), "gpt2")
+    lora.apply_lora(policy, lora.LoraHParams(rank=rank, **flags), "gpt2")
     return policy
 
 
@@ -142,9 +142,9 @@ def test_default_target_modules_are_peft_defaults_of_each_supported_architecture
 
 def test_bad_lora_flags_name_the_flag(tmp_path):
     with pytest.raises(ValueError, match=r"--lora\.rank must be >= 0.*--lora\.rank 8"):
-        lora.check_lora_args(train_policy.LoraHParams(rank=-1))
+        lora.check_lora_args(lora.LoraHParams(rank=-1))
     with pytest.raises(ValueError, match=r"--lora\.dropout must be in \[0, 1\)"):
-        lora.check_lora_args(train_policy.LoraHParams(rank=8, dropout=1.0))
+        lora.check_lora_args(lora.LoraHParams(rank=8, dropout=1.0))
     with pytest.raises(ValueError, match=r"--lora\.target_modules nope: no such linear layer.*c_attn"):
         lora_policy(target_modules=("nope",))
     with pytest.raises(ValueError, match=r"--lora\.target_modules ln_f: no such linear layer"):

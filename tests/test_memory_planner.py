@@ -119,7 +119,7 @@ def test_pythia_shapes_count_the_published_parameters_on_the_meta_device():
 def test_nplus_tldr_task_takes_the_presets_lengths_batch_critic_and_torch_adamw():
     args = planner(task="nplus_tldr", gradient_accumulation_steps=4)
     result = memory_estimate.estimate(args, "pythia-1b", None)
-    preset = train_policy.nplus_presets()["nplus_tldr"]
+    preset = train_policy.task_presets()["nplus_tldr"]
     assert result["batch"] == preset.ppo.batch_size // 8 and result["critic"] > 0
     books = planner(gradient_accumulation_steps=4, value_model="reward")
     sentiment = memory_estimate.estimate(books, "pythia-1b", None)
@@ -128,6 +128,17 @@ def test_nplus_tldr_task_takes_the_presets_lengths_batch_critic_and_torch_adamw(
     assert result["step temporaries"] == result["gradients"]  # torch AdamW's foreach sqrt(v) + eps of every weight
     with pytest.raises(ValueError, match="--value_model with --lora_rank"):
         memory_estimate.main(planner(task="nplus_tldr", lora_rank=8, shapes=("tiny",)))
+
+
+def test_planner_takes_train_policys_sizes_and_refuses_the_sizes_it_refuses():
+    # micro-batch = 64 / 2 processes / 2 minibatches / 4 accumulation steps = 4 episodes, whose activations it counts
+    args = planner(processes=2, batch_size=64, nminibatches=2, gradient_accumulation_steps=4)
+    result = memory_estimate.estimate(args, "gpt2-124m", None)
+    whole = memory_estimate.estimate(planner(processes=1, batch_size=64), "gpt2-124m", None)  # a micro-batch of 64
+    assert result["batch"] == 32 and whole["activations"] / result["activations"] == 64 / 4
+    # 8 episodes of a process over 2 minibatches: whitening groups of 4, which train_policy.py refuses
+    with pytest.raises(ValueError, match="ppo.whiten_rewards needs at least 8 episodes per whitening group, got 4"):
+        memory_estimate.estimate(planner(processes=8, batch_size=64, nminibatches=2), "gpt2-124m", None)
 
 
 # ---------------------------------------------------------------- the tables in README.md and docs/multiprocess.md
@@ -180,7 +191,7 @@ def measured_ppo_update(shape: str, micro: int, bf16: bool = False, checkpointin
     rngs = train_policy.virtual_rank_rngs(args.seed, 0, 1, sizes.virtual_ranks)
     indices = torch.from_numpy(train_policy.minibatch_indices(rngs, sizes.group, 2, 1))
     params = list(policy.parameters())
-    optimizer = train_policy.make_optimizer(params, 1e-5, True)
+    optimizer = train_policy.optim.make_optimizer(params, 1e-5, True)
     with PeakAllocation(held=params) as memory:
         train_policy.ppo_update(policy, optimizer, rollout, indices, sizes, args.ppo, 0.7, 50257)
     state = [t for s in optimizer.state.values() for k, t in s.items() if k != "step"]  # the moments

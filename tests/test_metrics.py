@@ -16,6 +16,7 @@ from lm_human_preference_details.instruments.metrics import (
     render_glossary,
 )
 from lm_human_preference_details.labels import save_labels
+from lm_human_preference_details.settings import with_run
 from tests.planted import REPO, books_task
 from tests.test_train_policy import save_reward_model, tiny_args, tiny_task
 
@@ -83,7 +84,6 @@ def test_train_reward_logs_exactly_the_glossary_names(tmp_path, tiny_model_dir, 
     args = train_reward.Args(
         base_model=tiny_model_dir,
         label_dataset=str(tmp_path / "labels.json"),
-        output_dir=str(tmp_path / "rm"),
         task=books_task(query_dataset=str(tmp_path / "queries.txt"), query_length=6, response_length=4),
         labels=train_reward.LabelHParams(num_train=16),  # 8 rows held out: eval/*
         batch_size=8,
@@ -91,11 +91,12 @@ def test_train_reward_logs_exactly_the_glossary_names(tmp_path, tiny_model_dir, 
         normalize_samples=8,
         debug_normalize=8,
     )
+    args = with_run(args, output_dir=str(tmp_path / "rm"))
     scalar_only = names_when("--labels.type scalar_rating")
     train_reward.main(args)
     assert logged_names == glossary_names("reward") - scalar_only
     logged_names.clear()
-    args.overwrite_output_dir = True  # the runs below reuse the output directory
+    args.run.overwrite_output_dir = True  # the runs below reuse the output directory
     train_reward.main(dataclasses.replace(args, normalize_before=False, normalize_after=False))
     normalize = {name for name in glossary_names("reward") if name.startswith("normalize_")}
     assert logged_names == glossary_names("reward") - scalar_only - normalize

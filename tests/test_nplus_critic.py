@@ -32,7 +32,7 @@ def world(tmp_path_factory, tiny_model_dir):
     root = tmp_path_factory.mktemp("critic-world")
     queries = write_queries(root / "queries.txt")
     task = dataclasses.replace(
-        train_policy.oai_presets()["sentiment"].task,
+        train_policy.task_presets()["sentiment"].task,
         query_dataset=queries,
         query_length=16,
         response_length=8,
@@ -228,6 +228,7 @@ def test_critic_run_killed_after_a_checkpoint_resumes_exactly(critic_run, tmp_pa
     resumed = tmp_path / "resumed"
     shutil.copytree(output_dir, resumed)
     shutil.rmtree(checkpoint.step_dir(str(resumed), 2))  # as if killed after the first update's checkpoint
+    (resumed / "summary.json").unlink()  # written at the end: a kill before it leaves none
     shutil.rmtree(resumed / "critic")  # the resumed run writes its own
     flags = run_flags(tiny_model_dir, world, resumed, "--resume", "auto")
     train_policy.main(train_policy.parse(flags))
@@ -294,11 +295,13 @@ def test_resuming_a_critic_run_without_its_critic_stops_naming_the_flag(critic_r
     output_dir, _ = critic_run
     resumed = tmp_path / "resumed"
     shutil.copytree(output_dir, resumed)
+    shutil.rmtree(checkpoint.step_dir(str(resumed), 2))  # as if killed after the first update's checkpoint
+    (resumed / "summary.json").unlink()
     flags = run_flags(tiny_model_dir, world, resumed, "--resume", "auto", "--allow_resume_changes")
     flags = [f for i, f in enumerate(flags) if "--ppo.value_model" not in flags[max(i - 1, 0) : i + 1]]
     with pytest.raises(ValueError, match="--ppo.value_model") as error:
         train_policy.main(train_policy.parse(flags))
-    assert "written with a separate critic (--ppo.value_model), this run has none" in str(error.value)
+    assert "--ppo.value_model cannot change on --resume, --allow_resume_changes or not" in str(error.value)
 
 
 def test_missing_value_model_dir_is_one_error_line_from_the_script(tmp_path, tiny_model_dir, world):

@@ -11,8 +11,9 @@ import pytest
 import torch
 
 import train_policy
-from lm_human_preference_details import rewards
+from lm_human_preference_details import modeling, rewards
 from lm_human_preference_details.modeling import PolicyWithValueHead
+from lm_human_preference_details.nplus.end_at_eos import INVALID_LOGPROB, ResponseMasks
 from lm_human_preference_details.sizes import derive_sizes
 from lm_human_preference_details.tasks import (
     TASKS,
@@ -27,9 +28,7 @@ from tests.conftest import small_vocab_gpt2, tiny_gpt2
 from tests.fidelity import Recorder, patch_everywhere
 from tests.test_train_policy import save_reward_model, tiny_args, tiny_task
 from train_policy import (
-    INVALID_LOGPROB,
     Args,
-    ResponseMasks,
     Rollout,
     compute_rewards,
     kl_estimate,
@@ -171,7 +170,8 @@ def test_default_rewards_are_oais_float_for_float():
     generator = torch.Generator().manual_seed(3)
     logprobs, ref_logprobs = random_logprobs(generator), random_logprobs(generator)
     scores = torch.randn(len(FIRST_EOS), generator=generator, dtype=torch.float64)
-    rewards_, non_score, kl = compute_rewards(scores, logprobs, ref_logprobs, 0.15)
+    last_token = torch.full((len(FIRST_EOS),), L - 1)  # the score's index under OAI's rule (spec P4)
+    rewards_, non_score, kl = compute_rewards(scores, logprobs, ref_logprobs, 0.15, "k1", last_token)
     expected = -0.15 * (logprobs - ref_logprobs)
     assert torch.equal(kl, logprobs - ref_logprobs) and torch.equal(non_score, expected)
     expected[:, -1] += scores
@@ -200,7 +200,9 @@ def test_masked_advantages_match_per_row_loops(whiten_rewards):
     rewards_ = rewards_.masked_fill(masks.after_value_end, 0.0)
     values = masks.zero_values(torch.randn(len(FIRST_EOS), L, generator=generator, dtype=torch.float64))
     ppo = dataclasses.replace(train_policy.PpoHParams(), whiten_rewards=whiten_rewards, gamma=0.9, lam=0.8)
-    out_rewards, advantages, returns = minibatch_advantages(rewards_, values, ppo, 4, masks)
+    out_rewards, advantages, returns = masks.minibatch_advantages(
+        rewards_, values, ppo.whiten_rewards, ppo.gamma, ppo.lam, 4, train_policy.compute_advantages
+    )
     ends = masks.ends.tolist()
     r, v = rewards_.numpy(), values.numpy()
     keep_value = np.array([[t <= s + 1 for t in range(L)] for s in ends])
@@ -279,14 +281,14 @@ def test_ppo_update_masks_new_logprobs_values_and_the_loss_means(monkeypatch):
     indices = torch.from_numpy(minibatch_indices(rngs, sizes.group, 1, 2))
     calls = []
 
-    def recording_losses(*inputs):
+    def recording_losses(*inputs, **means):
         names = ("new_logprobs", "vpred", "logprobs", "values", "advantages", "returns")
-        out = ppo_losses(*inputs)
+        out = ppo_losses(*inputs, **means)
         calls.append({**{n: x.detach().double().clone() for n, x in zip(names, inputs)}, "out": out})
         return out
 
     monkeypatch.setattr(train_policy, "ppo_losses", recording_losses)
-    optimizer = train_policy.make_optimizer(list(policy.parameters()), 1e-2, True)
+    optimizer = train_policy.optim.make_optimizer(list(policy.parameters()), 1e-2, True)
     train_policy.ppo_update(policy, optimizer, rollout, indices, sizes, args.ppo, temperature, PAD)
     assert len(calls) == 2 * 2
     ends = masks.ends.tolist()
@@ -356,7 +358,7 @@ def eos_run(tmp_path, model_dir: str, query_file: str, monkeypatch, **task_and_r
     args.rewards.kl_estimator = task_and_rewards.get("kl_estimator", "k1")
     events = Recorder()
     for name in ("sample", "reference_logprobs", "compute_rewards", "ppo_update"):
-        patch_everywhere(monkeypatch, name, lambda fn, n=name: events.wrap(n, fn), [train_policy])
+        patch_everywhere(monkeypatch, name, lambda fn, n=name: events.wrap(n, fn), [train_policy, modeling])
     scorer = events.wrap("reward", rewards.RewardModelReward.__call__)
     monkeypatch.setattr(rewards.RewardModelReward, "__call__", scorer)
     history = train_policy.main(args)
@@ -438,7 +440,7 @@ def test_main_without_end_at_eos_never_masks(tmp_path, eos_model_dir, query_file
     rm_dir = save_reward_model(tmp_path / "reward", eos_model_dir, task)
     train_policy.main(tiny_args(tmp_path / "policy", eos_model_dir, rm_dir, query_file, total_episodes=8, noptepochs=1))
     call = events.of("compute_rewards")[0].inputs
-    assert call["score_index"] is None and call["kl_estimator"] == "k1"
+    assert torch.equal(call["score_index"], torch.full((8,), task.response_length - 1)) and call["kl_estimator"] == "k1"
 
 
 # ---------------------------------------------------------------- evaluate.py's episodes

@@ -15,12 +15,12 @@ from lm_human_preference_details.sizes import OAI_RANKS, derive_sizes
 from tests.conftest import one_intra_op_thread
 from tests.fidelity import np_gae, np_whiten
 from tests.planted import REPO, free_port, without_gpus
-from train_policy import Args, main, oai_presets
+from train_policy import Args, main, task_presets
 
 
 @pytest.mark.parametrize("world", [1, 2, 4, 8])
 def test_default_sizes_are_oai_ranks_on_any_process_count(world):
-    books, tldr = oai_presets()["sentiment"], oai_presets()["tldr"]
+    books, tldr = task_presets()["sentiment"], task_presets()["tldr"]
     sizes = derive_sizes(books, world)  # OAI: 8 ranks of 64 episodes, whitened together (1 minibatch)
     assert (sizes.group, sizes.virtual_ranks, sizes.whiten_group) == (64, OAI_RANKS // world, 64)
     assert sizes.not_oai_ranks is None
@@ -29,7 +29,7 @@ def test_default_sizes_are_oai_ranks_on_any_process_count(world):
 
 
 def test_whiten_group_size_zero_whitens_each_process_batch():
-    args = oai_presets()["sentiment"]
+    args = task_presets()["sentiment"]
     args.ppo.whiten_group_size = 0
     sizes = derive_sizes(args, 2)
     assert (sizes.group, sizes.virtual_ranks, sizes.whiten_group, sizes.not_oai_ranks) == (256, 1, 256, None)
@@ -44,7 +44,7 @@ def test_whiten_group_size_zero_whitens_each_process_batch():
     ],
 )
 def test_sizes_that_rule_out_oai_ranks_whiten_per_process_with_the_reason(world, ppo, reason):
-    args = oai_presets()["sentiment"]
+    args = task_presets()["sentiment"]
     args.ppo = dataclasses.replace(args.ppo, nminibatches=2 if "whiten" in reason else 1, **ppo)
     sizes = derive_sizes(args, world)
     assert (sizes.group, sizes.virtual_ranks) == (sizes.batch, 1)
@@ -52,8 +52,8 @@ def test_sizes_that_rule_out_oai_ranks_whiten_per_process_with_the_reason(world,
 
 
 def test_dry_run_prints_oai_ranks_and_warns_when_it_cannot(tmp_path, capsys):
-    args = oai_presets()["sentiment"]
-    args.output_dir, args.dry_run = str(tmp_path), True
+    args = task_presets()["sentiment"]
+    args.run.output_dir, args.run.dry_run = str(tmp_path), True
     args.rewards.trained_model = "vader"  # a dry run checks its inputs: a reward with none to check
     assert main(args) == []
     out = capsys.readouterr().out

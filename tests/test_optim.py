@@ -11,6 +11,7 @@ import train_policy
 import train_reward
 from lm_human_preference_details import cli, optim
 from lm_human_preference_details.optim import AdamTensorFlowStyle, make_optimizer
+from lm_human_preference_details.settings import with_run
 from tests.conftest import write_queries
 from tests.memory import PeakAllocation
 from tests.test_train_policy import save_reward_model, tiny_args, tiny_task
@@ -290,7 +291,7 @@ def test_train_policy_weight_decay_gives_adamw_over_the_trained_parameters(tmp_p
     reward = save_reward_model(tmp_path / "reward", tiny_model_dir, tiny_task(queries))
     args = tiny_args(tmp_path / "policy", tiny_model_dir, reward, queries)
     args.use_tensorflow_adam, args.weight_decay = False, 0.01
-    built = stop_at_optimizer(monkeypatch, train_policy)
+    built = stop_at_optimizer(monkeypatch, train_policy.optim)
     with pytest.raises(OptimizerBuilt):
         train_policy.main(args)
     (optimizer,) = built
@@ -308,7 +309,6 @@ def test_train_reward_weight_decay_gives_adamw(tmp_path, tiny_model_dir, monkeyp
     args = train_reward.Args(
         base_model=tiny_model_dir,
         label_dataset=str(tmp_path / "labels.json"),
-        output_dir=str(tmp_path / "rm"),
         task=task,
         batch_size=8,
         rollout_batch_size=8,
@@ -316,6 +316,7 @@ def test_train_reward_weight_decay_gives_adamw(tmp_path, tiny_model_dir, monkeyp
         use_tensorflow_adam=False,
         weight_decay=0.01,
     )
+    args = with_run(args, output_dir=str(tmp_path / "rm"))
     args.labels.num_train = 16
     built = stop_at_optimizer(monkeypatch, train_reward)
     with pytest.raises(OptimizerBuilt):

@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from lm_human_preference_details import checkpoint
+from lm_human_preference_details import checkpoint, output_claim
 from tests.planted import REPO, lock_record, run_script, script_env
 from tests.test_resume import policy_flags, policy_world, script_command  # noqa: F401 (fixture)
 
@@ -76,12 +76,12 @@ def test_a_run_beside_a_live_one_stops_naming_it_and_a_killed_runs_lock_blocks_n
         os.killpg(live.pid, signal.SIGKILL)  # preempted: its lock file stays, unlocked by the OS
         live.wait()
         log.close()
-    assert os.path.exists(out / checkpoint.LOCK_FILE)
+    assert os.path.exists(out / output_claim.LOCK_FILE)
     short = policy_flags(tiny_model_dir, policy_world, out, "--ppo.total_episodes", "8", "--resume", "auto")
     resumed = run_script("train_policy.py", *short)
     assert "--resume auto found no checkpoint" in resumed.stdout  # killed before its first checkpoint
     assert [step for step, _ in checkpoint.list_checkpoints(str(out))] == [1]
-    assert not os.path.exists(out / checkpoint.LOCK_FILE)  # released at the end of the run
+    assert not os.path.exists(out / output_claim.LOCK_FILE)  # released at the end of the run
 
 
 @pytest.mark.slow

@@ -169,7 +169,7 @@ def test_two_processes_share_kl_coef_and_draw_disjoint_queries(tmp_path, small_v
             drawn.extend(queries.tolist())
             return queries
         data.QueryStream.next_batch = recording_next_batch
-        args = parse_args(train_policy.Args, train_policy.oai_presets(), "sentiment", "", {flags!r})[1]
+        args = parse_args(train_policy.Args, train_policy.task_presets(), "sentiment", "", {flags!r})[1]
         history = train_policy.main(args)
         from accelerate import PartialState
         rank = PartialState().process_index

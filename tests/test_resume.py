@@ -14,7 +14,7 @@ import torch
 
 import train_policy
 import train_reward
-from lm_human_preference_details import checkpoint, devices, resume_check
+from lm_human_preference_details import checkpoint, devices, files, resume_check
 from lm_human_preference_details.modeling import PolicyWithValueHead, load_reward_model
 from lm_human_preference_details.resume_check import (  # noqa: F401 (imported from here by other test files)
     final_training_state,
@@ -59,7 +59,7 @@ def policy_world(tmp_path_factory, tiny_model_dir):
     queries = root / "queries.txt"
     write_queries(queries)
     task = dataclasses.replace(
-        train_policy.oai_presets()["sentiment"].task,
+        train_policy.task_presets()["sentiment"].task,
         query_dataset=str(queries),
         query_length=16,
         response_length=8,
@@ -249,6 +249,7 @@ def test_resume_with_changed_settings_lists_them_and_override_continues(finished
     run_dir = tmp_path / "run"
     shutil.copytree(output_dir, run_dir)
     shutil.rmtree(checkpoint.step_dir(str(run_dir), 2))
+    (run_dir / "summary.json").unlink()  # as a kill after update 0 leaves the run: no summary yet
     changed = [*flags[:-2], "--output_dir", str(run_dir), "--resume", "auto", "--ppo.lr", "2e-3", "--seed", "7"]
     changed += ["--dist_timeout", "900", "--filter_warning_rate", "0.5"]  # these do not change what is computed
     with pytest.raises(ValueError, match="other settings") as stop:
@@ -268,6 +269,7 @@ def test_checkpoint_older_than_a_setting_resumes_while_the_run_leaves_it_at_its_
     run_dir = tmp_path / "run"
     shutil.copytree(output_dir, run_dir)
     shutil.rmtree(checkpoint.step_dir(str(run_dir), 2))
+    (run_dir / "summary.json").unlink()  # as a kill after update 0 leaves the run: no summary yet
     meta_path = os.path.join(checkpoint.step_dir(str(run_dir), 1), checkpoint.META_FILE)
     with open(meta_path) as f:
         meta = json.load(f)
@@ -318,15 +320,15 @@ def test_failed_checkpoint_write_leaves_the_previous_one_whole(finished_run, tmp
         moved.append(target)
         real_replace(source, target)
 
-    monkeypatch.setattr(checkpoint.os, "replace", dying_replace)
-    with pytest.raises(KeyboardInterrupt), checkpoint.atomic_files(str(run_dir)) as tmp:
+    monkeypatch.setattr(files.os, "replace", dying_replace)
+    with pytest.raises(KeyboardInterrupt), files.atomic_files(str(run_dir)) as tmp:
         policy.save(tmp)
     monkeypatch.undo()
     with pytest.raises(ValueError, match="save was interrupted.*--resume auto"):
         PolicyWithValueHead.load(str(run_dir))
     # resuming the finished run writes the policy again, whole
     train_policy.main(train_policy.parse([*flags[:-2], "--output_dir", str(run_dir), "--resume", "auto"]))
-    assert not (run_dir / checkpoint.SAVING_MARKER).exists()
+    assert not (run_dir / files.SAVING_MARKER).exists()
     PolicyWithValueHead.load(str(run_dir))
 
 

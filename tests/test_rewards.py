@@ -62,7 +62,7 @@ def test_ppo_raises_a_programmatic_reward(
     args.ppo.total_episodes = 16 * updates
     args.rewards.kl_coef, args.rewards.adaptive_kl.enabled = 0.05, False
     args.rewards.normalize_samples = normalize_samples
-    args.log_interval = 100
+    args.run.log_interval = 100
     history = main(args)
     scores = [stats["objective/score"] for stats in history]
     # 16 episodes per update: the initial std of one update's mean is ~0.12 (VADER) and ~0.25 (normalized count), so
@@ -219,7 +219,7 @@ def test_missing_reward_file_or_function_is_one_line(tmp_path, tokenizer, spec, 
 def test_bad_reward_function_stops_the_run_before_anything_is_saved(tmp_path, small_vocab_model_dir, query_file):
     path = reward_file(tmp_path, "def score(queries, responses):\n    return [float('nan')] * len(responses)\n")
     args = no_filter_args(tmp_path / "policy", small_vocab_model_dir, query_file, f"python:{path}:score")
-    args.save_interval = 1
+    args.run.save_interval = 1
     with pytest.raises(ValueError, match=r"reward function python:.*reward.py:score .* non-finite score nan"):
         main(args)
     assert not os.path.exists(tmp_path / "policy" / "model.safetensors")
@@ -231,7 +231,7 @@ def test_bad_reward_function_stops_the_run_before_anything_is_saved(tmp_path, sm
 
 def test_normalization_gain_and_bias_are_saved_and_restored_on_resume(tmp_path, small_vocab_model_dir, query_file):
     args = no_filter_args(tmp_path / "policy", small_vocab_model_dir, query_file, WORD_REWARD, total_episodes=16)
-    args.rewards.normalize_samples, args.save_interval, args.keep_checkpoints = 16, 1, 0
+    args.rewards.normalize_samples, args.run.save_interval, args.run.keep_checkpoints = 16, 1, 0
     main(args)
     saved = json.loads((tmp_path / "policy" / "args.json").read_text())["rewards"]["normalization"]
     step1 = checkpoint.step_dir(str(tmp_path / "policy"), 1)
@@ -244,7 +244,7 @@ def test_normalization_gain_and_bias_are_saved_and_restored_on_resume(tmp_path, 
     with open(meta_path, "w") as f:
         json.dump(meta, f)
     resumed = no_filter_args(tmp_path / "policy", small_vocab_model_dir, query_file, WORD_REWARD, total_episodes=16)
-    resumed.rewards.normalize_samples, resumed.resume = 16, step1
+    resumed.rewards.normalize_samples, resumed.run.resume = 16, step1
     (stats,) = main(resumed)
     assert stats["objective/score"] == 5.0
     assert json.loads((tmp_path / "policy" / "args.json").read_text())["rewards"]["normalization"]["bias"] == 5.0

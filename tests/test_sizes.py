@@ -6,7 +6,16 @@ import pytest
 
 import train_policy
 import train_reward
-from lm_human_preference_details.sizes import RewardSizes, derive_reward_sizes, derive_sizes
+import train_sft
+from lm_human_preference_details.sizes import (
+    RewardSizes,
+    SftSizes,
+    ceil_div,
+    derive_reward_sizes,
+    derive_sft_sizes,
+    derive_sizes,
+    exact_div,
+)
 
 
 def policy_args(**ppo) -> train_policy.Args:
@@ -71,3 +80,43 @@ def test_reward_size_that_does_not_divide_names_its_flag(flags, words):
     with pytest.raises(ValueError) as error:
         derive_reward_sizes(args, world=4)
     assert str(error.value).startswith(words)
+
+
+def test_sft_sizes_split_the_batch_over_processes_and_the_pairs_into_whole_steps():
+    args = train_sft.Args(batch_size=16, gradient_accumulation_steps=2)
+    assert derive_sft_sizes(args, world=4, rows=70) == SftSizes(world=4, batch=4, micro=2, steps=4, left_over=6)
+
+
+@pytest.mark.parametrize(
+    "flags, words",
+    [
+        (dict(batch_size=6), "--batch_size 6 does not split over 4 processes; pass a multiple of 4."),
+        (dict(gradient_accumulation_steps=3), "--gradient_accumulation_steps 3 does not divide the pairs per process"),
+        (dict(batch_size=128), "--batch_size 128 is more than the 70 usable pairs of --dataset; pass at most 70"),
+    ],
+)
+def test_sft_size_that_does_not_divide_names_its_flag(flags, words):
+    args = train_sft.Args(**{"batch_size": 16, **flags})
+    with pytest.raises(ValueError) as error:
+        derive_sft_sizes(args, world=4, rows=70)
+    assert str(error.value).startswith(words)
+
+
+def test_exact_div_returns_quotient():
+    assert exact_div(512, 8, "ppo.batch_size / world_size") == 64
+
+
+def test_exact_div_error_names_both_numbers_and_what():
+    with pytest.raises(ValueError) as excinfo:
+        exact_div(510, 8, "ppo.batch_size / world_size")
+    message = str(excinfo.value)
+    assert "510" in message and "8" in message and "ppo.batch_size / world_size" in message
+
+
+def test_exact_div_zero_divisor_raises_value_error():
+    with pytest.raises(ValueError, match="labels.num_train"):
+        exact_div(4, 0, "labels.num_train")
+
+
+def test_ceil_div_rounds_up():
+    assert [ceil_div(a, 4) for a in (0, 1, 4, 5, 8, 9)] == [0, 1, 1, 2, 2, 3]

@@ -543,12 +543,12 @@ def long_context_model_dir(tmp_path_factory, tokenizer):
 @pytest.mark.parametrize("preset", ["sentiment", "tldr", "cnndm"])
 def test_tiny_policy_run_with_oai_task_settings(preset_sources, tmp_path, long_context_model_dir, one_thread, preset):
     from tests.test_train_policy import save_reward_model
-    from train_policy import main, oai_presets
+    from train_policy import main, task_presets
 
-    args = oai_presets()[preset]
-    args.base_model, args.output_dir = long_context_model_dir, str(tmp_path / "policy")
+    args = task_presets()[preset]
+    args.base_model, args.run.output_dir = long_context_model_dir, str(tmp_path / "policy")
     args.rewards.trained_model = save_reward_model(tmp_path / "reward", long_context_model_dir, args.task)
-    args.log_interval, args.save_interval, args.print_samples = 1, 0, 1
+    args.run.log_interval, args.run.save_interval, args.run.print_samples = 1, 0, 1
     args.ppo = dataclasses.replace(args.ppo, total_episodes=8, batch_size=8, noptepochs=1)
     history = main(args)
     assert args.task == TASKS[preset]  # the task's data, query and response settings are OAI's
@@ -559,14 +559,14 @@ def test_tiny_policy_run_with_oai_task_settings(preset_sources, tmp_path, long_c
 
 @pytest.mark.slow
 def test_tiny_reward_run_with_oai_label_source(preset_sources, tmp_path, long_context_model_dir, one_thread):
-    from train_reward import main, oai_presets
+    from train_reward import main, task_presets
 
-    args = oai_presets()["sentiment"]
-    args.base_model, args.output_dir = long_context_model_dir, str(tmp_path / "reward")
+    args = task_presets()["sentiment"]
+    args.base_model, args.run.output_dir = long_context_model_dir, str(tmp_path / "reward")
     args.labels.num_train, args.batch_size, args.rollout_batch_size, args.normalize_samples = 4, 4, 8, 8
     result = main(args)
     assert args.label_dataset == "sentiment/offline_5k.json" and args.task == TASKS["sentiment"]
-    assert os.path.isdir(args.output_dir) and result
+    assert os.path.isdir(args.run.output_dir) and result
     assert sorted(preset_sources.requests) == [
         "/lm-human-preferences/datasets/book_passages/train.jsonl",
         "/lm-human-preferences/labels/sentiment/offline_5k.json",

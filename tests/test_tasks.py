@@ -13,7 +13,7 @@ import pytest
 import torch
 import tyro
 
-from lm_human_preference_details.checkpoint import RESUME_IGNORED, setting_differences
+from lm_human_preference_details.resumable import RESUME_IGNORED, setting_differences
 from lm_human_preference_details.tasks import (
     TASKS,
     PassRateAlarm,

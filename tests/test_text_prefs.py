@@ -11,6 +11,7 @@ import label_generation
 import train_reward
 from lm_human_preference_details.hub import HubUnavailableError
 from lm_human_preference_details.labels import OAI_PAD_TOKEN, read_label_rows
+from lm_human_preference_details.settings import with_run
 from lm_human_preference_details.text_prefs import load_labels_or_pairs, read_text_pairs, tokenize_pairs
 from tests.planted import books_task, write_query_file
 
@@ -140,7 +141,6 @@ def test_a_text_preference_file_trains_a_reward_model(tmp_path, tiny_model_dir, 
     args = train_reward.Args(
         base_model=tiny_model_dir,
         label_dataset=str(tmp_path / "prefs.jsonl"),
-        output_dir=str(tmp_path / "rm"),
         task=task,
         labels=train_reward.LabelHParams(type="best_of_2", num_train=32),
         batch_size=8,
@@ -149,6 +149,7 @@ def test_a_text_preference_file_trains_a_reward_model(tmp_path, tiny_model_dir, 
         normalize_samples=16,
         normalize_after=False,
     )
+    args = with_run(args, output_dir=str(tmp_path / "rm"))
     result = train_reward.main(args)
     before, after = result["eval_before"], result["eval_after"]
     assert after["rows"] == 16 and after["loss"] < before["loss"] and after["accuracy"] > before["accuracy"]

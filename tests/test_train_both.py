@@ -11,8 +11,9 @@ import pytest
 import train_both
 from demo import sft_data
 from demo import world as demo_world
-from lm_human_preference_details import checkpoint
-from tests.planted import run_script, write_policy_planted_labels
+from lm_human_preference_details import checkpoint, files
+from lm_human_preference_details.settings import recorded, with_run
+from tests.planted import file_digests, run_script, write_policy_planted_labels
 from tests.test_resume import (
     max_metric_difference,
     max_weight_difference,
@@ -74,7 +75,11 @@ def test_sft_stage_takes_the_flags_all_stages_take_and_gives_its_model_to_the_ot
     assert policy == ["--base_model", "gpt2", "--seed", "4"]
     pipeline = train_both.parse(flags)
     sft_dir = str(tmp_path / "sft")
-    assert (pipeline.sft.dataset, pipeline.sft.base_model, pipeline.sft.output_dir) == ("sft.jsonl", "gpt2", sft_dir)
+    assert (pipeline.sft.dataset, pipeline.sft.base_model, pipeline.sft.run.output_dir) == (
+        "sft.jsonl",
+        "gpt2",
+        sft_dir,
+    )
     assert (pipeline.sft.lr, pipeline.sft.batch_size, pipeline.sft.seed) == (1e-5, 8, 4)
     assert pipeline.reward.base_model == pipeline.policy.base_model == sft_dir and pipeline.reward.lr == 1e-4
     assert pipeline.commands[0].startswith("train_sft.py ") and len(pipeline.commands) == 3
@@ -90,13 +95,13 @@ def test_sft_stage_counts_as_finished_only_with_a_whole_args_json_of_these_setti
     args_json = tmp_path / "sft" / "args.json"
     args_json.parent.mkdir()
     assert not train_both.sft_finished(sft)  # nothing saved yet
-    args_json.write_text(json.dumps(dataclasses.asdict(sft)), encoding="utf-8")
+    args_json.write_text(json.dumps(recorded(sft)), encoding="utf-8")
     assert train_both.sft_finished(sft)
-    assert train_both.sft_finished(dataclasses.replace(sft, save_interval=7))  # does not change what is trained
+    assert train_both.sft_finished(with_run(sft, save_interval=7))  # does not change what is trained
     assert not train_both.sft_finished(dataclasses.replace(sft, lr=1e-5))
-    (tmp_path / "sft" / checkpoint.SAVING_MARKER).touch()  # its files being replaced
+    (tmp_path / "sft" / files.SAVING_MARKER).touch()  # its files being replaced
     assert not train_both.sft_finished(sft)
-    (tmp_path / "sft" / checkpoint.SAVING_MARKER).unlink()
+    (tmp_path / "sft" / files.SAVING_MARKER).unlink()
     args_json.write_text(args_json.read_text()[:40], encoding="utf-8")  # cut short
     assert not train_both.sft_finished(sft)
 
@@ -111,6 +116,18 @@ def test_pipeline_runs_on_the_demo_world_and_resumes_after_a_kill(tmp_path, tiny
     reward_meta = json.loads((whole / "reward_model" / "reward_model.json").read_text())
     assert reward_meta["task"]["response_length"] == 8 and reward_meta["num_train"] == 32
     assert checkpoint.list_checkpoints(str(whole / "policy"))[-1][0] == 4
+    # the same command again: a finished pipeline is reported and kept, every file (policy/summary.json too)
+    finished = file_digests(whole)
+    capsys.readouterr()
+    train_both.main(train_both.parse(pipeline_flags(tiny_model_dir, pipeline_world, whole)))
+    assert "policy training already finished: kept as it is" in capsys.readouterr().out
+    assert file_digests(whole) == finished
+    # another seed is another run: no --allow_resume_changes relabels the finished one
+    other_seed = [*pipeline_flags(tiny_model_dir, pipeline_world, whole), "--seed", "2", "--allow_resume_changes"]
+    with pytest.raises(ValueError, match="finished its 4 steps with other settings: seed: checkpoint 1, now 2") as stop:
+        train_both.main(train_both.parse(other_seed))
+    assert "another --output_dir" in str(stop.value)
+    assert file_digests(whole) == finished
 
     # SIGKILL during the policy stage (its first checkpoint on disk), then the same command
     killed = tmp_path / "killed"

@@ -27,6 +27,7 @@ from lm_human_preference_details.ppo_plumbing import (
     progress_text,
     run_summary,
 )
+from lm_human_preference_details.settings import with_run
 from lm_human_preference_details.sizes import derive_sizes
 from lm_human_preference_details.tasks import TaskHParams, truncate_response
 from lm_human_preference_details.tokenizer import load_tokenizer, tokenizer_fingerprint
@@ -42,8 +43,8 @@ from train_policy import (
     main,
     minibatch_advantages,
     minibatch_indices,
-    oai_presets,
     ppo_losses,
+    task_presets,
     virtual_rank_rngs,
     whiten,
 )
@@ -89,7 +90,8 @@ pytestmark = pytest.mark.usefixtures("single_thread")
 def test_compute_rewards_matches_tv5():
     ref_logprobs = torch.tensor([[-3.3213, -4.9980, -3.8690]])
     logprobs = torch.tensor([[-3.6528, -5.0406, -3.2339]])
-    rewards, non_score_reward, kl = compute_rewards(torch.tensor([0.4]), logprobs, ref_logprobs, kl_coef=0.15)
+    last_token = torch.tensor([2])  # the score goes to the last token (spec P4)
+    rewards, non_score_reward, kl = compute_rewards(torch.tensor([0.4]), logprobs, ref_logprobs, 0.15, "k1", last_token)
     torch.testing.assert_close(kl, torch.tensor([[-0.3315, -0.0426, 0.6351]]), atol=1e-5, rtol=0)
     torch.testing.assert_close(non_score_reward, torch.tensor([[0.049725, 0.00639, -0.095265]]), atol=1e-6, rtol=0)
     torch.testing.assert_close(rewards, torch.tensor([[0.049725, 0.00639, 0.304735]]), atol=1e-6, rtol=0)
@@ -141,14 +143,14 @@ def test_closing_table_and_progress_text_name_the_figures_and_where_the_outputs_
         {"objective/score": 0.5, "objective/kl": 2.25, "objective/kl_coef": 0.14, "elapsed/episodes": 64},
     ]
     history[1]["elapsed/time"] = 6.2
-    args = oai_presets()["sentiment"]
+    args = task_presets()["sentiment"]
     console = Console(record=True, width=160)
     print_summary(console, args, run_summary(history, 0, 2, 0.1234, None), "me/policy")
     text = console.export_text()
     assert "policy training done" in text and "2 (64 episodes, 6 s)" in text
     assert "objective/score (update 0 -> 1) │ -1.000 -> 0.500" in text and "0.000 -> 2.250" in text
     assert "kl_coef (update 0 -> after 1)   │ 0.1500 -> 0.1234" in text and "diverged" not in text
-    assert args.output_dir in text and f"{args.output_dir}/tb" in text and "me/policy" in text
+    assert args.run.output_dir in text and f"{args.run.output_dir}/tb" in text and "me/policy" in text
     # resumed at update 5: every start value is the resume point's (kl_coef too, not --rewards.kl_coef)
     history[0]["objective/kl_coef"] = 0.1444
     summary = run_summary(history, 5, 10, 0.1234, {"update": 6, "reason": "objective/kl stayed above 60 nats"})
@@ -165,8 +167,8 @@ def test_closing_table_and_progress_text_name_the_figures_and_where_the_outputs_
 
 
 def test_divergence_watch_reports_a_kl_or_a_pass_rate_collapse_that_lasts():
-    args = oai_presets()["sentiment"]  # limit: 10 x the KL target 6 = 60 nats
-    args.divergence_updates, args.ppo.lr = 3, 0.1
+    args = task_presets()["sentiment"]  # limit: 10 x the KL target 6 = 60 nats
+    args.run.divergence_updates, args.ppo.lr = 3, 0.1
     watch = DivergenceWatch(args)
 
     def run(kls: list[float], rates: list[float]) -> dict[int, str]:
@@ -193,10 +195,10 @@ def test_divergence_watch_reports_a_kl_or_a_pass_rate_collapse_that_lasts():
         in (watch.diverged["reason"])
     )
     # --divergence_kl sets the limit; --divergence_updates 0 turns detection off
-    args.divergence_kl = 20.0
+    args.run.divergence_kl = 20.0
     watch = DivergenceWatch(args)
     assert list(run([25, 25, 25], [0.5] * 3)) == [2] and "above 20 nats (--divergence_kl)" in watch.diverged["reason"]
-    args.divergence_updates = 0
+    args.run.divergence_updates = 0
     watch = DivergenceWatch(args)
     assert run([1e6] * 20, [0.0] * 20) == {} and watch.diverged is None
 
@@ -456,7 +458,7 @@ def test_one_process_with_two_virtual_ranks_reproduces_two_processes(tmp_path):
 
 
 def test_oai_presets_match_launch_settings():
-    presets = oai_presets()
+    presets = task_presets()
     for name in ("sentiment", "descriptiveness"):
         args = presets[name]
         rewards, ppo = args.rewards, args.ppo
@@ -472,11 +474,11 @@ def test_oai_presets_match_launch_settings():
 
 
 def test_cli_task_preset_can_be_overridden():
-    task, args = parse_args(Args, oai_presets(), "sentiment", "", argv=["--task", "tldr", "--rewards.kl_coef", "0.05"])
+    task, args = parse_args(Args, task_presets(), "sentiment", "", argv=["--task", "tldr", "--rewards.kl_coef", "0.05"])
     assert task == "tldr" and args.task_id == "tldr"
     assert args.rewards.kl_coef == 0.05 and not args.rewards.adaptive_kl.enabled and args.task.query_length == 500
     argv = ["--ppo.whiten_group_size", "64", "--no_use_tensorflow_adam"]
-    _, args = parse_args(Args, oai_presets(), "sentiment", "", argv=argv)
+    _, args = parse_args(Args, task_presets(), "sentiment", "", argv=argv)
     assert args.ppo.whiten_group_size == 64 and not args.use_tensorflow_adam and args.rewards.adaptive_kl.enabled
 
 
@@ -498,7 +500,7 @@ def test_args_every_field_has_a_docstring():
 
 def tiny_task(query_file: str, preset: str = "sentiment") -> TaskHParams:
     """A preset's task shrunk to 16-token queries and 8-token responses of the test corpus."""
-    task = oai_presets()[preset].task
+    task = task_presets()[preset].task
     shrunk = dict(query_length=16, response_length=8, start_text=None, end_text=None, truncate_after=2)
     return dataclasses.replace(task, query_dataset=query_file, truncate_token=13, truncate_text=None, **shrunk)
 
@@ -527,9 +529,9 @@ def reward_model_dir(tmp_path_factory, tiny_model_dir, query_file):
 
 def tiny_args(output_dir, model_dir: str, rm_dir: str, query_file: str, preset: str = "sentiment", **ppo) -> Args:
     """A preset shrunk to a tiny run: 8-episode updates of 16-token queries and 8-token responses."""
-    args = oai_presets()[preset]
-    args.base_model, args.output_dir = model_dir, str(output_dir)
-    args.log_interval, args.save_interval, args.print_samples = 1, 0, 2
+    args = task_presets()[preset]
+    args.base_model, args.run.output_dir = model_dir, str(output_dir)
+    args.run.log_interval, args.run.save_interval, args.run.print_samples = 1, 0, 2
     args.task = tiny_task(query_file, preset)
     args.rewards.trained_model = rm_dir
     args.ppo = dataclasses.replace(args.ppo, **{"total_episodes": 16, "batch_size": 8, **ppo})
@@ -609,9 +611,9 @@ def test_main_rollout_in_micro_batches_tracks_the_whole_batch(
     # --rollout_micro_batch_size 3: the 8 episodes decode and meet the reference policy 3, 3 and 2 at a time, each
     # with its own random numbers: the same responses, so the same update up to float rounding
     rows = {"sampled": [], "referenced": []}
-    sample, forward = train_policy.sample, PolicyWithValueHead.forward
+    sample, forward = train_policy.modeling.sample, PolicyWithValueHead.forward
     monkeypatch.setattr(
-        train_policy, "sample", lambda *a, **k: rows["sampled"].append(k["max_rows"]) or sample(*a, **k)
+        train_policy.modeling, "sample", lambda *a, **k: rows["sampled"].append(k["max_rows"]) or sample(*a, **k)
     )
 
     def recording_forward(self, query_responses, *args, **kwargs):
@@ -624,7 +626,7 @@ def test_main_rollout_in_micro_batches_tracks_the_whole_batch(
     whole = main(tiny_args(tmp_path / "whole", tiny_model_dir, reward_model_dir, query_file, **common))
     assert rows == {"sampled": [8], "referenced": [8]}
     chunked_args = tiny_args(tmp_path / "chunked", tiny_model_dir, reward_model_dir, query_file, **common)
-    chunked_args.rollout_micro_batch_size = 3
+    chunked_args.run.rollout_micro_batch_size = 3
     chunked = main(chunked_args)
     assert rows == {"sampled": [8, 3], "referenced": [8, 3, 3, 2]}
     for key in ("objective/score", "objective/kl", "objective/entropy", "debug/num_eos", "ppo/loss/total"):
@@ -652,7 +654,7 @@ def test_main_gradient_checkpointing_and_bf16_track_the_plain_update(
 ):
     def train(name: str, **flags) -> tuple[dict, dict]:
         args = tiny_args(tmp_path / name, tiny_model_dir, reward_model_dir, query_file, total_episodes=8, lr=1e-3)
-        history = main(dataclasses.replace(args, **flags))
+        history = main(with_run(args, **flags))
         return history[0], policy_state(tmp_path / name)
 
     (plain, plain_state), (checkpointed, checkpointed_state) = (
@@ -699,7 +701,7 @@ def test_main_trains_with_virtual_ranks(tmp_path, tiny_model_dir, reward_model_d
     ],
 )
 def test_main_sizes_that_do_not_divide_raise(tmp_path, ppo, numbers):
-    args = Args(output_dir=str(tmp_path), dry_run=True)
+    args = with_run(Args(), output_dir=str(tmp_path), dry_run=True)
     args.ppo = dataclasses.replace(args.ppo, **ppo)
     with pytest.raises(ValueError) as error:
         main(args)
@@ -707,7 +709,7 @@ def test_main_sizes_that_do_not_divide_raise(tmp_path, ppo, numbers):
 
 
 def test_main_whitening_group_below_eight_raises(tmp_path):
-    args = Args(output_dir=str(tmp_path), dry_run=True)
+    args = with_run(Args(), output_dir=str(tmp_path), dry_run=True)
     args.ppo = dataclasses.replace(args.ppo, batch_size=8, nminibatches=2)
     with pytest.raises(ValueError, match="at least 8 episodes"):
         main(args)
@@ -790,7 +792,7 @@ def test_main_raises_on_non_finite_scores(tmp_path, tiny_model_dir, query_file):
     weights["score.weight"] = torch.full_like(weights["score.weight"], 3e38)
     save_file(weights, os.path.join(rm_dir, "model.safetensors"), metadata={"format": "pt"})
     args = tiny_args(tmp_path / "policy", tiny_model_dir, rm_dir, query_file, total_episodes=8)
-    args.task, args.save_interval = task, 1
+    args.task, args.run.save_interval = task, 1
     with pytest.raises(ValueError, match=r"non-finite scores \(8 entries\), rewards .* at update 0; stopped before"):
         main(args)
     assert not os.path.exists(tmp_path / "policy" / "model.safetensors")  # nothing saved
@@ -836,7 +838,7 @@ def recorded_ppo_update(monkeypatch, **ppo) -> tuple[dict, list[dict], list[torc
 
     monkeypatch.setattr(train_policy, "ppo_losses", recording_losses)
     monkeypatch.setattr(PolicyWithValueHead, "forward", recording_forward)
-    optimizer = train_policy.make_optimizer(list(policy.parameters()), 1e-2, True)
+    optimizer = train_policy.optim.make_optimizer(list(policy.parameters()), 1e-2, True)
     accelerator = distributed.make_accelerator()
     stats = train_policy.ppo_update(policy, optimizer, rollout, indices, sizes, args.ppo, temperature, PAD)
     return train_policy.reduce_stats(stats.local(), accelerator), calls, entropies
@@ -914,8 +916,8 @@ def test_main_logs_eos_count_and_filter_pass_rate_of_the_raw_responses(tmp_path,
     small_vocab_gpt2([tokenizer.eos_token_id, 13, *tokenizer.encode(" the cat")]).save_pretrained(model_dir)
     tokenizer.save_pretrained(model_dir)
     rm_dir = save_reward_model(tmp_path / "reward", str(model_dir), tiny_task(query_file))
-    sampled, sample = [], train_policy.sample
-    monkeypatch.setattr(train_policy, "sample", lambda *a, **k: sampled.append(sample(*a, **k)) or sampled[-1])
+    sampled, sample = [], train_policy.modeling.sample
+    monkeypatch.setattr(train_policy.modeling, "sample", lambda *a, **k: sampled.append(sample(*a, **k)) or sampled[-1])
     (stats,) = main(tiny_args(tmp_path / "policy", str(model_dir), rm_dir, query_file, total_episodes=8))
     responses = sampled[0][0]
     eos = (responses == tokenizer.eos_token_id).sum(1).double()

@@ -20,6 +20,7 @@ from lm_human_preference_details.modeling import (
     load_reward_model,
     sample,
 )
+from lm_human_preference_details.settings import with_run
 from tests.planted import (
     REPO,
     books_task,
@@ -145,7 +146,7 @@ def test_score_label_rows_matches_separate_forwards(tiny_model_dir, tokenizer):
 
 
 def test_presets_follow_oai_launch():
-    tldr, sentiment = train_reward.oai_presets()["tldr"], train_reward.oai_presets()["sentiment"]
+    tldr, sentiment = train_reward.task_presets()["tldr"], train_reward.task_presets()["sentiment"]
     assert (sentiment.labels.num_train, sentiment.batch_size, sentiment.lr, sentiment.rollout_batch_size) == (
         4992,
         32,
@@ -154,7 +155,7 @@ def test_presets_follow_oai_launch():
     )
     assert (tldr.labels.num_train, tldr.batch_size, tldr.lr, tldr.rollout_batch_size) == (46000, 16, 2.5e-5, 128)
     assert tldr.label_dataset == "tldr/online_45k.json" and tldr.task.query_length == 500
-    assert train_reward.oai_presets()["descriptiveness"].label_dataset == "descriptiveness/offline_5k.json"
+    assert train_reward.task_presets()["descriptiveness"].label_dataset == "descriptiveness/offline_5k.json"
 
 
 @pytest.mark.slow
@@ -197,13 +198,13 @@ def test_label_order_is_rank_zero_permutation_of_seed(tmp_path, tiny_model_dir, 
     args = train_reward.Args(
         base_model=tiny_model_dir,
         label_dataset=str(world["labels"]),
-        output_dir=str(tmp_path / "rm"),
         task=books_task(query_dataset=str(world["corpus"]), query_length=QUERY_LENGTH, response_length=RESPONSE_LENGTH),
         labels=train_reward.LabelHParams(num_train=64),
         batch_size=16,
         normalize_before=False,
         normalize_after=False,
     )
+    args = with_run(args, output_dir=str(tmp_path / "rm"))
     result = train_reward.main(args)
     assert result["label_indices"] == np.random.RandomState(args.seed).permutation(64).tolist()  # spec R6, TV13
 
@@ -213,7 +214,6 @@ def test_gradient_accumulation_gives_the_same_update(tmp_path, tiny_model_dir, w
         args = train_reward.Args(
             base_model=tiny_model_dir,
             label_dataset=str(world["labels"]),
-            output_dir=str(tmp_path / f"rm{accumulation}"),
             task=books_task(
                 query_dataset=str(world["corpus"]), query_length=QUERY_LENGTH, response_length=RESPONSE_LENGTH
             ),
@@ -224,8 +224,9 @@ def test_gradient_accumulation_gives_the_same_update(tmp_path, tiny_model_dir, w
             normalize_before=False,
             normalize_after=False,
         )
+        args = with_run(args, output_dir=str(tmp_path / f"rm{accumulation}"))
         train_reward.main(args)
-        return load_reward_model(args.output_dir)[0].state_dict()
+        return load_reward_model(args.run.output_dir)[0].state_dict()
 
     one, four = train(1), train(4)
     for name in one:
@@ -250,10 +251,10 @@ def test_gradient_checkpointing_and_bf16_runs_track_the_plain_run(tmp_path, tiny
             **flags,
         )
         train_reward.main(args)
-        events = EventAccumulator(os.path.join(args.output_dir, "tb"))
+        events = EventAccumulator(os.path.join(args.run.output_dir, "tb"))
         events.Reload()
         losses = [event.value for event in events.Scalars("train_reward/minibatch/loss")]
-        return load_reward_model(args.output_dir)[0].state_dict(), losses
+        return load_reward_model(args.run.output_dir)[0].state_dict(), losses
 
     plain, plain_losses = train("plain")
     checkpointed, checkpointed_losses = train("checkpointed", gradient_checkpointing=True)
@@ -292,9 +293,9 @@ def reward_args(tmp_path, model_dir, world, label_file, **overrides) -> train_re
     task = books_task(query_dataset=str(world["corpus"]), query_length=QUERY_LENGTH, response_length=RESPONSE_LENGTH)
     settings = dict(batch_size=16, lr=1e-3, rollout_batch_size=16, normalize_samples=16, normalize_after=False)
     settings.update(overrides)
-    return train_reward.Args(
-        base_model=model_dir, label_dataset=str(label_file), output_dir=str(tmp_path / "rm"), task=task, **settings
-    )
+    run = {key: settings.pop(key) for key in list(settings) if key in ("gradient_checkpointing", "bf16")}
+    args = train_reward.Args(base_model=model_dir, label_dataset=str(label_file), task=task, **settings)
+    return with_run(args, output_dir=str(tmp_path / "rm"), **run)
 
 
 @pytest.mark.parametrize("kind", ["scalar_rating", "scalar_compare"])
@@ -408,12 +409,13 @@ def test_two_processes_agree_on_weights_and_shard_labels_like_oai(tmp_path, tiny
         import train_reward
         from tests.planted import books_task
         args = train_reward.Args(
-            base_model={tiny_model_dir!r}, label_dataset={str(world["labels"])!r}, output_dir={str(tmp_path / "rm")!r},
+            base_model={tiny_model_dir!r}, label_dataset={str(world["labels"])!r},
             task=books_task(query_dataset={str(world["corpus"])!r}, query_length={QUERY_LENGTH},
                              response_length={RESPONSE_LENGTH}),
             labels=train_reward.LabelHParams(num_train=64), batch_size=16, lr=1e-3, rollout_batch_size=32,
             normalize_samples=32,
         )
+        args.run.output_dir = {str(tmp_path / "rm")!r}
         result = train_reward.main(args)
         from accelerate import PartialState
         rank = PartialState().process_index

@@ -16,7 +16,7 @@ import train_reward
 import train_sft
 from lm_human_preference_details import checkpoint, cli, validation
 from lm_human_preference_details.modeling import PolicyWithValueHead, load_causal_lm
-from lm_human_preference_details.nplus import sft
+from lm_human_preference_details.nplus import sft_data
 from lm_human_preference_details.resume_check import (
     final_training_state,
     max_metric_difference,
@@ -67,8 +67,13 @@ def make_args(model_dir: str, dataset: str, output_dir="unused", *extra: str) ->
     return train_sft.parse(flags(model_dir, dataset, output_dir, *extra))
 
 
-def plain_pairs(*rows: tuple[str, str]) -> sft.Pairs:
-    return sft.Pairs([p for p, _ in rows], [c for _, c in rows], [False] * len(rows), "test")
+def plain_pairs(*rows: tuple[str, str]) -> sft_data.Pairs:
+    return sft_data.Pairs([p for p, _ in rows], [c for _, c in rows], [False] * len(rows), "test")
+
+
+def tokens_and_mask(pairs: sft_data.Pairs, tokenizer, loss_on: str = "all") -> sft_data.SftData:
+    """The pairs tokenized as train_sft.py tokenizes them (at most 64 tokens), with its loss mask."""
+    return train_sft.with_loss_mask(sft_data.tokenize_pairs(pairs, tokenizer, 64), tokenizer.pad_token_id, loss_on)
 
 
 # ---------------------------------------------------------------- tokens and the loss
@@ -76,7 +81,7 @@ def plain_pairs(*rows: tuple[str, str]) -> sft.Pairs:
 
 def test_eos_is_appended_and_pads_are_distinct_and_never_targets(tokenizer):
     pairs = plain_pairs(("  Say hi: ", " hi there"), ("Q: 1+1=", " 2"))
-    data = sft.tokenize_pairs(pairs, tokenizer, 64, "all")
+    data = tokens_and_mask(pairs, tokenizer)
     eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
     assert pad != eos
     for row, (prompt, completion) in enumerate(zip(pairs.prompts, pairs.completions)):
@@ -87,6 +92,17 @@ def test_eos_is_appended_and_pads_are_distinct_and_never_targets(tokenizer):
         assert data.loss_mask[row, length - 1]  # EOS is a target
     assert not data.loss_mask[data.tokens == pad].any()
     assert not data.loss_mask[:, 0].any()
+
+
+def test_rows_with_nothing_to_learn_are_dropped_and_counted(tokenizer):
+    long_prompt = "Stop here, and say nothing more at all, not a single word." + tokenizer.eos_token
+    pairs = plain_pairs(("Q: 1+1=", " 2"), ("", ""), (long_prompt, ""))
+    everything = tokens_and_mask(pairs, tokenizer, "all")
+    assert everything.empty == 1 and len(everything.tokens) == 2  # EOS alone: nothing predicts it
+    completion = tokens_and_mask(pairs, tokenizer, "completion")
+    assert completion.empty == 2 and len(completion.tokens) == 1  # a prompt ending in EOS and no completion
+    assert completion.counted.tolist() == [2]  # " 2" and EOS
+    assert completion.tokens.shape[1] == completion.lengths[0] < everything.tokens.shape[1]  # padded to the kept rows
 
 
 def plain_loss(model, rows: list[list[int]], first_counted: list[int]) -> tuple[torch.Tensor, int]:
@@ -104,7 +120,7 @@ def plain_loss(model, rows: list[list[int]], first_counted: list[int]) -> tuple[
 @pytest.mark.parametrize("loss_on", ["all", "completion"])
 def test_loss_is_the_plain_cross_entropy_over_exactly_the_counted_tokens(tokenizer, loss_on):
     pairs = plain_pairs(("Name the fruit:", " apples it is"), ("A long prompt with many words in it:", " no"))
-    data = sft.tokenize_pairs(pairs, tokenizer, 64, loss_on)
+    data = tokens_and_mask(pairs, tokenizer, loss_on)
     model = tiny_gpt2()
     rows = [data.tokens[i, : data.lengths[i]].tolist() for i in range(2)]
     prompt_lengths = [len(tokenizer.encode(p.strip())) for p in pairs.prompts]
@@ -123,10 +139,10 @@ def test_chat_rows_render_through_the_template_with_the_generation_prompt():
     tokenizer.chat_template = CHAT_TEMPLATE
     tokenizer.add_special_tokens({"pad_token": "[PAD]"})  # as load_tokenizer adds it
     messages = [{"role": "user", "content": "name a fruit"}, {"role": "assistant", "content": "plums"}]
-    prompt, completion = sft.render_chat(messages, tokenizer, "row 0")
+    prompt, completion = sft_data.render_chat(messages, tokenizer, "row 0")
     assert prompt == "<|begin_of_text|><|user|>name a fruit\n<|assistant|>" and completion == "plums\n"
-    pairs = sft.Pairs([prompt], [completion], [True], "test")
-    data = sft.tokenize_pairs(pairs, tokenizer, 64, "completion")
+    pairs = sft_data.Pairs([prompt], [completion], [True], "test")
+    data = tokens_and_mask(pairs, tokenizer, "completion")
     ids = data.tokens[0, : data.lengths[0]].tolist()
     assert ids.count(tokenizer.bos_token_id) == 1 and ids[-1] == tokenizer.eos_token_id  # one BOS, EOS appended
     counted = [t for t, m in zip(ids, data.loss_mask[0].tolist()) if m]
@@ -142,13 +158,13 @@ def test_lr_follows_transformers_cosine_schedule_without_warm_up():
         expected.append(optimizer.param_groups[0]["lr"])
         optimizer.step()
         scheduler.step()
-    assert [3e-6 * sft.cosine_factor(step, steps) for step in range(steps)] == pytest.approx(expected, rel=1e-12)
+    assert [3e-6 * train_sft.cosine_factor(step, steps) for step in range(steps)] == pytest.approx(expected, rel=1e-12)
 
 
 def test_data_order_is_torch_random_samplers_after_seeding():
     torch.manual_seed(5)
     expected = list(torch.utils.data.RandomSampler(range(37)))
-    assert sft.data_order(37, 5).tolist() == expected
+    assert train_sft.data_order(37, 5).tolist() == expected
 
 
 # ---------------------------------------------------------------- runs
@@ -161,7 +177,7 @@ def test_run_learns_saves_a_base_model_and_logs_the_cosine_lr(tmp_path, tiny_mod
     logged = scalars(out)
     steps = len(logged["train/loss"])
     assert steps == 4
-    assert [v for _, v in logged["train/lr"]] == pytest.approx([1e-3 * sft.cosine_factor(s, 4) for s in range(4)])
+    assert [v for _, v in logged["train/lr"]] == pytest.approx([1e-3 * train_sft.cosine_factor(s, 4) for s in range(4)])
     (_, before), (_, after) = logged["eval/loss"]
     assert after < before - 0.2, (before, after)  # the model learns the toy pairs (10.79 -> 10.47)
     # the output is a --base_model: a causal LM, the project's tokenizer with its PAD, args.json

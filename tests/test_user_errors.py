@@ -277,6 +277,7 @@ def test_resumed_run_summary_takes_every_start_value_from_the_resume_point(polic
     resumed_dir = tmp_path / "resumed"
     shutil.copytree(argv[-1], resumed_dir)
     shutil.rmtree(resumed_dir / "training_state" / "step2")
+    (resumed_dir / "summary.json").unlink()  # as a kill after update 0 leaves the run: no summary yet
     code, out, err = run_cli(train_policy, [*argv[:-1], str(resumed_dir), "--resume", "auto"], capsys)
     assert code == 0, err
     # the closing table: every start value is the resume point's, labelled so

@@ -19,6 +19,7 @@ from lm_human_preference_details import ppo_plumbing, validation
 from lm_human_preference_details.data import QueryStream, load_texts
 from lm_human_preference_details.labels import labels_meta_path, save_labels
 from lm_human_preference_details.modeling import PolicyWithValueHead, RewardModel, check_model_dir, load_causal_lm
+from lm_human_preference_details.settings import with_run
 from lm_human_preference_details.tokenizer import load_tokenizer
 from tests.conftest import tiny_gpt2
 from tests.planted import REPO, books_task, write_query_file
@@ -206,16 +207,16 @@ def reward_args(tmp_path, model_dir: str, label_file: str) -> train_reward.Args:
     """A tiny in-process reward run over 32 labels."""
     task = books_task(query_dataset=str(tmp_path / "queries.txt"), query_length=QUERY_LENGTH)
     task.response_length = RESPONSE_LENGTH
-    return train_reward.Args(
+    args = train_reward.Args(
         base_model=model_dir,
         label_dataset=label_file,
-        output_dir=str(tmp_path / "rm"),
         task=task,
         labels=train_reward.LabelHParams(num_train=32),
         batch_size=16,
         rollout_batch_size=16,
         normalize_samples=16,
     )
+    return with_run(args, output_dir=str(tmp_path / "rm"))
 
 
 def test_label_token_ids_beyond_the_vocabulary_stop_before_training(tmp_path, tiny_model_dir):
@@ -309,7 +310,7 @@ def test_policy_diverging_to_nan_weights_stops_before_it_is_saved(
     tmp_path, tiny_model_dir, reward_model_dir, query_file
 ):
     args = tiny_args(tmp_path / "policy", tiny_model_dir, reward_model_dir, query_file, lr=1e38)
-    args.save_interval = 1
+    args.run.save_interval = 1
     with pytest.raises(ValueError, match=r"non-finite .*weights \(\d+ tensors\) at update 0") as error:
         train_policy.main(args)
     assert "gradients" in str(error.value) or "loss" in str(error.value)
@@ -331,7 +332,7 @@ def test_disk_full_while_saving_leaves_the_previous_save_and_nothing_partial(tmp
     import lm_human_preference_details.modeling as modeling
 
     policy, tokenizer = PolicyWithValueHead(tiny_gpt2()), load_tokenizer(tiny_model_dir)
-    args = train_policy.Args(output_dir=str(tmp_path))
+    args = with_run(train_policy.Args(), output_dir=str(tmp_path))
     ppo_plumbing.save_policy(policy, tokenizer, args, str(tmp_path))
     before = tree(tmp_path)
 

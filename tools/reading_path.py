@@ -1,18 +1,28 @@
 """How much a reader meets before a training script's RL math, and how much of its `main` is the algorithm.
 
-    python tools/reading_path.py                         # train_policy.py and train_reward.py as checked out
-    python tools/reading_path.py --rev 37272d1           # the same scripts at a commit
-    python tools/reading_path.py train_policy.py -v      # also list the concepts and main's algorithm lines
+    python tools/reading_path.py                         # the three training scripts as checked out
+    python tools/reading_path.py --rev 37272d1           # the same scripts at a commit (those it has)
+    python tools/reading_path.py train_policy.py -v      # also list concepts, configuration, algorithm lines
 
 One table row per script, every count taken from the script's syntax tree (`ast`), the same way for every script:
 
 - total lines: the file's lines.
-- first math line: the first line that matches the anchor: `ratio =` (PPO's probability ratio) for train_policy.py
-  and any other script, `loss =` (the reward model's label loss) for train_reward.py; `--anchor REGEX` picks another.
+- first math line: the first line that matches the anchor (ANCHORS): `ratio =` (PPO's probability ratio) for
+  train_policy.py and any other script, `loss =` (the reward model's label loss) for train_reward.py, a call of
+  `cross_entropy(` outside a comment (the next-token loss, `F.cross_entropy(...)`) for train_sft.py; `--anchor REGEX`
+  picks another. The lines of a docstring (or any bare string) are skipped: a string that quotes the math is none.
 - concepts before it: the module-level names defined above that line (functions, classes, constants) plus every name
   imported from the project's package (`from lm_human_preference_details.x import a, b` is a and b,
-  `from lm_human_preference_details import core` is core). In brackets, the configuration fields met above it: the
+  `from lm_human_preference_details import core` is core). An imported name is a module when the package has a
+  module or sub-package of that path (`from lm_human_preference_details.nplus import critic` binds the module
+  nplus.critic, as nplus/critic.py exists), else a name of the module it is imported from
+  (`from lm_human_preference_details.modeling import sample` binds a name of modeling); the package's layout is read
+  from the working tree, or at the commit of `--rev`. In brackets, the configuration fields met above it: the
   dataclass fields of `Args` and of the script's own dataclasses that `Args` nests (directly or through another).
+- configuration lines: the lines a reader crosses in the script's configuration above the first math line: those of
+  `Args` and of the script's dataclasses that it nests, and those of its preset functions (module-level functions
+  named `...presets` or `...preset`, or that return `Args`: `-> Args`, `-> dict[str, Args]`, `return Args(...)`),
+  each from its first decorator to its last line.
 - main: the lines of `def main` from its `def` to its last line, then how many of them are algorithm lines: the
   non-blank, non-comment lines of main's statements, its docstring excluded, that are not plumbing; in brackets the
   algorithm statements (a block's header is one), which line wrapping does not change. A statement is plumbing when
@@ -23,10 +33,12 @@ One table row per script, every count taken from the script's syntax tree (`ast`
     plumbing;
   * or it has no call and reads no plumbing name (`x = y.z`, `return`, `pass`) and every other statement of its
     block is plumbing.
-  Plumbing names: the plumbing modules of the package (PLUMBING_MODULES) and every name imported from one; the
-  standard library's bookkeeping (BOOKKEEPING_NAMES: print, time, os, dataclasses, ...); and every name that main
-  binds from a plumbing call or a plumbing `def` (the accelerator, console, tracker, progress bar, saves, stop
-  signal, ...), found by repeating the pass until nothing changes. A name bound by merely reading plumbing
+  Plumbing names: the plumbing modules of the package and every name imported from one (a module is plumbing when
+  PLUMBING_MODULES lists its path or its last name, or when a part of its path contains "plumbing": ppo_plumbing,
+  reward_plumbing, nplus.sft_plumbing; these are the modules that each script's comment above `main` declares
+  plumbing); the standard library's bookkeeping (BOOKKEEPING_NAMES: print, time, os, dataclasses, ...); and every
+  name that main binds from a plumbing call or a plumbing `def` (the accelerator, console, tracker, progress bar,
+  saves, stop signal, ...), found by repeating the pass until nothing changes. A name bound by merely reading plumbing
   (`first = resumed.step`) stays algorithm, and so do main's parameters (`args`), whatever returns them.
   Everything else is algorithm, calls into the script's own functions included. A block's header lines (an `if`
   test, a `for` line, `else:`) count as its header does.
@@ -36,36 +48,48 @@ import argparse
 import ast
 import builtins
 import dataclasses
+import functools
 import re
 import subprocess
 import sys
 from pathlib import Path
+from typing import NamedTuple
 
 REPO = Path(__file__).resolve().parents[1]
 PACKAGE = "lm_human_preference_details"
-SCRIPTS = ("train_policy.py", "train_reward.py")
-ANCHORS = {"train_reward.py": r"^\s*loss\s*="}
+SCRIPTS = ("train_policy.py", "train_reward.py", "train_sft.py")
+# the first math line per script: reward, the label loss; SFT, the next-token cross-entropy (`F.cross_entropy(`,
+# `torch.nn.functional.cross_entropy(` or an imported `cross_entropy(`, wherever its line starts: `return`, `loss =`)
+# with no `#` before it on its line
+ANCHORS = {"train_reward.py": r"^\s*loss\s*=", "train_sft.py": r"^[^#]*\bcross_entropy\("}
 DEFAULT_ANCHOR = r"^\s*ratio\s*="
-# the package's modules (by their last name) that hold no RL math: processes, command line, checks, checkpoints,
-# tracking, files, the hub; those of a plumbing subpackage (any module path with a part named "plumbing") too
+# the package's modules that hold no RL math, by path or last name: processes, devices, sizes, command line, checks,
+# checkpoints, the output directory's claim, the loop's resume and saves, tracking, files, the hub, label files; any
+# module with "plumbing" in a part of its path too (ppo_plumbing, reward_plumbing, nplus.sft_plumbing: see
+# is_plumbing_module)
 PLUMBING_MODULES = {
     "checkpoint",
     "cli",
     "core",
+    "devices",
     "distributed",
     "files",
     "host_syncs",
     "hub",
-    "ppo_plumbing",
+    "labels",
+    "output_claim",
+    "resumable",
     "resume_check",
-    "reward_plumbing",
+    "settings",
+    "sizes",
     "tracking",
     "validation",
 }
 BUILTINS = set(dir(builtins)) - {"print"}  # len(...), list(...), range(...): they decide nothing
 HEADER = (
-    "| script | total lines | first math line | concepts before it (+fields) | lines of main, of them algorithm |\n"
-    "|---|---|---|---|---|"
+    "| script | total lines | first math line | concepts before it (+fields) | configuration lines "
+    "| lines of main, of them algorithm |\n"
+    "|---|---|---|---|---|---|"
 )
 BOOKKEEPING_NAMES = {"contextlib", "dataclasses", "json", "os", "print", "shutil", "sys", "time", "wandb"}
 
@@ -79,6 +103,8 @@ class PathCount:
     anchor_line: int | None
     concepts: list[str]
     fields: list[str]
+    configuration: list[tuple[str, int, int]]  # (class or function, first line, last line) above the anchor line
+    config_lines: int
     main_lines: int
     algorithm_lines: list[int]
     algorithm_statements: int
@@ -88,29 +114,70 @@ class PathCount:
         main = f"{self.main_lines}, {len(self.algorithm_lines)} ({self.algorithm_statements} statements)"
         anchor = self.anchor_line if self.anchor_line is not None else "-"
         concepts = f"{len(self.concepts)} (+{len(self.fields)} fields)"
-        return f"| {self.script} | {self.total_lines} | {anchor} | {concepts} | {main} |"
+        return f"| {self.script} | {self.total_lines} | {anchor} | {concepts} | {self.config_lines} | {main} |"
 
 
 def is_plumbing_module(module: str) -> bool:
-    """Whether `lm_human_preference_details.a.b` (given as "a.b") is a plumbing module."""
+    """Whether `lm_human_preference_details.a.b` (given as "a.b") is a plumbing module: PLUMBING_MODULES lists its
+    path or its last name, or a part of its path contains "plumbing" (ppo_plumbing, a plumbing sub-package)."""
     parts = module.split(".")
-    return parts[-1] in PLUMBING_MODULES or "plumbing" in parts
+    return module in PLUMBING_MODULES or parts[-1] in PLUMBING_MODULES or any("plumbing" in part for part in parts)
 
 
-def package_imports(tree: ast.Module) -> list[tuple[int, str, str]]:
-    """(line, bound name, module path inside the package) of every module-level import from the package."""
+class PackageImport(NamedTuple):
+    """One name a module-level import from the package binds."""
+
+    line: int
+    name: str  # the name bound in the script (`nplus_critic` of `... import critic as nplus_critic`)
+    module: str  # the module's path inside the package ("nplus.critic"; "" is the package's own __init__)
+    binds_module: bool  # the name is the module itself, not one of the module's names
+
+
+@functools.cache
+def package_modules(rev: str | None = None) -> frozenset[str]:
+    """The paths inside the package ("devices", "nplus", "nplus.critic") of its modules and sub-packages, in the
+    working tree or at commit `rev`."""
+    if rev is None:
+        files = [path.relative_to(REPO).as_posix() for path in (REPO / PACKAGE).rglob("*.py")]
+    else:
+        listed = subprocess.run(
+            ["git", "ls-tree", "-r", "--name-only", rev, "--", PACKAGE], cwd=REPO, capture_output=True, text=True
+        )
+        if listed.returncode != 0:
+            sys.exit(f"error: git ls-tree {rev} {PACKAGE} failed: {listed.stderr.strip()}")
+        files = [name for name in listed.stdout.splitlines() if name.endswith(".py")]
+    modules = set()
+    for file in files:
+        parts = file.removesuffix(".py").split("/")[1:]
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        # a module's folders are sub-packages too (with or without an __init__.py)
+        modules |= {".".join(parts[:end]) for end in range(1, len(parts) + 1)}
+    return frozenset(modules)
+
+
+def package_imports(tree: ast.Module, modules: frozenset[str] | set[str]) -> list[PackageImport]:
+    """Every name that a module-level import from the package binds; `modules` is the package's layout
+    (`package_modules`), which tells a module (`from package.nplus import critic`) from a name of a module
+    (`from package.modeling import sample`)."""
     found = []
     for node in tree.body:
         if isinstance(node, ast.ImportFrom) and node.level == 0 and (node.module or "").split(".")[0] == PACKAGE:
             inner = node.module[len(PACKAGE) + 1 :]
             for alias in node.names:
-                # `from package import core` binds a module; `from package.core import x` a name of that module
-                module = alias.name if not inner else inner
-                found.append((node.lineno, alias.asname or alias.name, module))
+                path = f"{inner}.{alias.name}" if inner else alias.name
+                binds_module = path in modules
+                found.append(
+                    PackageImport(
+                        node.lineno, alias.asname or alias.name, path if binds_module else inner, binds_module
+                    )
+                )
         elif isinstance(node, ast.Import):
             for alias in node.names:
                 if alias.name.split(".")[0] == PACKAGE and alias.name != PACKAGE:
-                    found.append((node.lineno, alias.asname or alias.name, alias.name[len(PACKAGE) + 1 :]))
+                    found.append(
+                        PackageImport(node.lineno, alias.asname or alias.name, alias.name[len(PACKAGE) + 1 :], True)
+                    )
     return found
 
 
@@ -135,6 +202,39 @@ def config_classes(tree: ast.Module) -> list[ast.ClassDef]:
             if isinstance(field, ast.AnnAssign):
                 todo += [n.id for n in ast.walk(field.annotation) if isinstance(n, ast.Name)]
     return found
+
+
+def returns_args(function: ast.FunctionDef) -> bool:
+    """Whether a function returns `Args`: its return annotation names it (`Args`, `dict[str, Args]`, "Args"), or it
+    returns `Args(...)`."""
+    annotation = [] if function.returns is None else list(ast.walk(function.returns))
+    annotated = any(
+        (isinstance(n, ast.Name) and n.id == "Args")
+        or (isinstance(n, ast.Constant) and isinstance(n.value, str) and re.search(r"\bArgs\b", n.value))
+        for n in annotation
+    )
+    built = any(
+        isinstance(n, ast.Return)
+        and isinstance(n.value, ast.Call)
+        and isinstance(n.value.func, ast.Name)
+        and n.value.func.id == "Args"
+        for n in ast.walk(function)
+    )
+    return annotated or built
+
+
+def preset_functions(tree: ast.Module) -> list[ast.FunctionDef]:
+    """The script's module-level preset functions: named `...presets` or `...preset`, or returning `Args`."""
+    return [
+        node
+        for node in tree.body
+        if isinstance(node, ast.FunctionDef) and (node.name.endswith(("presets", "preset")) or returns_args(node))
+    ]
+
+
+def first_line(node: ast.ClassDef | ast.FunctionDef) -> int:
+    """A class's or function's first line: its first decorator's, else its `class`/`def` line."""
+    return min([node.lineno] + [decorator.lineno for decorator in node.decorator_list])
 
 
 def root_name(node: ast.expr) -> str | None:
@@ -266,15 +366,20 @@ def line_owners(main: ast.FunctionDef) -> dict[int, ast.stmt]:
     return owners
 
 
-def count(source: str, script: str, anchor: str | None = None) -> PathCount:
-    """The reading-path row of one script's source."""
+def count(
+    source: str, script: str, anchor: str | None = None, modules: frozenset[str] | set[str] | None = None
+) -> PathCount:
+    """The reading-path row of one script's source; `modules`: the package's layout (default: the working tree's)."""
     tree = ast.parse(source)
     lines = source.splitlines()
     pattern = re.compile(anchor or ANCHORS.get(Path(script).name, DEFAULT_ANCHOR))
-    anchor_line = next((i for i, line in enumerate(lines, start=1) if pattern.search(line)), None)
+    strings = {
+        line for node in ast.walk(tree) if is_docstring(node) for line in range(node.lineno, node.end_lineno + 1)
+    }
+    anchor_line = next((i for i, line in enumerate(lines, start=1) if i not in strings and pattern.search(line)), None)
     before = anchor_line if anchor_line is not None else len(lines) + 1
-    imports = package_imports(tree)
-    concepts = [name for line, name, _ in imports if line < before]
+    imports = package_imports(tree, package_modules() if modules is None else modules)
+    concepts = [imported.name for imported in imports if imported.line < before]
     for node in tree.body:
         if node.lineno < before and not isinstance(node, (ast.Import, ast.ImportFrom)):
             concepts += [name for name in defined_names(node) if name not in concepts]
@@ -285,10 +390,17 @@ def count(source: str, script: str, anchor: str | None = None) -> PathCount:
         for node in cls.body
         if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)
     ]
+    configuration = [
+        (node.name, first_line(node), node.end_lineno)
+        for node in sorted(config_classes(tree) + preset_functions(tree), key=first_line)
+        if node.lineno < before
+    ]
+    config_lines = sum(last - first + 1 for _, first, last in configuration)
+    head = (script, len(lines), anchor_line, concepts, fields, configuration, config_lines)
     main = next((n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "main"), None)
     if main is None:
-        return PathCount(script, len(lines), anchor_line, concepts, fields, 0, [], 0)
-    plumbing = {name for _, name, module in imports if is_plumbing_module(module)} | BOOKKEEPING_NAMES
+        return PathCount(*head, 0, [], 0)
+    plumbing = {imported.name for imported in imports if is_plumbing_module(imported.module)} | BOOKKEEPING_NAMES
     counter = MainCounter(plumbing, {arg.arg for arg in main.args.args})
     counter.run(main)
     owners = line_owners(main)
@@ -299,7 +411,7 @@ def count(source: str, script: str, anchor: str | None = None) -> PathCount:
     ]
     statements = len({id(owners[line]) for line in algorithm})
     main_lines = main.end_lineno - main.lineno + 1
-    return PathCount(script, len(lines), anchor_line, concepts, fields, main_lines, algorithm, statements)
+    return PathCount(*head, main_lines, algorithm, statements)
 
 
 def read_source(script: str, rev: str | None) -> str:
@@ -312,24 +424,36 @@ def read_source(script: str, rev: str | None) -> str:
     return shown.stdout
 
 
+def exists_at(script: str, rev: str) -> bool:
+    """Whether commit `rev` has the file `script` (train_sft.py is younger than the other scripts)."""
+    return subprocess.run(["git", "cat-file", "-e", f"{rev}:{script}"], cwd=REPO, capture_output=True).returncode == 0
+
+
 def main(argv: list[str] | None = None) -> list[PathCount]:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("scripts", nargs="*", default=list(SCRIPTS), help="scripts, relative to the repository root")
+    parser.add_argument(
+        "scripts", nargs="*", help="scripts, relative to the repository root (default: SCRIPTS, those the commit has)"
+    )
     parser.add_argument("--rev", help="read the scripts at this git commit instead of the working tree")
     parser.add_argument("--anchor", help="regex of the first math line (default: per script, see above)")
-    parser.add_argument("-v", "--verbose", action="store_true", help="list the concepts and the algorithm lines")
+    parser.add_argument(
+        "-v", "--verbose", action="store_true", help="list the concepts, the configuration and the algorithm lines"
+    )
     options = parser.parse_args(argv)
+    scripts = options.scripts or [script for script in SCRIPTS if options.rev is None or exists_at(script, options.rev)]
     print(HEADER)
     counts = []
-    for script in options.scripts:
+    for script in scripts:
         source = read_source(script, options.rev)
-        counts.append(count(source, script, options.anchor))
+        counts.append(count(source, script, options.anchor, package_modules(options.rev)))
         print(counts[-1].row())
     if options.verbose:
         for result in counts:
             lines = read_source(result.script, options.rev).splitlines()
             print(f"\n{result.script}: concepts {', '.join(result.concepts)}")
             print(f"{result.script}: fields {', '.join(result.fields)}")
+            blocks = ", ".join(f"{name} {first}-{last}" for name, first, last in result.configuration)
+            print(f"{result.script}: configuration {blocks}")
             print(f"{result.script}: algorithm lines of main")
             for line in result.algorithm_lines:
                 print(f"{line:5d} {lines[line - 1]}")

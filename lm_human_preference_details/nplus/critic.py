@@ -13,8 +13,11 @@ import torch.nn as nn
 from safetensors.torch import load_file, save_file
 from transformers import AutoModel, PreTrainedModel, PreTrainedTokenizerBase
 
-from lm_human_preference_details.checkpoint import check_complete_save
+from lm_human_preference_details.files import check_complete_save
 from lm_human_preference_details.modeling import (
+    CRITIC_CONFIG_FILE,
+    CRITIC_DIR,
+    CRITIC_TRUNK_DIR,
     PolicyWithValueHead,
     RewardModel,
     _load_pretrained,
@@ -26,14 +29,11 @@ from lm_human_preference_details.modeling import (
     saved_kind,
     with_bos,
 )
-from lm_human_preference_details.ppo_plumbing import CRITIC_DIR
 from lm_human_preference_details.rewards import reward_model_dir
 from lm_human_preference_details.tokenizer import check_same_tokenizer, tokenizer_fingerprint
 
 FLAG = "--ppo.value_model"
-CRITIC_CONFIG_FILE = "critic.json"
 CRITIC_HEAD_FILE = "critic_head.safetensors"
-CRITIC_TRUNK_DIR = "trunk"
 SOURCES = ("reward", "policy")
 """--ppo.value_model's named sources; anything else is a directory"""
 
