@@ -5,7 +5,9 @@ import ctypes
 import importlib.util
 import logging
 import os
+import shutil
 import sys
+import tempfile
 import warnings
 
 import pytest
@@ -57,6 +59,33 @@ SLOWEST_FILES = (
 """the test files that take longest (`--durations`), longest first. With `--dist loadfile` a file runs on one worker:
 the workers start on these, so that no long file is left for the end while the other worker has nothing to do. A
 stale order costs only wall time."""
+
+
+@contextlib.contextmanager
+def started_processes_temp_dir():
+    """TMPDIR of the processes the tests start, a fresh directory removed at the end: torchrun leaves a torchelastic_*
+    directory in the temporary directory at every launch, and nothing else removes those. The directory is one level
+    below the temporary directory, so a socket a started process makes there (wandb's) stays far below the 107-byte
+    limit of its path. This process's own temporary files stay where they were (tempfile's choice is made once)."""
+    tempfile.gettempdir()
+    path = tempfile.mkdtemp(prefix="pytest-started-")
+    previous = os.environ.get("TMPDIR")
+    os.environ["TMPDIR"] = path
+    try:
+        yield path
+    finally:
+        if previous is None:
+            os.environ.pop("TMPDIR", None)
+        else:
+            os.environ["TMPDIR"] = previous
+        shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def started_processes_write_their_temporary_files_to_a_removed_directory():
+    """Every test session's started processes (scripts, torchrun and its workers) get started_processes_temp_dir."""
+    with started_processes_temp_dir():
+        yield
 
 
 @pytest.hookimpl(optionalhook=True)

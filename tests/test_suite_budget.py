@@ -1,11 +1,12 @@
 """The suite's time and disk budget (tests/conftest.py, pyproject.toml): `--dist loadfile` hands out the longest test
 files first, the processes of the tests keep large freed blocks in the heap instead of page-faulting them in again, and
-a passing test's temporary directory is removed when it ends."""
+a passing test's temporary directory is removed when it ends, and so is the one of the processes they start."""
 
 import ctypes
 import os
 import subprocess
 import sys
+import tempfile
 import textwrap
 from pathlib import Path
 from types import SimpleNamespace
@@ -116,3 +117,14 @@ def test_ci_lists_the_slowest_tests_of_make_test_only():
     at = lines.index("make test")  # README.md's command, as it gives it
     assert lines[at - 1].startswith("export PYTEST_ADDOPTS=") and "--durations=30" in lines[at - 1]
     assert lines[at + 1] == "unset PYTEST_ADDOPTS"  # not the floor tests' run nor the mutation check's
+
+
+def test_the_processes_tests_start_write_temporary_files_to_a_directory_removed_at_the_end():
+    session = Path(os.environ["TMPDIR"])  # this session's (the autouse fixture's)
+    assert session.parent == Path(tempfile.gettempdir()) and session.name.startswith("pytest-started-")
+    probe = [sys.executable, "-c", "import tempfile; print(tempfile.mkdtemp(prefix='torchelastic_'))"]
+    with conftest.started_processes_temp_dir() as inner:
+        made = Path(subprocess.run(probe, capture_output=True, text=True, check=True).stdout.strip())
+        assert made.parent == Path(inner) and made.is_dir()
+        assert Path(tempfile.gettempdir()) != Path(inner)  # this process's own temporary files stay where they were
+    assert not Path(inner).exists() and os.environ["TMPDIR"] == str(session)
