@@ -1,9 +1,12 @@
-"""The suite's time and disk budget (tests/conftest.py, pyproject.toml): `--dist loadfile` hands out the longest test
+"""The suite's time and disk budget (tests/conftest.py, pyproject.toml, Makefile, .ci/run): `make test` leaves the
+tests marked e2e_slow to `make test-e2e-slow`, which CI runs after it; `--dist loadfile` hands out the longest test
 files first, the processes of the tests keep large freed blocks in the heap instead of page-faulting them in again, and
 a passing test's temporary directory is removed when it ends, and so is the one of the processes they start."""
 
 import ctypes
 import os
+import re
+import shlex
 import subprocess
 import sys
 import tempfile
@@ -13,7 +16,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from tests import conftest
+from tests import conftest, test_demo
 from tests.planted import REPO
 
 PROBE = """
@@ -112,11 +115,49 @@ def test_a_passing_tests_temporary_directory_is_removed_and_a_failing_ones_kept(
     assert left == ["test_fails0"], left
 
 
-def test_ci_lists_the_slowest_tests_of_make_test_only():
+def test_ci_runs_make_test_then_the_slow_tier_and_lists_the_slowest_tests_of_both_only():
     lines = [line for line in (REPO / ".ci" / "run").read_text().splitlines() if line and not line.startswith("#")]
     at = lines.index("make test")  # README.md's command, as it gives it
     assert lines[at - 1].startswith("export PYTEST_ADDOPTS=") and "--durations=30" in lines[at - 1]
-    assert lines[at + 1] == "unset PYTEST_ADDOPTS"  # not the floor tests' run nor the mutation check's
+    assert lines[at + 1] == "make test-e2e-slow"
+    assert lines[at + 2] == "unset PYTEST_ADDOPTS"  # not the floor tests' run nor the mutation check's
+
+
+def make_pytest(target: str) -> list[str]:
+    """The pytest command line of a Makefile target's recipe, as words."""
+    lines = (REPO / "Makefile").read_text().splitlines()
+    at = next(i for i, line in enumerate(lines) if line.startswith(f"{target}:"))
+    words = shlex.split(lines[at + 1])
+    assert words[:3] == ["$(PYTHON)", "-m", "pytest"], words
+    return words[3:]
+
+
+def test_make_test_leaves_out_the_slow_tier_only_and_the_tier_runs_one_test_per_worker(tmp_path, request):
+    # a test per marker registered without arguments (pyproject.toml's and a few of pytest's), and one without any
+    markers = [match[1] for line in request.config.getini("markers") if (match := re.match(r"(\w+):", line))]
+    assert {"slow", "e2e_slow", "floor"} <= set(markers), markers
+    inner = ["import pytest"] + [f"@pytest.mark.{name}\ndef test_{name}(): pass" for name in markers]
+    (tmp_path / "test_inner.py").write_text("\n\n".join([*inner, "def test_unmarked(): pass\n"]))
+
+    def collected(words: list[str]) -> set[str]:
+        expression = words[len(words) - 1 - words[::-1].index("-m") + 1]
+        command = [sys.executable, "-m", "pytest", "-c", str(REPO / "pyproject.toml"), "--rootdir", str(tmp_path)]
+        command += ["-p", "no:xdist", "-p", "no:cacheprovider", "--collect-only", "-q", "-m", expression]
+        run = subprocess.run([*command, "test_inner.py"], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+        assert run.returncode == 0, run.stdout[-2000:]
+        return {line.split("::")[1] for line in run.stdout.splitlines() if line.startswith("test_inner.py::")}
+
+    everything = {f"test_{name}" for name in markers} | {"test_unmarked"}
+    test, tier = make_pytest("test"), make_pytest("test-e2e-slow")
+    assert collected(test) == everything - {"test_e2e_slow"}
+    assert collected(tier) == {"test_e2e_slow"}
+    assert test[:4] == ["-n", "2", "--dist", "loadfile"]  # a file per worker
+    assert tier[:4] == ["-n", "2", "--dist", "load"]  # a test per worker: the quick demos at the same time
+    for demo in (
+        test_demo.test_run_demo_quick_raises_gold_score,
+        test_demo.test_run_demo_nplus_quick_raises_gold_score,
+    ):
+        assert "e2e_slow" in {mark.name for mark in demo.pytestmark}, demo.__name__
 
 
 def test_the_processes_tests_start_write_temporary_files_to_a_directory_removed_at_the_end():
