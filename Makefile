@@ -1,6 +1,6 @@
 PYTHON ?= python3
 
-.PHONY: install lint test mutation demo demo-offline
+.PHONY: install lint test test-e2e-slow mutation demo demo-offline
 
 install:
 	$(PYTHON) -m pip install -e ".[test]"
@@ -9,9 +9,14 @@ lint: install
 	$(PYTHON) -m ruff check .
 	$(PYTHON) -m ruff format --check .
 
-# two worker processes, one per core, each test file on one worker (pytest-xdist)
+# two worker processes, one per core, each test file on one worker (pytest-xdist); the tests marked e2e_slow (the quick
+# demos, minutes each) are left to test-e2e-slow
 test: install
-	$(PYTHON) -m pytest -n 2 --dist loadfile
+	$(PYTHON) -m pytest -n 2 --dist loadfile -m "not e2e_slow"
+
+# the tests marked e2e_slow, one per worker at the same time (CI runs this after test)
+test-e2e-slow: install
+	$(PYTHON) -m pytest -n 2 --dist load -m e2e_slow
 
 # every OAI detail broken on purpose, one at a time, in a copy of the project: its tests must fail (tools/mutation_check.py)
 mutation: install

@@ -1,7 +1,12 @@
 """demo/run_demo.py: the quick pipeline end to end (world, pretraining, labels, reward model, PPO, evaluation), and
 the successor recipe's (--recipe nplus: SFT, best-of-2 labels, reward model, PPO with EOS and a critic, evaluation) on
-the same world and base model; the stages of --reward SPEC and of --recipe nplus."""
+the same world and base model; the stages of --reward SPEC and of --recipe nplus.
 
+The two quick runs are the suite's slowest tests (about 4 minutes each beside other tests on 2 cores), marked
+`e2e_slow`: `make test` skips them and `make test-e2e-slow` (which CI runs after `make test`) runs them at the same
+time, one per pytest-xdist worker, on a world and a pretrained model built once for both."""
+
+import fcntl
 import importlib.util
 import json
 import os
@@ -14,11 +19,24 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def demo_root(tmp_path_factory) -> Path:
-    """One --output_dir for the quick runs of both recipes: the second finds the world and the pretrained model there
-    and skips them, as a user's second run does."""
-    return tmp_path_factory.mktemp("demo")
+    """One --output_dir for the quick runs of both recipes, holding the world and the pretrained model that run_demo.py
+    builds (its own stages, its settings): both runs find them and skip those stages, as a user's second run does. The
+    pytest-xdist workers of one session share it (their base directories have this session's as parent): the first to
+    get here builds it while the other waits, then each runs its recipe."""
+    shared = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        shared = shared.parent
+    root = (shared / "demo").resolve()
+    with open(shared / "demo.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        with pytest.MonkeyPatch.context() as monkeypatch:
+            monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)  # run_demo.py sets it for its stages
+            run_demo = load_run_demo(monkeypatch)
+            assert run_demo.NPLUS_QUICK.pretrain == run_demo.QUICK.pretrain  # one base model for both
+            run_demo.prepare_base(root, run_demo.QUICK.pretrain, root / "logs", {})
+    return root
 
 
 def run_demo_quick(root: Path, *flags: str) -> subprocess.CompletedProcess:
@@ -31,6 +49,7 @@ def run_demo_quick(root: Path, *flags: str) -> subprocess.CompletedProcess:
 
 
 @pytest.mark.slow
+@pytest.mark.e2e_slow
 def test_run_demo_quick_raises_gold_score(demo_root):
     run = run_demo_quick(demo_root)
     seed_dir = demo_root / "quick-seed1"
@@ -145,6 +164,7 @@ def test_run_demo_reward_flag_trains_straight_against_that_reward(tmp_path, monk
 
 
 @pytest.mark.slow
+@pytest.mark.e2e_slow
 def test_run_demo_nplus_quick_raises_gold_score(demo_root):
     run = run_demo_quick(demo_root, "--recipe", "nplus")
     seed_dir = demo_root / "nplus-quick-seed1"

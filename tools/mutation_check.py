@@ -6,16 +6,21 @@ the project, and runs only the tests that guard that detail. The check passes wh
 ("caught"); a breakage whose tests still pass ("SURVIVED"), a snippet that no longer occurs ("stale": update the
 breakage to the current code) or a test that does not exist fails it. `make mutation` runs it; CI runs that.
 
-    python3 tools/mutation_check.py                      # every breakage, 2 at a time
+    python3 tools/mutation_check.py                      # every breakage, one at a time per CPU core
     python3 tools/mutation_check.py --only P15-floor-nupdates G4-reward-sees-context --jobs 1
     python3 tools/mutation_check.py --list               # the breakages, without running them
 
 Each run imports torch and transformers once, then forks one child per breakage (POSIX), so a breakage costs only its
-tests; `--subprocess` starts a fresh `python -m pytest` per breakage instead.
+tests; `--subprocess` starts a fresh `python -m pytest` per breakage instead. Each child makes its own copy of the
+project, runs pytest there on one intra-op thread per core it has (--jobs children share the cores) with its
+temporary directories inside that copy, and the copy is removed when the breakage's tests end; the breakages whose
+tests start processes (marked `slow`) run first, so the last ones to finish are short. Ctrl-C or SIGTERM stops the
+children and removes every copy.
 """
 
 import argparse
 import ast
+import functools
 import json
 import os
 import shutil
@@ -39,6 +44,8 @@ PYTEST_FLAGS = [
     "ignore::pytest.PytestAssertRewriteWarning",
 ]
 """stop at the first failure; skip pytest's end-of-session garbage collection (seconds per run with torch loaded)"""
+BASETEMP = ".pytest-tmp"
+"""pytest's --basetemp inside a breakage's copy, removed with it"""
 PRELOAD = (
     "numpy",
     "torch",
@@ -2635,10 +2642,36 @@ BREAKAGES = [
 # ---------------------------------------------------------------- checking the list against the code
 
 
+@functools.cache
+def test_functions(path: Path) -> dict[str, ast.FunctionDef]:
+    """The test functions defined at the top level of a test file, by name (each file parsed once)."""
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    return {
+        node.name: node for node in tree.body if isinstance(node, ast.FunctionDef) and node.name.startswith("test_")
+    }
+
+
 def defined_tests(path: Path) -> set[str]:
     """Names of the test functions defined at the top level of a test file."""
-    tree = ast.parse(path.read_text(encoding="utf-8"))
-    return {node.name for node in tree.body if isinstance(node, ast.FunctionDef) and node.name.startswith("test_")}
+    return set(test_functions(path))
+
+
+@functools.cache
+def module_marks(path: Path) -> str:
+    """The source of a test file's `pytestmark`, "" without one."""
+    for statement in ast.parse(path.read_text(encoding="utf-8")).body:
+        if isinstance(statement, ast.Assign) and any(getattr(t, "id", "") == "pytestmark" for t in statement.targets):
+            return ast.unparse(statement.value)
+    return ""
+
+
+def starts_processes(root: Path, node: str) -> bool:
+    """Whether the test `node` is marked `slow` (it runs the scripts in processes of their own, the longest tests), by
+    a decorator or its module's `pytestmark`."""
+    file, _, name = node.partition("::")
+    function = test_functions(root / file).get(name.split("[")[0])
+    marks = [ast.unparse(d) for d in function.decorator_list] if function is not None else []
+    return any("mark.slow" in mark for mark in [*marks, module_marks(root / file)])
 
 
 def list_problems(breakages: list[Breakage], root: Path) -> list[str]:
@@ -2677,6 +2710,12 @@ def list_problems(breakages: list[Breakage], root: Path) -> list[str]:
 # ---------------------------------------------------------------- running
 
 
+def run_order(breakages: list[Breakage], root: Path) -> list[Breakage]:
+    """The breakages whose tests start processes (the longest) first, the others after them, each group in the list's
+    order: the cores are not left waiting on one long breakage at the end."""
+    return sorted(breakages, key=lambda b: not any(starts_processes(root, t) for t in b.tests))
+
+
 def project_files(root: Path) -> list[str]:
     """Files of the project: tracked and untracked-but-not-ignored (git), else everything outside generated dirs."""
     try:
@@ -2707,6 +2746,31 @@ def make_copy(files: list[str], root: Path, dest: Path, breakage: Breakage | Non
         path.write_text(path.read_text(encoding="utf-8").replace(breakage.original, breakage.replacement))
 
 
+def cores() -> int:
+    """CPU cores this process may run on."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+class IntraOpThreads:
+    """A pytest plugin that sets torch's intra-op threads once the tests' conftest.py has set its own count."""
+
+    def __init__(self, threads: int) -> None:
+        self.threads = threads
+
+    def pytest_sessionstart(self, session) -> None:
+        import torch
+
+        torch.set_num_threads(self.threads)
+
+
+def run_pytest(tests: list[str], threads: int) -> int:
+    """pytest on `tests` in the current directory, temporary directories under BASETEMP, `threads` intra-op threads;
+    -> its exit code."""
+    import pytest
+
+    return int(pytest.main([*PYTEST_FLAGS, "--basetemp", BASETEMP, *tests], plugins=[IntraOpThreads(threads)]))
+
+
 def preload() -> None:
     """Import the heavy third-party modules once, before forking."""
     import importlib
@@ -2718,8 +2782,21 @@ def preload() -> None:
             pass
 
 
-def start_fork(workdir: Path, tests: list[str], log: Path) -> int:
-    """Fork a child that runs pytest on `tests` inside `workdir`, output to `log`; -> its pid (= process group)."""
+@dataclass
+class Job:
+    name: str
+    """a breakage's id, or baseline (the unbroken copy)"""
+    breakage: Breakage | None
+    """what the copy breaks (None: the unbroken copy)"""
+    tests: list[str]
+    """pytest node ids"""
+    limit: float
+    """seconds before the job is killed"""
+
+
+def start_fork(job: Job, files: list[str], workdir: Path, threads: int, log: Path) -> int:
+    """Fork a child that copies the project to `workdir` with the job's breakage and runs pytest on its tests there,
+    output to `log`; -> its pid (= process group)."""
     sys.stdout.flush()
     sys.stderr.flush()
     pid = os.fork()
@@ -2727,18 +2804,18 @@ def start_fork(workdir: Path, tests: list[str], log: Path) -> int:
         return pid
     try:
         os.setpgid(0, 0)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
         fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         os.dup2(fd, 1)
         os.dup2(fd, 2)
+        make_copy(files, REPO, workdir, job.breakage)
         os.chdir(workdir)
         drop = {str(REPO), str(REPO / "tools"), "", "."}
         sys.path[:] = [str(workdir)] + [p for p in sys.path if p not in drop and Path(p or ".").resolve() != REPO]
-        import pytest
-
-        code = pytest.main([*PYTEST_FLAGS, *tests])
+        code = run_pytest(job.tests, threads)
         sys.stdout.flush()
         sys.stderr.flush()
-        os._exit(int(code))
+        os._exit(code)
     except BaseException:  # noqa: BLE001 - the child must never return into the parent's loop
         import traceback
 
@@ -2746,11 +2823,16 @@ def start_fork(workdir: Path, tests: list[str], log: Path) -> int:
         os._exit(3)
 
 
-def start_subprocess(workdir: Path, tests: list[str], log: Path) -> subprocess.Popen:
-    """`python -m pytest tests` inside `workdir`, output to `log`, in its own process group."""
+def start_subprocess(job: Job, files: list[str], workdir: Path, threads: int, log: Path) -> subprocess.Popen:
+    """Copy the project to `workdir` with the job's breakage, then a fresh python runs pytest on its tests there,
+    output to `log`, in its own process group."""
+    make_copy(files, REPO, workdir, job.breakage)
+    tools = str(Path(__file__).resolve().parent)
+    code = f"import sys; sys.path.insert(0, {tools!r}); import mutation_check as m; sys.path.pop(0); "
+    code += f"sys.exit(m.run_pytest(sys.argv[1:], {threads}))"
     with open(log, "w") as out:
         return subprocess.Popen(
-            [sys.executable, "-m", "pytest", *PYTEST_FLAGS, *tests],
+            [sys.executable, "-c", code, *job.tests],
             cwd=workdir,
             stdout=out,
             stderr=subprocess.STDOUT,
@@ -2771,32 +2853,50 @@ def verdict(code: int | None) -> str:
     return f"error (pytest exit {code})"
 
 
-def run_jobs(jobs: list[tuple[str, Path, list[str], float]], workers: int, use_fork: bool, logs: Path):
-    """Run (name, workdir, tests, time limit) jobs, `workers` at a time; -> {name: (exit code or None, seconds)}."""
+def stop(handle: int | subprocess.Popen, use_fork: bool) -> None:
+    """Kill a job's whole process group and reap the child."""
+    pgid = handle if use_fork else handle.pid
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    os.waitpid(pgid, 0) if use_fork else handle.wait()
+
+
+def run_jobs(jobs: list[Job], files: list[str], workers: int, use_fork: bool, scratch: Path, keep: bool):
+    """Run the jobs, `workers` at a time, each in a copy scratch/NAME (removed when it ends, unless `keep`) with
+    cores // workers intra-op threads; -> {name: (exit code or None, seconds)}. The running children are killed when
+    this returns early (Ctrl-C, SIGTERM)."""
+    threads = max(1, cores() // workers)
     pending, running, results = list(jobs), {}, {}
-    while pending or running:
-        while pending and len(running) < workers:
-            name, workdir, tests, limit = pending.pop(0)
-            log = logs / f"{name}.log"
-            handle = start_fork(workdir, tests, log) if use_fork else start_subprocess(workdir, tests, log)
-            running[name] = (handle, time.monotonic(), limit)
-        time.sleep(0.2)
-        for name, (handle, started, limit) in list(running.items()):
-            elapsed = time.monotonic() - started
-            if use_fork:
-                pid, status = os.waitpid(handle, os.WNOHANG)
-                code = os.waitstatus_to_exitcode(status) if pid else None
-            else:
-                code = handle.poll()
-            if code is None and elapsed > limit:
-                pgid = handle if use_fork else handle.pid
-                os.killpg(pgid, signal.SIGKILL)
-                os.waitpid(pgid, 0) if use_fork else handle.wait()
-                results[name] = (None, elapsed)
+    try:
+        while pending or running:
+            while pending and len(running) < workers:
+                job = pending.pop(0)
+                args = (job, files, scratch / job.name, threads, scratch / f"{job.name}.log")
+                handle = start_fork(*args) if use_fork else start_subprocess(*args)
+                running[job.name] = (handle, time.monotonic(), job.limit)
+            time.sleep(0.2)
+            for name, (handle, started, limit) in list(running.items()):
+                elapsed = time.monotonic() - started
+                if use_fork:
+                    pid, status = os.waitpid(handle, os.WNOHANG)
+                    code = os.waitstatus_to_exitcode(status) if pid else None
+                else:
+                    code = handle.poll()
+                if code is None and elapsed > limit:
+                    stop(handle, use_fork)
+                    results[name] = (None, elapsed)
+                elif code is not None:
+                    results[name] = (code, elapsed)
+                else:
+                    continue
                 del running[name]
-            elif code is not None:
-                results[name] = (code, elapsed)
-                del running[name]
+                if not keep:
+                    shutil.rmtree(scratch / name, ignore_errors=True)
+    finally:
+        for handle, _, _ in running.values():
+            stop(handle, use_fork)
     return results
 
 
@@ -2824,7 +2924,9 @@ def print_report(breakages: list[Breakage], results: dict, seconds: float) -> tu
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--jobs", type=int, default=2, help="breakages run at the same time (default 2)")
+    parser.add_argument(
+        "--jobs", type=int, default=cores(), help=f"breakages run at the same time (default: the cores, {cores()})"
+    )
     parser.add_argument("--only", nargs="+", metavar="ID", help="run only these breakages")
     parser.add_argument("--timeout", type=float, default=300, help="seconds per breakage before it is killed")
     parser.add_argument("--list", action="store_true", help="print the breakages and exit")
@@ -2856,19 +2958,17 @@ def main(argv: list[str] | None = None) -> int:
         preload()
     started = time.monotonic()
     scratch = Path(tempfile.mkdtemp(prefix="mutation-check-"))
+    # SIGTERM (a CI timeout, `kill`) ends the run like Ctrl-C: the children are stopped and the copies removed
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     try:
         files = project_files(REPO)
         jobs = []
         if not args.no_baseline:
-            make_copy(files, REPO, scratch / "baseline", None)
             baseline_tests = list(dict.fromkeys(t for b in breakages for t in b.tests))
             files_with_tests = len({t.split("::")[0] for t in baseline_tests})
-            jobs.append(("baseline", scratch / "baseline", baseline_tests, args.timeout * files_with_tests))
-        for index, b in enumerate(breakages):
-            workdir = scratch / f"m{index:03d}"
-            make_copy(files, REPO, workdir, b)
-            jobs.append((b.id, workdir, b.tests, args.timeout))
-        results = run_jobs(jobs, args.jobs, use_fork, scratch)
+            jobs.append(Job("baseline", None, baseline_tests, args.timeout * files_with_tests))
+        jobs += [Job(b.id, b, b.tests, args.timeout) for b in run_order(breakages, REPO)]
+        results = run_jobs(jobs, files, args.jobs, use_fork, scratch, args.keep)
         seconds = time.monotonic() - started
         caught, total = print_report(breakages, results, seconds)
         if args.json:
