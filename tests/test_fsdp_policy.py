@@ -158,9 +158,11 @@ def test_fsdp_on_four_processes_equals_unsharded_and_resumes_on_two(world, two_p
     assert "sharded over 4 processes" in output
     stat, weight = assert_same_run(out / "gpt2-fsdp", out / "gpt2")
     print(f"gpt2 --fsdp vs DDP, 4 processes: statistics within {stat:.2g} (relative), weights within {weight:.2g}")
-    # the finished 4-process run resumed on 2 processes: its last checkpoint is loaded and written again, by 2
+    # the 4-process run, killed after its last checkpoint (before its summary.json), resumed on 2 processes: its last
+    # checkpoint is loaded and written again, by 2
     resumed = tmp_path / "resumed"
     shutil.copytree(out / "gpt2-fsdp", resumed)
+    (resumed / "summary.json").unlink()
     four = dcp_state(resumed / checkpoint.STATE_DIR / f"step{UPDATES}", tmp_path / "four.pt")
     flags = [*run_flags(world, "gpt2", ["--fsdp"]), "--output_dir", str(resumed), "--resume", "auto"]
     command = torchrun(2, str(REPO / "train_policy.py"), *flags)

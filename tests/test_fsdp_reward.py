@@ -308,5 +308,9 @@ def test_checkpoint_of_fsdp_run_resumes_only_with_fsdp(tmp_path, world):
     train_reward.main(train_reward.parse(flags))  # one process: the checkpoint holds DCP shards all the same
     assert os.path.isdir(os.path.join(checkpoint.step_dir(str(output_dir), 4), "sharded"))
     plain = [f for f in flags if f != "--fsdp"]
+    # a run cut before its end (a finished run refuses any other setting first)
+    shutil.rmtree(checkpoint.step_dir(str(output_dir), 4))
+    (output_dir / resumable.SUMMARY_FILE).unlink()
+    assert checkpoint.latest_checkpoint(str(output_dir)) is not None
     with pytest.raises(ValueError, match=r"written with --fsdp: resume it with --fsdp"):
         train_reward.main(train_reward.parse([*plain, "--resume", "auto", "--allow_resume_changes"]))
