@@ -9,14 +9,14 @@ lint: install
 	$(PYTHON) -m ruff check .
 	$(PYTHON) -m ruff format --check .
 
-# two worker processes, one per core, each test file on one worker (pytest-xdist); the tests marked e2e_slow (the quick
-# demos, minutes each) are left to test-e2e-slow
+# two worker processes, one per core, each test file on one worker (pytest-xdist); the end-to-end runs of the scripts
+# in processes of their own (marked slow, the quick demos e2e_slow) are left to test-e2e-slow
 test: install
-	$(PYTHON) -m pytest -n 2 --dist loadfile -m "not e2e_slow"
+	$(PYTHON) -m pytest -n 2 --dist loadfile -m "not slow and not e2e_slow"
 
-# the tests marked e2e_slow, one per worker at the same time (CI runs this after test)
+# the tests marked slow or e2e_slow, each file on one worker, the two quick demos' files first (CI runs this after test)
 test-e2e-slow: install
-	$(PYTHON) -m pytest -n 2 --dist load -m e2e_slow
+	$(PYTHON) -m pytest -n 2 --dist loadfile -m "slow or e2e_slow"
 
 # every OAI detail broken on purpose, one at a time, in a copy of the project: its tests must fail (tools/mutation_check.py)
 mutation: install

@@ -35,7 +35,10 @@ if "MALLOC_MMAP_THRESHOLD_" not in os.environ and "MALLOC_TRIM_THRESHOLD_" not i
         libc.mallopt(-3, KEPT_BLOCKS)  # M_MMAP_THRESHOLD
 
 SLOWEST_FILES = (
+    "test_demo.py",
+    "test_demo_nplus.py",
     "test_nplus_end_to_end.py",
+    "test_features_together.py",
     "test_fsdp_policy.py",
     "test_multiprocess.py",
     "test_train_reward.py",

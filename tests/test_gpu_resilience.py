@@ -2,7 +2,6 @@
 from stops them all; --tf32 and --deterministic in every script that trains or samples. checkpoint.py's own part (each
 process's GPU RNG state, process 0's resume decision, the saves in the background) is in tests/test_checkpoint.py."""
 
-import dataclasses
 import os
 import re
 import time
@@ -14,7 +13,7 @@ import evaluate
 import label_generation
 import train_policy
 import train_reward
-from lm_human_preference_details import devices
+from lm_human_preference_details import devices, settings
 from tests.planted import REPO, fake_checkpoint, free_port, write_query_file
 from tests.test_multiprocess import run_all, torchrun
 
@@ -169,4 +168,4 @@ def test_deterministic_turns_on_torchs_deterministic_algorithms_and_shows_it(
     finally:
         torch.use_deterministic_algorithms(False)
     assert re.search(r"deterministic\s+│ on \(deterministic GPU kernels", capsys.readouterr().out)
-    assert dataclasses.asdict(args)["deterministic"] is True  # in args.json and the training checkpoints' settings
+    assert settings.recorded(args)["deterministic"] is True  # in args.json and the training checkpoints' settings

@@ -5,12 +5,13 @@ import dataclasses
 import json
 import os
 import re
+import shutil
 import textwrap
 
 import pytest
 import torch
 
-from lm_human_preference_details import checkpoint
+from lm_human_preference_details import checkpoint, resumable
 from lm_human_preference_details.rewards import (
     PythonReward,
     RewardModelReward,
@@ -239,7 +240,9 @@ def test_normalization_gain_and_bias_are_saved_and_restored_on_resume(tmp_path, 
     meta = json.loads(open(meta_path).read())
     assert meta["reward_normalization"] == saved and saved["samples"] == 16 and saved["std"] > 0
     # a resumed run applies the checkpoint's gain and bias, not freshly measured ones: with gain 0 and bias 5 every
-    # score of the resumed update is 5
+    # score of the resumed update is 5 (the run as a kill after checkpoint 1 left it)
+    shutil.rmtree(checkpoint.step_dir(str(tmp_path / "policy"), 2))
+    (tmp_path / "policy" / resumable.SUMMARY_FILE).unlink()
     meta["reward_normalization"] = {**saved, "gain": 0.0, "bias": 5.0}
     with open(meta_path, "w") as f:
         json.dump(meta, f)

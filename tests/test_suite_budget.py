@@ -16,7 +16,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from tests import conftest, test_demo
+from tests import conftest, test_demo, test_demo_nplus
 from tests.planted import REPO
 
 PROBE = """
@@ -132,7 +132,7 @@ def make_pytest(target: str) -> list[str]:
     return words[3:]
 
 
-def test_make_test_leaves_out_the_slow_tier_only_and_the_tier_runs_one_test_per_worker(tmp_path, request):
+def test_make_test_leaves_out_the_slow_tier_only_and_the_tier_starts_both_demos_at_once(tmp_path, request):
     # a test per marker registered without arguments (pyproject.toml's and a few of pytest's), and one without any
     markers = [match[1] for line in request.config.getini("markers") if (match := re.match(r"(\w+):", line))]
     assert {"slow", "e2e_slow", "floor"} <= set(markers), markers
@@ -149,14 +149,18 @@ def test_make_test_leaves_out_the_slow_tier_only_and_the_tier_runs_one_test_per_
 
     everything = {f"test_{name}" for name in markers} | {"test_unmarked"}
     test, tier = make_pytest("test"), make_pytest("test-e2e-slow")
-    assert collected(test) == everything - {"test_e2e_slow"}
-    assert collected(tier) == {"test_e2e_slow"}
-    assert test[:4] == ["-n", "2", "--dist", "loadfile"]  # a file per worker
-    assert tier[:4] == ["-n", "2", "--dist", "load"]  # a test per worker: the quick demos at the same time
-    for demo in (
+    assert collected(test) == everything - {"test_slow", "test_e2e_slow"}
+    assert collected(tier) == {"test_slow", "test_e2e_slow"}
+    assert test[:4] == tier[:4] == ["-n", "2", "--dist", "loadfile"]  # a file per worker
+    # the quick demos in two files, handed out first: at the same time, one per worker
+    demos = (
         test_demo.test_run_demo_quick_raises_gold_score,
-        test_demo.test_run_demo_nplus_quick_raises_gold_score,
-    ):
+        test_demo_nplus.test_run_demo_nplus_quick_raises_gold_score,
+    )
+    assert [sys.modules[demo.__module__].__file__.rsplit("/", 1)[1] for demo in demos] == list(
+        conftest.SLOWEST_FILES[:2]
+    )
+    for demo in demos:
         assert "e2e_slow" in {mark.name for mark in demo.pytestmark}, demo.__name__
 
 

@@ -492,8 +492,8 @@ BREAKAGES = [
         "P5",
         "the run whitens with the unbiased variance without --ppo.whiten_variance unbiased",
         TP,
-        'return 1 if ppo.whiten_variance == "unbiased" else 0',
-        "return 1",
+        'correction = int(ppo.whiten_variance == "unbiased")  # 0: OAI\'s population variance',
+        "correction = 1",
         [WHITENING],
     ),
     Breakage(
@@ -2361,8 +2361,8 @@ BREAKAGES = [
         [EOS_TESTS + "test_ppo_update_masks_new_logprobs_values_and_the_loss_means"],
     ),
     Breakage(
-        "N24-loss-means-per-micro-batch-by-default",
-        "N24",
+        "N20-loss-means-per-micro-batch-by-default",
+        "N20",
         "each micro-batch's losses are means over its own tokens without --ppo.loss_means micro_batch",
         TP,
         'loss_means = mb_masks.loss_means(micro, accum, ppo.loss_means == "micro_batch")',
