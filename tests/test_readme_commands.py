@@ -121,10 +121,10 @@ def test_shell_commands_are_read_as_a_user_types_them():
     assert shell_commands(text) == ["make demo", "python x.py --a b c --d e"]
     recipes = makefile_recipes()
     install = 'python3 -m pip install -e ".[test]"'
-    assert recipes["test"] == [install, 'python3 -m pytest -n 2 --dist loadfile -m "not e2e_slow"']
-    assert recipes["test-e2e-slow"] == [install, "python3 -m pytest -n 2 --dist load -m e2e_slow"]
-    assert {"make test", "python3 -m pytest -n 2 --dist loadfile -m not e2e_slow"} <= ci_commands()
-    assert {"make test-e2e-slow", "python3 -m pytest -n 2 --dist load -m e2e_slow"} <= ci_commands()
+    assert recipes["test"] == [install, 'python3 -m pytest -n 2 --dist loadfile -m "not slow and not e2e_slow"']
+    assert recipes["test-e2e-slow"] == [install, 'python3 -m pytest -n 2 --dist loadfile -m "slow or e2e_slow"']
+    assert {"make test", "python3 -m pytest -n 2 --dist loadfile -m not slow and not e2e_slow"} <= ci_commands()
+    assert {"make test-e2e-slow", "python3 -m pytest -n 2 --dist loadfile -m slow or e2e_slow"} <= ci_commands()
 
 
 def test_every_readme_command_is_run_by_a_test_or_by_ci():
