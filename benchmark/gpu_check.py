@@ -49,7 +49,7 @@ import time
 import traceback
 import warnings
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, get_args
 
 import torch
 import tyro
@@ -73,20 +73,7 @@ StepName = Literal[
     "profile",
     "resume",
 ]
-STEPS: tuple[StepName, ...] = (
-    "environment",
-    "decoding",
-    "fp32",
-    "tf32",
-    "tf32_compile",
-    "bf16",
-    "fused",
-    "successor",
-    "sft",
-    "distributed",
-    "profile",
-    "resume",
-)
+STEPS: tuple[StepName, ...] = get_args(StepName)
 
 FLAG_SETS: dict[str, tuple[str, ...]] = {
     "fp32": (),

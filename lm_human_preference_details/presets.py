@@ -53,36 +53,29 @@ POLICY: dict[str, dict[str, Any]] = {
         "use_tensorflow_adam": False,
         "weight_decay": 0.01,
     },
-    # TRL's PPOTrainer (v0.29.1) as its TL;DR example runs it (docs/migrating-from-trl.md#switch): the successor
-    # recipe's run with every setting in which TRL's code differs, so that one update equals TRL's on the same inputs.
-    # A response without EOS loses 1 from its score (missing_eos_penalty 1.0); the critic's head has no bias (TRL's
-    # value model reads `score`, a Linear without one); rewards and advantages whitened with the unbiased variance
-    # (masked_whiten) over each process's batch; each micro-batch's loss a mean over its own tokens, one optimizer
-    # step per epoch over TRL's 4 micro-batches of 16 per process (16 x 4 x 8 processes = 512); AdamW with
-    # transformers' defaults (eps 1e-8, no weight decay) at PPOConfig's lr 3e-6
-    # https://github.com/huggingface/trl/blob/617406a4e69551c115c145114497999618d24f3c/examples/scripts/ppo/ppo_tldr.py#L62-L79
-    # https://github.com/huggingface/trl/blob/617406a4e69551c115c145114497999618d24f3c/trl/experimental/ppo/ppo_trainer.py#L753-L842
-    "trl_tldr": {
-        "task": TRL_TASK,
-        "base_model": "models/sft",
-        "rewards.kl_coef": 0.05,
-        "rewards.adaptive_kl.enabled": False,
-        "rewards.kl_estimator": "k1",
-        "ppo.batch_size": 512,
-        "ppo.lr": 3e-6,
-        "ppo.whiten_rewards": False,
-        "ppo.whiten_variance": "unbiased",
-        "ppo.whiten_group_size": 0,
-        "ppo.gradient_accumulation_steps": 4,
-        "ppo.loss_means": "micro_batch",
-        "ppo.value_model": "reward",
-        "ppo.value_head_bias": False,
-        "use_tensorflow_adam": False,
-        "weight_decay": 0.0,
-        "eps": 1e-8,
-    },
 }
 """train_policy.py's experiments"""
+
+# TRL's PPOTrainer (v0.29.1) as its TL;DR example runs it (docs/migrating-from-trl.md#switch): the successor
+# recipe's run with every setting in which TRL's code differs, so that one update equals TRL's on the same inputs.
+# A response without EOS loses 1 from its score (missing_eos_penalty 1.0); the critic's head has no bias (TRL's
+# value model reads `score`, a Linear without one); rewards and advantages whitened with the unbiased variance
+# (masked_whiten) over each process's batch; each micro-batch's loss a mean over its own tokens, one optimizer
+# step per epoch over TRL's 4 micro-batches of 16 per process (16 x 4 x 8 processes = 512); AdamW with
+# transformers' defaults (eps 1e-8, no weight decay) at PPOConfig's lr 3e-6
+# https://github.com/huggingface/trl/blob/617406a4e69551c115c145114497999618d24f3c/examples/scripts/ppo/ppo_tldr.py#L62-L79
+# https://github.com/huggingface/trl/blob/617406a4e69551c115c145114497999618d24f3c/trl/experimental/ppo/ppo_trainer.py#L753-L842
+POLICY["trl_tldr"] = {
+    **POLICY["nplus_tldr"],
+    "task": TRL_TASK,
+    "ppo.whiten_variance": "unbiased",
+    "ppo.whiten_group_size": 0,
+    "ppo.gradient_accumulation_steps": 4,
+    "ppo.loss_means": "micro_batch",
+    "ppo.value_head_bias": False,
+    "weight_decay": 0.0,
+    "eps": 1e-8,
+}
 
 REWARD: dict[str, dict[str, Any]] = {
     # sentiment / descriptiveness: 5k offline labels of each (launch.py#L49-L80)
